@@ -1,0 +1,1 @@
+"""Plain data for captured runs (numpy only, no torch, no Qt)."""

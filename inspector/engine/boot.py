@@ -1,0 +1,44 @@
+"""Boot and shut down a vLLM engine with the inspector plugin configured."""
+
+from __future__ import annotations
+
+import gc
+
+from .environment import prepare_environment
+
+MODES = ("compiled", "eager")
+
+
+def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]], mode: str = "compiled",
+             dtype: str = "float32", max_num_batched_tokens: int = 512, max_model_len: int = 1024,
+             enable_position_interventions: bool = False, **engine_args):
+    """An ``LLM`` whose worker has the hooks in ``capture_specs`` installed (empty: none).
+
+    Prefix caching is off: it skips prompt rows and would let K/V computed under an intervention
+    leak into later clean runs.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    prepare_environment()
+    import torch
+    from vllm import LLM
+
+    from inspector import plugin
+
+    plugin.register()
+    plugin.configure(capture_specs, max_num_batched_tokens, getattr(torch, dtype),
+                     enable_batching=mode == "eager", enable_position_interventions=enable_position_interventions)
+    try:
+        return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                   max_model_len=max_model_len, enforce_eager=mode == "eager", enable_prefix_caching=False,
+                   worker_extension_cls=plugin.WORKER_EXTENSION, **engine_args)
+    finally:
+        plugin.clear_config()
+
+
+def shutdown_llm(llm) -> None:
+    """Free the engine so another can boot in this process."""
+    from inspector.plugin import vllm_compat
+
+    vllm_compat.shutdown_engine(llm)
+    gc.collect()

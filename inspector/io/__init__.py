@@ -1,0 +1,1 @@
+"""HDF5 capture files (h5py)."""

@@ -1,0 +1,41 @@
+"""vLLM plugin: hooks that capture activations and apply interventions inside vLLM's workers.
+
+The seed API: ``register()`` (vLLM calls it once per process through the ``vllm.general_plugins``
+entry point), ``configure(...)`` before ``LLM(...)`` and ``clear_config()`` after it. Only torch and
+vLLM here: this package runs inside the worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import ENV_VAR, PluginConfig, validate
+
+WORKER_EXTENSION = "inspector.plugin.worker_extension.InspectorWorkerExtension"
+
+
+def register() -> None:
+    """Idempotent: patch ``Worker.load_model``; the patch does nothing while no config is set."""
+    from . import vllm_compat
+    from .worker_extension import install_runtime
+
+    vllm_compat.patch_load_model(install_runtime)
+
+
+def configure(capture_specs: dict[str, tuple[str, int]], max_num_batched_tokens: int, dtype: torch.dtype,
+              enable_batching: bool = False, enable_position_interventions: bool = False) -> None:
+    """Set the hook specs (name → (module dot-path, width)) for the next engine boot in this process
+    and its children. ``enable_batching`` selects the eager flavour (boot with ``enforce_eager=True``)."""
+    dtype_name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
+    config = PluginConfig({name: (str(path), int(width)) for name, (path, width) in capture_specs.items()},
+                          int(max_num_batched_tokens), dtype_name, bool(enable_batching),
+                          bool(enable_position_interventions))
+    validate(config)
+    os.environ[ENV_VAR] = config.to_env()
+
+
+def clear_config() -> None:
+    """Unset the spec channel: a later ``LLM(...)`` in this process boots without hooks."""
+    os.environ.pop(ENV_VAR, None)

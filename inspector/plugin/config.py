@@ -1,0 +1,56 @@
+"""The spec channel from the boot site to vLLM's worker processes.
+
+An environment variable holding JSON: it is inherited by spawned workers (multiprocessing, tensor
+parallel), which a module global would not be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+ENV_VAR = "INSPECTOR_PLUGIN_CONFIG"
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    capture_specs: dict[str, tuple[str, int]]
+    max_num_batched_tokens: int
+    dtype: str
+    enable_batching: bool = False
+    enable_position_interventions: bool = False
+    max_slots: int = 64
+
+    @property
+    def eager(self) -> bool:
+        """``enable_batching`` is the seed's name for the eager flavour (live hooks, Python per step)."""
+        return self.enable_batching
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> "PluginConfig | None":
+        raw = os.environ.get(ENV_VAR)
+        if not raw:
+            return None
+        data = json.loads(raw)
+        data["capture_specs"] = {name: (path, int(width)) for name, (path, width) in data["capture_specs"].items()}
+        return cls(**data)
+
+
+def validate(config: PluginConfig) -> None:
+    """Checks that need no model; the worker checks paths and widths against the real modules."""
+    if config.max_num_batched_tokens <= 0:
+        raise ValueError(f"max_num_batched_tokens must be positive, got {config.max_num_batched_tokens}")
+    if config.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {config.dtype!r}")
+    if not 2 <= config.max_slots <= 4096:
+        raise ValueError(f"max_slots must be between 2 and 4096, got {config.max_slots}")
+    for name, spec in config.capture_specs.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"hook names must be non-empty strings, got {name!r}")
+        if len(spec) != 2 or not isinstance(spec[0], str) or int(spec[1]) <= 0:
+            raise ValueError(f"capture spec for {name!r} must be (module path, positive width), got {spec!r}")

@@ -1,0 +1,225 @@
+"""Per-worker capture and intervention state: hooks, static buffers, slot tables, step records.
+
+Hooks write each forward's rows into static ``[max_tokens, width]`` buffers and apply
+``value * scale[slot] + bias[slot]`` with the slot gathered per row from ``row_slot``. In the compiled
+flavour both are traced into the graph, so the hooks' Python never runs again: everything that
+varies (which request owns which row, which interventions apply) is written into those buffers
+*between* forwards by ``before_forward``, and ``after_forward`` copies the live rows out once per
+hook. Splitting rows per request waits until the driver drains, keeping the per-step work small.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import hookpoints as hp
+from .config import PluginConfig
+from .interventions import Intervention, SlotPlanner, compose, validate
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One real forward: requests in batch order (external ids) and their rows."""
+
+    req_ids: list[str]
+    query_start_loc: np.ndarray  # [num_reqs + 1], row offsets
+    positions: np.ndarray  # [num_tokens]
+    token_ids: np.ndarray  # [num_tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+@dataclass
+class ActiveHook:
+    point: hp.HookPoint
+    buffer: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor
+    handle: torch.utils.hooks.RemovableHandle | None = None
+
+
+class InspectorRuntime:
+    def __init__(self, model: nn.Module, points: list[hp.HookPoint], config: PluginConfig,
+                 device: torch.device, max_tokens: int, max_model_len: int):
+        self.model = model
+        self.config = config
+        self.catalogue = {p.name: p for p in points}
+        self.by_alias = {p.alias: p for p in points}
+        self.device = device
+        self.dtype = getattr(torch, config.dtype)
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.active: dict[str, ActiveHook] = {}
+        self.planner = SlotPlanner(config.max_slots)
+        # The compiled graph must contain the affine, since interventions arrive after tracing.
+        self._affine_in_graph = not config.eager
+        self._has_interventions = False
+        with torch.inference_mode():
+            self.row_slot = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self._row_slot_dirty = False
+        self._pending: list[tuple[StepInfo, dict[str, torch.Tensor]]] = []
+
+    # --- hook set ---
+
+    def resolve(self, name: str, module_path: str, width: int) -> hp.HookPoint:
+        """The catalogue point a spec means: by name or alias, else the point at that module's output."""
+        point = self.catalogue.get(name) or self.by_alias.get(name)
+        if point is None:
+            candidates = [p for p in self.catalogue.values() if p.module_path == module_path]
+            point = next((p for p in candidates if not p.is_pre_hook), candidates[0] if candidates else None)
+        if point is None:
+            modules = dict(self.model.named_modules())
+            if module_path not in modules:
+                raise ValueError(f"hook {name!r}: unknown module path {module_path!r}")
+            raise ValueError(f"hook {name!r}: module {module_path!r} ({type(modules[module_path]).__name__}) "
+                             "is not a hook point; see the catalogue for the points this model offers")
+        if point.module_path != module_path:
+            raise ValueError(f"hook {name!r} is {point.name} at module {point.module_path!r}, "
+                             f"but the spec says {module_path!r}")
+        if int(width) != point.width:
+            raise ValueError(f"hook {name!r}: width {width} does not match {point.module_path!r}, "
+                             f"which is {point.width} wide")
+        return point
+
+    def install(self, specs: dict[str, tuple[str, int]]) -> None:
+        """Validate every spec first, then install all: a bad spec changes nothing."""
+        resolved = {}
+        for name, (path, width) in specs.items():
+            if name in self.active or name in resolved:
+                raise ValueError(f"duplicate hook name {name!r}")
+            resolved[name] = self.resolve(name, path, width)
+        for name, point in resolved.items():
+            self._install(name, point)
+
+    def _install(self, name: str, point: hp.HookPoint) -> None:
+        with torch.inference_mode():
+            hook = ActiveHook(
+                point,
+                buffer=torch.zeros(self.max_tokens, point.width, dtype=self.dtype, device=self.device),
+                scale=torch.ones(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
+                bias=torch.zeros(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
+            )
+        module = self.model.get_submodule(point.module_path)
+        if point.is_pre_hook:
+            hook.handle = module.register_forward_pre_hook(functools.partial(self._on_input, hook))
+        else:
+            hook.handle = module.register_forward_hook(functools.partial(self._on_output, hook))
+        self.active[name] = hook
+
+    def remove(self, names: list[str]) -> None:
+        missing = [n for n in names if n not in self.active]
+        if missing:
+            raise ValueError(f"hooks {missing} are not installed")
+        for name in names:
+            self.active.pop(name).handle.remove()
+        self.set_interventions([iv for iv in self.planner.interventions if iv.hook not in names])
+
+    # --- the hooks (traced in the compiled flavour) ---
+
+    def _use_affine(self) -> bool:
+        return self._affine_in_graph or self._has_interventions
+
+    def _gather(self, hook: ActiveHook, n):
+        rows = self.row_slot.narrow(0, 0, n)
+        return hook.scale.index_select(0, rows), hook.bias.index_select(0, rows)
+
+    def _on_output(self, hook: ActiveHook, module, args, output):
+        site = hook.point.site
+        if self._use_affine():
+            n = (output[0] if isinstance(output, tuple) else output).shape[0]
+            output, value = hp.replace_output(site, output, *self._gather(hook, n))
+        else:
+            value, output = hp.read_output(site, output), None
+        hook.buffer.narrow(0, 0, value.shape[0]).copy_(value)
+        return output
+
+    def _on_input(self, hook: ActiveHook, module, args):
+        point = hook.point
+        if self._use_affine():
+            n = args[point.arg_index].shape[0]
+            args, value = hp.replace_input(point.site, point.arg_index, args, *self._gather(hook, n))
+        else:
+            value, args = hp.read_input(point.site, point.arg_index, args), None
+        hook.buffer.narrow(0, 0, value.shape[0]).copy_(value)
+        return args
+
+    # --- between forwards ---
+
+    def before_forward(self, step: StepInfo) -> None:
+        n = step.num_tokens
+        if not self._has_interventions:
+            if self._row_slot_dirty:
+                self.row_slot.zero_()
+                self._row_slot_dirty = False
+            return
+        masks = self.planner.row_masks(step.req_ids, step.query_start_loc, step.positions)
+        slots, new = self.planner.assign(masks)
+        with torch.inference_mode():
+            for slot, ivs in new:
+                for name, hook in self.active.items():
+                    affine = compose(ivs, name, hook.point.width)
+                    if affine is not None:
+                        hook.scale[slot].copy_(torch.from_numpy(affine[0]))
+                        hook.bias[slot].copy_(torch.from_numpy(affine[1]))
+            self.row_slot[:n].copy_(torch.from_numpy(slots))
+        self._row_slot_dirty = True
+
+    def after_forward(self, step: StepInfo) -> None:
+        n = step.num_tokens
+        rows = {name: hook.buffer[:n].to("cpu", copy=True) for name, hook in self.active.items()}
+        self._pending.append((step, rows))
+
+    # --- driver-facing operations (through the worker extension) ---
+
+    def set_interventions(self, interventions: list[Intervention]) -> None:
+        widths = {name: hook.point.width for name, hook in self.active.items()}
+        for iv in interventions:
+            validate(iv, widths, self.max_model_len, self.config.enable_position_interventions)
+        self.planner.set(interventions)
+        with torch.inference_mode():
+            for hook in self.active.values():
+                hook.scale[1:].fill_(1)
+                hook.bias[1:].zero_()
+        self._has_interventions = bool(interventions)
+
+    def drain(self) -> dict[str, dict[str, dict[str, np.ndarray]]]:
+        """Captures since the last drain: request id → hook → positions, token_ids, values."""
+        pending, self._pending = self._pending, []
+        parts: dict[str, dict[str, list]] = {}
+        for step, rows in pending:
+            for i, rid in enumerate(step.req_ids):
+                a, b = int(step.query_start_loc[i]), int(step.query_start_loc[i + 1])
+                if a == b:
+                    continue
+                per_hook = parts.setdefault(rid, {})
+                for name, values in rows.items():
+                    per_hook.setdefault(name, []).append((step.positions[a:b], step.token_ids[a:b], values[a:b]))
+        return {rid: {name: _concat(chunks) for name, chunks in hooks.items()} for rid, hooks in parts.items()}
+
+    def describe(self) -> dict:
+        return {
+            "mode": "eager" if self.config.eager else "compiled",
+            "dtype": self.config.dtype,
+            "max_tokens": self.max_tokens,
+            "max_slots": self.config.max_slots,
+            "enable_position_interventions": self.config.enable_position_interventions,
+            "modules": [(path, type(m).__name__) for path, m in self.model.named_modules()],
+            "hook_points": [p.describe() for p in self.catalogue.values()],
+            "installed": {name: hook.point.name for name, hook in self.active.items()},
+        }
+
+
+def _concat(chunks: list[tuple[np.ndarray, np.ndarray, torch.Tensor]]) -> dict[str, np.ndarray]:
+    values = torch.cat([c[2] for c in chunks])
+    if values.dtype == torch.bfloat16:  # numpy has no bfloat16
+        values = values.float()
+    return {"positions": np.concatenate([c[0] for c in chunks]),
+            "token_ids": np.concatenate([c[1] for c in chunks]),
+            "values": values.numpy()}

@@ -1,0 +1,69 @@
+"""Worker-side RPC methods, mixed into vLLM's Worker through ``worker_extension_cls``.
+
+Called as ``llm.collective_rpc("inspector_…", args=…)``. Arguments and results are plain Python and
+numpy, so no insecure serialization is needed across processes.
+"""
+
+from __future__ import annotations
+
+from . import hookpoints, vllm_compat
+from .config import PluginConfig
+from .interventions import Intervention
+from .runtime import InspectorRuntime
+
+_ATTR = "_inspector_runtime"
+
+
+def install_runtime(worker) -> None:
+    """Called by the patched ``load_model``: build the runtime and install the configured hooks."""
+    config = PluginConfig.from_env()
+    if config is None:
+        return
+    if config.eager != vllm_compat.is_eager(worker):
+        raise ValueError("the eager flavour (enable_batching=True) needs enforce_eager=True, "
+                         "and the compiled flavour needs enforce_eager=False")
+    model = vllm_compat.model_of(worker)
+    hidden, intermediate, max_model_len, max_tokens = vllm_compat.model_sizes(worker)
+    points = hookpoints.catalogue(model, hidden, intermediate)
+    runtime = InspectorRuntime(model, points, config, vllm_compat.device_of(worker),
+                               max(max_tokens, config.max_num_batched_tokens), max_model_len)
+    runtime.install(config.capture_specs)
+    vllm_compat.wrap_model_forward(worker.model_runner, runtime.before_forward, runtime.after_forward)
+    setattr(worker, _ATTR, runtime)
+
+
+class InspectorWorkerExtension:
+    def _inspector(self) -> InspectorRuntime:
+        runtime = getattr(self, _ATTR, None)
+        if runtime is None:
+            raise RuntimeError("this engine was booted without the inspector plugin configured")
+        return runtime
+
+    def inspector_describe(self) -> dict:
+        return self._inspector().describe()
+
+    def inspector_drain(self) -> dict:
+        return self._inspector().drain()
+
+    def inspector_set_interventions(self, interventions: list[dict]) -> None:
+        self._inspector().set_interventions([Intervention.from_dict(d) for d in interventions])
+
+    def inspector_clear_interventions(self) -> None:
+        self._inspector().set_interventions([])
+
+    def inspector_add_hooks(self, specs: dict[str, tuple[str, int]]) -> None:
+        runtime = self._eager_runtime("added")
+        runtime.install({name: (path, int(width)) for name, (path, width) in specs.items()})
+
+    def inspector_remove_hooks(self, names: list[str]) -> None:
+        self._eager_runtime("removed").remove(list(names))
+
+    def inspector_compilation_count(self) -> int:
+        return vllm_compat.compilation_count()
+
+    def _eager_runtime(self, verb: str) -> InspectorRuntime:
+        runtime = self._inspector()
+        if not runtime.config.eager:
+            raise RuntimeError(f"hooks cannot be {verb} in compiled mode: they are traced into the graph "
+                               "at boot; restart the engine with the new hook set, or use eager mode")
+        return runtime

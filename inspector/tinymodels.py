@@ -1,0 +1,123 @@
+"""Small Hugging Face model directories built offline, in seconds.
+
+Tests need real weights (vLLM's ``load_format="dummy"`` gives degenerate activations) and a real
+tokenizer, but model hubs are out of reach. So: a byte-level BPE tokenizer trained on the Python
+standard library's own sources, and seeded random weights saved with transformers. Built models are
+cached on disk under a key of everything that shapes them, so a test run builds each at most once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2")
+BUILD_FORMAT = 1  # bump when the build recipe changes, so caches are rebuilt
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of a tiny model. Head size = hidden / heads must be one the CPU attention accepts (64)."""
+
+    arch: str = "llama"
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 2
+    kv_heads: int = 2
+    intermediate: int = 256
+    vocab: int = 512
+    max_positions: int = 1024
+    seed: int = 0
+
+    def cache_key(self) -> str:
+        blob = json.dumps({**asdict(self), "format": BUILD_FORMAT, "python": sys.version_info[:2]}, sort_keys=True)
+        return f"{self.arch}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("INSPECTOR_CACHE", Path.home() / ".cache" / "activation-inspector"))
+
+
+def stdlib_corpus(max_bytes: int = 2_000_000) -> list[str]:
+    """Text every Python installation has: its standard library's top-level modules, in a fixed order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def train_tokenizer(vocab_size: int, texts: list[str]):
+    """A byte-level BPE tokenizer (GPT-2 style) wrapped as a transformers fast tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=["<|endoftext|>"], show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<|endoftext|>",
+                                   eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+
+
+def hf_config(spec: TinySpec, tokenizer):
+    import transformers
+
+    eos = tokenizer.eos_token_id
+    common = dict(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, torch_dtype="float32")
+    if spec.arch == "gpt2":
+        return transformers.GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads,
+                                       n_inner=spec.intermediate, n_positions=spec.max_positions,
+                                       activation_function="gelu_new", **common)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec.arch]
+    return cls(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+               num_key_value_heads=spec.kv_heads, intermediate_size=spec.intermediate,
+               max_position_embeddings=spec.max_positions, hidden_act="silu", tie_word_embeddings=False,
+               **common)
+
+
+def build_tiny_model(spec: TinySpec, out_dir: Path, tokenizer=None) -> Path:
+    """Write config, seeded random float32 weights and tokenizer into ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if spec.arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {spec.arch!r}; choose one of {ARCHITECTURES}")
+    if spec.hidden // spec.heads not in (64, 128):
+        raise ValueError(f"head size {spec.hidden // spec.heads} is not accepted by vLLM's CPU attention; use 64 or 128")
+    tokenizer = tokenizer or train_tokenizer(spec.vocab, stdlib_corpus())
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(hf_config(spec, tokenizer), torch_dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_model(arch: str = "llama", **overrides) -> Path:
+    """Path of a cached tiny model of ``arch``, building it (atomically) on first use."""
+    spec = replace(TinySpec(arch=arch), **overrides)
+    final = cache_root() / "tiny-models" / spec.cache_key()
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+    try:
+        build_tiny_model(spec, staging)
+        try:
+            staging.rename(final)
+        except OSError:  # a concurrent build won the race; its result is identical
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
