@@ -9,10 +9,10 @@ from .environment import prepare_environment
 MODES = ("compiled", "eager")
 
 
-def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]], mode: str = "compiled",
+def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",
              dtype: str = "float32", max_num_batched_tokens: int = 512, max_model_len: int = 1024,
-             enable_position_interventions: bool = False, **engine_args):
-    """An ``LLM`` whose worker has the hooks in ``capture_specs`` installed (empty: none).
+             enable_position_interventions: bool = False, hook_patterns: tuple[str, ...] = (), **engine_args):
+    """An ``LLM`` whose worker has the hooks in ``capture_specs`` and ``hook_patterns`` installed.
 
     Prefix caching is off: it skips prompt rows and would let K/V computed under an intervention
     leak into later clean runs.
@@ -26,8 +26,9 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]], mode: str = 
     from inspector import plugin
 
     plugin.register()
-    plugin.configure(capture_specs, max_num_batched_tokens, getattr(torch, dtype),
-                     enable_batching=mode == "eager", enable_position_interventions=enable_position_interventions)
+    plugin.configure(capture_specs or {}, max_num_batched_tokens, getattr(torch, dtype),
+                     enable_batching=mode == "eager", enable_position_interventions=enable_position_interventions,
+                     hook_patterns=hook_patterns)
     try:
         return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
                    max_model_len=max_model_len, enforce_eager=mode == "eager", enable_prefix_caching=False,

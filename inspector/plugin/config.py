@@ -21,6 +21,7 @@ class PluginConfig:
     dtype: str
     enable_batching: bool = False
     enable_position_interventions: bool = False
+    hook_patterns: tuple[str, ...] = ()  # names, aliases or globs, resolved in the worker
     max_slots: int = 64
 
     @property
@@ -38,6 +39,7 @@ class PluginConfig:
             return None
         data = json.loads(raw)
         data["capture_specs"] = {name: (path, int(width)) for name, (path, width) in data["capture_specs"].items()}
+        data["hook_patterns"] = tuple(data["hook_patterns"])
         return cls(**data)
 
 

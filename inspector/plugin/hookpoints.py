@@ -9,7 +9,9 @@ A hook point is a module plus a *site*, the rule that turns that module's call i
   their sum, and replacing it with R means returning ``(R - residual, residual)``.
 - ``input_pair_sum``: a forward pre-hook on ``(hidden, residual)`` arguments starting at
   ``arg_index`` (a fused layer's input is resid_pre; the post-attention norm's is resid_mid).
-- ``input``: a pre-hook on the first argument (GPT-2 blocks take the plain residual stream).
+- ``input``: a pre-hook on the first argument (GPT-2 blocks take the plain residual stream; MLP
+  neuron activations are the down projection's input, since activation modules can be shared
+  between layers: vLLM caches one ``gelu_new`` instance for all of them).
 
 Replacement is written as a delta, ``h' = h * S + (r * (S - 1) + B)``, so that the residual stream
 becomes ``(h + r) * S + B`` while an identity (S = 1, B = 0) leaves every value bit-identical.
@@ -91,7 +93,7 @@ def catalogue(model: nn.Module, hidden: int, intermediate: int) -> list[HookPoin
                 point(f"{block}.self_attn", "attn_out", f"{b}.hook_attn_out", "output", layer=i),
                 point(f"{block}.post_attention_layernorm", "resid_mid", f"{b}.hook_resid_mid",
                       "input_pair_sum", arg_index=0, layer=i),
-                point(f"{block}.mlp.act_fn", "mlp_post", f"{b}.mlp.hook_post", "output", intermediate, layer=i),
+                point(f"{block}.mlp.down_proj", "mlp_post", f"{b}.mlp.hook_post", "input", intermediate, layer=i),
                 point(f"{block}.mlp", "mlp_out", f"{b}.hook_mlp_out", "output", layer=i),
                 point(block, "resid_post", f"{b}.hook_resid_post", "output_pair_sum", layer=i),
             ]
@@ -99,7 +101,7 @@ def catalogue(model: nn.Module, hidden: int, intermediate: int) -> list[HookPoin
             points += [
                 point(block, "resid_pre", f"{b}.hook_resid_pre", "input", layer=i),
                 point(f"{block}.attn", "attn_out", f"{b}.hook_attn_out", "output", layer=i),
-                point(f"{block}.mlp.act", "mlp_post", f"{b}.mlp.hook_post", "output", intermediate, layer=i),
+                point(f"{block}.mlp.c_proj", "mlp_post", f"{b}.mlp.hook_post", "input", intermediate, layer=i),
                 point(f"{block}.mlp", "mlp_out", f"{b}.hook_mlp_out", "output", layer=i),
                 point(block, "resid_post", f"{b}.hook_resid_post", "output", layer=i),
             ]

@@ -10,6 +10,7 @@ hook. Splitting rows per request waits until the driver drains, keeping the per-
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from dataclasses import dataclass
 
@@ -87,6 +88,17 @@ class InspectorRuntime:
             raise ValueError(f"hook {name!r}: width {width} does not match {point.module_path!r}, "
                              f"which is {point.width} wide")
         return point
+
+    def match(self, patterns: tuple[str, ...]) -> dict[str, tuple[str, int]]:
+        """Specs for every point whose name or alias matches one of the glob patterns."""
+        specs = {}
+        for pattern in patterns:
+            hits = [p for p in self.catalogue.values()
+                    if fnmatch.fnmatchcase(p.name, pattern) or fnmatch.fnmatchcase(p.alias, pattern)]
+            if not hits:
+                raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
+            specs.update({p.name: (p.module_path, p.width) for p in hits})
+        return specs
 
     def install(self, specs: dict[str, tuple[str, int]]) -> None:
         """Validate every spec first, then install all: a bad spec changes nothing."""

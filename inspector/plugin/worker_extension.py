@@ -27,7 +27,7 @@ def install_runtime(worker) -> None:
     points = hookpoints.catalogue(model, hidden, intermediate)
     runtime = InspectorRuntime(model, points, config, vllm_compat.device_of(worker),
                                max(max_tokens, config.max_num_batched_tokens), max_model_len)
-    runtime.install(config.capture_specs)
+    runtime.install({**config.capture_specs, **runtime.match(config.hook_patterns)})
     vllm_compat.wrap_model_forward(worker.model_runner, runtime.before_forward, runtime.after_forward)
     setattr(worker, _ATTR, runtime)
 

@@ -1,0 +1,437 @@
+"""The tokens x features heatmap: one column per captured token, features down the side.
+
+Data arrive as views of growing buffers (``set_data``, called by the window's ~30 Hz timer, never
+per token). The image shown is pooled to about one bin per pixel by ``PooledImage`` and updated
+incrementally, so 2,000 tokens x 4,096 features repaint in a few milliseconds. Above the image a
+thin track marks the positions where interventions were active (orange: on this hook; grey: on
+another hook). Hovering reads out the raw (unpooled) value under the cursor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, QRectF, QSignalBlocker, Qt, QTimer, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, QPushButton,
+                               QSpinBox, QToolButton, QVBoxLayout, QWidget)
+
+from .capture_view_model import display_token
+from .image_pool import PooledImage, choose_key, robust_levels
+
+COLORMAPS = ("cividis", "viridis", "CET-CBD1", "CET-CBL2", "inferno", "plasma", "magma", "turbo")
+COLORMAP_HINTS = {"cividis": "colour-blind safe", "viridis": "colour-blind safe",
+                  "CET-CBD1": "diverging, colour-blind safe", "CET-CBL2": "colour-blind safe",
+                  "turbo": "not colour-blind safe"}
+LEVEL_MODES = ("auto", "auto ±", "fixed")
+MARK_OTHER = QColor(150, 150, 150)
+MARK_THIS = QColor(230, 159, 0)  # Okabe-Ito orange: distinguishable under common colour blindness
+
+
+def colormap(name: str) -> pg.ColorMap:
+    try:
+        return pg.colormap.get(name)
+    except Exception:  # noqa: BLE001 - unknown name in old settings: fall back to the default
+        return pg.colormap.get("cividis")
+
+
+class HeatmapWidget(QWidget):
+    positionClicked = Signal(int)  # a token position was clicked in the image
+    levelsChanged = Signal(float, float)
+    colormapChanged = Signal(str)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self._positions = np.zeros(0, dtype=np.int64)
+        self._values = np.zeros((0, 0), dtype=np.float32)
+        self._texts: list[str] = []
+        self._marks = np.zeros(0, dtype=np.int8)
+        self._source_id = None
+        self._p0 = 0
+        self._pool = PooledImage()
+        self._frame = None
+        self._levels = (0.0, 1.0)
+        self._follow = True
+        self._dirty = True
+        self._updating_range = False
+        self._selected: int | None = None
+        self._hook_label = ""
+        self.last_readout = ""
+        self.paint_count = 0
+
+        # ---- controls ----
+        self.features_from = QSpinBox(minimum=0, maximum=0, toolTip="First feature shown")
+        self.features_to = QSpinBox(minimum=1, maximum=1, toolTip="Last feature shown (exclusive)")
+        self.features_all = QToolButton(text="All", toolTip="Show every feature")
+        self.follow_box = QCheckBox("Follow", checked=True, toolTip="Keep the newest tokens in view")
+        self.cmap_box = QComboBox(toolTip="Colour map")
+        for name in COLORMAPS:
+            hint = COLORMAP_HINTS.get(name)
+            self.cmap_box.addItem(f"{name} ({hint})" if hint else name, name)
+        self.levels_box = QComboBox(toolTip="auto: robust 0.5–99.5 percentiles; auto ±: symmetric about 0; "
+                                           "fixed: the values on the right (or drag the colour bar)")
+        self.levels_box.addItems(LEVEL_MODES)
+        self.level_lo = QDoubleSpinBox(decimals=4, minimum=-1e9, maximum=1e9, value=-1.0, enabled=False)
+        self.level_hi = QDoubleSpinBox(decimals=4, minimum=-1e9, maximum=1e9, value=1.0, enabled=False)
+        for w in (self.level_lo, self.level_hi):
+            w.setKeyboardTracking(False)
+            w.setMaximumWidth(90)
+        self.reset_view = QPushButton("Fit", toolTip="Show all tokens and the chosen feature range")
+
+        bar = QHBoxLayout()
+        bar.setContentsMargins(0, 0, 0, 0)
+        bar.addWidget(QLabel("Features"))
+        bar.addWidget(self.features_from)
+        bar.addWidget(QLabel("–"))
+        bar.addWidget(self.features_to)
+        bar.addWidget(self.features_all)
+        bar.addSpacing(12)
+        bar.addWidget(self.follow_box)
+        bar.addWidget(self.reset_view)
+        bar.addStretch(1)
+        bar.addWidget(QLabel("Colours"))
+        bar.addWidget(self.cmap_box)
+        bar.addWidget(QLabel("Levels"))
+        bar.addWidget(self.levels_box)
+        bar.addWidget(self.level_lo)
+        bar.addWidget(self.level_hi)
+
+        # ---- plots ----
+        self.glw = pg.GraphicsLayoutWidget()
+        self.glw.setBackground("w")
+        self.track = self.glw.addPlot(row=0, col=0)
+        self.track.setMaximumHeight(34)
+        self.track.setMouseEnabled(x=False, y=False)
+        self.track.hideButtons()
+        self.track.getAxis("bottom").setStyle(showValues=False)
+        self.track.getAxis("left").setTicks([[(0.5, "interv.")]])
+        self.track.getAxis("left").setWidth(58)
+        self.track.setYRange(0, 1, padding=0)
+        self.track_img = pg.ImageItem(axisOrder="col-major")
+        lut = np.array([[255, 255, 255, 0], [*MARK_OTHER.getRgb()[:3], 255], [*MARK_THIS.getRgb()[:3], 255]],
+                       dtype=np.uint8)
+        self.track_img.setLookupTable(lut)
+        self.track_img.setLevels((0, 2))
+        self.track.addItem(self.track_img)
+
+        self.plot = self.glw.addPlot(row=1, col=0)
+        self.plot.setLabel("bottom", "token position")
+        self.plot.setLabel("left", "feature")
+        self.plot.getAxis("left").setWidth(58)
+        self.plot.invertY(True)
+        self.plot.hideButtons()
+        self.plot.setMenuEnabled(False)
+        self.vb = self.plot.getViewBox()
+        self.vb.setDefaultPadding(0.0)
+        self.track.setXLink(self.plot)
+        self.img = pg.ImageItem(axisOrder="col-major")
+        self.plot.addItem(self.img)
+        self.selection = pg.LinearRegionItem((0, 1), movable=False, brush=pg.mkBrush(255, 64, 64, 40),
+                                             pen=pg.mkPen(220, 40, 40, 200, width=1.5))
+        self.selection.setZValue(10)
+        self.selection.hide()
+        self.plot.addItem(self.selection)
+        self.cbar = pg.ColorBarItem(values=(0, 1), colorMap=colormap("cividis"), interactive=True, width=14,
+                                    rounding=1e-4, colorMapMenu=False)
+        self.cbar.setImageItem(self.img)
+        self.glw.addItem(self.cbar, row=1, col=1)
+        self.glw.ci.layout.setRowStretchFactor(1, 10)
+        self.empty_text = pg.TextItem("No captured rows yet", color=(110, 110, 110), anchor=(0.5, 0.5))
+        self.plot.addItem(self.empty_text)
+
+        self.readout = QLabel(" ")
+        self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.readout.setMinimumHeight(self.readout.fontMetrics().height() + 4)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(2, 2, 2, 2)
+        layout.setSpacing(2)
+        layout.addLayout(bar)
+        layout.addWidget(self.glw, 1)
+        layout.addWidget(self.readout)
+
+        # ---- wiring ----
+        self._range_timer = QTimer(self, singleShot=True, interval=60)
+        self._range_timer.timeout.connect(self._repool)
+        self.vb.sigRangeChangedManually.connect(self._user_moved_view)
+        self.vb.sigRangeChanged.connect(lambda *_: self._updating_range or self._range_timer.start())
+        self.vb.sigResized.connect(lambda *_: self._range_timer.start())
+        self.features_from.valueChanged.connect(self._feature_range_edited)
+        self.features_to.valueChanged.connect(self._feature_range_edited)
+        self.features_all.clicked.connect(self.show_all_features)
+        self.follow_box.toggled.connect(self._follow_toggled)
+        self.reset_view.clicked.connect(self.fit)
+        self.cmap_box.currentIndexChanged.connect(lambda _: self.set_colormap(self.cmap_box.currentData()))
+        self.levels_box.currentTextChanged.connect(self._levels_mode_changed)
+        self.level_lo.valueChanged.connect(self._fixed_levels_edited)
+        self.level_hi.valueChanged.connect(self._fixed_levels_edited)
+        self.cbar.sigLevelsChangeFinished.connect(self._colorbar_dragged)
+        self._hover_proxy = pg.SignalProxy(self.plot.scene().sigMouseMoved, rateLimit=60, slot=self._mouse_moved)
+        self.plot.scene().sigMouseClicked.connect(self._mouse_clicked)
+
+    # ------------------------------------------------------------------ data
+    def clear(self) -> None:
+        self.set_data(np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32), [], None)
+
+    def set_data(self, positions: np.ndarray, values: np.ndarray, texts: list[str], source_id,
+                 marks: np.ndarray | None = None, hook_label: str = "") -> None:
+        """Show ``values`` ([rows, width], row k at ``positions[k]``). Cheap to call with growing views."""
+        new_source = source_id != self._source_id
+        width = values.shape[1] if values.ndim == 2 else 0
+        old_width = self._values.shape[1] if self._values.ndim == 2 else 0
+        self._positions, self._values, self._texts = positions, values, texts
+        self._marks = marks if marks is not None else np.zeros(0, dtype=np.int8)
+        self._hook_label = hook_label
+        self._p0 = int(positions[0]) if len(positions) else 0
+        if new_source:
+            self._source_id = source_id
+            self._pool.invalidate()
+            self._selected_row_changed()
+        if width != old_width or new_source:
+            with QSignalBlocker(self.features_from), QSignalBlocker(self.features_to):
+                self.features_from.setMaximum(max(width - 1, 0))
+                self.features_to.setMaximum(max(width, 1))
+                if new_source and width != old_width or self.features_to.value() > width or self.features_to.value() == 0:
+                    self.features_from.setValue(0)
+                    self.features_to.setValue(max(width, 1))
+            if new_source:
+                self.fit()
+        self._dirty = True
+        self.render()
+
+    def displayed_data(self) -> np.ndarray:
+        """The full-resolution rows the image shows (tests compare this and the image with captures)."""
+        return self._values
+
+    def column_count(self) -> int:
+        return len(self._values)
+
+    def image_array(self) -> np.ndarray | None:
+        return None if self._frame is None else self._frame.image
+
+    def levels(self) -> tuple[float, float]:
+        return self._levels
+
+    # ------------------------------------------------------------------ painting
+    def _pixel_size(self) -> tuple[int, int]:
+        ratio = self.devicePixelRatioF() or 1.0
+        return max(int(self.vb.width() * ratio), 64), max(int(self.vb.height() * ratio), 64)
+
+    def render(self) -> None:
+        """Update the image from the data (incremental); called at most at the repaint rate."""
+        n = len(self._values)
+        width = self._values.shape[1] if self._values.ndim == 2 else 0
+        self.empty_text.setVisible(n == 0 or width == 0)
+        if n == 0 or width == 0:
+            self.img.clear()
+            self.track_img.clear()
+            self._frame = None
+            self.empty_text.setPos(0.5, 0.5)
+            return
+        if self._follow:
+            self._apply_follow_range(n)
+        (x0, x1), (y0, y1) = self.vb.viewRange()
+        pw, ph = self._pixel_size()
+        key = choose_key(n, width, (x0 - self._p0, x1 - self._p0), (y0, y1), pw, ph)
+        frame = self._pool.update(self._values, key, self._source_id)
+        if frame is None:
+            return
+        self._frame = frame
+        mode = self.levels_box.currentText()
+        if mode != "fixed":
+            self._levels = robust_levels(frame.image, symmetric=(mode == "auto ±"))
+            self._show_levels()
+        self.img.setImage(frame.image, autoLevels=False, levels=self._levels)
+        self.img.setRect(QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height))
+        self.cbar.setLevels(self._levels, update_items=False)
+        self._render_marks(n)
+        self.paint_count += 1
+        self._dirty = False
+
+    def _render_marks(self, n: int) -> None:
+        marks = self._marks
+        if marks is None or not len(marks) or not marks.any():
+            self.track_img.clear()
+            return
+        m = marks[self._p0:self._p0 + n].astype(np.uint8).reshape(-1, 1)
+        self.track_img.setImage(m, autoLevels=False, levels=(0, 2))
+        self.track_img.setRect(QRectF(self._p0, 0, len(m), 1))
+
+    def _apply_follow_range(self, n: int) -> None:
+        self._updating_range = True
+        try:
+            self.vb.setXRange(self._p0, self._p0 + n, padding=0)
+        finally:
+            self._updating_range = False
+
+    def _repool(self) -> None:
+        if len(self._values):
+            self.render()
+
+    # ------------------------------------------------------------------ view controls
+    def fit(self) -> None:
+        n = len(self._values)
+        self._updating_range = True
+        try:
+            self.vb.setXRange(self._p0, self._p0 + max(n, 1), padding=0)
+            self.vb.setYRange(self.features_from.value(), max(self.features_to.value(), self.features_from.value() + 1),
+                              padding=0)
+        finally:
+            self._updating_range = False
+        self._range_timer.start()
+
+    def show_all_features(self) -> None:
+        width = self._values.shape[1] if self._values.ndim == 2 else 1
+        with QSignalBlocker(self.features_from), QSignalBlocker(self.features_to):
+            self.features_from.setValue(0)
+            self.features_to.setValue(max(width, 1))
+        self._feature_range_edited()
+
+    def set_feature_range(self, f0: int, f1: int) -> None:
+        with QSignalBlocker(self.features_from), QSignalBlocker(self.features_to):
+            self.features_from.setValue(int(f0))
+            self.features_to.setValue(int(f1))
+        self._feature_range_edited()
+
+    def _feature_range_edited(self, *_):
+        f0, f1 = self.features_from.value(), self.features_to.value()
+        if f1 <= f0:
+            f1 = f0 + 1
+        self._updating_range = True
+        try:
+            self.vb.setYRange(f0, f1, padding=0)
+        finally:
+            self._updating_range = False
+        self.render()
+
+    def _user_moved_view(self, *_):
+        if self.follow_box.isChecked():
+            self.follow_box.setChecked(False)
+        (y0, y1) = self.vb.viewRange()[1]
+        width = self._values.shape[1] if self._values.ndim == 2 else 1
+        with QSignalBlocker(self.features_from), QSignalBlocker(self.features_to):
+            self.features_from.setValue(int(np.clip(np.floor(y0), 0, max(width - 1, 0))))
+            self.features_to.setValue(int(np.clip(np.ceil(y1), 1, width)))
+        self._range_timer.start()
+
+    def _follow_toggled(self, on: bool) -> None:
+        self._follow = on
+        if on:
+            self.render()
+
+    def set_colormap(self, name: str) -> None:
+        i = self.cmap_box.findData(name)
+        if i >= 0 and i != self.cmap_box.currentIndex():
+            with QSignalBlocker(self.cmap_box):
+                self.cmap_box.setCurrentIndex(i)
+        self.cbar.setColorMap(colormap(name))
+        self.colormapChanged.emit(name)
+
+    def colormap_name(self) -> str:
+        return self.cmap_box.currentData()
+
+    def set_levels_mode(self, mode: str, lo: float | None = None, hi: float | None = None) -> None:
+        if lo is not None and hi is not None:
+            with QSignalBlocker(self.level_lo), QSignalBlocker(self.level_hi):
+                self.level_lo.setValue(lo)
+                self.level_hi.setValue(hi)
+            self._levels = (float(lo), float(hi))
+        self.levels_box.setCurrentText(mode)
+        self._levels_mode_changed(mode)
+
+    def _levels_mode_changed(self, mode: str) -> None:
+        fixed = mode == "fixed"
+        self.level_lo.setEnabled(fixed)
+        self.level_hi.setEnabled(fixed)
+        if fixed:
+            self._fixed_levels_edited()
+        else:
+            self._pool_levels_refresh()
+
+    def _pool_levels_refresh(self):
+        self._dirty = True
+        self.render()
+
+    def _fixed_levels_edited(self, *_):
+        if self.levels_box.currentText() != "fixed":
+            return
+        lo, hi = self.level_lo.value(), self.level_hi.value()
+        if hi <= lo:
+            hi = lo + 1e-6
+        self._levels = (lo, hi)
+        self.img.setLevels(self._levels)
+        self.cbar.setLevels(self._levels, update_items=False)
+        self.levelsChanged.emit(lo, hi)
+
+    def _colorbar_dragged(self, bar) -> None:
+        lo, hi = bar.levels()
+        with QSignalBlocker(self.levels_box):
+            self.levels_box.setCurrentText("fixed")
+        self.level_lo.setEnabled(True)
+        self.level_hi.setEnabled(True)
+        with QSignalBlocker(self.level_lo), QSignalBlocker(self.level_hi):
+            self.level_lo.setValue(lo)
+            self.level_hi.setValue(hi)
+        self._levels = (float(lo), float(hi))
+        self.levelsChanged.emit(lo, hi)
+
+    def _show_levels(self) -> None:
+        with QSignalBlocker(self.level_lo), QSignalBlocker(self.level_hi):
+            self.level_lo.setValue(self._levels[0])
+            self.level_hi.setValue(self._levels[1])
+
+    # ------------------------------------------------------------------ selection
+    def select_position(self, position: int | None) -> None:
+        self._selected = position
+        self._selected_row_changed()
+
+    def _selected_row_changed(self) -> None:
+        if self._selected is None:
+            self.selection.hide()
+            return
+        self.selection.setRegion((self._selected, self._selected + 1))
+        self.selection.show()
+
+    # ------------------------------------------------------------------ hover and click
+    def readout_at(self, x: float, y: float) -> str:
+        """The read-out for data coordinates (x: position, y: feature); '' outside the data."""
+        n = len(self._values)
+        width = self._values.shape[1] if self._values.ndim == 2 else 0
+        row, feature = int(np.floor(x)) - self._p0, int(np.floor(y))
+        if not (0 <= row < n and 0 <= feature < width):
+            return ""
+        position = int(self._positions[row]) if row < len(self._positions) else row + self._p0
+        text = self._texts[position] if 0 <= position < len(self._texts) else "?"
+        value = float(self._values[row, feature])
+        parts = [f"token {display_token(text)!r}", f"position {position}", f"feature {feature}",
+                 f"value {value:.6g}"]
+        if self._frame is not None and (self._frame.tbin > 1 or self._frame.fbin > 1):
+            parts.append(f"(image pooled {self._frame.tbin}×{self._frame.fbin}, max-abs)")
+        if 0 <= position < len(self._marks) and self._marks[position]:
+            parts.append("intervention active" + (" on this hook" if self._marks[position] == 2 else " elsewhere"))
+        return "   ".join(parts)
+
+    def _mouse_moved(self, args) -> None:
+        pos = args[0]
+        if not self.plot.sceneBoundingRect().contains(pos):
+            return
+        p = self.vb.mapSceneToView(pos)
+        text = self.readout_at(p.x(), p.y())
+        self.last_readout = text
+        self.readout.setText(text or " ")
+
+    def hover_view_point(self, x: float, y: float) -> str:
+        """Simulate hovering at data coordinates (tests); returns the read-out shown."""
+        scene = self.vb.mapViewToScene(QPointF(x, y))
+        self._mouse_moved((scene,))
+        return self.readout.text().strip()
+
+    def _mouse_clicked(self, ev) -> None:
+        if ev.button() != Qt.MouseButton.LeftButton or not self.vb.sceneBoundingRect().contains(ev.scenePos()):
+            return
+        p = self.vb.mapSceneToView(ev.scenePos())
+        row = int(np.floor(p.x())) - self._p0
+        if 0 <= row < len(self._values):
+            position = int(self._positions[row]) if row < len(self._positions) else row + self._p0
+            self.select_position(position)
+            self.positionClicked.emit(position)

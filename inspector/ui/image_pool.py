@@ -1,0 +1,140 @@
+"""Incremental max-abs pooling of a growing [tokens, features] array down to screen resolution.
+
+A wide layer (4,096 features) on a 600-pixel-high view, or 2,000 tokens on 1,000 pixels, would make
+the image item scale (and drop) rows on every repaint. Instead the image shown is pooled to about one
+bin per pixel, with power-of-two bin sizes. Bins are cached: as tokens arrive only the new bins (and
+the last, partial one) are pooled, so a frame costs O(new tokens), not O(all tokens). The cache is
+rebuilt only when the window, feature range or bin sizes change (bins change only when the token
+count doubles), which amortises to O(1) per token.
+
+Max-abs keeps the sign of the value with the largest magnitude in each bin, so a single large
+activation stays visible however far the view is zoomed out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def pow2_at_least(x: float) -> int:
+    """The smallest power of two >= x (>= 1)."""
+    if x <= 1:
+        return 1
+    return 1 << int(np.ceil(np.log2(x) - 1e-12))
+
+
+def pool_maxabs(block: np.ndarray, tbin: int, fbin: int) -> np.ndarray:
+    """[nt, nf] -> [ceil(nt/tbin), ceil(nf/fbin)], each bin the value of largest magnitude."""
+    nt, nf = block.shape
+    if tbin == 1 and fbin == 1:
+        return np.asarray(block, dtype=np.float32)
+    bt, bf = -(-nt // tbin), -(-nf // fbin)
+    if nt % tbin or nf % fbin:
+        padded = np.zeros((bt * tbin, bf * fbin), dtype=np.float32)  # 0 is neutral for max-abs
+        padded[:nt, :nf] = block
+        block = padded
+    shaped = block.reshape(bt, tbin, bf, fbin)
+    hi = shaped.max(axis=(1, 3))
+    lo = shaped.min(axis=(1, 3))
+    return np.where(hi >= -lo, hi, lo).astype(np.float32, copy=False)
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    t0: int  # first row of the window
+    tbin: int
+    f0: int  # feature range [f0, f1)
+    f1: int
+    fbin: int
+    tmax: int  # rows beyond t0 + tmax are not pooled (zoomed-in views)
+
+
+@dataclass(frozen=True)
+class PooledFrame:
+    image: np.ndarray  # [token bins, feature bins] float32
+    x0: float  # data rect of the image: rows [x0, x0 + width), features [y0, y0 + height)
+    y0: float
+    width: float
+    height: float
+    tbin: int
+    fbin: int
+
+
+def choose_key(n_rows: int, n_features: int, visible_rows: tuple[float, float], visible_features: tuple[float, float],
+               px_width: int, px_height: int) -> PoolKey:
+    """Bins of about one pixel for the visible window; the window starts at its left edge."""
+    px_width, px_height = max(int(px_width), 16), max(int(px_height), 16)
+    r0 = int(np.clip(np.floor(visible_rows[0]), 0, max(n_rows - 1, 0)))
+    span_rows = max(visible_rows[1] - max(visible_rows[0], 0), 1.0)
+    tbin = pow2_at_least(span_rows / px_width)
+    t0 = (r0 // tbin) * tbin
+    f0 = int(np.clip(np.floor(visible_features[0]), 0, max(n_features - 1, 0)))
+    f1 = int(np.clip(np.ceil(visible_features[1]), f0 + 1, max(n_features, 1)))
+    fbin = pow2_at_least((f1 - f0) / px_height)
+    f0 = (f0 // fbin) * fbin
+    return PoolKey(t0, tbin, f0, f1, fbin, tmax=4 * px_width * tbin)
+
+
+class PooledImage:
+    """The cache of pooled bins for one source array and one key."""
+
+    def __init__(self):
+        self.key: PoolKey | None = None
+        self._buf: np.ndarray | None = None
+        self._done = 0  # complete token bins pooled into _buf
+        self._source_id = None
+
+    def invalidate(self) -> None:
+        self.key, self._buf, self._done, self._source_id = None, None, 0, None
+
+    def update(self, values: np.ndarray, key: PoolKey, source_id=None) -> PooledFrame | None:
+        """Pool rows of ``values`` ([n, width], may be a growing view) under ``key``."""
+        n = len(values)
+        if key != self.key or source_id != self._source_id or self._buf is None:
+            self.key, self._source_id, self._done = key, source_id, 0
+            nfb = -(-(key.f1 - key.f0) // key.fbin)
+            self._buf = np.empty((64, nfb), dtype=np.float32)
+        k = key
+        end = min(n, k.t0 + k.tmax)
+        if end <= k.t0:
+            return None
+        complete = (end - k.t0) // k.tbin
+        partial = (end - k.t0) % k.tbin
+        total = complete + (1 if partial else 0)
+        if total > len(self._buf):
+            new = np.empty((max(total, 2 * len(self._buf)), self._buf.shape[1]), dtype=np.float32)
+            new[: self._done] = self._buf[: self._done]
+            self._buf = new
+        if complete > self._done:
+            a, b = k.t0 + self._done * k.tbin, k.t0 + complete * k.tbin
+            self._buf[self._done:complete] = pool_maxabs(np.asarray(values[a:b, k.f0:k.f1]), k.tbin, k.fbin)
+            self._done = complete
+        if partial:
+            a = k.t0 + complete * k.tbin
+            self._buf[complete] = pool_maxabs(np.asarray(values[a:end, k.f0:k.f1]), k.tbin, k.fbin)[0]
+        image = self._buf[:total]
+        width_features = image.shape[1] * k.fbin
+        return PooledFrame(image, float(k.t0), float(k.f0), float(total * k.tbin), float(width_features),
+                           k.tbin, k.fbin)
+
+
+def robust_levels(image: np.ndarray, symmetric: bool, max_samples: int = 65536) -> tuple[float, float]:
+    """Colour levels from the 0.5th/99.5th percentiles of (a strided sample of) the image."""
+    flat = image.reshape(-1)
+    if flat.size == 0:
+        return (-1.0, 1.0) if symmetric else (0.0, 1.0)
+    step = max(1, flat.size // max_samples)
+    sample = flat[::step]
+    sample = sample[np.isfinite(sample)]
+    if sample.size == 0:
+        return (-1.0, 1.0) if symmetric else (0.0, 1.0)
+    if symmetric:
+        m = float(np.percentile(np.abs(sample), 99.5))
+        m = m if m > 0 else 1.0
+        return -m, m
+    lo, hi = (float(v) for v in np.percentile(sample, [0.5, 99.5]))
+    if hi <= lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    return lo, hi

@@ -1,0 +1,165 @@
+"""Rows of the interventions table as plain data, with the validation the editor applies (no Qt).
+
+A row is what the user edits; ``to_intervention`` turns an enabled, valid row into the engine's
+``Intervention``. Validation happens on every edit, so an invalid value (NaN, a vector of the wrong
+length, positions that do not parse) is refused with a message and the previous value stays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from .capture_view_model import format_positions, parse_positions
+
+try:  # the engine re-exports it; the plugin module is where it is defined today
+    from inspector.engine import Intervention
+except ImportError:  # pragma: no cover - until inspector.engine exports it
+    from inspector.plugin.interventions import Intervention
+
+SCOPES = ("all", "request", "positions", "request+positions")
+SCOPE_LABELS = {"all": "all requests", "request": "this request", "positions": "positions",
+                "request+positions": "this request, positions"}
+
+
+def parse_scalar(text, what: str = "value") -> float:
+    """A finite float from user text; ValueError with a clear message otherwise."""
+    if isinstance(text, (int, float, np.floating, np.integer)):
+        value = float(text)
+    else:
+        s = str(text).strip()
+        if not s:
+            raise ValueError(f"{what} is empty: enter a number such as 1.0")
+        try:
+            value = float(s)
+        except ValueError:
+            raise ValueError(f"{what} {s!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, not {value}")
+    return value
+
+
+def check_vector(vec, width: int | None, what: str) -> np.ndarray:
+    arr = np.asarray(vec)
+    if arr.dtype == object or not np.issubdtype(arr.dtype, np.number):
+        raise ValueError(f"{what} must hold numbers, got dtype {arr.dtype}")
+    arr = np.asarray(arr, dtype=np.float64)
+    if arr.ndim == 2 and 1 in arr.shape:
+        arr = arr.reshape(-1)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D vector, got shape {arr.shape}")
+    if width is not None and arr.shape[0] != width:
+        raise ValueError(f"{what} has {arr.shape[0]} values but the hook point is {width} wide")
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        raise ValueError(f"{what} holds {int(bad.sum())} NaN/Inf value(s) (first at index {int(np.argmax(bad))})")
+    return arr
+
+
+def load_vector_file(path: str | Path, width: int | None, what: str = "vector") -> np.ndarray:
+    """A per-feature vector from a .npy file (or .npz with one array); ValueError with the reason."""
+    path = Path(path)
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"cannot read {path.name}: {e}") from None
+    if isinstance(data, np.lib.npyio.NpzFile):
+        keys = list(data.keys())
+        if len(keys) != 1:
+            raise ValueError(f"{path.name} holds {len(keys)} arrays; expected exactly one")
+        data = data[keys[0]]
+    return check_vector(data, width, f"{what} in {path.name}")
+
+
+@dataclass
+class InterventionRow:
+    hook: str
+    enabled: bool = True
+    scope: str = "all"
+    request_id: str | None = None
+    positions: tuple[int, ...] | None = None
+    scale: float | np.ndarray = 1.0
+    bias: float | np.ndarray = 0.0
+    source: str = ""  # where a vector came from (file name, steering recipe)
+    problem: str = ""  # set when the row no longer fits the engine (e.g. hook gone after a restart)
+    uid: int = field(default_factory=lambda: InterventionRow._next_uid())
+
+    _counter = 0
+
+    @staticmethod
+    def _next_uid() -> int:
+        InterventionRow._counter += 1
+        return InterventionRow._counter
+
+    # ---- display ----
+    def value_text(self, which: str) -> str:
+        v = getattr(self, which)
+        if isinstance(v, np.ndarray):
+            return f"vector[{v.shape[0]}] ‖{np.linalg.norm(v):.3g}‖"
+        return f"{v:g}"
+
+    def positions_text(self) -> str:
+        return format_positions(self.positions) if self.positions else ""
+
+    # ---- edits (each returns a new row or raises ValueError; the row itself is never half-changed) ----
+    def with_field(self, name: str, value, width: int | None) -> "InterventionRow":
+        if name == "enabled":
+            return replace(self, enabled=bool(value))
+        if name == "hook":
+            return replace(self, hook=str(value), problem="")
+        if name == "scope":
+            if value not in SCOPES:
+                raise ValueError(f"scope must be one of {', '.join(SCOPES)}")
+            return replace(self, scope=value)
+        if name == "request_id":
+            return replace(self, request_id=(str(value) if value not in (None, "") else None))
+        if name == "positions":
+            if value in (None, "") or (isinstance(value, str) and not value.strip()):
+                return replace(self, positions=None)
+            ps = value if isinstance(value, tuple) else parse_positions(str(value))
+            return replace(self, positions=tuple(int(p) for p in ps))
+        if name in ("scale", "bias"):
+            if isinstance(value, np.ndarray) or isinstance(value, (list, tuple)):
+                return replace(self, **{name: check_vector(value, width, name).astype(np.float32)})
+            return replace(self, **{name: parse_scalar(value, name)})
+        raise KeyError(name)
+
+    def validate(self, widths: dict[str, int]) -> None:
+        """Raise ValueError if the row cannot become an Intervention for the installed hooks."""
+        if not self.hook:
+            raise ValueError("choose a hook point for this intervention")
+        if widths and self.hook not in widths:
+            raise ValueError(f"{self.hook!r} is not an installed hook point")
+        width = widths.get(self.hook)
+        for which in ("scale", "bias"):
+            v = getattr(self, which)
+            if isinstance(v, np.ndarray):
+                check_vector(v, width, which)
+            else:
+                parse_scalar(v, which)
+        if self.scope in ("request", "request+positions") and not self.request_id:
+            raise ValueError("scope 'this request' needs a request: select one in the view first")
+        if self.scope in ("positions", "request+positions") and not self.positions:
+            raise ValueError("scope 'positions' needs positions, e.g. 3-7, 10")
+
+    def to_intervention(self) -> Intervention:
+        def val(v):
+            return tuple(float(x) for x in v) if isinstance(v, np.ndarray) else float(v)
+
+        rid = self.request_id if self.scope in ("request", "request+positions") else None
+        pos = self.positions if self.scope in ("positions", "request+positions") else None
+        return Intervention(hook=self.hook, scale=val(self.scale), bias=val(self.bias), request_id=rid,
+                            positions=tuple(pos) if pos else None)
+
+
+def active_interventions(rows: list[InterventionRow], widths: dict[str, int]) -> list[Intervention]:
+    """Interventions of enabled rows; invalid rows raise (the editor keeps them from existing)."""
+    out = []
+    for row in rows:
+        if row.enabled and not row.problem:
+            row.validate(widths)
+            out.append(row.to_intervention())
+    return out

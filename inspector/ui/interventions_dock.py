@@ -1,0 +1,498 @@
+"""The interventions table: scale/bias edits at hook points, live during generation.
+
+Every edit goes through ``InterventionTableModel.setData``, which builds a new row with
+``InterventionRow.with_field`` (validating numbers, vector lengths, positions) and refuses the edit
+with a message if it is invalid; the old value stays. The panel then emits the enabled rows as
+``Intervention`` objects; if the engine refuses them too (it validates again), the table goes back
+to the last set the engine accepted and the reason is shown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt, Signal
+from PySide6.QtGui import QBrush, QColor
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
+                               QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QHeaderView, QLabel,
+                               QLineEdit, QPushButton, QStyledItemDelegate, QTableView, QVBoxLayout, QWidget)
+
+from inspector.capture.run import HookInfo
+
+from .capture_view_model import format_positions, parse_positions
+from .intervention_rows import (SCOPE_LABELS, SCOPES, InterventionRow, active_interventions, check_vector,
+                                load_vector_file)
+
+COLUMNS = ("On", "Hook", "Scope", "Request", "Positions", "Scale", "Bias", "Source")
+FIELD_OF = {0: "enabled", 1: "hook", 2: "scope", 3: "request_id", 4: "positions", 5: "scale", 6: "bias"}
+
+
+class InterventionTableModel(QAbstractTableModel):
+    rejected = Signal(str)  # an edit was refused: the reason
+    edited = Signal()  # rows changed (valid)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.rows: list[InterventionRow] = []
+        self.hooks: dict[str, HookInfo] = {}
+
+    # ---- Qt model ----
+    def rowCount(self, parent=QModelIndex()):
+        return 0 if parent.isValid() else len(self.rows)
+
+    def columnCount(self, parent=QModelIndex()):
+        return 0 if parent.isValid() else len(COLUMNS)
+
+    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
+        if role == Qt.ItemDataRole.DisplayRole and orientation == Qt.Orientation.Horizontal:
+            return COLUMNS[section]
+        return None
+
+    def flags(self, index):
+        f = Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
+        if index.column() == 0:
+            return f | Qt.ItemFlag.ItemIsUserCheckable
+        if index.column() in FIELD_OF:
+            return f | Qt.ItemFlag.ItemIsEditable
+        return f
+
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
+        if not index.isValid():
+            return None
+        row, col = self.rows[index.row()], index.column()
+        if role == Qt.ItemDataRole.CheckStateRole and col == 0:
+            return Qt.CheckState.Checked if row.enabled else Qt.CheckState.Unchecked
+        if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
+            if col == 1:
+                info = self.hooks.get(row.hook)
+                return (info.alias or info.name) if info and role == Qt.ItemDataRole.DisplayRole else row.hook
+            if col == 2:
+                return SCOPE_LABELS[row.scope] if role == Qt.ItemDataRole.DisplayRole else row.scope
+            if col == 3:
+                return row.request_id or ("—" if role == Qt.ItemDataRole.DisplayRole else "")
+            if col == 4:
+                return row.positions_text() or ("—" if role == Qt.ItemDataRole.DisplayRole else "")
+            if col == 5:
+                return row.value_text("scale")
+            if col == 6:
+                return row.value_text("bias")
+            if col == 7:
+                return row.problem or row.source
+        if role == Qt.ItemDataRole.ForegroundRole:
+            if row.problem:
+                return QBrush(QColor(180, 30, 30))
+            if not row.enabled:
+                return QBrush(QColor(140, 140, 140))
+        if role == Qt.ItemDataRole.ToolTipRole:
+            tip = [f"hook {row.hook}", f"scope {SCOPE_LABELS[row.scope]}"]
+            if row.problem:
+                tip.append(f"not applied: {row.problem}")
+            if row.source:
+                tip.append(row.source)
+            return "\n".join(tip)
+        return None
+
+    def setData(self, index, value, role=Qt.ItemDataRole.EditRole) -> bool:
+        if not index.isValid():
+            return False
+        col = index.column()
+        if col == 0 and role == Qt.ItemDataRole.CheckStateRole:
+            value = Qt.CheckState(value) == Qt.CheckState.Checked if not isinstance(value, bool) else value
+            return self.replace_field(index.row(), "enabled", value)
+        if role != Qt.ItemDataRole.EditRole or col not in FIELD_OF:
+            return False
+        if col in (3, 4) and value == "—":
+            value = ""
+        return self.replace_field(index.row(), FIELD_OF[col], value)
+
+    # ---- edits ----
+    def width_of(self, hook: str) -> int | None:
+        info = self.hooks.get(hook)
+        return info.width if info else None
+
+    def replace_field(self, i: int, name: str, value) -> bool:
+        old = self.rows[i]
+        try:
+            new = old.with_field(name, value, self.width_of(old.hook if name != "hook" else str(value)))
+            if name == "hook":
+                if self.hooks and new.hook not in self.hooks:
+                    raise ValueError(f"{new.hook!r} is not an installed hook point")
+                width = self.width_of(new.hook)
+                for which in ("scale", "bias"):
+                    v = getattr(new, which)
+                    if isinstance(v, np.ndarray) and width is not None and v.shape[0] != width:
+                        raise ValueError(f"the {which} vector has {v.shape[0]} values but {new.hook} is {width} wide; "
+                                         "load a matching vector first or set a scalar")
+            if new.enabled:
+                new.validate({h: info.width for h, info in self.hooks.items()} if self.hooks else {})
+        except ValueError as exc:
+            self.rejected.emit(f"Row {i + 1}: {exc}. The previous value was kept.")
+            return False
+        self.rows[i] = new
+        self.dataChanged.emit(self.index(i, 0), self.index(i, len(COLUMNS) - 1))
+        self.edited.emit()
+        return True
+
+    def add(self, row: InterventionRow) -> int:
+        self.beginInsertRows(QModelIndex(), len(self.rows), len(self.rows))
+        self.rows.append(row)
+        self.endInsertRows()
+        self.edited.emit()
+        return len(self.rows) - 1
+
+    def remove(self, indices) -> None:
+        for i in sorted(set(indices), reverse=True):
+            self.beginRemoveRows(QModelIndex(), i, i)
+            del self.rows[i]
+            self.endRemoveRows()
+        self.edited.emit()
+
+    def set_rows(self, rows: list[InterventionRow]) -> None:
+        self.beginResetModel()
+        self.rows = [replace(r) for r in rows]
+        self.endResetModel()
+
+    def set_hooks(self, hooks: dict[str, HookInfo]) -> None:
+        """Installed hooks changed: rows on hooks that are gone (or now the wrong width) are parked."""
+        self.hooks = dict(hooks)
+        for i, row in enumerate(self.rows):
+            problem = ""
+            if hooks and row.hook not in hooks:
+                problem = "hook point not captured now"
+            else:
+                width = self.width_of(row.hook)
+                for which in ("scale", "bias"):
+                    v = getattr(row, which)
+                    if isinstance(v, np.ndarray) and width is not None and v.shape[0] != width:
+                        problem = f"{which} vector has {v.shape[0]} values, hook is {width} wide"
+            self.rows[i] = replace(row, problem=problem)
+        if self.rows:
+            self.dataChanged.emit(self.index(0, 0), self.index(len(self.rows) - 1, len(COLUMNS) - 1))
+
+
+class ChoiceDelegate(QStyledItemDelegate):
+    """A combo box editor whose choices come from a callable: [(label, value)]."""
+
+    def __init__(self, choices: Callable[[], list[tuple[str, str]]], parent=None):
+        super().__init__(parent)
+        self._choices = choices
+
+    def createEditor(self, parent, option, index):
+        box = QComboBox(parent)
+        for label, value in self._choices():
+            box.addItem(label, value)
+        box.activated.connect(lambda _=0, b=box: self.commitData.emit(b))
+        return box
+
+    def setEditorData(self, editor, index):
+        i = editor.findData(index.data(Qt.ItemDataRole.EditRole))
+        editor.setCurrentIndex(max(i, 0))
+
+    def setModelData(self, editor, model, index):
+        model.setData(index, editor.currentData(), Qt.ItemDataRole.EditRole)
+
+
+class SteeringDialog(QDialog):
+    """Bias = k x (mean activation over selection A - mean over selection B) at one hook."""
+
+    def __init__(self, hooks: list[HookInfo], requests: list[str], compute, strip_selection, default_hook=None,
+                 parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("Steering vector from two token selections")
+        self._compute, self._strip = compute, strip_selection
+        self.result_vector: np.ndarray | None = None
+        self.description = ""
+        self.hook_box = QComboBox()
+        for h in hooks:
+            self.hook_box.addItem(f"{h.alias}  ({h.width})", h.name)
+        if default_hook:
+            self.hook_box.setCurrentIndex(max(self.hook_box.findData(default_hook), 0))
+        self.sel = {}
+        form = QFormLayout(self)
+        form.addRow("Hook point", self.hook_box)
+        for key, title in (("A", "Selection A (towards)"), ("B", "Selection B (away from)")):
+            group = QGroupBox(title)
+            req = QComboBox()
+            req.addItems(requests)
+            pos = QLineEdit(placeholderText="positions, e.g. 3-7, 10")
+            use = QPushButton("Use token-strip selection")
+            use.clicked.connect(lambda _=False, r=req, p=pos: self._fill_from_strip(r, p))
+            g = QFormLayout(group)
+            g.addRow("Request", req)
+            g.addRow("Positions", pos)
+            g.addRow(use)
+            form.addRow(group)
+            self.sel[key] = (req, pos)
+        self.k = QDoubleSpinBox(decimals=3, minimum=-1000, maximum=1000, value=1.0, singleStep=0.5)
+        form.addRow("Multiplier k", self.k)
+        self.info = QLabel("Pick two selections, then Compute.")
+        self.info.setWordWrap(True)
+        form.addRow(self.info)
+        self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        compute_button = self.buttons.addButton("Compute", QDialogButtonBox.ButtonRole.ApplyRole)
+        compute_button.clicked.connect(self.compute)
+        self.buttons.accepted.connect(self._accept)
+        self.buttons.rejected.connect(self.reject)
+        form.addRow(self.buttons)
+
+    def _fill_from_strip(self, req_box: QComboBox, pos_edit: QLineEdit) -> None:
+        rid, positions = self._strip()
+        if rid is not None:
+            req_box.setCurrentText(rid)
+        if positions:
+            pos_edit.setText(format_positions(positions))
+
+    def set_selection(self, key: str, rid: str, positions) -> None:
+        req, pos = self.sel[key]
+        req.setCurrentText(rid)
+        pos.setText(positions if isinstance(positions, str) else format_positions(positions))
+
+    def compute(self) -> bool:
+        hook = self.hook_box.currentData()
+        try:
+            sel = {}
+            for key, (req, pos) in self.sel.items():
+                if not pos.text().strip():
+                    raise ValueError(f"selection {key} has no positions")
+                sel[key] = [(req.currentText(), parse_positions(pos.text()))]
+            vec, na, nb = self._compute(hook, sel["A"], sel["B"])
+        except ValueError as exc:
+            self.result_vector = None
+            self.info.setText(f"<span style='color:#b01e1e'>Cannot compute: {exc}</span>")
+            return False
+        k = self.k.value()
+        self.result_vector = (k * vec).astype(np.float32)
+        a_req, a_pos = self.sel["A"]
+        b_req, b_pos = self.sel["B"]
+        self.description = (f"steer {k:g}×(mean {a_req.currentText()}[{a_pos.text()}] − "
+                            f"mean {b_req.currentText()}[{b_pos.text()}])")
+        self.info.setText(f"‖v‖ = {np.linalg.norm(self.result_vector):.4g} from {na} row(s) in A and {nb} in B.")
+        return True
+
+    def _accept(self) -> None:
+        if self.compute():
+            self.accept()
+
+
+class InterventionsPanel(QWidget):
+    interventionsChanged = Signal(list)  # list[Intervention] of enabled rows
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.model = InterventionTableModel(self)
+        self._accepted: list[InterventionRow] = []
+        self._request_ids: list[str] = []
+        self.current_request: Callable[[], str | None] = lambda: None
+        self.current_hook: Callable[[], str | None] = lambda: None
+        self.strip_selection: Callable[[], tuple[str | None, tuple[int, ...]]] = lambda: (None, ())
+        self.compute_steering: Callable | None = None
+        self.captured_hooks: Callable[[], list[HookInfo]] = lambda: list(self.model.hooks.values())
+
+        self.table = QTableView()
+        self.table.setModel(self.model)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked |
+                                   QAbstractItemView.EditTrigger.EditKeyPressed |
+                                   QAbstractItemView.EditTrigger.SelectedClicked)
+        self.table.verticalHeader().setVisible(False)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(True)
+        self.table.setItemDelegateForColumn(1, ChoiceDelegate(
+            lambda: [(f"{h.alias}  ({h.width})", h.name) for h in self.model.hooks.values()], self))
+        self.table.setItemDelegateForColumn(2, ChoiceDelegate(
+            lambda: [(SCOPE_LABELS[s], s) for s in SCOPES], self))
+        self.table.setItemDelegateForColumn(3, ChoiceDelegate(
+            lambda: [("—", "")] + [(r, r) for r in self._request_ids], self))
+
+        self.add_button = QPushButton("Add", toolTip="New row on the hook shown in the heatmap")
+        self.remove_button = QPushButton("Remove")
+        self.scale_file = QPushButton("Scale from .npy…")
+        self.bias_file = QPushButton("Bias from .npy…")
+        self.steer_button = QPushButton("Steering vector…",
+                                        toolTip="Bias = k × (mean of selection A − mean of selection B) in this run")
+        self.clear_button = QPushButton("Clear")
+        self.message = QLabel("")
+        self.message.setWordWrap(True)
+        self.message.setVisible(False)
+        self.status = QLabel("No interventions: generation runs unchanged.")
+        self.status.setWordWrap(True)
+
+        buttons = QHBoxLayout()
+        for b in (self.add_button, self.remove_button, self.clear_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        vectors = QHBoxLayout()
+        for b in (self.scale_file, self.bias_file, self.steer_button):
+            vectors.addWidget(b)
+        vectors.addStretch(1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(buttons)
+        layout.addWidget(self.table, 1)
+        layout.addLayout(vectors)
+        layout.addWidget(self.message)
+        layout.addWidget(self.status)
+
+        self.add_button.clicked.connect(lambda: self.add_row())
+        self.remove_button.clicked.connect(self.remove_selected)
+        self.clear_button.clicked.connect(self.clear)
+        self.scale_file.clicked.connect(lambda: self.load_vector_dialog("scale"))
+        self.bias_file.clicked.connect(lambda: self.load_vector_dialog("bias"))
+        self.steer_button.clicked.connect(self.open_steering_dialog)
+        self.model.rejected.connect(self.show_message)
+        self.model.edited.connect(self._edited)
+
+    # ---- outside world ----
+    def set_hooks(self, hooks: dict[str, HookInfo]) -> None:
+        self.model.set_hooks(hooks)
+        self._accepted = [replace(r) for r in self.model.rows]
+        self._update_status()
+
+    def set_requests(self, request_ids: list[str]) -> None:
+        self._request_ids = list(request_ids)
+
+    def interventions(self) -> list:
+        widths = {h: info.width for h, info in self.model.hooks.items()}
+        return active_interventions(self.model.rows, widths)
+
+    def engine_refused(self, reason: str) -> None:
+        """The session refused the last set: go back to the last accepted rows, keep the reason visible."""
+        self.model.set_rows(self._accepted)
+        self.show_message(f"The engine refused the change: {reason}. The previous interventions stay in effect.")
+        self._update_status()
+
+    def engine_accepted(self) -> None:
+        self._accepted = [replace(r) for r in self.model.rows]
+        self._update_status()
+
+    def show_message(self, text: str) -> None:
+        self.message.setText(f"<span style='color:#b01e1e'>⚠ {text}</span>")
+        self.message.setToolTip(text)
+        self.message.setVisible(True)
+        self.last_message = text
+
+    def clear_message(self) -> None:
+        self.message.setVisible(False)
+        self.message.setText("")
+
+    last_message = ""
+
+    # ---- actions ----
+    def add_row(self, hook: str | None = None, **fields) -> int:
+        hook = hook or self.current_hook() or next(iter(self.model.hooks), "")
+        if self.model.hooks and hook not in self.model.hooks:
+            hook = next(iter(self.model.hooks))
+        row = InterventionRow(hook=hook, request_id=self.current_request())
+        for name, value in fields.items():
+            try:
+                row = row.with_field(name, value, self.model.width_of(row.hook))
+            except ValueError as exc:
+                self.show_message(f"New row: {exc}")
+                return -1
+        if row.enabled:
+            try:
+                row.validate({h: i.width for h, i in self.model.hooks.items()})
+            except ValueError as exc:
+                self.show_message(f"New row: {exc}")
+                return -1
+        return self.model.add(row)
+
+    def edit(self, row: int, column: str, value) -> bool:
+        """Edit a cell as the editor would (tests and scripted use): False and a message if refused."""
+        col = COLUMNS.index(column)
+        if col == 0:
+            return self.model.setData(self.model.index(row, 0), bool(value), Qt.ItemDataRole.CheckStateRole)
+        return self.model.setData(self.model.index(row, col), value, Qt.ItemDataRole.EditRole)
+
+    def remove_selected(self) -> None:
+        rows = {i.row() for i in self.table.selectionModel().selectedRows()}
+        if rows:
+            self.model.remove(rows)
+
+    def clear(self) -> None:
+        if self.model.rows:
+            self.model.remove(range(len(self.model.rows)))
+
+    def _target_row(self) -> int | None:
+        rows = sorted({i.row() for i in self.table.selectionModel().selectedRows()})
+        if rows:
+            return rows[0]
+        if len(self.model.rows) == 1:
+            return 0
+        self.show_message("Select the row the vector is for first.")
+        return None
+
+    def load_vector_dialog(self, which: str) -> None:
+        i = self._target_row()
+        if i is None:
+            return
+        path, _ = QFileDialog.getOpenFileName(self, f"Load {which} vector", "", "NumPy arrays (*.npy *.npz)")
+        if path:
+            self.load_vector(i, which, path)
+
+    def load_vector(self, row: int, which: str, path: str | Path) -> bool:
+        hook = self.model.rows[row].hook
+        try:
+            vec = load_vector_file(path, self.model.width_of(hook), which)
+        except ValueError as exc:
+            self.show_message(f"{exc}. The row was not changed.")
+            return False
+        ok = self.model.replace_field(row, which, vec)
+        if ok:
+            self.model.rows[row] = replace(self.model.rows[row], source=f"{which} from {Path(path).name}")
+            self.model.dataChanged.emit(self.model.index(row, 0), self.model.index(row, len(COLUMNS) - 1))
+        return ok
+
+    def set_vector(self, row: int, which: str, vector, source: str = "") -> bool:
+        try:
+            vec = check_vector(vector, self.model.width_of(self.model.rows[row].hook), which)
+        except ValueError as exc:
+            self.show_message(f"{exc}. The row was not changed.")
+            return False
+        ok = self.model.replace_field(row, which, vec)
+        if ok and source:
+            self.model.rows[row] = replace(self.model.rows[row], source=source)
+        return ok
+
+    def open_steering_dialog(self) -> SteeringDialog | None:
+        hooks = self.captured_hooks()
+        if not hooks or self.compute_steering is None or not self._request_ids:
+            self.show_message("Generate (or open a capture) first: a steering vector is computed from captured rows.")
+            return None
+        dialog = SteeringDialog(hooks, self._request_ids, self.compute_steering, self.strip_selection,
+                                default_hook=self.current_hook(), parent=self)
+        dialog.finished.connect(lambda code, d=dialog: self._steering_done(d, code))
+        dialog.open()
+        return dialog
+
+    def _steering_done(self, dialog: SteeringDialog, code: int) -> None:
+        if code != QDialog.DialogCode.Accepted or dialog.result_vector is None:
+            return
+        hook = dialog.hook_box.currentData()
+        if self.model.hooks and hook not in self.model.hooks:
+            self.show_message(f"{hook} is not captured by the engine now; check it in the model tree first.")
+            return
+        i = self.add_row(hook=hook)
+        if i >= 0:
+            self.set_vector(i, "bias", dialog.result_vector, dialog.description)
+
+    def _edited(self) -> None:
+        self.clear_message()
+        try:
+            ivs = self.interventions()
+        except ValueError as exc:  # cannot normally happen: rows are validated on edit
+            self.show_message(str(exc))
+            return
+        self.interventionsChanged.emit(ivs)
+
+    def _update_status(self) -> None:
+        n = sum(1 for r in self.model.rows if r.enabled and not r.problem)
+        parked = sum(1 for r in self.model.rows if r.problem)
+        text = f"{n} intervention(s) active" if n else "No interventions: generation runs unchanged."
+        if parked:
+            text += f" · {parked} parked (hook not captured)"
+        self.status.setText(text + ("  · takes effect on the next forward" if n else ""))

@@ -1,0 +1,332 @@
+"""The model's module tree with its hook points as checkable leaves.
+
+Hook points (``HookInfo``) are grouped by the components of their module path; a module node checks
+or unchecks everything below it (tri-state). Each leaf shows its kind, width and TransformerLens-style
+alias. Presets and glob patterns add to (or, for "None", clear) the checked set. The checked set is
+what the user *wants*; ``installed`` is what the engine captures now. In eager mode changes apply on
+their own after a short pause; in compiled mode the Apply button asks first (the engine restarts).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QSignalBlocker, QSortFilterProxyModel, Qt, QTimer, Signal
+from PySide6.QtGui import QBrush, QColor, QFont, QStandardItem, QStandardItemModel
+from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QMenu, QPushButton,
+                               QToolButton, QTreeView, QVBoxLayout, QWidget)
+
+from inspector.capture.run import HookInfo
+
+from .capture_view_model import glob_match
+
+NAME_ROLE = Qt.ItemDataRole.UserRole + 1
+PRESETS = {
+    "All residual stream": lambda h: h.kind == "resid_post",
+    "All attention out": lambda h: h.kind == "attn_out",
+    "All MLP out": lambda h: h.kind == "mlp_out",
+    "All residual (pre, mid, post)": lambda h: h.kind in ("resid_pre", "resid_mid", "resid_post"),
+}
+MODES = {"compiled": "compiled — fastest; hook set fixed (changes restart the engine)",
+         "eager": "eager — slower; hook changes apply live"}
+
+
+class HookFilterProxy(QSortFilterProxyModel):
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setRecursiveFilteringEnabled(True)
+        self.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
+        self.setFilterKeyColumn(-1)
+        self.setAutoAcceptChildRows(True)
+
+
+class ModelTreeWidget(QWidget):
+    checkedChanged = Signal()
+    applyRequested = Signal(list)  # hook names wanted
+    modeChangeRequested = Signal(str)
+    hookActivated = Signal(str)  # a hook point was selected (show it in the heatmap)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self._infos: dict[str, HookInfo] = {}
+        self._leaves: dict[str, QStandardItem] = {}
+        self._installed: set[str] = set()
+        self._mode = "compiled"
+        self._busy = False
+
+        self.mode_box = QComboBox(toolTip="Engine mode")
+        for key, label in MODES.items():
+            self.mode_box.addItem(label, key)
+        self.filter_box = QLineEdit(placeholderText="Filter: name, alias or kind (e.g. mlp, blocks.3)",
+                                    clearButtonEnabled=True)
+        self.presets_button = QToolButton(text="Presets", popupMode=QToolButton.ToolButtonPopupMode.InstantPopup,
+                                          toolTip="Add a family of hook points to the checked set")
+        menu = QMenu(self.presets_button)
+        for name in PRESETS:
+            menu.addAction(name, lambda n=name: self.apply_preset(n))
+        menu.addSeparator()
+        menu.addAction("None", lambda: self.apply_preset("None"))
+        self.presets_button.setMenu(menu)
+        self.glob_box = QLineEdit(placeholderText="Glob, e.g. blocks.*.hook_mlp_out", clearButtonEnabled=True)
+        self.glob_check = QToolButton(text="Check", toolTip="Check every hook point whose name or alias matches")
+        self.glob_uncheck = QToolButton(text="Uncheck", toolTip="Uncheck every matching hook point")
+
+        self.model = QStandardItemModel(0, 3, self)
+        self.model.setHorizontalHeaderLabels(["Module / hook point", "Width", "Alias"])
+        self.proxy = HookFilterProxy(self)
+        self.proxy.setSourceModel(self.model)
+        self.tree = QTreeView()
+        self.tree.setModel(self.proxy)
+        self.tree.setUniformRowHeights(True)
+        self.tree.setAlternatingRowColors(True)
+        header = self.tree.header()
+        header.setStretchLastSection(True)
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Interactive)
+        header.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
+
+        self.summary = QLabel("No model loaded")
+        self.summary.setWordWrap(True)
+        self.apply_button = QPushButton("Apply", enabled=False)
+        self.revert_button = QPushButton("Revert", enabled=False, toolTip="Check exactly the captured hook points")
+
+        top = QHBoxLayout()
+        top.addWidget(QLabel("Mode"))
+        top.addWidget(self.mode_box, 1)
+        glob = QHBoxLayout()
+        glob.addWidget(self.presets_button)
+        glob.addWidget(self.glob_box, 1)
+        glob.addWidget(self.glob_check)
+        glob.addWidget(self.glob_uncheck)
+        bottom = QHBoxLayout()
+        bottom.addWidget(self.summary, 1)
+        bottom.addWidget(self.revert_button)
+        bottom.addWidget(self.apply_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(top)
+        layout.addWidget(self.filter_box)
+        layout.addLayout(glob)
+        layout.addWidget(self.tree, 1)
+        layout.addLayout(bottom)
+
+        self._auto_apply = QTimer(self, singleShot=True, interval=500)
+        self._auto_apply.timeout.connect(self._eager_apply)
+        self.filter_box.textChanged.connect(self._filter_changed)
+        self.glob_check.clicked.connect(lambda: self.check_glob(self.glob_box.text(), True))
+        self.glob_uncheck.clicked.connect(lambda: self.check_glob(self.glob_box.text(), False))
+        self.glob_box.returnPressed.connect(lambda: self.check_glob(self.glob_box.text(), True))
+        self.model.itemChanged.connect(self._item_changed)
+        self.apply_button.clicked.connect(self.request_apply)
+        self.revert_button.clicked.connect(lambda: self.set_checked(self._installed))
+        self.mode_box.currentIndexChanged.connect(self._mode_edited)
+        self.tree.selectionModel().currentChanged.connect(self._current_changed)
+
+    # ------------------------------------------------------------------ content
+    def set_catalogue(self, catalogue: list[HookInfo], installed) -> None:
+        self._infos = {h.name: h for h in catalogue}
+        self._leaves = {}
+        with QSignalBlocker(self.model):
+            self.model.removeRows(0, self.model.rowCount())
+            nodes: dict[str, QStandardItem] = {}
+            root = self.model.invisibleRootItem()
+            for info in catalogue:
+                parent, path = root, ""
+                for part in [p for p in info.module_path.split(".") if p]:
+                    path = f"{path}.{part}" if path else part
+                    node = nodes.get(path)
+                    if node is None:
+                        node = QStandardItem(part)
+                        node.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable |
+                                      Qt.ItemFlag.ItemIsUserCheckable)
+                        node.setCheckState(Qt.CheckState.Unchecked)
+                        node.setToolTip(path)
+                        cells = [node, QStandardItem(""), QStandardItem("")]
+                        for c in cells[1:]:
+                            c.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable)
+                        parent.appendRow(cells)
+                        nodes[path] = node
+                    parent = node
+                leaf = QStandardItem(f"◆ {info.kind}")
+                leaf.setData(info.name, NAME_ROLE)
+                leaf.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable | Qt.ItemFlag.ItemIsUserCheckable)
+                leaf.setCheckState(Qt.CheckState.Unchecked)
+                leaf.setToolTip(f"{info.name}\nalias {info.alias}\nmodule {info.module_path}\n"
+                                f"kind {info.kind}, width {info.width}, dtype {info.dtype}")
+                width = QStandardItem(str(info.width))
+                width.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                alias = QStandardItem(info.alias)
+                alias.setForeground(QBrush(QColor(70, 70, 160)))
+                for c in (width, alias):
+                    c.setData(info.name, NAME_ROLE)
+                    c.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable)
+                parent.appendRow([leaf, width, alias])
+                self._leaves[info.name] = leaf
+        self.model.layoutChanged.emit()
+        self._installed = set(installed)
+        self.set_checked(self._installed)
+        self.tree.expandToDepth(2)
+        self.tree.resizeColumnToContents(0)
+        self._refresh_badges()
+
+    def set_installed(self, installed) -> None:
+        self._installed = set(installed)
+        self._refresh_badges()
+
+    def installed(self) -> set[str]:
+        return set(self._installed)
+
+    def hook_names(self) -> list[str]:
+        return list(self._leaves)
+
+    def checked(self) -> list[str]:
+        return [n for n, it in self._leaves.items() if it.checkState() == Qt.CheckState.Checked]
+
+    def pending(self) -> bool:
+        return set(self.checked()) != self._installed
+
+    def set_checked(self, names) -> None:
+        names = set(names)
+        with QSignalBlocker(self.model):
+            for name, leaf in self._leaves.items():
+                leaf.setCheckState(Qt.CheckState.Checked if name in names else Qt.CheckState.Unchecked)
+        self._sync_parents()
+        self._after_change()
+
+    def set_hook_checked(self, name: str, on: bool) -> None:
+        """A click on one leaf's check box (tests use it; the user clicks)."""
+        self._leaves[name].setCheckState(Qt.CheckState.Checked if on else Qt.CheckState.Unchecked)
+
+    def apply_preset(self, name: str) -> None:
+        if name == "None":
+            self.set_checked(())
+            return
+        rule = PRESETS[name]
+        self.set_checked(set(self.checked()) | {n for n, h in self._infos.items() if rule(h)})
+
+    def check_glob(self, pattern: str, on: bool = True) -> int:
+        matches = {n for n, h in self._infos.items() if glob_match(h, pattern)}
+        current = set(self.checked())
+        self.set_checked(current | matches if on else current - matches)
+        return len(matches)
+
+    # ------------------------------------------------------------------ mode and busy state
+    def set_mode(self, mode: str) -> None:
+        self._mode = mode
+        with QSignalBlocker(self.mode_box):
+            self.mode_box.setCurrentIndex(max(self.mode_box.findData(mode), 0))
+        self._refresh_badges()
+
+    def mode(self) -> str:
+        return self._mode
+
+    def set_busy(self, busy: bool) -> None:
+        """While the engine boots or restarts, hook changes cannot be applied."""
+        self._busy = busy
+        self._refresh_badges()
+
+    def _mode_edited(self, _index) -> None:
+        wanted = self.mode_box.currentData()
+        if wanted != self._mode:
+            with QSignalBlocker(self.mode_box):  # the window confirms, then calls set_mode
+                self.mode_box.setCurrentIndex(self.mode_box.findData(self._mode))
+            self.modeChangeRequested.emit(wanted)
+
+    # ------------------------------------------------------------------ internals
+    def _filter_changed(self, text: str) -> None:
+        self.proxy.setFilterFixedString(text.strip())
+        if text.strip():
+            self.tree.expandAll()
+
+    def _item_changed(self, item: QStandardItem) -> None:
+        if item.data(NAME_ROLE) is None and item.column() == 0 and item.hasChildren():
+            state = item.checkState()
+            if state != Qt.CheckState.PartiallyChecked:  # a module node was clicked: apply to its subtree
+                with QSignalBlocker(self.model):
+                    self._set_subtree(item, state)
+        with QSignalBlocker(self.model):
+            self._sync_parents()
+        self.model.layoutChanged.emit()
+        self._after_change()
+
+    def _set_subtree(self, item: QStandardItem, state) -> None:
+        for r in range(item.rowCount()):
+            child = item.child(r, 0)
+            if child.isCheckable():
+                child.setCheckState(state)
+            self._set_subtree(child, state)
+
+    def _sync_parents(self) -> None:
+        def visit(item: QStandardItem):
+            if not item.hasChildren():
+                return item.checkState()
+            states = [visit(item.child(r, 0)) for r in range(item.rowCount())]
+            if all(s == Qt.CheckState.Checked for s in states):
+                s = Qt.CheckState.Checked
+            elif all(s == Qt.CheckState.Unchecked for s in states):
+                s = Qt.CheckState.Unchecked
+            else:
+                s = Qt.CheckState.PartiallyChecked
+            if item.checkState() != s:
+                item.setCheckState(s)
+            return s
+
+        with QSignalBlocker(self.model):
+            root = self.model.invisibleRootItem()
+            for r in range(root.rowCount()):
+                visit(root.child(r, 0))
+        self.tree.viewport().update()
+
+    def _after_change(self) -> None:
+        self._refresh_badges()
+        self.checkedChanged.emit()
+        if self._mode == "eager" and self.pending() and not self._busy:
+            self._auto_apply.start()
+
+    def _eager_apply(self) -> None:
+        if self._mode == "eager" and self.pending() and not self._busy:
+            self.applyRequested.emit(self.checked())
+
+    def request_apply(self) -> None:
+        if self.pending():
+            self.applyRequested.emit(self.checked())
+
+    def _refresh_badges(self) -> None:
+        checked = set(self.checked())
+        with QSignalBlocker(self.model):
+            for name, leaf in self._leaves.items():
+                font = QFont(leaf.font())
+                installed = name in self._installed
+                font.setBold(installed)
+                font.setStrikeOut(installed and name not in checked)
+                leaf.setFont(font)
+                if name in checked and not installed:
+                    leaf.setForeground(QBrush(QColor(0, 120, 60)))
+                elif installed and name not in checked:
+                    leaf.setForeground(QBrush(QColor(170, 40, 40)))
+                else:
+                    leaf.setForeground(QBrush(self.palette().text().color()))
+        self.tree.viewport().update()
+        added, removed = len(checked - self._installed), len(self._installed - checked)
+        if not self._leaves:
+            self.summary.setText("No model loaded")
+        else:
+            text = f"{len(self._installed)} of {len(self._leaves)} hook points captured"
+            if added or removed:
+                how = "restarts the engine" if self._mode == "compiled" else "applies live"
+                text += f" · pending +{added} −{removed} ({how})"
+            self.summary.setText(text)
+        pending = bool(added or removed)
+        self.apply_button.setEnabled(pending and not self._busy)
+        self.apply_button.setText("Apply && restart" if self._mode == "compiled" else "Apply")
+        self.revert_button.setEnabled(pending)
+
+    def _current_changed(self, current, _previous) -> None:
+        name = current.data(NAME_ROLE)
+        if name:
+            self.hookActivated.emit(name)
+
+    def leaf_index(self, name: str):
+        """The proxy index of a leaf (tests click it)."""
+        return self.proxy.mapFromSource(self._leaves[name].index())
+
+    def visible_hooks(self) -> list[str]:
+        """Hook names not hidden by the filter."""
+        return [n for n, leaf in self._leaves.items() if self.proxy.mapFromSource(leaf.index()).isValid()]

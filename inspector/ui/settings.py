@@ -1,0 +1,116 @@
+"""Persistent settings (QSettings, INI format): window geometry/state, colour map, models.
+
+``INSPECTOR_SETTINGS_DIR`` (or ``configure_storage(path)``) moves the storage, so tests and
+portable installs never touch the user's real settings.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings
+
+ORG = "ActivationInspector"
+APP = "inspector"
+ENV_VAR = "INSPECTOR_SETTINGS_DIR"
+MAX_RECENT = 8
+DEFAULT_COLORMAP = "cividis"
+
+
+def configure_storage(path: str | os.PathLike | None = None) -> None:
+    """INI files everywhere; under ``path`` (or $INSPECTOR_SETTINGS_DIR) when given."""
+    QSettings.setDefaultFormat(QSettings.Format.IniFormat)
+    path = path or os.environ.get(ENV_VAR)
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(path))
+
+
+class Settings:
+    def __init__(self):
+        self._q = QSettings(QSettings.Format.IniFormat, QSettings.Scope.UserScope, ORG, APP)
+
+    @property
+    def file_name(self) -> str:
+        return self._q.fileName()
+
+    def sync(self) -> None:
+        self._q.sync()
+
+    # ---- plain values ----
+    def _str(self, key: str, default: str = "") -> str:
+        v = self._q.value(key, default)
+        return default if v is None else str(v)
+
+    def _list(self, key: str) -> list[str]:
+        v = self._q.value(key, [])
+        if v is None or v == "":
+            return []
+        if isinstance(v, str):
+            return [v]
+        return [str(x) for x in v]
+
+    @property
+    def colormap(self) -> str:
+        return self._str("view/colormap", DEFAULT_COLORMAP) or DEFAULT_COLORMAP
+
+    @colormap.setter
+    def colormap(self, name: str) -> None:
+        self._q.setValue("view/colormap", name)
+
+    @property
+    def engine_mode(self) -> str:
+        mode = self._str("engine/mode", "compiled")
+        return mode if mode in ("compiled", "eager") else "compiled"
+
+    @engine_mode.setter
+    def engine_mode(self, mode: str) -> None:
+        self._q.setValue("engine/mode", mode)
+
+    @property
+    def last_model(self) -> str:
+        return self._str("models/last", "")
+
+    @property
+    def recent_models(self) -> list[str]:
+        return self._list("models/recent")
+
+    def add_recent_model(self, path: str) -> None:
+        path = str(path)
+        recent = [p for p in self.recent_models if p != path]
+        self._q.setValue("models/recent", [path, *recent][:MAX_RECENT])
+        self._q.setValue("models/last", path)
+
+    def clear_recent_models(self) -> None:
+        self._q.remove("models/recent")
+
+    @property
+    def recent_captures(self) -> list[str]:
+        return self._list("captures/recent")
+
+    def add_recent_capture(self, path: str) -> None:
+        path = str(path)
+        recent = [p for p in self.recent_captures if p != path]
+        self._q.setValue("captures/recent", [path, *recent][:MAX_RECENT])
+
+    @property
+    def last_dir(self) -> str:
+        return self._str("files/last_dir", str(Path.home()))
+
+    @last_dir.setter
+    def last_dir(self, path: str) -> None:
+        self._q.setValue("files/last_dir", str(path))
+
+    # ---- window ----
+    def save_window(self, geometry: QByteArray, state: QByteArray) -> None:
+        self._q.setValue("window/geometry", geometry)
+        self._q.setValue("window/state", state)
+
+    def window_geometry(self) -> QByteArray | None:
+        v = self._q.value("window/geometry")
+        return v if isinstance(v, QByteArray) and not v.isEmpty() else None
+
+    def window_state(self) -> QByteArray | None:
+        v = self._q.value("window/state")
+        return v if isinstance(v, QByteArray) and not v.isEmpty() else None

@@ -1,0 +1,146 @@
+"""Layers x tokens: one row per captured residual-stream hook, one column per token position.
+
+Each cell is the L2 norm of that hook's activation at that token (or one chosen feature's value).
+Norms are computed incrementally as rows arrive (``CaptureViewModel.norms``), so the matrix here is
+small (hooks x tokens) and simply rebuilt per frame.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QRectF, Qt, Signal
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QSpinBox, QVBoxLayout, QWidget
+
+from .capture_view_model import display_token
+from .heatmap import colormap
+from .image_pool import robust_levels
+
+MEASURES = ("L2 norm", "feature value")
+FAMILIES = {"resid_post": ("resid_post",), "all residual": ("resid_pre", "resid_mid", "resid_post")}
+
+
+class SummaryView(QWidget):
+    positionClicked = Signal(int)
+    settingsChanged = Signal()  # measure, feature or family changed: the window feeds new data
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self._matrix = np.zeros((0, 0), dtype=np.float32)
+        self._labels: list[str] = []
+        self._texts: list[str] = []
+        self.last_readout = ""
+
+        self.measure_box = QComboBox()
+        self.measure_box.addItems(MEASURES)
+        self.feature_box = QSpinBox(minimum=0, maximum=1_000_000, enabled=False, toolTip="Feature index")
+        self.family_box = QComboBox(toolTip="Which residual-stream hook points form the rows")
+        self.family_box.addItems(list(FAMILIES))
+        bar = QHBoxLayout()
+        bar.setContentsMargins(0, 0, 0, 0)
+        bar.addWidget(QLabel("Show"))
+        bar.addWidget(self.measure_box)
+        bar.addWidget(self.feature_box)
+        bar.addWidget(QLabel("of"))
+        bar.addWidget(self.family_box)
+        bar.addWidget(QLabel("hooks, per layer and token"))
+        bar.addStretch(1)
+
+        self.glw = pg.GraphicsLayoutWidget()
+        self.glw.setBackground("w")
+        self.plot = self.glw.addPlot(row=0, col=0)
+        self.plot.invertY(True)
+        self.plot.hideButtons()
+        self.plot.setMenuEnabled(False)
+        self.plot.setLabel("bottom", "token position")
+        self.plot.getAxis("left").setWidth(96)
+        self.vb = self.plot.getViewBox()
+        self.vb.setDefaultPadding(0.0)
+        self.img = pg.ImageItem(axisOrder="col-major")
+        self.plot.addItem(self.img)
+        self.cbar = pg.ColorBarItem(values=(0, 1), colorMap=colormap("cividis"), interactive=False, width=14,
+                                    colorMapMenu=False)
+        self.cbar.setImageItem(self.img)
+        self.glw.addItem(self.cbar, row=0, col=1)
+        self.empty_text = pg.TextItem("No residual-stream hook points captured", color=(110, 110, 110),
+                                      anchor=(0.5, 0.5))
+        self.plot.addItem(self.empty_text)
+        self.readout = QLabel(" ")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(2, 2, 2, 2)
+        layout.setSpacing(2)
+        layout.addLayout(bar)
+        layout.addWidget(self.glw, 1)
+        layout.addWidget(self.readout)
+
+        self.measure_box.currentTextChanged.connect(self._measure_changed)
+        self.feature_box.valueChanged.connect(lambda _: self.settingsChanged.emit())
+        self.family_box.currentTextChanged.connect(lambda _: self.settingsChanged.emit())
+        self._hover = pg.SignalProxy(self.plot.scene().sigMouseMoved, rateLimit=60, slot=self._mouse_moved)
+        self.plot.scene().sigMouseClicked.connect(self._mouse_clicked)
+
+    def _measure_changed(self, text: str) -> None:
+        self.feature_box.setEnabled(text == "feature value")
+        self.settingsChanged.emit()
+
+    def measure(self) -> tuple[str, int]:
+        return self.measure_box.currentText(), self.feature_box.value()
+
+    def kinds(self) -> tuple[str, ...]:
+        return FAMILIES[self.family_box.currentText()]
+
+    def set_colormap(self, name: str) -> None:
+        self.cbar.setColorMap(colormap(name))
+
+    def set_rows(self, rows: list[tuple[str, np.ndarray, np.ndarray]], texts: list[str]) -> None:
+        """rows: (label, positions [n], per-position values [n]) per hook, top to bottom."""
+        self._texts = texts
+        self._labels = [r[0] for r in rows]
+        n_pos = max([int(p[-1]) + 1 for _, p, _ in rows if len(p)] + [0])
+        m = np.full((n_pos, len(rows)), np.nan, dtype=np.float32)
+        for j, (_, pos, vals) in enumerate(rows):
+            k = min(len(pos), len(vals))
+            if k:
+                m[pos[:k], j] = vals[:k]
+        self._matrix = m
+        empty = m.size == 0 or not np.isfinite(m).any()
+        self.empty_text.setVisible(empty)
+        if empty:
+            self.img.clear()
+            self.empty_text.setPos(0.5, 0.5)
+            return
+        levels = robust_levels(m, symmetric=self.measure_box.currentText() == "feature value")
+        self.img.setImage(m, autoLevels=False, levels=levels)
+        self.img.setRect(QRectF(0, 0, m.shape[0], m.shape[1]))
+        self.cbar.setLevels(levels, update_items=False)
+        step = max(1, len(self._labels) // 24)
+        self.plot.getAxis("left").setTicks([[(j + 0.5, lab) for j, lab in enumerate(self._labels) if j % step == 0]])
+        self.vb.setRange(xRange=(0, max(m.shape[0], 1)), yRange=(0, max(m.shape[1], 1)), padding=0)
+
+    def matrix(self) -> np.ndarray:
+        return self._matrix
+
+    def readout_at(self, x: float, y: float) -> str:
+        col, row = int(np.floor(x)), int(np.floor(y))
+        if not (0 <= col < self._matrix.shape[0] and 0 <= row < self._matrix.shape[1]):
+            return ""
+        value = self._matrix[col, row]
+        text = self._texts[col] if col < len(self._texts) else "?"
+        what = "‖x‖" if self.measure_box.currentText() == "L2 norm" else f"feature {self.feature_box.value()}"
+        shown = "not captured" if not np.isfinite(value) else f"{value:.6g}"
+        return f"{self._labels[row]}   token {display_token(text)!r}   position {col}   {what} = {shown}"
+
+    def _mouse_moved(self, args) -> None:
+        pos = args[0]
+        if not self.plot.sceneBoundingRect().contains(pos):
+            return
+        p = self.vb.mapSceneToView(pos)
+        self.last_readout = self.readout_at(p.x(), p.y())
+        self.readout.setText(self.last_readout or " ")
+
+    def _mouse_clicked(self, ev) -> None:
+        if ev.button() != Qt.MouseButton.LeftButton or not self.vb.sceneBoundingRect().contains(ev.scenePos()):
+            return
+        p = self.vb.mapSceneToView(ev.scenePos())
+        if 0 <= int(np.floor(p.x())) < self._matrix.shape[0]:
+            self.positionClicked.emit(int(np.floor(p.x())))

@@ -1,0 +1,48 @@
+"""Helpers for tests that drive a real vLLM engine through the plugin's RPC methods."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from inspector.engine.boot import boot_llm, shutdown_llm
+
+
+@contextlib.contextmanager
+def booted(model_dir, **kwargs):
+    llm = boot_llm(str(model_dir), **{"max_num_batched_tokens": 64, "max_model_len": 256, **kwargs})
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
+
+
+def rpc(llm, method, *args):
+    return llm.collective_rpc(method, args=args)[0]
+
+
+def generate(llm, prompts, max_tokens=6, request_ids=None):
+    """Greedy tokens and drained captures: ({rid: (prompt ids, generated ids)}, {rid: {hook: rows}}).
+
+    Drives the engine step by step with explicit request ids, as the engine session does."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    rpc(llm, "inspector_drain")  # start clean
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = request_ids or [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = (list(out.prompt_token_ids), list(out.outputs[0].token_ids))
+    return tokens, rpc(llm, "inspector_drain")
+
+
+def rel_l2(a, b):
+    """Relative L2 error per row."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b, axis=-1) / np.maximum(np.linalg.norm(b, axis=-1), 1e-30)

@@ -1,0 +1,61 @@
+"""The slot planner and intervention values, without an engine (pure numpy)."""
+
+import numpy as np
+import pytest
+
+from inspector.plugin.interventions import Intervention, SlotPlanner, compose, validate
+
+
+def iv(**kw):
+    return Intervention.from_dict({"hook": "h", **kw})
+
+
+def test_rows_get_slots_by_scope():
+    planner = SlotPlanner(max_slots=8)
+    planner.set([iv(scale=2.0), iv(bias=1.0, request_id="b"), iv(scale=0.0, positions=[1])])
+    qsl = np.array([0, 3, 5])
+    masks = planner.row_masks(["a", "b"], qsl, np.array([0, 1, 2, 7, 8]))
+    assert masks.tolist() == [0b001, 0b101, 0b001, 0b011, 0b011]
+    slots, new = planner.assign(masks)
+    assert slots[0] == slots[2] and slots[3] == slots[4] and len({slots[0], slots[1], slots[3]}) == 3
+    assert sorted(s for s, _ in new) == [1, 2, 3] and 0 not in slots
+    assert {s: len(ivs) for s, ivs in new} == {slots[0]: 1, slots[1]: 2, slots[3]: 2}
+    again, new_again = planner.assign(masks)  # slots persist; nothing to rewrite
+    assert again.tolist() == slots.tolist() and new_again == []
+
+
+def test_unaffected_rows_use_identity_slot_zero():
+    planner = SlotPlanner(max_slots=4)
+    planner.set([iv(scale=2.0, request_id="x")])
+    slots, new = planner.assign(planner.row_masks(["a"], np.array([0, 2]), np.array([0, 1])))
+    assert slots.tolist() == [0, 0] and new == []
+
+
+def test_too_many_combinations_is_a_clear_error():
+    planner = SlotPlanner(max_slots=2)
+    planner.set([iv(scale=2.0, request_id="a"), iv(scale=3.0, request_id="b")])
+    with pytest.raises(RuntimeError, match="max_slots"):
+        planner.assign(planner.row_masks(["a", "b"], np.array([0, 1, 2]), np.array([0, 0])))
+
+
+def test_compose_applies_in_order():
+    ivs = [iv(scale=2.0, bias=1.0), Intervention("other", 5.0), iv(scale=[1.0, 3.0], bias=[0.0, -1.0])]
+    scale, bias = compose(ivs, "h", 2)
+    x = np.array([0.5, -2.0])
+    np.testing.assert_allclose(x * scale + bias, ((x * 2 + 1) * [1.0, 3.0]) + [0.0, -1.0])
+    assert compose(ivs, "missing", 2) is None
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(scale=[1.0, 2.0, 3.0]), "is 2 wide"),
+    (dict(bias=float("nan")), "NaN or Inf"),
+    (dict(positions=[2]), "enable_position_interventions"),
+])
+def test_validate(kw, message):
+    with pytest.raises(ValueError, match=message):
+        validate(iv(**kw), {"h": 2}, max_position=16, allow_positions=False)
+
+
+def test_from_dict_reads_numpy_vectors():
+    got = Intervention.from_dict({"hook": "h", "bias": np.arange(3, dtype=np.float32), "positions": np.array([4])})
+    assert got.bias == (0.0, 1.0, 2.0) and got.positions == (4,)

@@ -1,0 +1,395 @@
+"""HDF5 capture files: exact round trip, streaming, other tools, clear errors, atomicity, lazy reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from inspector.capture.run import HookInfo, HookRows, RequestCapture, Run
+from inspector.io import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, CaptureWriter, H5Array, LazyHookRows,
+                          open_run, read_run, write_run)
+from inspector.io.hdf5 import chunk_rows_for, escape_name, unescape_name
+
+H5DUMP = shutil.which("h5dump") or ("/usr/bin/h5dump" if os.path.exists("/usr/bin/h5dump") else None)
+REPO = Path(__file__).resolve().parents[1]
+
+HOOK_SPECS = [  # name, width (one wider than a chunk's 1024 columns), layer
+    ("model.layers.0.resid_post", 48, 0),
+    ("model.layers.1.mlp.down_proj", 1100, 1),
+    ("odd/name%with.slash", 5, -1),
+    ("...", 3, -1),
+]
+TEXTS = ["The", " caf\u00e9", " \U0001F600", "", "\x00", "\ud800", " \u65e5\u672c", "a/b", "\n", "\u00e9\u0301"]
+
+
+def special_values(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
+    v = rng.standard_normal((n, width), dtype=np.float32)
+    flat = v.reshape(-1)
+    specials = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-45, np.float32(3.4e38)], dtype=np.float32)
+    flat[: min(len(flat), len(specials))] = specials[: len(flat)]
+    # a NaN with a payload: bit-for-bit means bits, not just "is NaN"
+    if len(flat) > 7:
+        flat.view(np.uint32)[7] = 0x7FC0_1234
+    return v
+
+
+def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3)) -> Run:
+    rng = np.random.default_rng(seed)
+    hooks = {name: HookInfo(name, f"L{layer}.{name[-8:]}", f"model.{name}", "resid", width, layer, "bfloat16")
+             for name, width, layer in HOOK_SPECS}
+    run = Run(metadata={"app_version": "0.1.0", "vllm_version": "0.32.0", "model_path": "/models/tiny \u00e9",
+                        "model_config": {"hidden_size": 48, "layers": [0, 1], "name": "t\u00efny \U0001F600"},
+                        "dtype": "bfloat16", "engine_mode": "compiled", "created": "2025-01-02T03:04:05+00:00",
+                        "extra": {"nested": [1, 2.5, None, True]}},
+              hooks=hooks)
+    for r, (n_rows, n_gen) in enumerate(zip(rows, generated)):
+        n_prompt = 5 + r
+        prompt_ids = rng.integers(0, 50_000, n_prompt).tolist()
+        gen_ids = rng.integers(0, 50_000, n_gen).tolist()
+        texts = [TEXTS[i % len(TEXTS)] for i in range(n_prompt + n_gen)]
+        top = [[(int(t), float(lp)) for t, lp in zip(rng.integers(0, 50_000, k), -rng.random(k) * 10)]
+               for k in rng.integers(0, 4, n_gen)]  # ragged, k may be 0
+        req = RequestCapture(
+            request_id=f"req-{r}-\u00e9", prompt=f"Hello w\u00f6rld \U0001F600 #{r}\x00end" if r == 1 else f"prompt {r}",
+            prompt_token_ids=prompt_ids, sampling={"temperature": 0.7, "max_tokens": n_gen, "stop": ["\n"]},
+            generated_token_ids=gen_ids, token_texts=texts,
+            logprobs=[float(x) for x in -rng.random(n_gen) * 5], top_logprobs=top,
+            intervention_log=[(0, []), (n_prompt, [{"hook": HOOK_SPECS[0][0], "scale": 2.0, "bias": [0.5, -1.0],
+                                                     "request_id": None, "positions": None}])],
+            finish_reason=None if r == 2 else "length")
+        for name, width, _ in HOOK_SPECS:
+            hr = HookRows(width)
+            n = n_rows if name != "..." else min(n_rows, 2)
+            if n:
+                hr.append(np.arange(n, dtype=np.int64), rng.integers(0, 50_000, n), special_values(rng, n, width))
+            req.hooks[name] = hr
+        run.requests[req.request_id] = req
+    return run
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    assert a.dtype == np.float32, a.dtype
+    return a.view(np.uint32)
+
+
+def assert_runs_equal(a: Run, b: Run) -> None:
+    assert a.metadata == b.metadata
+    assert list(a.hooks.items()) == list(b.hooks.items())
+    assert list(a.requests) == list(b.requests)
+    for rid, ra in a.requests.items():
+        rb = b.requests[rid]
+        for field in ("request_id", "prompt", "prompt_token_ids", "sampling", "generated_token_ids", "token_texts",
+                      "logprobs", "top_logprobs", "intervention_log", "finish_reason"):
+            assert getattr(ra, field) == getattr(rb, field), (rid, field)
+        assert list(ra.hooks) == list(rb.hooks)
+        for name, ha in ra.hooks.items():
+            hb = rb.hooks[name]
+            assert ha.width == hb.width and len(ha) == len(hb)
+            assert np.array_equal(ha.positions, hb.positions) and np.array_equal(ha.token_ids, hb.token_ids)
+            assert np.array_equal(bits(ha.values), bits(hb.values)), (rid, name)
+
+
+def listing(d: Path) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+# ------------------------------------------------------------------------------------------ round trip
+
+def test_round_trip_bit_for_bit(tmp_path):
+    run = make_run()
+    path = tmp_path / "run.h5"
+    seen = []
+    assert write_run(run, path, progress=seen.append) == path
+    assert listing(tmp_path) == ["run.h5"]  # no temp file left
+    assert seen[0] == 0.0 and seen[-1] == 1.0 and seen == sorted(seen)
+    assert_runs_equal(run, read_run(path))
+    with open_run(path) as rf:
+        assert_runs_equal(run, rf.run)
+        rows = rf.run.requests["req-0-\u00e9"].hooks["model.layers.1.mlp.down_proj"]
+        assert isinstance(rows, LazyHookRows) and isinstance(rows.values, H5Array)
+    with h5py.File(path, "r") as f:  # plain h5py, no inspector code: the documented layout
+        assert f.attrs["format"] == FORMAT_NAME and f.attrs["format_version"] == FORMAT_VERSION
+        assert json.loads(f.attrs["model_config"])["hidden_size"] == 48
+        assert f.attrs["created"] == "2025-01-02T03:04:05+00:00" and f.attrs["engine_mode"] == "compiled"
+        assert f["hooks/model.layers.0.resid_post"].attrs["source_dtype"] == "bfloat16"
+        assert f["hooks/odd%2Fname%25with.slash"].attrs["name"] == "odd/name%with.slash"
+        g = f["requests/0"]
+        assert g.attrs["request_id"] == "req-0-\u00e9"
+        v = g["hooks/model.layers.1.mlp.down_proj/values"]
+        assert v.dtype == np.float32 and v.chunks == (256, 1024) and v.maxshape == (None, 1100)
+        assert v.compression is None
+        assert g["token_texts"].asstr()[1] == " caf\u00e9"
+        assert g["top_logprob_ids"].shape[0] == 40 and g["is_prompt"][:5].all()
+        assert json.loads(g.attrs["intervention_log"])[1][1][0]["scale"] == 2.0
+        assert f["requests/1/hooks/model.layers.0.resid_post/values"].chunks == (1, 48)  # 1 row: no padding
+
+
+def test_escape_names():
+    for name in ["model.layers.0.resid_post", "a/b", "%2F", "...", ".", "x%y/z", "\u00e9/\U0001F600"]:
+        e = escape_name(name)
+        assert "/" not in e and e not in (".", "..") and unescape_name(e) == name
+    assert escape_name("model.layers.0.resid_post") == "model.layers.0.resid_post"
+    with pytest.raises(ValueError):
+        escape_name("")
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+def stream(run: Run, path: Path, seed: int, **options) -> None:
+    """Feed a run as the engine would: a prefill chunk, then one row per decode step, updates along the way."""
+    rng = np.random.default_rng(seed)
+    with CaptureWriter(path, run.metadata, run.hooks, **options) as w:
+        for req in run.requests.values():
+            w.add_request(RequestCapture(req.request_id, req.prompt, list(req.prompt_token_ids), req.sampling))
+        for req in run.requests.values():
+            for name, rows in req.hooks.items():
+                n = len(rows)
+                cuts = [0, min(n, int(rng.integers(0, 40)))]  # prefill
+                while cuts[-1] < n:
+                    cuts.append(min(n, cuts[-1] + int(rng.choice([1, 1, 1, 3, 300]))))
+                if n == 0:
+                    w.append_rows(req.request_id, name, [], [], np.zeros((0, rows.width), np.float32))
+                for a, b in zip(cuts, cuts[1:]):
+                    w.append_rows(req.request_id, name, rows.positions[a:b], rows.token_ids[a:b],
+                                  rows.values[a:b].copy())
+                partial = RequestCapture(req.request_id, "stale", [1], {"stale": True}, [2], ["x"], [0.0],
+                                         [[(1, 0.0)]], [], finish_reason=None)
+                w.update_request(partial)  # later calls win
+        for req in run.requests.values():
+            w.update_request(req)
+
+
+def test_streaming_equals_one_shot(tmp_path):
+    run = make_run(seed=1, rows=(700, 2, 0))
+    write_run(run, tmp_path / "one.h5")
+    stream(run, tmp_path / "stream.h5", seed=2)
+    stream(run, tmp_path / "tiny_buffer.h5", seed=3, buffer_bytes=10_000)  # forces partial, unaligned flushes
+    one = read_run(tmp_path / "one.h5")
+    assert_runs_equal(run, one)
+    for name in ("stream.h5", "tiny_buffer.h5"):
+        assert_runs_equal(one, read_run(tmp_path / name))
+    assert listing(tmp_path) == ["one.h5", "stream.h5", "tiny_buffer.h5"]
+
+
+def test_writer_argument_errors_keep_writer_usable(tmp_path):
+    run = make_run(rows=(3, 0, 0))
+    req = run.requests["req-0-\u00e9"]
+    with CaptureWriter(tmp_path / "r.h5", run.metadata, run.hooks, fsync=False) as w:
+        w.add_request(req)
+        with pytest.raises(ValueError, match="already added"):
+            w.add_request(req)
+        with pytest.raises(ValueError, match="unknown request"):
+            w.append_rows("nope", "...", [0], [0], np.zeros((1, 3), np.float32))
+        with pytest.raises(ValueError, match="unknown hook"):
+            w.append_rows(req.request_id, "nope", [0], [0], np.zeros((1, 3), np.float32))
+        with pytest.raises(ValueError, match="width 3"):
+            w.append_rows(req.request_id, "...", [0], [0], np.zeros((1, 4), np.float32))
+        w.append_rows(req.request_id, "...", [0], [7], np.ones((1, 3), np.float64))  # converted to float32
+        w.update_request(req)
+    got = read_run(tmp_path / "r.h5").requests[req.request_id]
+    assert list(got.hooks) == ["..."] and got.hooks["..."].values.dtype == np.float32
+    with pytest.raises(CaptureFileError, match="closed"):
+        w.add_request(req)
+
+
+# ------------------------------------------------------------------------------------------ other tools
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cap") / "run.h5"
+    write_run(make_run(rows=(20, 1, 0)), path)
+    return path
+
+
+@pytest.mark.skipif(H5DUMP is None, reason="h5dump not installed (Debian package hdf5-tools)")
+def test_h5dump_reads_file(small_file):
+    head = subprocess.run([H5DUMP, "-H", str(small_file)], capture_output=True, text=True, timeout=30)
+    assert head.returncode == 0, head.stderr
+    assert FORMAT_NAME in head.stdout and 'GROUP "model.layers.0.resid_post"' in head.stdout
+    assert "H5S_UNLIMITED" in head.stdout
+    ds = "/requests/0/hooks/model.layers.0.resid_post/values"
+    out = subprocess.run([H5DUMP, "-d", ds, str(small_file)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "( 20, 48 )" in out.stdout and "H5T_IEEE_F32LE" in out.stdout
+    texts = subprocess.run([H5DUMP, "-d", "/requests/0/token_texts", str(small_file)], capture_output=True,
+                           timeout=30)
+    assert texts.returncode == 0 and " caf\u00e9".encode() in texts.stdout
+
+
+# ------------------------------------------------------------------------------------------ read errors
+
+def test_foreign_hdf5_file(tmp_path):
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(3)
+    with pytest.raises(CaptureFileError, match="HDF5 file but not an Activation Inspector capture") as e:
+        read_run(path)
+    assert str(path) in str(e.value) and isinstance(e.value, OSError)
+    with h5py.File(path, "a") as f:
+        f.attrs["format"] = "something-else"
+    with pytest.raises(CaptureFileError, match="another kind"):
+        open_run(path)
+
+
+@pytest.mark.parametrize("content", [b"hello, this is text\n", b""])
+def test_not_hdf5(tmp_path, content):
+    path = tmp_path / "notes.h5"
+    path.write_bytes(content)
+    with pytest.raises(CaptureFileError, match="not an HDF5 file") as e:
+        read_run(path)
+    assert str(path) in str(e.value)
+    with pytest.raises(CaptureFileError, match="no such file"):
+        read_run(tmp_path / "missing.h5")
+
+
+def test_truncated_file(tmp_path, small_file):
+    path = tmp_path / "cut.h5"
+    data = small_file.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CaptureFileError, match="truncated") as e:
+        open_run(path)
+    assert str(path) in str(e.value)
+
+
+def test_newer_version(tmp_path, small_file):
+    path = tmp_path / "future.h5"
+    shutil.copy(small_file, path)
+    with h5py.File(path, "a") as f:
+        f.attrs["format_version"] = np.int64(FORMAT_VERSION + 1)
+    with pytest.raises(CaptureFileError, match=r"format version 2, newer .*update Activation Inspector"):
+        read_run(path)
+
+
+def test_missing_datasets(tmp_path, small_file):
+    path = tmp_path / "damaged.h5"
+    shutil.copy(small_file, path)
+    with h5py.File(path, "a") as f:
+        del f["requests/1/token_ids"]
+    with pytest.raises(CaptureFileError, match=r"damaged .*'token_ids' dataset of /requests/1 is missing"):
+        read_run(path)
+    shutil.copy(small_file, path)
+    with h5py.File(path, "a") as f:
+        del f["requests/0/hooks/model.layers.0.resid_post/values"]
+    with pytest.raises(CaptureFileError, match=r"resid_post has no \['values'\]"):
+        open_run(path)
+
+
+# ------------------------------------------------------------------------------------------ write errors, atomicity
+
+def test_unwritable_destination_fails_at_open(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    run = make_run(rows=(2, 0, 0))
+    for target, why in ((blocker / "run.h5", "is not a directory"), (tmp_path / "nodir" / "run.h5", "does not exist")):
+        with pytest.raises(CaptureFileError, match=why) as e:
+            CaptureWriter(target, run.metadata, run.hooks)
+        assert str(target) in str(e.value)
+        with pytest.raises(CaptureFileError):
+            write_run(run, target)
+    assert listing(tmp_path) == ["a_file"]
+
+
+DISK_FULL = textwrap.dedent("""
+    import json, os, resource, signal, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from tests.test_io_hdf5 import make_run
+    from inspector.io import CaptureFileError, write_run
+    run = make_run(rows=(1500, 1500, 1))           # about 7 MB of rows
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    try:
+        write_run(run, os.path.join(sys.argv[1], "run.h5"))
+        print(json.dumps({"error": None}))
+    except CaptureFileError as e:
+        print(json.dumps({"error": str(e), "reason": e.reason, "files": os.listdir(sys.argv[1])}))
+""")
+
+
+def test_disk_full_leaves_no_file(tmp_path):
+    out = subprocess.run([sys.executable, "-c", DISK_FULL, str(tmp_path), str(REPO)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["error"] is not None
+    assert "file too large" in result["error"] and str(tmp_path / "run.h5") in result["error"], result
+    assert "nothing was saved" in result["error"]
+    assert result["files"] == [] and listing(tmp_path) == []
+
+
+def test_exception_inside_with_leaves_no_file(tmp_path):
+    run = make_run(rows=(400, 0, 0))
+    req = run.requests["req-0-\u00e9"]
+    with pytest.raises(RuntimeError, match="boom"):
+        with CaptureWriter(tmp_path / "run.h5", run.metadata, run.hooks) as w:
+            w.add_request(req)
+            rows = req.hooks["model.layers.0.resid_post"]
+            w.append_rows(req.request_id, "model.layers.0.resid_post", rows.positions, rows.token_ids, rows.values)
+            assert any(n.endswith(".partial") for n in listing(tmp_path))
+            raise RuntimeError("boom")
+    assert listing(tmp_path) == []
+    w.abort()  # idempotent
+
+    def cancel(fraction):
+        if fraction > 0.3:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        write_run(run, tmp_path / "run.h5", progress=cancel)
+    assert listing(tmp_path) == []
+
+
+def test_close_replaces_existing_file_atomically(tmp_path):
+    path = tmp_path / "run.h5"
+    path.write_text("old")
+    w = CaptureWriter(path, {}, {})
+    assert path.read_text() == "old"  # untouched until close
+    assert w.close() == path and w.close() == path
+    assert read_run(path).requests == {} and listing(tmp_path) == ["run.h5"]
+
+
+# ------------------------------------------------------------------------------------------ lazy reads
+
+def test_lazy_open_of_big_file(tmp_path):
+    width, rows, n_hooks = 1024, 2048, 25  # 25 x 8 MiB = 200 MiB
+    rng = np.random.default_rng(5)
+    block = rng.random((rows, width), dtype=np.float32)
+    hooks = {f"model.layers.{i}.resid_post": HookInfo(f"model.layers.{i}.resid_post", f"L{i}", f"model.layers.{i}",
+                                                       "resid", width, i) for i in range(n_hooks)}
+    req = RequestCapture("big", "p", [1, 2], {})
+    path = tmp_path / "big.h5"
+    with CaptureWriter(path, {"model_path": "synthetic"}, hooks, fsync=False) as w:
+        w.add_request(req)
+        for i, name in enumerate(hooks):
+            w.append_rows("big", name, np.arange(rows), np.full(rows, i), block + i)
+    assert path.stat().st_size > 200e6
+    t0 = time.perf_counter()
+    rf = open_run(path)
+    rows13 = rf.run.requests["big"].hooks["model.layers.13.resid_post"]
+    got = rows13.values[100:356, 512:600]
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 2.0, elapsed  # target < 1 s; slack for a shared CI machine
+    assert np.array_equal(got, block[100:356, 512:600] + 13)
+    assert rows13.values.shape == (rows, width) and len(rows13) == rows and rows13.width == width
+    assert np.array_equal(rows13.token_ids, np.full(rows, 13)) and np.array_equal(rows13.positions, np.arange(rows))
+    assert np.asarray(rows13.values[[3, 1]]).shape == (2, width)  # unsorted index: numpy semantics
+    with pytest.raises(TypeError, match="read-only"):
+        rows13.append(np.arange(1), np.arange(1), np.zeros((1, width), np.float32))
+    rf.close()
+    with pytest.raises(CaptureFileError, match="has been closed"):
+        rows13.values[0]
+
+
+def test_chunk_shapes():
+    assert chunk_rows_for(4096) == 256 and chunk_rows_for(1024) == 256
+    assert chunk_rows_for(64) == 1024 and chunk_rows_for(1) == 4096

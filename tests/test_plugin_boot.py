@@ -1,0 +1,87 @@
+"""The seed API around boot: register/configure/clear_config, the spec channel, boot-time errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engines import booted, generate, rpc
+from inspector import plugin
+from inspector.plugin.config import ENV_VAR
+
+
+def test_register_is_idempotent():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    plugin.register()
+    patched = Worker.load_model
+    plugin.register()
+    assert Worker.load_model is patched
+
+
+def test_register_is_the_vllm_entry_point():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("activation_inspector") == "inspector.plugin:register"
+
+
+def test_spec_channel_reaches_child_processes():
+    plugin.configure({"a": ("model.layers.0", 128)}, 256, torch.bfloat16, enable_batching=True)
+    try:
+        code = "from inspector.plugin.config import PluginConfig; c = PluginConfig.from_env(); " \
+               "print(c.capture_specs['a'][0], c.max_num_batched_tokens, c.dtype, c.eager)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out.split() == ["model.layers.0", "256", "bfloat16", "True"]
+    finally:
+        plugin.clear_config()
+    assert ENV_VAR not in os.environ
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(capture_specs={"a": ("model.layers.0", 0)}, max_num_batched_tokens=8, dtype=torch.float32), "positive width"),
+    (dict(capture_specs={}, max_num_batched_tokens=0, dtype=torch.float32), "max_num_batched_tokens"),
+    (dict(capture_specs={}, max_num_batched_tokens=8, dtype=torch.int8), "dtype"),
+])
+def test_configure_refuses_bad_specs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plugin.configure(**kwargs)
+    assert ENV_VAR not in os.environ
+
+
+@pytest.mark.parametrize("specs, message", [
+    ({"x": ("model.layers.5", 128)}, "unknown module path 'model.layers.5'"),
+    ({"x": ("model.layers.0", 256)}, "width 256 does not match"),
+])
+def test_bad_boot_specs_fail_clearly_then_a_good_boot_works(tiny_models, specs, message):
+    with pytest.raises(Exception, match=message):
+        with booted(tiny_models["llama"], capture_specs=specs, mode="eager"):
+            pass
+    assert ENV_VAR not in os.environ
+
+
+def test_plain_llm_after_clear_config_has_no_hooks(tiny_models):
+    from inspector.engine.boot import shutdown_llm
+    from vllm import LLM
+
+    plugin.configure({"x": ("model.layers.0", 128)}, 64, torch.float32, enable_batching=True)
+    plugin.clear_config()
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", enforce_eager=True, max_model_len=256,
+              max_num_batched_tokens=64, enable_prefix_caching=False,
+              worker_extension_cls=plugin.WORKER_EXTENSION)
+    try:
+        with pytest.raises(RuntimeError, match="without the inspector plugin"):
+            rpc(llm, "inspector_describe")
+        assert llm.generate(["def f():"])[0].outputs[0].token_ids
+    finally:
+        shutdown_llm(llm)
+
+
+def test_boot_after_failures_captures(tiny_models):
+    with booted(tiny_models["llama"], capture_specs={"x": ("model.layers.0", 128)}, mode="eager") as llm:
+        tokens, caps = generate(llm, ["def f():"], max_tokens=2)
+        assert caps["r0"]["x"]["values"].shape == (len(tokens["r0"][0]) + 1, 128)
+        assert json.dumps(rpc(llm, "inspector_describe")["installed"]) == '{"x": "model.layers.0.resid_post"}'
