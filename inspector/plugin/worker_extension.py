@@ -13,6 +13,10 @@ from .runtime import InspectorRuntime
 
 _ATTR = "_inspector_runtime"
 
+# Called (in-process engines only) once weights are loaded and hooks installed, just before vLLM
+# compiles: the driver uses it to report a "compiling" boot stage.
+on_hooks_installed: list = []
+
 
 def install_runtime(worker) -> None:
     """Called by the patched ``load_model``: build the runtime and install the configured hooks."""
@@ -30,6 +34,8 @@ def install_runtime(worker) -> None:
     runtime.install({**config.capture_specs, **runtime.match(config.hook_patterns)})
     vllm_compat.wrap_model_forward(worker.model_runner, runtime.before_forward, runtime.after_forward)
     setattr(worker, _ATTR, runtime)
+    for listener in on_hooks_installed:
+        listener()
 
 
 class InspectorWorkerExtension:
@@ -50,6 +56,14 @@ class InspectorWorkerExtension:
 
     def inspector_clear_interventions(self) -> None:
         self._inspector().set_interventions([])
+
+    def inspector_set_hook_patterns(self, patterns: list[str]) -> dict:
+        """Make the installed hooks exactly those matching ``patterns``; returns name → point."""
+        runtime = self._eager_runtime("changed")
+        wanted = runtime.match(tuple(patterns))
+        runtime.remove([name for name in runtime.active if name not in wanted])
+        runtime.install({name: spec for name, spec in wanted.items() if name not in runtime.active})
+        return runtime.describe()["installed"]
 
     def inspector_add_hooks(self, specs: dict[str, tuple[str, int]]) -> None:
         runtime = self._eager_runtime("added")
