@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from inspector.engine.environment import prepare_environment
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the terminal shows our progress instead
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the terminal shows our progress instead,
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # and stdout stays clean for --json
     prepare_environment()
     try:
         return {"capture": capture, "hooks": hooks}[args.command](args)

@@ -1,0 +1,66 @@
+"""The headless command end to end on the built-in demo model (a real engine in a subprocess)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from inspector.io.hdf5 import read_run
+
+
+def inspector(*args, check=True):
+    result = subprocess.run([sys.executable, "-m", "inspector.cli", *args], capture_output=True, text=True,
+                            timeout=600)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_capture_on_the_demo_model(tmp_path):
+    out = tmp_path / "run.h5"
+    result = inspector("capture", "--model", "demo", "--prompt", "def ", "--prompt", "import ",
+                       "--hooks", "blocks.*.hook_resid_post", "blocks.0.mlp.hook_post", "--max-tokens", "6",
+                       "--intervene", "blocks.1.hook_resid_post:scale=0.5,request=1", "--out", str(out), "--json")
+    summary = json.loads(result.stdout)
+    assert "[compiling]" in result.stderr and "[ready]" in result.stderr and "6/12 tokens" not in result.stdout
+    run = read_run(out)
+    assert summary["out"] == str(out) and len(summary["requests"]) == 2
+    assert run.metadata["engine_mode"] == "compiled"
+    layers = run.metadata["model_config"]["num_hidden_layers"]
+    assert len(run.hooks) == layers + 1
+    for info, req in zip(summary["requests"], run.requests.values()):
+        assert req.prompt == info["prompt"] and len(req.generated_token_ids) == 6
+        assert "".join(req.token_texts[len(req.prompt_token_ids):]) == info["text"]
+        for rows in req.hooks.values():
+            assert rows.positions.tolist() == list(range(len(req.token_ids) - 1))
+            assert np.all(np.isfinite(np.asarray(rows.values)))
+    first, second = run.requests.values()
+    assert first.intervention_log == [(0, [])]
+    assert second.intervention_log[0][1][0]["scale"] == 0.5
+
+
+def test_bad_input_exits_with_a_clear_message(tmp_path):
+    result = inspector("capture", "--model", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "r.h5"),
+                       check=False)
+    assert result.returncode == 1 and "no config.json" in result.stderr
+    result = inspector("capture", "--prompt", "x", "--intervene", "blocks.0.hook_resid_post:colour=red",
+                       "--out", str(tmp_path / "r.h5"), check=False)
+    assert result.returncode == 1 and "unknown key 'colour'" in result.stderr
+    assert not (tmp_path / "r.h5").exists()
+
+
+def test_version():
+    out = inspector("--version").stdout
+    assert out.startswith("Activation Inspector ") and "vLLM " in out and "torch " in out
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_hooks_lists_the_catalogue(fmt):
+    result = inspector("hooks", "--model", "demo", *(["--json"] if fmt == "json" else []))
+    if fmt == "json":
+        points = json.loads(result.stdout)
+        assert {p["kind"] for p in points} >= {"resid_post", "attn_out", "mlp_post", "embed", "normalized"}
+    else:
+        assert "blocks.0.hook_resid_post" in result.stdout and "model.layers.0.resid_post" in result.stdout

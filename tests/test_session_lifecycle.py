@@ -1,0 +1,93 @@
+"""Session lifecycle with real (eager, quick to boot) engines: open/close cycles over different
+models, live hook changes, an engine failure, and how model names resolve."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from inspector.engine.models import ModelNotFound, resolve_model
+from inspector.engine.session import Sampling, Session, SessionError, SessionOptions
+
+
+def options(path, **kw):
+    return SessionOptions(model=str(path), mode="eager", max_model_len=256, max_num_batched_tokens=64, **kw)
+
+
+def test_open_close_open_three_models_in_one_process(tiny_models):
+    for arch in ("llama", "gpt2", "qwen2"):
+        with Session.open(options(tiny_models[arch])) as session:
+            events = list(session.generate(["def f():"], Sampling(max_tokens=3)))
+            req = next(iter(session.run.requests.values()))
+            assert events[-1].requests[0].finished and len(req.generated_token_ids) == 3
+            assert session.run.metadata["model_config"]["model_type"] == arch
+        assert not session.alive
+
+
+def test_eager_hook_change_is_live_and_keeps_the_run(tiny_models):
+    with Session.open(options(tiny_models["llama"])) as session:
+        list(session.generate(["import os"], Sampling(max_tokens=2)))
+        engine = session._llm
+        assert session.set_hooks(["blocks.0.hook_attn_out", "blocks.1.mlp.hook_post"]) is False
+        assert session._llm is engine  # no restart
+        assert sorted(session.installed) == ["model.layers.0.self_attn.attn_out", "model.layers.1.mlp.down_proj.mlp_post"]
+        list(session.generate(["import os"], Sampling(max_tokens=2)))
+        first, second = session.run.requests.values()
+        assert set(first.hooks) == {"model.layers.0.resid_post", "model.layers.1.resid_post"}
+        assert set(second.hooks) == set(session.installed)
+        assert second.hooks["model.layers.1.mlp.down_proj.mlp_post"].values.shape[1] == 256
+
+
+def test_engine_failure_is_clear_marks_dead_and_keeps_captures(tiny_models):
+    session = Session.open(options(tiny_models["llama"]))
+    try:
+        def break_layer(worker):  # a worker-side fault on the next forwards
+            layer = worker.model_runner.get_model().model.layers[1]
+            layer.register_forward_hook(lambda *a: (_ for _ in ()).throw(MemoryError("simulated out of memory")))
+
+        stream = session.generate(["def f(x):"], Sampling(max_tokens=20, ignore_eos=True))
+        next(stream), next(stream)
+        session._llm.collective_rpc(break_layer)
+        with pytest.raises(SessionError, match="simulated out of memory"):
+            list(stream)
+        assert not session.alive
+        req = next(iter(session.run.requests.values()))
+        assert len(req.generated_token_ids) == 2 and len(req.hooks["model.layers.0.resid_post"]) == len(req.token_ids) - 1
+        with pytest.raises(SessionError, match="open a new session"):
+            next(session.generate(["x"]))
+    finally:
+        session.close()
+    with Session.open(options(tiny_models["gpt2"])) as fresh:  # and a new session works
+        assert list(fresh.generate(["x = 1"], Sampling(max_tokens=1)))
+
+
+def test_bad_model_names_fail_clearly(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    for name, message in [(tmp_path / "empty", "no config.json"), (tmp_path / "file.txt", "is a file"),
+                          (tmp_path / "nowhere", "no model directory"),
+                          ("someone/not-cached-model", "not in the Hugging Face cache.*never downloads")]:
+        with pytest.raises(ModelNotFound, match=message):
+            resolve_model(str(name))
+    with pytest.raises(SessionError, match="no config.json"):
+        Session.open(options(tmp_path / "empty"))
+
+
+def test_cached_hub_id_resolves_without_network(tiny_models, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hc
+
+    repo = tmp_path / "hub" / "models--tiny--llama"
+    snapshot = repo / "snapshots" / "0123456789abcdef"
+    shutil.copytree(tiny_models["llama"], snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub._snapshot_download as sd
+
+    monkeypatch.setattr(sd, "HF_HUB_CACHE", str(tmp_path / "hub"), raising=False)
+    assert resolve_model("tiny/llama") == snapshot
+
+
+def test_demo_model_resolves():
+    path = resolve_model("demo")
+    assert (path / "config.json").is_file() and np.any([p.suffix == ".safetensors" for p in path.iterdir()])
