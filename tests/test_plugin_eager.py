@@ -68,6 +68,8 @@ def test_per_request_intervention_applied_directly(llm):
     ({"x": ("model.layers.0", 64)}, "does not match"),
     ({"x": ("model.layers.0.self_attn.qkv_proj", 384)}, "is not a hook point"),
     ({"blocks.0.hook_resid_post": ("model.layers.0", 128)}, "duplicate hook name"),
+    ({"model.layers.1.resid_post": ("model.layers.1", 128)}, "already installed as 'blocks.1.hook_resid_post'"),
+    ({"a": ("model.layers.0.mlp", 128), "b": ("model.layers.0.mlp", 128)}, "already installed as 'a'"),
 ])
 def test_bad_hook_specs_refused_live(llm, specs, message):
     with pytest.raises(ValueError, match=message):

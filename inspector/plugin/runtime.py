@@ -38,11 +38,26 @@ class StepInfo:
 
 @dataclass
 class ActiveHook:
+    """One installed hook point. Its tensors are also registered as (non-persistent) buffers of the
+    hooked module, and the hook reads them from there: the compiler then treats them like weights,
+    as graph inputs, so the compiled pieces of identical layers stay identical and can be shared."""
+
     point: hp.HookPoint
     buffer: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor
+    prefix: str
     handle: torch.utils.hooks.RemovableHandle | None = None
+
+    def attach(self, module: nn.Module, row_slot: torch.Tensor) -> None:
+        for suffix, tensor in (("rows", self.buffer), ("scale", self.scale), ("bias", self.bias),
+                               ("row_slot", row_slot)):
+            module.register_buffer(f"{self.prefix}_{suffix}", tensor, persistent=False)
+
+    def detach(self, module: nn.Module) -> None:
+        self.handle.remove()
+        for suffix in ("rows", "scale", "bias", "row_slot"):
+            del module._buffers[f"{self.prefix}_{suffix}"]
 
 
 class InspectorRuntime:
@@ -102,10 +117,14 @@ class InspectorRuntime:
     def install(self, specs: dict[str, tuple[str, int]]) -> None:
         """Validate every spec first, then install all: a bad spec changes nothing."""
         resolved = {}
+        taken = {hook.point.name: name for name, hook in self.active.items()}
         for name, (path, width) in specs.items():
             if name in self.active or name in resolved:
                 raise ValueError(f"duplicate hook name {name!r}")
-            resolved[name] = self.resolve(name, path, width)
+            point = self.resolve(name, path, width)
+            if point.name in taken:
+                raise ValueError(f"hook {name!r} is {point.name}, already installed as {taken[point.name]!r}")
+            resolved[name], taken[point.name] = point, name
         for name, point in resolved.items():
             self._install(name, point)
 
@@ -116,8 +135,10 @@ class InspectorRuntime:
                 buffer=torch.zeros(self.max_tokens, point.width, dtype=self.dtype, device=self.device),
                 scale=torch.ones(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
                 bias=torch.zeros(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
+                prefix=f"_inspector_{point.kind}",
             )
         module = self.model.get_submodule(point.module_path)
+        hook.attach(module, self.row_slot)
         if point.is_pre_hook:
             hook.handle = module.register_forward_pre_hook(functools.partial(self._on_input, hook))
         else:
@@ -129,7 +150,8 @@ class InspectorRuntime:
         if missing:
             raise ValueError(f"hooks {missing} are not installed")
         for name in names:
-            self.active.pop(name).handle.remove()
+            hook = self.active.pop(name)
+            hook.detach(self.model.get_submodule(hook.point.module_path))
         self.set_interventions([iv for iv in self.planner.interventions if iv.hook not in names])
 
     # --- the hooks (traced in the compiled flavour) ---
@@ -137,28 +159,30 @@ class InspectorRuntime:
     def _use_affine(self) -> bool:
         return self._affine_in_graph or self._has_interventions
 
-    def _gather(self, hook: ActiveHook, n):
-        rows = self.row_slot.narrow(0, 0, n)
-        return hook.scale.index_select(0, rows), hook.bias.index_select(0, rows)
+    @staticmethod
+    def _gather(prefix: str, module, n):
+        rows = getattr(module, f"{prefix}_row_slot").narrow(0, 0, n)
+        return (getattr(module, f"{prefix}_scale").index_select(0, rows),
+                getattr(module, f"{prefix}_bias").index_select(0, rows))
 
     def _on_output(self, hook: ActiveHook, module, args, output):
-        site = hook.point.site
+        site, prefix = hook.point.site, hook.prefix
         if self._use_affine():
             n = (output[0] if isinstance(output, tuple) else output).shape[0]
-            output, value = hp.replace_output(site, output, *self._gather(hook, n))
+            output, value = hp.replace_output(site, output, *self._gather(prefix, module, n))
         else:
             value, output = hp.read_output(site, output), None
-        hook.buffer.narrow(0, 0, value.shape[0]).copy_(value)
+        getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
         return output
 
     def _on_input(self, hook: ActiveHook, module, args):
-        point = hook.point
+        point, prefix = hook.point, hook.prefix
         if self._use_affine():
             n = args[point.arg_index].shape[0]
-            args, value = hp.replace_input(point.site, point.arg_index, args, *self._gather(hook, n))
+            args, value = hp.replace_input(point.site, point.arg_index, args, *self._gather(prefix, module, n))
         else:
             value, args = hp.read_input(point.site, point.arg_index, args), None
-        hook.buffer.narrow(0, 0, value.shape[0]).copy_(value)
+        getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
         return args
 
     # --- between forwards ---

@@ -31,7 +31,9 @@ def install_runtime(worker) -> None:
     points = hookpoints.catalogue(model, hidden, intermediate)
     runtime = InspectorRuntime(model, points, config, vllm_compat.device_of(worker),
                                max(max_tokens, config.max_num_batched_tokens), max_model_len)
-    runtime.install({**config.capture_specs, **runtime.match(config.hook_patterns)})
+    explicit = {runtime.resolve(name, *spec).name for name, spec in config.capture_specs.items()}
+    matched = {name: spec for name, spec in runtime.match(config.hook_patterns).items() if name not in explicit}
+    runtime.install({**config.capture_specs, **matched})
     vllm_compat.wrap_model_forward(worker.model_runner, runtime.before_forward, runtime.after_forward)
     setattr(worker, _ATTR, runtime)
     for listener in on_hooks_installed:
