@@ -1,121 +1,192 @@
-"""Decode throughput and memory: vanilla vLLM vs compiled capture vs eager capture.
+"""Throughput, boot time and memory: vanilla vLLM vs compiled capture vs eager capture.
 
 Each configuration boots once in its own process and stays up; the runs then alternate
 (A B C A B C …) so that machine noise hits all three alike. Prints medians and ratios.
 
-    packaging/dev bench plugin_bench [--reps 5] [--batch 8] [--tokens 128]
+    packaging/dev bench plugin_bench                     # CPU: a small Llama, float32
+    python3 bench/plugin_bench.py --preset llama3-8b     # GPU: Llama-3-8B shape, dummy bf16 weights
+
+Capture = the residual stream after every block; the hooked engines are drained every step, as the
+engine session does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
-import resource
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-CONFIGS = {
-    "vanilla": dict(mode="compiled", hooks=False),
-    "compiled": dict(mode="compiled", hooks=True),
-    "eager": dict(mode="eager", hooks=True),
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = {"vanilla": ("compiled", False), "compiled": ("compiled", True), "eager": ("eager", True)}
+PRESETS = {
+    # name: (model, dtype, max_num_batched_tokens, prompt tokens, runs as (batch, new tokens))
+    "cpu": (dict(arch="llama", hidden=512, heads=8, kv_heads=8, layers=8, intermediate=1536, vocab=512),
+            "float32", 1024, 128, [(8, 128)]),
+    "llama3-8b": (dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+                       rope_theta=500000.0, rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"],
+                       model_type="llama", hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16"),
+                  "bfloat16", 8192, 128, [(1, 256), (32, 256)]),
 }
-MODEL = dict(arch="llama", hidden=512, heads=8, kv_heads=8, layers=8, intermediate=1536, vocab=512)
-MAX_BATCHED = 512
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+def model_dir(preset: str) -> tuple[str, dict]:
+    spec = PRESETS[preset][0]
+    if preset == "cpu":
+        from inspector.tinymodels import tiny_model
+
+        return str(tiny_model(**spec)), {}
+    path = Path(tempfile.mkdtemp(prefix="bench-model-"))
+    (path / "config.json").write_text(json.dumps(spec))
+    return str(path), {"load_format": "dummy", "skip_tokenizer_init": True}
 
 
-def serve(name: str, conn, model_dir: str, batch: int, tokens: int) -> None:
-    """One configuration, booted once; answers 'run' with (tokens/s, RSS MiB)."""
+def _rss_peak_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float) -> None:
+    """One configuration, booted once; answers ("run", batch, new_tokens) with measurements."""
     from inspector.engine.environment import prepare_environment
 
     prepare_environment()
+    import numpy as np
+    import torch
     from vllm import LLM, SamplingParams
 
     from inspector.engine.boot import boot_llm
 
-    cfg = CONFIGS[name]
+    _, dtype, max_batched, prompt_len, _ = PRESETS[preset]
+    mode, hooks = CONFIGS[name]
+    cuda = torch.cuda.is_available()
+    args = dict(dtype=dtype, max_num_batched_tokens=max_batched, max_model_len=2048, **extra)
+    if cuda:
+        args["gpu_memory_utilization"] = gpu_util
     t0 = time.perf_counter()
-    if cfg["hooks"]:
-        llm = boot_llm(model_dir, mode=cfg["mode"], hook_patterns=("blocks.*.hook_resid_post",),
-                       max_num_batched_tokens=MAX_BATCHED, max_model_len=1024)
+    if hooks:
+        llm = boot_llm(path, mode=mode, hook_patterns=("blocks.*.hook_resid_post",), **args)
     else:
-        llm = LLM(model=model_dir, dtype="float32", max_num_batched_tokens=MAX_BATCHED, max_model_len=1024,
-                  enable_prefix_caching=False)
+        llm = LLM(model=path, enable_prefix_caching=False, enforce_eager=mode == "eager", **args)
     boot_s = time.perf_counter() - t0
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    prompts = [f"def function_{i}(x, y):\n    return" for i in range(batch)]
-    conn.send(("ready", boot_s, _rss_mib()))
+    cache = engine.vllm_config.cache_config
+    info = {"boot_s": boot_s, "kv_blocks": cache.num_gpu_blocks,
+            "weights_and_buffers_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    conn.send(info)
+    rng = np.random.default_rng(0)
+    vocab = engine.vllm_config.model_config.get_vocab_size()
     run_no = 0
-    while conn.recv() == "run":
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{run_no}-{i}", prompt, params)
+    while True:
+        msg = conn.recv()
+        if msg[0] != "run":
+            break
+        _, batch, new_tokens = msg
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            ids = rng.integers(10, vocab - 10, prompt_len).tolist()
+            engine.add_request(f"{run_no}-{i}", {"prompt_token_ids": ids}, params)
         run_no += 1
-        engine.step()  # prefill (not timed: the target is decode throughput)
-        if cfg["hooks"]:
-            llm.collective_rpc("inspector_drain")
-        generated, t0 = 0, time.perf_counter()
+        t0 = time.perf_counter()
+        first = set()
+        while len(first) < batch:  # prefill: until every request has its first token
+            for out in engine.step():
+                first.add(out.request_id)
+            if hooks:
+                llm.collective_rpc("inspector_drain")
+        t1 = time.perf_counter()
+        steps = 0
         while engine.has_unfinished_requests():
-            generated += sum(1 for _ in engine.step())
-            if cfg["hooks"]:
-                llm.collective_rpc("inspector_drain")  # as the engine session does every step
-        elapsed = time.perf_counter() - t0
-        conn.send((batch * (tokens - 1) / elapsed, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+            engine.step()
+            steps += 1
+            if hooks:
+                llm.collective_rpc("inspector_drain")
+        t2 = time.perf_counter()
+        conn.send({"prefill_tok_s": batch * prompt_len / (t1 - t0), "decode_tok_s": batch * steps / (t2 - t1),
+                   "ms_per_step": 1000 * (t2 - t1) / max(steps, 1),
+                   "rss_peak_mib": _rss_peak_mib(),
+                   "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None})
     conn.close()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.28,
+                        help="per engine; the three engines share one GPU")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = parser.parse_args()
 
-    from inspector.tinymodels import tiny_model
-
-    model_dir = str(tiny_model(**MODEL))
+    path, extra = model_dir(args.preset)
+    spec, dtype, max_batched, prompt_len, runs = PRESETS[args.preset]
     ctx = mp.get_context("spawn")
-    workers = {}
-    for name in CONFIGS:  # boot one at a time: boots compete for the same cores
+    workers, boot = {}, {}
+    for name in args.configs:  # boot one at a time: boots compete for the same cores
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=serve, args=(name, child, model_dir, args.batch, args.tokens), daemon=True)
+        proc = ctx.Process(target=serve, args=(name, child, args.preset, path, extra, args.gpu_memory_utilization),
+                           daemon=True)
         proc.start()
-        status, boot_s, rss = parent.recv()
+        boot[name] = parent.recv()
         workers[name] = (proc, parent)
-        print(f"booted {name:9s} in {boot_s:5.1f} s, RSS {rss:7.1f} MiB", flush=True)
+        print(f"booted {name:9s} in {boot[name]['boot_s']:6.1f} s", flush=True)
 
-    throughput = {name: [] for name in CONFIGS}
-    peak = {}
+    results = {(name, run): [] for name in args.configs for run in runs}
     for rep in range(args.reps):
-        for name, (_, conn) in workers.items():
-            conn.send("run")
-            tps, peak[name] = conn.recv()
-            throughput[name].append(tps)
-        print(f"rep {rep + 1}: " + "  ".join(f"{n} {t[-1]:8.1f} tok/s" for n, t in throughput.items()), flush=True)
+        for run in runs:
+            for name, (_, conn) in workers.items():
+                conn.send(("run", *run))
+                results[(name, run)].append(conn.recv())
+        print(f"rep {rep + 1}/{args.reps} done", flush=True)
     for proc, conn in workers.values():
-        conn.send("stop")
-        proc.join(timeout=60)
+        conn.send(("stop",))
+        proc.join(timeout=120)
 
-    med = {n: statistics.median(t) for n, t in throughput.items()}
-    hidden, layers = MODEL["hidden"], MODEL["layers"]
-    buffers_mib = layers * MAX_BATCHED * hidden * 4 / 2**20
-    print(f"\nmodel: Llama hidden {hidden}, {layers} layers, float32; batch {args.batch} x {args.tokens} new tokens, "
-          f"greedy, ignore_eos; capture = resid_post of every block ({layers} hooks); {args.reps} alternated reps")
-    print(f"{'config':10s} {'median tok/s':>13s} {'peak RSS MiB':>13s}")
-    for name in CONFIGS:
-        print(f"{name:10s} {med[name]:13.1f} {peak[name]:13.1f}")
-    print(f"\ncompiled / vanilla throughput: {med['compiled'] / med['vanilla']:.3f}  (target >= 0.95)")
-    print(f"compiled / eager throughput:   {med['compiled'] / med['eager']:.3f}  (target >= 1.3)")
-    extra = peak["compiled"] - peak["vanilla"]
-    print(f"compiled peak RSS above vanilla: {extra:.1f} MiB; capture buffers {buffers_mib:.1f} MiB "
-          f"(target: <= buffers + 10% of vanilla = {buffers_mib + 0.1 * peak['vanilla']:.1f} MiB)")
+    def med(name, run, key):
+        return statistics.median(r[key] for r in results[(name, run)])
+
+    print(f"\npreset {args.preset}: {dtype}, prompts of {prompt_len} tokens, greedy, ignore_eos, "
+          f"max_num_batched_tokens {max_batched}; capture = resid_post of every block; {args.reps} alternated reps")
+    print(f"{'config':9s} {'boot s':>7s} " + " ".join(
+        f"{f'{b}x{n} prefill tok/s':>22s} {f'{b}x{n} decode tok/s':>21s} {'ms/step':>8s}" for b, n in runs))
+    for name in args.configs:
+        cells = " ".join(f"{med(name, run, 'prefill_tok_s'):22.1f} {med(name, run, 'decode_tok_s'):21.1f} "
+                         f"{med(name, run, 'ms_per_step'):8.2f}" for run in runs)
+        print(f"{name:9s} {boot[name]['boot_s']:7.1f} {cells}")
+    if {"vanilla", "compiled", "eager"} <= set(args.configs):
+        print()
+        for run in runs:
+            v, c, e = (med(n, run, "decode_tok_s") for n in ("vanilla", "compiled", "eager"))
+            print(f"{run[0]}x{run[1]} decode: compiled/vanilla {c / v:.3f}, compiled/eager {c / e:.2f}")
+        print(f"boot: compiled/vanilla {boot['compiled']['boot_s'] / boot['vanilla']['boot_s']:.2f}")
+        width = spec.get("hidden", spec.get("hidden_size"))
+        layers = spec.get("layers", spec.get("num_hidden_layers"))
+        itemsize = 4 if dtype == "float32" else 2
+        buffers = layers * max_batched * width * itemsize / 2**20
+        tables = layers * 2 * 64 * width * itemsize / 2**20
+        print(f"capture buffers {buffers:.1f} MiB + intervention tables {tables:.1f} MiB")
+        last = runs[-1]
+        if boot["vanilla"]["weights_and_buffers_gib"] is not None:
+            kv_v, kv_c = boot["vanilla"]["kv_blocks"], boot["compiled"]["kv_blocks"]
+            print(f"GPU peak allocated after boot (weights, buffers, profiling): vanilla "
+                  f"{boot['vanilla']['weights_and_buffers_gib']:.2f} GiB, compiled "
+                  f"{boot['compiled']['weights_and_buffers_gib']:.2f} GiB; KV cache blocks vanilla {kv_v}, "
+                  f"compiled {kv_c} (same memory budget: what the hooks take comes out of the KV cache)")
+            print("GPU peak allocated while running: " + ", ".join(
+                f"{n} {med(n, last, 'gpu_peak_gib'):.2f} GiB" for n in args.configs))
+        else:
+            peaks = {n: med(n, last, "rss_peak_mib") for n in args.configs}
+            extra_mib = peaks["compiled"] - peaks["vanilla"]
+            print("peak RSS: " + ", ".join(f"{n} {p:.0f} MiB" for n, p in peaks.items()))
+            print(f"compiled above vanilla: {extra_mib:.1f} MiB (target <= (buffers + tables) x 1.1 = "
+                  f"{(buffers + tables) * 1.1:.1f} MiB)")
 
 
 if __name__ == "__main__":

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 
 import numpy as np
 
 from inspector.engine.boot import boot_llm, shutdown_llm
 
 
+# Parity tolerance (relative L2 per token): float32 on CPU reaches ~5e-7; CUDA kernels differ more.
+PARITY_TOL = float(os.environ.get("INSPECTOR_PARITY_TOL", "1e-5"))
+# Extra engine arguments for the machine the tests run on (e.g. gpu_memory_utilization on a GPU).
+ENGINE_ARGS = json.loads(os.environ.get("INSPECTOR_TEST_ENGINE_ARGS", "{}"))
+
+
 @contextlib.contextmanager
 def booted(model_dir, **kwargs):
-    llm = boot_llm(str(model_dir), **{"max_num_batched_tokens": 64, "max_model_len": 256, **kwargs})
+    llm = boot_llm(str(model_dir), **{"max_num_batched_tokens": 64, "max_model_len": 256, **ENGINE_ARGS, **kwargs})
     try:
         yield llm
     finally:

@@ -97,3 +97,28 @@ def test_greedy_completion_of_def_is_the_recorded_one(model_dir, recorded):
     ids = greedy_completion(model, tok, "def ")
     assert ids == expected["ids"]
     assert tok.decode(ids) == expected["text"]
+
+
+@pytest.mark.slow
+def test_vllm_boots_the_demo_model_and_agrees(model_dir, recorded):
+    """vLLM (CPU, compiled) loads the shipped directory as is and greedily writes what transformers wrote."""
+    import time
+
+    from inspector.engine.environment import prepare_environment
+
+    prepare_environment()
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=1024, enable_prefix_caching=False)
+    boot_seconds = time.perf_counter() - started
+    try:
+        prompts = [c["prompt"] for c in recorded["completions"]]
+        params = SamplingParams(temperature=0.0, max_tokens=len(recorded["completions"][0]["ids"]), ignore_eos=True)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for out, c in zip(outputs, recorded["completions"]):
+            assert list(out.outputs[0].token_ids) == c["ids"][:len(out.outputs[0].token_ids)], c["prompt"]
+        assert boot_seconds < 300, f"boot took {boot_seconds:.0f} s"
+    finally:
+        from inspector.engine.boot import shutdown_llm
+        shutdown_llm(llm)

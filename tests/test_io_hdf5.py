@@ -18,7 +18,7 @@ import pytest
 from inspector.capture.run import HookInfo, HookRows, RequestCapture, Run
 from inspector.io import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, CaptureWriter, H5Array, LazyHookRows,
                           open_run, read_run, write_run)
-from inspector.io.hdf5 import chunk_rows_for, escape_name, unescape_name
+from inspector.io.hdf5 import chunk_cols_for, chunk_rows_for, escape_name, unescape_name
 
 H5DUMP = shutil.which("h5dump") or ("/usr/bin/h5dump" if os.path.exists("/usr/bin/h5dump") else None)
 REPO = Path(__file__).resolve().parents[1]
@@ -127,7 +127,7 @@ def test_round_trip_bit_for_bit(tmp_path):
         g = f["requests/0"]
         assert g.attrs["request_id"] == "req-0-\u00e9"
         v = g["hooks/model.layers.1.mlp.down_proj/values"]
-        assert v.dtype == np.float32 and v.chunks == (256, 1024) and v.maxshape == (None, 1100)
+        assert v.dtype == np.float32 and v.chunks == (119, 550)  # width split in equal parts; ~256 KiB and v.maxshape == (None, 1100)
         assert v.compression is None
         assert g["token_texts"].asstr()[1] == " caf\u00e9"
         assert g["top_logprob_ids"].shape[0] == 40 and g["is_prompt"][:5].all()
@@ -203,6 +203,28 @@ def test_writer_argument_errors_keep_writer_usable(tmp_path):
         w.add_request(req)
 
 
+def test_update_request_last_call_wins(tmp_path):
+    hooks = {"h": HookInfo("h", "h", "m.h", "resid", 2)}
+    w = CaptureWriter(tmp_path / "r.h5", {}, hooks, fsync=False)
+    w.add_request(RequestCapture("a", "with\x00nul", [1, 2], {"t": 1}))
+    w.append_rows("a", "h", [0, 1], [1, 2], np.ones((2, 2), np.float32))
+    w.update_request(RequestCapture("a", "with\x00nul", [1, 2], {"t": 1}, [3], ["x", "y", "z"], [-0.5],
+                                    [[(3, -0.5)]], [(0, [])], finish_reason="stop"))  # writes rows now
+    w.append_rows("a", "h", [2], [3], np.full((1, 2), 2, np.float32))  # rows after "finished" still count
+    final = RequestCapture("a", "plain", [1, 2], {"t": 2}, [3, 4], ["x", "y", "z", "w"], [-0.5, -1.0],
+                           [[(3, -0.5)], []], [(0, []), (3, [{"hook": "h", "scale": 0.0}])], finish_reason=None)
+    w.update_request(final)
+    w.close()
+    got = read_run(tmp_path / "r.h5").requests["a"]
+    for field in ("prompt", "sampling", "generated_token_ids", "token_texts", "logprobs", "top_logprobs",
+                  "intervention_log", "finish_reason"):
+        assert getattr(got, field) == getattr(final, field), field
+    assert np.array_equal(got.hooks["h"].values, [[1, 1], [1, 1], [2, 2]])
+    assert got.hooks["h"].positions.tolist() == [0, 1, 2] and got.hooks["h"].token_ids.tolist() == [1, 2, 3]
+    with h5py.File(tmp_path / "r.h5", "r") as f:
+        assert "finish_reason" not in f["requests/0"].attrs and "json_escaped_attrs" not in f["requests/0"].attrs
+
+
 # ------------------------------------------------------------------------------------------ other tools
 
 @pytest.fixture(scope="module")
@@ -216,15 +238,18 @@ def small_file(tmp_path_factory) -> Path:
 def test_h5dump_reads_file(small_file):
     head = subprocess.run([H5DUMP, "-H", str(small_file)], capture_output=True, text=True, timeout=30)
     assert head.returncode == 0, head.stderr
-    assert FORMAT_NAME in head.stdout and 'GROUP "model.layers.0.resid_post"' in head.stdout
-    assert "H5S_UNLIMITED" in head.stdout
+    assert 'ATTRIBUTE "format"' in head.stdout and 'GROUP "model.layers.0.resid_post"' in head.stdout
+    assert "H5S_UNLIMITED" in head.stdout and 'GROUP "odd%2Fname%25with.slash"' in head.stdout
+    attr = subprocess.run([H5DUMP, "-a", "/format", str(small_file)], capture_output=True, text=True, timeout=30)
+    assert attr.returncode == 0 and f'"{FORMAT_NAME}"' in attr.stdout
     ds = "/requests/0/hooks/model.layers.0.resid_post/values"
     out = subprocess.run([H5DUMP, "-d", ds, str(small_file)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert "( 20, 48 )" in out.stdout and "H5T_IEEE_F32LE" in out.stdout
     texts = subprocess.run([H5DUMP, "-d", "/requests/0/token_texts", str(small_file)], capture_output=True,
                            timeout=30)
-    assert texts.returncode == 0 and " caf\u00e9".encode() in texts.stdout
+    # h5dump 1.10 prints non-ASCII UTF-8 bytes as octal escapes; NUL/lone surrogates are JSON-escaped by us
+    assert texts.returncode == 0 and b'"a/b"' in texts.stdout and b'""\\u0000""' in texts.stdout
 
 
 # ------------------------------------------------------------------------------------------ read errors
@@ -349,6 +374,34 @@ def test_exception_inside_with_leaves_no_file(tmp_path):
     assert listing(tmp_path) == []
 
 
+HARD_KILL = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from inspector.capture.run import HookInfo, RequestCapture
+    from inspector.io import CaptureWriter
+    w = CaptureWriter(os.path.join(sys.argv[1], "run.h5"), {}, {"h": HookInfo("h", "h", "m", "resid", 256)})
+    w.add_request(RequestCapture("a", "p", [1], {}))
+    for i in range(64):
+        w.append_rows("a", "h", np.arange(100), np.arange(100), np.ones((100, 256), np.float32))
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_hard_kill_leaves_no_file_under_final_name(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", HARD_KILL, str(tmp_path), str(REPO)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    names = listing(tmp_path)
+    assert "run.h5" not in names and len(names) == 1 and names[0].startswith(".run.h5.") and names[0].endswith(
+        ".partial"), names
+
+
 def test_close_replaces_existing_file_atomically(tmp_path):
     path = tmp_path / "run.h5"
     path.write_text("old")
@@ -391,5 +444,6 @@ def test_lazy_open_of_big_file(tmp_path):
 
 
 def test_chunk_shapes():
-    assert chunk_rows_for(4096) == 256 and chunk_rows_for(1024) == 256
+    assert [chunk_cols_for(w) for w in (1, 64, 1024, 1100, 2560, 4096)] == [1, 64, 1024, 550, 854, 1024]
+    assert chunk_rows_for(4096) == 64 and chunk_rows_for(1024) == 64
     assert chunk_rows_for(64) == 1024 and chunk_rows_for(1) == 4096

@@ -3,7 +3,7 @@
 import pytest
 
 import hf_reference
-from engines import booted, generate, rel_l2, rpc
+from engines import PARITY_TOL, booted, generate, rel_l2, rpc
 
 PROMPTS = ["def fibonacci(n):", "for key, value in items.items():"]
 
@@ -29,6 +29,6 @@ def test_parity_with_transformers(engine, tiny_models):
         for layer in range(ref["resid_post"].shape[0]):
             rows = by_alias[f"blocks.{layer}.hook_resid_post"]
             assert rows["positions"].tolist() == list(range(len(seq) - 1))
-            assert rel_l2(rows["values"], ref["resid_post"][layer]).max() < 1e-5
-            assert rel_l2(by_alias[f"blocks.{layer}.mlp.hook_post"]["values"], ref["mlp_post"][layer]).max() < 1e-5
-        assert rel_l2(by_alias["ln_final.hook_normalized"]["values"], ref["final"]).max() < 1e-5
+            assert rel_l2(rows["values"], ref["resid_post"][layer]).max() < PARITY_TOL
+            assert rel_l2(by_alias[f"blocks.{layer}.mlp.hook_post"]["values"], ref["mlp_post"][layer]).max() < PARITY_TOL
+        assert rel_l2(by_alias["ln_final.hook_normalized"]["values"], ref["final"]).max() < PARITY_TOL

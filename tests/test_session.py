@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from engines import rpc
+from engines import ENGINE_ARGS, rpc
 from inspector.engine import Intervention
 from inspector.engine.session import Sampling, Session, SessionError, SessionOptions
 from inspector.io.hdf5 import read_run, write_run
@@ -20,7 +20,8 @@ stages = []
 @pytest.fixture(scope="module")
 def session(tiny_models):
     s = Session.open(SessionOptions(model=str(tiny_models["llama"]), max_model_len=256, max_num_batched_tokens=64,
-                                    hooks=("blocks.*.hook_resid_post", "hook_embed")), stages.append)
+                                    hooks=("blocks.*.hook_resid_post", "hook_embed"), engine_args=ENGINE_ARGS),
+                     stages.append)
     yield s
     s.close()
 

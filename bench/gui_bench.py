@@ -1,0 +1,173 @@
+"""GUI responsiveness: does the window stay smooth while the engine generates, and how fast is a repaint?
+
+    python bench/gui_bench.py                     # tiny Llama, compiled, 512 tokens, 4 hooks live
+    python bench/gui_bench.py --model demo --mode eager --tokens 1024
+    python bench/gui_bench.py --skip-engine       # only the heatmap repaint measurement
+
+Measures, on the GUI thread (offscreen unless QT_QPA_PLATFORM says otherwise):
+
+1. the longest gap between ticks of a 10 ms QTimer while the engine generates (target < 50 ms): a gap
+   is time the event loop could not run (painting, slot work, or the engine thread holding the GIL);
+2. one heatmap frame at 2,000 tokens x 4,096 features: append a token, update the pooled image and
+   repaint synchronously (target < 16 ms); and the one-off cost of a full re-pool (zoom, new hook).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+def table(rows):
+    print()
+    print(f"{'measurement':58s} {'value':>12s} {'target':>10s}  ok")
+    print("-" * 88)
+    for name, value, target, ok in rows:
+        print(f"{name:58s} {value:>12s} {target:>10s}  {'yes' if ok else ('—' if ok is None else 'NO')}")
+    print()
+
+
+def bench_heatmap(app, frames: int = 60) -> list:
+    import numpy as np
+
+    from inspector.ui.capture_view_model import GrowingRows
+    from inspector.ui.heatmap import HeatmapWidget
+
+    w = HeatmapWidget()
+    w.resize(1280, 800)
+    w.show()
+    app.processEvents()
+    rng = np.random.default_rng(0)
+    rows = GrowingRows(4096)
+    n0 = 2000 - frames
+    rows.append(np.arange(n0), np.zeros(n0), rng.standard_normal((n0, 4096), dtype=np.float32))
+    texts = ["tok"] * 2100
+    t = time.perf_counter()
+    w.set_data(rows.positions, rows.values, texts, "bench")
+    w.glw.viewport().repaint()
+    first = time.perf_counter() - t
+    times = []
+    for i in range(frames):
+        rows.append([n0 + i], [0], rng.standard_normal((1, 4096), dtype=np.float32))
+        t = time.perf_counter()
+        w.set_data(rows.positions, rows.values, texts, "bench")
+        w.glw.viewport().repaint()
+        times.append(time.perf_counter() - t)
+    # a full re-pool: the feature range changes (zoom), nothing cached fits
+    t = time.perf_counter()
+    w.set_feature_range(0, 2048)
+    w.glw.viewport().repaint()
+    repool = time.perf_counter() - t
+    shape = w.image_array().shape
+    w.close()
+    times.sort()
+    med, p95, worst = statistics.median(times), times[int(0.95 * len(times)) - 1], times[-1]
+    return [
+        (f"heatmap frame 2000x4096, median (image {shape[0]}x{shape[1]})", f"{med * 1e3:.1f} ms", "< 16 ms",
+         med < 0.016),
+        ("heatmap frame 2000x4096, 95th percentile", f"{p95 * 1e3:.1f} ms", "< 16 ms", p95 < 0.016),
+        ("heatmap frame 2000x4096, worst", f"{worst * 1e3:.1f} ms", "", None),
+        ("heatmap first frame / full re-pool after zoom", f"{first * 1e3:.0f} / {repool * 1e3:.0f} ms", "", None),
+    ]
+
+
+def bench_generation(app, args) -> list:
+    from PySide6.QtCore import QTimer
+
+    from inspector.ui.main_window import MainWindow
+
+    window = MainWindow()
+    window.resize(1500, 950)
+    window.show()
+    ticks: list[float] = []
+    timer = QTimer(interval=10)
+    timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
+    timer.start()
+    hooks = args.hooks.split(",")
+    model = args.model
+    if model == "tiny":
+        from inspector.tinymodels import tiny_model
+
+        model = str(tiny_model("llama"))
+    t0 = time.perf_counter()
+    window.open_model(model, mode=args.mode, hooks=hooks)
+    while window.state not in ("ready", "no-model") and time.perf_counter() - t0 < 600:
+        app.processEvents()
+        time.sleep(0.002)
+    boot = time.perf_counter() - t0
+    if window.state != "ready":
+        print("boot failed:", window.last_dialog.text() if window.last_dialog else window.state, file=sys.stderr)
+        window.close()
+        return [("boot", "failed", "", False)]
+    boot_gap = max((b - a for a, b in zip(ticks, ticks[1:])), default=0.0)
+    window.prompt.prompts.setPlainText(args.prompt)
+    window.prompt.max_tokens.setValue(args.tokens)
+    window.prompt.ignore_eos.setChecked(True)
+    ticks.clear()
+    t0 = time.perf_counter()
+    window.generate()
+    while window.state == "generating" and time.perf_counter() - t0 < 600:
+        app.processEvents()
+        time.sleep(0.001)
+    elapsed = time.perf_counter() - t0
+    window._tick()
+    gaps = sorted(b - a for a, b in zip(ticks, ticks[1:]))
+    longest = gaps[-1] if gaps else float("nan")
+    p99 = gaps[int(0.99 * len(gaps)) - 1] if gaps else float("nan")
+    rid = window.vm.request_ids()[-1]
+    n_tokens = len(window.vm.request(rid).generated_token_ids)
+    n_hooks = len(window.vm.request(rid).hooks)
+    paints = window.heatmap.paint_count
+    window.close()
+    return [
+        (f"boot {os.path.basename(model)} ({args.mode}); longest tick gap while booting",
+         f"{boot:.0f} s; {boot_gap * 1e3:.0f} ms", "", None),
+        (f"generate {n_tokens} tokens, {n_hooks} hooks live", f"{elapsed:.2f} s", "", None),
+        ("throughput", f"{n_tokens / elapsed:.0f} tok/s", "", None),
+        ("longest gap between 10 ms ticks while generating", f"{longest * 1e3:.1f} ms", "< 50 ms", longest < 0.05),
+        ("99th percentile tick gap while generating", f"{p99 * 1e3:.1f} ms", "", None),
+        ("heatmap repaints during generation (rate-limited)", f"{paints}", "", None),
+    ]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help='"tiny" (a tiny Llama built offline), "demo" or a model directory')
+    p.add_argument("--mode", default="compiled", choices=("compiled", "eager"))
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--hooks", default="blocks.0.hook_resid_post,blocks.1.hook_resid_post,blocks.0.hook_mlp_out,"
+                                       "blocks.1.hook_attn_out")
+    p.add_argument("--prompt", default="def fibonacci(n):")
+    p.add_argument("--skip-engine", action="store_true")
+    args = p.parse_args(argv)
+
+    os.environ.setdefault("INSPECTOR_SETTINGS_DIR", os.path.join(os.path.dirname(__file__), "out", "settings"))
+    from inspector.ui.app import gui_environment
+
+    gui_environment()  # as the app does: one core left to the GUI thread
+    from inspector.engine.environment import prepare_environment
+
+    prepare_environment()
+    from inspector.ui.settings import configure_storage
+
+    configure_storage()
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([])
+    import pyqtgraph as pg
+
+    pg.setConfigOptions(antialias=False)
+    rows = bench_heatmap(app)
+    if not args.skip_engine:
+        rows += bench_generation(app, args)
+    table(rows)
+    return 0 if all(ok is not False for *_, ok in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

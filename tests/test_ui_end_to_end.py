@@ -1,0 +1,194 @@
+"""End to end: the window on the REAL engine (vLLM, compiled mode) with a tiny Llama.
+
+One window boots once for the module (~40-60 s on a 2-core machine); the tests run in order on it.
+They check what the widget tests check with a fake engine, against real captures: hook points checked
+in the tree, heatmap columns and values equal to the session's captures, the token strip equal to
+the generated text, an intervention added mid-generation changing only the following tokens,
+export + reopen giving identical arrays, errors as dialogs, and no engine code on the GUI thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from PySide6.QtWidgets import QMessageBox
+
+from ui_fixtures import fail_on_qt_warnings, ui_settings  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+H_RESID0 = "blocks.0.hook_resid_post"
+H_MLP0 = "blocks.0.hook_mlp_out"
+PROMPTS = ["def fibonacci(n):", "import os"]
+
+
+def wait(app, predicate, timeout=300.0):
+    t = time.perf_counter()
+    while not predicate():
+        if time.perf_counter() - t > timeout:
+            raise TimeoutError("condition not reached in time")
+        app.processEvents()
+        time.sleep(0.002)
+
+
+@pytest.fixture(scope="module")
+def window(qapp, tmp_path_factory):
+    import os
+
+    from inspector.tinymodels import tiny_model
+    from inspector.ui.main_window import MainWindow
+    from inspector.ui.settings import configure_storage
+
+    settings_dir = tmp_path_factory.mktemp("settings")
+    os.environ["INSPECTOR_SETTINGS_DIR"] = str(settings_dir)
+    configure_storage(settings_dir)
+    engine_threads = set()
+    from inspector.ui import engine_worker
+
+    def factory(options, progress):  # the real factory, recording the thread it runs on
+        engine_threads.add(threading.get_ident())
+        return engine_worker.default_session_factory(options, progress)
+
+    w = MainWindow(session_factory=factory)
+    w.resize(1500, 950)
+    w.show()
+    w.factory_threads = engine_threads
+    # retain_rows: the session keeps its own copy of every row, so the test can compare with it
+    w.open_model(str(tiny_model("llama")), mode="compiled", hooks=["blocks.*.hook_resid_post"], retain_rows=True)
+    wait(qapp, lambda: w.state in ("ready", "no-model"))
+    assert w.state == "ready", w.last_dialog.text() if w.last_dialog else w.state
+    yield w
+    w.close()
+    os.environ.pop("INSPECTOR_SETTINGS_DIR", None)
+
+
+def session(w):
+    return w.controller.worker.session
+
+
+def name_of(w, alias):
+    return next(h.name for h in w.session_info.catalogue if h.alias == alias)
+
+
+def generate(app, w, prompts, max_tokens, wait_done=True):
+    w.prompt.prompts.setPlainText("\n".join(prompts))
+    w.prompt.max_tokens.setValue(max_tokens)
+    w.prompt.ignore_eos.setChecked(True)
+    before = set(w.live.request_ids())
+    assert w.generate()
+    if wait_done:
+        wait(app, lambda: w.state != "generating")
+        w._tick()
+    return before
+
+
+def test_check_two_hook_points_in_the_tree(qapp, window, fail_on_qt_warnings):
+    w = window
+    resid0, mlp0 = name_of(w, H_RESID0), name_of(w, H_MLP0)
+    w.tree.apply_preset("None")
+    w.tree.set_hook_checked(resid0, True)
+    w.tree.set_hook_checked(mlp0, True)
+    assert sorted(w.tree.checked()) == sorted([resid0, mlp0]) and w.tree.pending()
+    w.tree.apply_button.click()
+    box = w.last_dialog
+    assert isinstance(box, QMessageBox) and "Restart" in box.windowTitle()
+    box.button(QMessageBox.StandardButton.Yes).click()
+    wait(qapp, lambda: w.state == "ready" and set(session(w).installed) == {resid0, mlp0})
+    assert not w.tree.pending()
+
+
+def test_generate_heatmap_equals_captures_and_strip_equals_text(qapp, window, fail_on_qt_warnings):
+    w = window
+    before = generate(qapp, w, PROMPTS, max_tokens=12)
+    s = session(w)
+    new = [rid for rid in w.live.request_ids() if rid not in before]
+    assert len(new) == 2
+    for rid in new:
+        req = s.run.requests[rid]
+        assert len(req.generated_token_ids) == 12
+        w.select_request(rid)
+        for hook in s.installed:
+            w.select_hook(hook)
+            rows = req.hooks[hook]
+            assert w.heatmap.column_count() == len(rows) == len(req.token_ids) - 1  # one column per fed token
+            np.testing.assert_array_equal(w.heatmap.displayed_data(), rows.values)
+            np.testing.assert_array_equal(w.heatmap.image_array(), rows.values)  # 128 wide: not pooled
+        assert w.strip.texts() == req.token_texts
+        assert w.generated_text(rid) == "".join(req.token_texts[len(req.prompt_token_ids):])
+    assert threading.get_ident() not in w.step_threads
+    assert threading.get_ident() not in w.controller.worker.engine_threads
+    assert threading.get_ident() not in w.factory_threads
+
+
+def test_intervention_mid_generation_changes_only_following_tokens(qapp, window, fail_on_qt_warnings):
+    w = window
+    hook = name_of(w, H_RESID0)
+    prompt = ["class Foo:"]
+    clean_ids = generate(qapp, w, prompt, max_tokens=200)
+    clean_rid = [r for r in w.live.request_ids() if r not in clean_ids][0]
+    clean = session(w).run.requests[clean_rid].hooks[hook].values.copy()
+
+    before = generate(qapp, w, prompt, max_tokens=200, wait_done=False)
+    wait(qapp, lambda: w._gen_tokens >= 3)
+    row = w.interventions.add_row(hook)
+    assert w.interventions.edit(row, "Bias", "100")  # applied before the next forward
+    wait(qapp, lambda: w.state != "generating")
+    w._tick()
+    rid = [r for r in w.live.request_ids() if r not in before][0]
+    req = session(w).run.requests[rid]
+    steered = [(p, ivs) for p, ivs in req.intervention_log if ivs]
+    assert steered, req.intervention_log
+    first = steered[0][0]
+    assert 0 < first < len(req.token_ids) - 1
+    values = req.hooks[hook].values
+    np.testing.assert_array_equal(values[:first], clean[:first])  # tokens before: untouched
+    np.testing.assert_allclose(values[first], clean[first] + 100.0, rtol=1e-5, atol=1e-3)
+    assert (np.abs(values[first:] - clean[first:len(values)]).max(axis=1) > 1.0).all()
+    # the GUI's mirror has the same rows and marks exactly the intervened positions
+    np.testing.assert_array_equal(w.live.rows(rid, hook)[1], values)
+    w.select_request(rid)
+    w.select_hook(hook)
+    marks = w.heatmap.track_img.image[:, 0]
+    assert (marks[:first] == 0).all() and (marks[first:] == 2).all()
+    w.interventions.clear()
+    assert session(w).interventions == []
+
+
+def test_export_then_reopen_gives_identical_arrays(qapp, window, tmp_path, fail_on_qt_warnings):
+    w = window
+    path = str(tmp_path / "run.h5")
+    expected = {(rid, h): w.live.rows(rid, h)[1].copy() for rid in w.live.request_ids()
+                for h in w.live.request(rid).hooks}
+    texts = {rid: w.live.token_texts(rid) for rid in w.live.request_ids()}
+    logs = {rid: w.live.request(rid).intervention_log for rid in w.live.request_ids()}
+    assert w.export(path)
+    wait(qapp, lambda: w.export_thread is None, timeout=60)
+    assert getattr(w, "last_export", None) == path
+    assert w.open_capture(path)
+    for (rid, h), values in expected.items():
+        np.testing.assert_array_equal(w.vm.rows(rid, h)[1], values)
+    for rid, t in texts.items():
+        assert w.vm.token_texts(rid) == t
+        assert [p for p, _ in w.vm.request(rid).intervention_log] == [p for p, _ in logs[rid]]
+    w.show_live()
+
+
+def test_bad_model_path_is_a_dialog_and_app_stays_usable(qapp, window, tmp_path, fail_on_qt_warnings):
+    w = window
+    assert not w.open_model(str(tmp_path / "does-not-exist"))
+    assert "Cannot open the model" in w.last_dialog.text()
+    w.last_dialog.close()
+    assert w.state == "ready" and session(w).alive
+    # a directory that looks like a model but is not one: the engine refuses it, the app stays alive
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"], "model_type": "nosuch"}')
+    n_requests = len(w.live.request_ids())
+    assert w.open_model(str(tmp_path))
+    wait(qapp, lambda: w.state != "booting")
+    assert w.state == "no-model"
+    assert "Could not open the model" in w.last_dialog.text()
+    w.last_dialog.close()
+    assert len(w.live.request_ids()) == n_requests  # nothing captured was lost
+    assert threading.get_ident() not in w.controller.worker.engine_threads

@@ -1,0 +1,218 @@
+"""Widget tests (synthetic data, no engine): the model tree and the interventions editor."""
+
+import numpy as np
+import pytest
+from PySide6.QtCore import Qt
+
+from ui_fixtures import fail_on_qt_warnings, make_catalogue, make_run, ui_settings  # noqa: F401
+
+
+@pytest.fixture
+def tree(qtbot, ui_settings):
+    from inspector.ui.model_tree import ModelTreeWidget
+
+    w = ModelTreeWidget()
+    qtbot.addWidget(w)
+    w.show()
+    cat = make_catalogue(layers=3)
+    w.set_catalogue(cat, {"model.layers.0.resid_post"})
+    return w
+
+
+def test_tree_groups_by_module_path_and_shows_kind_width_alias(tree):
+    model = tree.model
+    root = model.item(0, 0)
+    assert root.text() == "model"
+    layers = [root.child(r, 0) for r in range(root.rowCount()) if root.child(r, 0).text() == "layers"][0]
+    assert [layers.child(r, 0).text() for r in range(layers.rowCount())] == ["0", "1", "2"]
+    leaf = tree._leaves["model.layers.1.mlp.mlp_out"]
+    assert "mlp_out" in leaf.text()
+    parent = leaf.parent()
+    assert parent.text() == "mlp" and parent.parent().text() == "1"
+    assert parent.child(leaf.row(), 1).text() == "16" and parent.child(leaf.row(), 2).text() == "blocks.1.hook_mlp_out"
+    assert tree.checked() == ["model.layers.0.resid_post"] and not tree.pending()
+
+
+def test_tree_check_by_click_and_module_node(tree, qtbot):
+    # click the check box of a leaf
+    index = tree.leaf_index("model.layers.2.self_attn.attn_out")
+    tree.tree.scrollTo(index)
+    rect = tree.tree.visualRect(index)
+    with qtbot.waitSignal(tree.checkedChanged):
+        qtbot.mouseClick(tree.tree.viewport(), Qt.MouseButton.LeftButton, pos=rect.topLeft() + __import__(
+            "PySide6.QtCore", fromlist=["QPoint"]).QPoint(tree.tree.style().pixelMetric(
+                tree.tree.style().PixelMetric.PM_IndicatorWidth) // 2 + 4, rect.height() // 2))
+    assert "model.layers.2.self_attn.attn_out" in tree.checked()
+    assert tree.pending()
+    # checking a module node checks everything below it; its parent becomes partial
+    node = tree._leaves["model.layers.1.mlp.mlp_out"].parent()
+    node.setCheckState(Qt.CheckState.Checked)
+    assert {"model.layers.1.mlp.mlp_out", "model.layers.1.mlp.act_fn.mlp_post"} <= set(tree.checked())
+    assert node.parent().checkState() == Qt.CheckState.PartiallyChecked
+
+
+def test_tree_filter(tree):
+    tree.filter_box.setText("mlp_out")
+    assert sorted(tree.visible_hooks()) == [f"model.layers.{i}.mlp.mlp_out" for i in range(3)]
+    tree.filter_box.setText("blocks.2.hook_resid")
+    assert sorted(tree.visible_hooks()) == ["model.layers.2.post_attention_layernorm.resid_mid",
+                                            "model.layers.2.resid_post", "model.layers.2.resid_pre"]
+    tree.filter_box.setText("")
+    assert len(tree.visible_hooks()) == len(tree.hook_names())
+
+
+def test_tree_presets_and_glob(tree):
+    tree.apply_preset("None")
+    assert tree.checked() == []
+    tree.apply_preset("All residual stream")
+    assert sorted(tree.checked()) == [f"model.layers.{i}.resid_post" for i in range(3)]
+    tree.apply_preset("All attention out")  # presets add
+    assert len(tree.checked()) == 6
+    tree.apply_preset("None")
+    tree.apply_preset("All MLP out")
+    assert sorted(tree.checked()) == [f"model.layers.{i}.mlp.mlp_out" for i in range(3)]
+    assert tree.check_glob("blocks.[01].mlp.hook_post") == 2
+    assert "model.layers.0.mlp.act_fn.mlp_post" in tree.checked()
+    tree.check_glob("*mlp*", on=False)
+    assert tree.checked() == []
+
+
+def test_tree_apply_and_modes(tree, qtbot):
+    tree.set_busy(False)
+    tree.apply_preset("All residual stream")
+    assert tree.apply_button.isEnabled() and "restart" in tree.apply_button.text()
+    assert "pending +2 −0 (restarts the engine)" in tree.summary.text()
+    with qtbot.waitSignal(tree.applyRequested) as sig:
+        tree.apply_button.click()
+    assert sorted(sig.args[0]) == [f"model.layers.{i}.resid_post" for i in range(3)]
+    # a mode change is only requested; the window confirms and then calls set_mode
+    with qtbot.waitSignal(tree.modeChangeRequested) as sig:
+        tree.mode_box.setCurrentIndex(tree.mode_box.findData("eager"))
+    assert sig.args == ["eager"] and tree.mode() == "compiled"
+    tree.set_mode("eager")
+    # eager: changes apply on their own after a short pause
+    with qtbot.waitSignal(tree.applyRequested, timeout=3000):
+        tree.set_hook_checked("model.layers.1.mlp.mlp_out", True)
+
+
+# ------------------------------------------------------------------ interventions
+
+
+@pytest.fixture
+def panel(qtbot, ui_settings):
+    from inspector.ui.interventions_dock import InterventionsPanel
+
+    p = InterventionsPanel()
+    qtbot.addWidget(p)
+    p.show()
+    cat = make_catalogue(hidden=8)
+    p.set_hooks({h.name: h for h in cat if h.kind in ("resid_post", "mlp_out")})
+    p.set_requests(["0", "1"])
+    p.current_request = lambda: "1"
+    return p
+
+
+H0 = "model.layers.0.resid_post"
+
+
+def test_interventions_edit_emits_interventions(panel, qtbot):
+    with qtbot.waitSignal(panel.interventionsChanged) as sig:
+        row = panel.add_row(H0)
+    assert sig.args[0][0].hook == H0 and sig.args[0][0].scale == 1.0
+    with qtbot.waitSignal(panel.interventionsChanged) as sig:
+        assert panel.edit(row, "Scale", "2.5")
+    assert sig.args[0][0].scale == 2.5
+    assert panel.edit(row, "Scope", "request")
+    assert panel.interventions()[0].request_id == "1"
+    assert not panel.edit(row, "Scope", "positions")
+    assert "needs positions" in panel.last_message and panel.model.rows[row].scope == "request"
+    assert not panel.edit(row, "Positions", "7-3")
+    assert "runs backwards" in panel.last_message
+    assert panel.edit(row, "Positions", "3-5, 8") and panel.edit(row, "Scope", "positions")
+    iv = panel.interventions()[0]
+    assert iv.positions == (3, 4, 5, 8) and iv.request_id is None
+    panel.strip_selection = lambda: ("1", (6, 7))  # a new row takes positions from the token strip
+    row2 = panel.add_row(H0)
+    assert panel.edit(row2, "Scope", "request+positions")
+    assert panel.interventions()[1].positions == (6, 7) and panel.interventions()[1].request_id == "1"
+    panel.model.remove([row2])
+    assert panel.edit(row, "On", False)
+    assert panel.interventions() == []
+
+
+def test_interventions_refuse_nan_and_keep_previous_value(panel):
+    row = panel.add_row(H0, scale="3")
+    for bad in ("nan", "NaN", "inf", "abc", ""):
+        assert not panel.edit(row, "Scale", bad)
+        assert panel.message.isVisible() and "previous value was kept" in panel.last_message
+        assert panel.model.rows[row].scale == 3.0
+    assert not panel.edit(row, "Bias", "nan")
+    assert "finite" in panel.last_message
+    assert panel.model.data(panel.model.index(row, 5)) == "3"
+
+
+def test_interventions_refuse_wrong_length_vector_file(panel, tmp_path):
+    row = panel.add_row(H0)
+    np.save(tmp_path / "short.npy", np.ones(5, np.float32))
+    np.save(tmp_path / "nan.npy", np.array([1, 2, np.nan, 4, 5, 6, 7, 8], np.float32))
+    np.save(tmp_path / "good.npy", np.arange(8, dtype=np.float32))
+    assert not panel.load_vector(row, "bias", tmp_path / "short.npy")
+    assert "5 values but the hook point is 8 wide" in panel.last_message
+    assert not panel.load_vector(row, "bias", tmp_path / "nan.npy")
+    assert "NaN" in panel.last_message
+    assert panel.model.rows[row].bias == 0.0
+    assert panel.load_vector(row, "bias", tmp_path / "good.npy")
+    np.testing.assert_array_equal(panel.interventions()[0].bias, np.arange(8.0))
+    assert "good.npy" in panel.model.data(panel.model.index(row, 7))
+    # moving a row with an 8-wide vector to a hook of another width is refused too
+    panel.model.hooks["model.layers.0.mlp.mlp_out"] = panel.model.hooks[H0].__class__(
+        "model.layers.0.mlp.mlp_out", "blocks.0.hook_mlp_out", "m", "mlp_out", 4, 0)
+    assert not panel.edit(row, "Hook", "model.layers.0.mlp.mlp_out")
+    assert panel.model.rows[row].hook == H0
+
+
+def test_interventions_engine_refusal_restores_last_accepted(panel):
+    row = panel.add_row(H0, scale="2")
+    panel.engine_accepted()
+    panel.edit(row, "Scale", "5")
+    panel.engine_refused("too many slots")
+    assert panel.model.rows[row].scale == 2.0 and "too many slots" in panel.last_message
+
+
+def test_interventions_park_rows_on_hooks_gone(panel):
+    panel.add_row(H0)
+    cat = make_catalogue(hidden=8)
+    panel.set_hooks({h.name: h for h in cat if h.kind == "mlp_out"})
+    assert panel.model.rows[0].problem and panel.interventions() == []
+    assert "parked" in panel.status.text()
+    panel.set_hooks({h.name: h for h in cat if h.kind == "resid_post"})
+    assert not panel.model.rows[0].problem and len(panel.interventions()) == 1
+
+
+def test_steering_dialog_computes_mean_difference(panel, qtbot):
+    from inspector.ui.capture_view_model import CaptureViewModel
+
+    run = make_run(n_tokens=(12, 9), width=8)
+    vm = CaptureViewModel()
+    vm.load_run(run, "x.h5")
+    panel.compute_steering = vm.steering_vector
+    panel.captured_hooks = lambda: vm.hooks_for(None)
+    panel.strip_selection = lambda: ("1", (2, 3))
+    dialog = panel.open_steering_dialog()
+    assert dialog is not None
+    dialog.hook_box.setCurrentIndex(dialog.hook_box.findData(H0))
+    dialog.set_selection("A", "0", "1-4")
+    dialog._fill_from_strip(*dialog.sel["B"])
+    assert dialog.sel["B"][1].text() == "2-3"
+    dialog.k.setValue(2.0)
+    dialog.buttons.button(dialog.buttons.StandardButton.Ok).click()
+    qtbot.waitUntil(lambda: len(panel.model.rows) == 1)
+    expected = 2.0 * (run.requests["0"].hooks[H0].values[1:5].mean(0) - run.requests["1"].hooks[H0].values[2:4].mean(0))
+    np.testing.assert_allclose(panel.interventions()[0].bias, expected, rtol=1e-5)
+    assert "steer" in panel.model.rows[0].source
+    # an empty selection is explained, not accepted
+    dialog = panel.open_steering_dialog()
+    dialog.set_selection("A", "0", "11")
+    dialog.set_selection("B", "0", "1")
+    assert not dialog.compute() and "never fed back" in dialog.info.text()
+    dialog.reject()

@@ -1,0 +1,295 @@
+"""Widget tests of the whole window on a fake engine (``FakeSession``: the Session API on synthetic data).
+
+The worker thread, signals, timers, dialogs, export and reopen are all real; only vLLM is replaced.
+The same flows run against the real engine in test_ui_end_to_end.py.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+from PySide6.QtWidgets import QMessageBox
+
+from ui_fixtures import FakeSession, fail_on_qt_warnings, make_window, ui_settings, wait_state  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def fake_engine_defaults():
+    FakeSession.boot_delay, FakeSession.step_delay = 0.0, 0.0
+    FakeSession.fail_open, FakeSession.fail_at_step = None, None
+    FakeSession.opened = []
+    yield
+
+
+def session(window):
+    return window.controller.worker.session
+
+
+def generate(qtbot, window, prompts="hello there world", max_tokens=8, wait=True):
+    window.prompt.prompts.setPlainText(prompts)
+    window.prompt.max_tokens.setValue(max_tokens)
+    assert window.generate()
+    if wait:
+        wait_state(qtbot, window, "ready")
+
+
+def test_boot_shows_stages_and_fills_tree(qtbot, ui_settings):
+    stages = []
+    from inspector.ui.main_window import MainWindow
+    from ui_fixtures import fake_types
+
+    FakeSession.boot_delay = 0.3
+    window = MainWindow(session_factory=lambda o, p: FakeSession.open(o, p), types=fake_types)
+    qtbot.addWidget(window)
+    window.show()
+    window.controller.worker.bootProgress.connect(lambda p: stages.append(p.stage))
+    window.open_model("demo")
+    assert window.state == "booting" and window.boot_progress.isVisible()
+    assert not window.prompt.generate_button.isEnabled()
+    qtbot.waitUntil(lambda: "compiling" in stages, timeout=5000)
+    qtbot.wait(50)
+    assert "Compiling" in window.stage_label.text()
+    wait_state(qtbot, window, "ready")
+    assert stages == ["resolving", "loading", "compiling", "ready"]
+    assert sorted(window.tree.checked()) == ["model.layers.0.resid_post", "model.layers.1.resid_post"]
+    assert window.prompt.generate_button.isEnabled() and "demo" in window.windowTitle()
+    assert threading.get_ident() not in session(window).threads
+
+
+def test_generate_streams_into_heatmap_strip_and_text(qtbot, ui_settings):
+    window = make_window(qtbot, hooks=["blocks.*.hook_resid_post", "blocks.0.hook_mlp_out"])
+    generate(qtbot, window, "abcdefghi\nxyz", max_tokens=10)
+    s = session(window)
+    assert window.vm.request_ids() == ["0", "1"]
+    for rid in ("0", "1"):
+        window.select_request(rid)
+        for hook in ("model.layers.1.resid_post", "model.layers.0.mlp.mlp_out"):
+            window.select_hook(hook)
+            expected = s.run.requests[rid].hooks[hook]
+            assert window.heatmap.column_count() == len(expected) == len(s.run.requests[rid].token_ids) - 1
+            np.testing.assert_array_equal(window.heatmap.displayed_data(), expected.values)
+            np.testing.assert_array_equal(window.heatmap.image_array(), expected.values)
+        assert window.strip.texts() == s.run.requests[rid].token_texts
+        assert window.generated_text(rid) == "".join(s.run.requests[rid].token_texts[len(s.run.requests[rid].prompt_token_ids):])
+        assert window.text_view.toPlainText().endswith(window.generated_text(rid))
+    # engine code never ran on the GUI thread; every step came from the worker thread
+    assert window.step_threads and threading.get_ident() not in window.step_threads
+    assert threading.get_ident() not in window.controller.worker.engine_threads
+    assert "Generated 20 tokens" in window.statusBar().currentMessage()
+
+
+def test_clicking_a_token_selects_its_heatmap_column(qtbot, ui_settings):
+    window = make_window(qtbot)
+    generate(qtbot, window, "abcdef", max_tokens=6)
+    window.lower_tabs.setCurrentWidget(window.strip)
+    rect = window.strip.position_rect(3)
+    from PySide6.QtCore import Qt
+
+    qtbot.mouseClick(window.strip.viewport(), Qt.MouseButton.LeftButton, pos=rect.center())
+    assert window.vm.selected_position == 3
+    assert window.heatmap.selection.isVisible() and tuple(window.heatmap.selection.getRegion()) == (3, 4)
+
+
+def test_stop_mid_generation_keeps_what_was_captured(qtbot, ui_settings):
+    FakeSession.step_delay = 0.02
+    window = make_window(qtbot)
+    generate(qtbot, window, "abcdef", max_tokens=500, wait=False)
+    qtbot.waitUntil(lambda: window._gen_tokens >= 5, timeout=5000)
+    assert window.prompt.stop_button.isEnabled()
+    window.prompt.stop_button.click()
+    wait_state(qtbot, window, "ready")
+    n = len(window.vm.request("0").generated_token_ids)
+    assert 5 <= n < 500
+    assert "Stopped after" in window.statusBar().currentMessage()
+    # stop before the first step also works (pressed right after Generate)
+    generate(qtbot, window, "xyz", max_tokens=500, wait=False)
+    window.stop()
+    wait_state(qtbot, window, "ready")
+
+
+def test_intervention_mid_generation_marks_and_changes_following_tokens(qtbot, ui_settings):
+    FakeSession.step_delay = 0.03
+    window = make_window(qtbot)
+    hook = "model.layers.1.resid_post"
+    generate(qtbot, window, "abcdef", max_tokens=30, wait=False)
+    qtbot.waitUntil(lambda: window._gen_tokens >= 6, timeout=5000)
+    row = window.interventions.add_row(hook)
+    assert window.interventions.edit(row, "Bias", "100")
+    wait_state(qtbot, window, "ready")
+    req = window.vm.request("0")
+    log = req.intervention_log
+    assert log and log[-1][1][0]["hook"] == hook and log[-1][1][0]["bias"] == 100.0
+    first = log[-1][0]
+    window.select_hook(hook)
+    values = window.heatmap.displayed_data()
+    assert (values[:first] < 50).all() and (values[first:] > 50).all()
+    marks = window.vm.intervention_marks("0", hook, len(req.token_texts))
+    assert (marks[:first] == 0).all() and (marks[first:len(values)] == 2).all()
+    assert list(window.heatmap.track_img.image[:, 0]) == list(marks[:len(values)])
+    # NaN typed into the table is refused by the editor; the engine keeps the old set
+    assert not window.interventions.edit(row, "Bias", "nan")
+    assert session(window)._interventions[0].bias == 100.0
+
+
+def test_engine_refusal_of_interventions_is_shown(qtbot, ui_settings):
+    window = make_window(qtbot)
+    row = window.interventions.add_row("model.layers.0.resid_post", scale="2")
+    assert session(window)._interventions[0].scale == 2.0
+    # the fake engine refuses interventions on hooks it does not capture
+    window.interventions.model.hooks["model.layers.0.mlp.mlp_out"] = window.vm.catalogue["model.layers.0.mlp.mlp_out"]
+    window.interventions.edit(row, "Hook", "model.layers.0.mlp.mlp_out")
+    assert "engine refused" in window.interventions.last_message
+    assert window.interventions.model.rows[row].hook == "model.layers.0.resid_post"
+
+
+def test_export_then_reopen_shows_identical_arrays(qtbot, ui_settings, tmp_path):
+    window = make_window(qtbot, hooks=["blocks.*.hook_resid_post", "blocks.*.hook_attn_out"])
+    generate(qtbot, window, "abcdefg\nhij", max_tokens=7)
+    live = {(rid, h): window.vm.rows(rid, h)[1].copy() for rid in window.vm.request_ids()
+            for h in window.vm.request(rid).hooks}
+    texts = {rid: window.vm.token_texts(rid) for rid in window.vm.request_ids()}
+    path = str(tmp_path / "run.h5")
+    assert window.export(path)
+    qtbot.waitUntil(lambda: window.export_thread is None, timeout=10000)
+    assert getattr(window, "last_export", None) == path
+    assert window.open_capture(path)
+    assert window.vm is not window.live and window.live_button.isVisible() and "run.h5" in window.windowTitle()
+    from inspector.io.hdf5 import LazyHookRows
+
+    assert all(isinstance(hr, LazyHookRows) for hr in window.vm.request("0").hooks.values())  # lazily
+    for (rid, hook), values in live.items():
+        np.testing.assert_array_equal(window.vm.rows(rid, hook)[1], values)
+    window.select_request("1")
+    window.select_hook("model.layers.0.self_attn.attn_out")
+    np.testing.assert_array_equal(window.heatmap.displayed_data(), live[("1", "model.layers.0.self_attn.attn_out")])
+    assert window.strip.texts() == texts["1"]
+    window.tabs.setCurrentWidget(window.summary)
+    window._tick()
+    assert window.summary.matrix().shape == (len(texts["1"]) - 1, 2)
+    # generating switches back to the live run
+    generate(qtbot, window, "zz", max_tokens=2)
+    assert window.vm is window.live and len(window.live.request_ids()) == 3
+
+
+def test_export_cancel_and_failure_leave_nothing(qtbot, ui_settings, tmp_path):
+    window = make_window(qtbot)
+    generate(qtbot, window, "abc", max_tokens=3)
+    target = tmp_path / "missing-dir" / "x.h5"
+    window.export(str(target))
+    qtbot.waitUntil(lambda: window.export_thread is None, timeout=10000)
+    assert window.last_dialog is not None and "Export failed" in window.last_dialog.text()
+    assert not target.exists()
+    window.last_dialog.close()
+
+
+def test_open_capture_without_engine_and_unreadable_file(qtbot, ui_settings, tmp_path):
+    from inspector.io.hdf5 import write_run
+    from ui_fixtures import make_run
+
+    window = make_window(qtbot, boot=False)
+    assert window.state == "no-model"
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(b"this is not hdf5")
+    assert not window.open_capture(str(bad))
+    assert "Cannot open the capture" in window.last_dialog.text()
+    window.last_dialog.close()
+    run = make_run(n_tokens=(10, 6), width=12)
+    write_run(run, tmp_path / "ok.h5")
+    assert window.open_capture(str(tmp_path / "ok.h5"))
+    window._tick()
+    hook = window.vm.selected_hook
+    np.testing.assert_array_equal(window.heatmap.displayed_data(), run.requests["0"].hooks[hook].values)
+    assert window.strip.texts() == run.requests["0"].token_texts
+    assert str(tmp_path / "ok.h5") in window.settings.recent_captures
+    assert window.controller.worker.session is None  # no model, no engine
+
+
+def test_bad_model_path_shows_dialog_and_keeps_engine(qtbot, ui_settings, tmp_path):
+    window = make_window(qtbot)
+    generate(qtbot, window, "abc", max_tokens=3)
+    for bad in (tmp_path / "nope", tmp_path):
+        assert not window.open_model(str(bad))
+        assert "Cannot open the model" in window.last_dialog.text()
+        window.last_dialog.close()
+    assert window.state == "ready" and session(window).alive
+    generate(qtbot, window, "def", max_tokens=2)
+    assert len(window.vm.request_ids()) == 2
+
+
+def test_engine_failure_on_open_is_a_dialog_and_app_recovers(qtbot, ui_settings, tmp_path):
+    window = make_window(qtbot)
+    generate(qtbot, window, "abc", max_tokens=3)
+    FakeSession.fail_open = "no model directory at /x: broken weights"
+    (tmp_path / "config.json").write_text("{}")
+    window.open_model(str(tmp_path))
+    wait_state(qtbot, window, "no-model")
+    assert "broken weights" in window.last_dialog.text()
+    window.last_dialog.close()
+    assert window.vm.request("0") is not None  # captured data kept
+    FakeSession.fail_open = None
+    window.open_model("demo")
+    wait_state(qtbot, window, "ready")
+
+
+def test_engine_crash_mid_generation_keeps_captures(qtbot, ui_settings):
+    window = make_window(qtbot)
+    FakeSession.fail_at_step = 4
+    generate(qtbot, window, "abcdef", max_tokens=20, wait=False)
+    wait_state(qtbot, window, "dead")
+    assert "engine core died" in window.last_dialog.text() and "kept" in window.last_dialog.text()
+    window.last_dialog.close()
+    assert len(window.vm.request("0").generated_token_ids) == 4
+    assert window.heatmap.column_count() > 0
+    FakeSession.fail_at_step = None
+    window.restart_engine()
+    wait_state(qtbot, window, "ready")
+    generate(qtbot, window, "x", max_tokens=2)
+
+
+def test_compiled_hook_change_asks_then_restarts(qtbot, ui_settings):
+    window = make_window(qtbot)
+    window.tree.apply_preset("All MLP out")
+    window.tree.apply_button.click()
+    box = window.last_dialog
+    assert isinstance(box, QMessageBox) and "Restart the engine" in box.windowTitle()
+    box.button(QMessageBox.StandardButton.Cancel).click()
+    assert window.state == "ready" and len(session(window).installed) == 2
+    window.tree.apply_button.click()
+    window.last_dialog.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: len(session(window).installed) == 4, timeout=5000)
+    wait_state(qtbot, window, "ready")
+    assert not window.tree.pending() and "restarted" in window.statusBar().currentMessage()
+    generate(qtbot, window, "abc", max_tokens=3)
+    assert "model.layers.1.mlp.mlp_out" in window.vm.request("0").hooks
+
+
+def test_eager_mode_switch_and_live_hooks(qtbot, ui_settings):
+    window = make_window(qtbot)
+    window.tree.mode_box.setCurrentIndex(window.tree.mode_box.findData("eager"))
+    window.last_dialog.button(QMessageBox.StandardButton.Yes).click()
+    wait_state(qtbot, window, "ready")
+    assert session(window).options.mode == "eager" and window.tree.mode() == "eager"
+    window.tree.set_hook_checked("model.layers.0.mlp.mlp_out", True)  # no dialog: applies by itself
+    qtbot.waitUntil(lambda: "model.layers.0.mlp.mlp_out" in session(window).installed, timeout=5000)
+    assert "applied live" in window.statusBar().currentMessage()
+    assert window.settings.engine_mode == "eager"
+
+
+def test_settings_persist(qtbot, ui_settings, tmp_path):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    window = make_window(qtbot, model=str(model_dir))
+    window.heatmap.set_colormap("viridis")
+    window.interventions_dock.hide()
+    window.close()
+    from inspector.ui.settings import Settings
+
+    s = Settings()
+    assert s.colormap == "viridis" and s.recent_models[0] == str(model_dir.resolve())
+    assert s.last_model == str(model_dir.resolve())
+    assert s.window_geometry() is not None and s.window_state() is not None
+    window2 = make_window(qtbot, boot=False)
+    assert window2.heatmap.colormap_name() == "viridis"
+    assert window2.interventions_dock.isHidden() and not window2.tree_dock.isHidden()
+    assert [a.text() for a in window2.recent_models_menu.actions()] == [str(model_dir.resolve())]
