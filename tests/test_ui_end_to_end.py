@@ -151,7 +151,7 @@ def test_intervention_mid_generation_changes_only_following_tokens(qapp, window,
     np.testing.assert_array_equal(w.live.rows(rid, hook)[1], values)
     w.select_request(rid)
     w.select_hook(hook)
-    marks = w.heatmap.track_img.image[:, 0]
+    marks = w.heatmap.track_marks
     assert (marks[:first] == 0).all() and (marks[first:] == 2).all()
     w.interventions.clear()
     assert session(w).interventions == []

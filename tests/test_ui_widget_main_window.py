@@ -125,7 +125,7 @@ def test_intervention_mid_generation_marks_and_changes_following_tokens(qtbot, u
     assert (values[:first] < 50).all() and (values[first:] > 50).all()
     marks = window.vm.intervention_marks("0", hook, len(req.token_texts))
     assert (marks[:first] == 0).all() and (marks[first:len(values)] == 2).all()
-    assert list(window.heatmap.track_img.image[:, 0]) == list(marks[:len(values)])
+    assert list(window.heatmap.track_marks) == list(marks[:len(values)])
     # NaN typed into the table is refused by the editor; the engine keeps the old set
     assert not window.interventions.edit(row, "Bias", "nan")
     assert session(window)._interventions[0].bias == 100.0
@@ -293,3 +293,30 @@ def test_settings_persist(qtbot, ui_settings, tmp_path):
     assert window2.heatmap.colormap_name() == "viridis"
     assert window2.interventions_dock.isHidden() and not window2.tree_dock.isHidden()
     assert [a.text() for a in window2.recent_models_menu.actions()] == [str(model_dir.resolve())]
+
+
+def test_opening_another_model_keeps_the_earlier_run(qtbot, ui_settings, tmp_path):
+    window = make_window(qtbot)
+    generate(qtbot, window, "abc", max_tokens=3)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    window.open_model(str(other))
+    wait_state(qtbot, window, "ready")
+    assert window.live.request_ids() == [] and len(window.previous_runs) == 1
+    earlier = window.previous_runs[0]
+    assert earlier.request_ids() == ["0"] and window.previous_menu.isEnabled()
+    window.previous_menu.actions()[0].trigger()
+    window._tick()
+    assert window.vm is earlier and window.heatmap.column_count() == len(earlier.request("0").token_ids) - 1
+    generate(qtbot, window, "xyz", max_tokens=2)  # back to the live run of the new model
+    assert window.vm is window.live and len(window.live.request_ids()) == 1
+
+
+def test_failure_messages():
+    from inspector.ui.engine_worker import describe_exception
+
+    assert describe_exception(MemoryError(), "generate").startswith("Out of memory while generating")
+    msg = describe_exception(RuntimeError("CUDA error: out of memory"), "open")
+    assert "Out of memory while opening the model" in msg and "fewer hook points" in msg
+    assert describe_exception(ValueError("bad"), "set_hooks") == "ValueError while changing hook points: bad"

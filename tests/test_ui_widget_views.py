@@ -38,6 +38,7 @@ def test_heatmap_one_column_per_token_values_equal_data(heatmap):
     np.testing.assert_array_equal(img, values)
     np.testing.assert_array_equal(heatmap.displayed_data(), values)
     # the image item spans exactly tokens x features in data coordinates
+    assert tuple(heatmap.img.getLevels()) == heatmap.levels()  # from the first frame on
     rect = heatmap.img.mapRectToParent(heatmap.img.boundingRect())
     assert (rect.left(), rect.width(), rect.top(), rect.height()) == (0, 37, 0, 24)
 
@@ -52,9 +53,9 @@ def test_heatmap_grows_incrementally(heatmap):
         heatmap.set_data(rows.positions, rows.values, texts, "grow")
         assert heatmap.column_count() == a + 5
     np.testing.assert_array_equal(heatmap.image_array(), full)
-    # follow mode keeps all tokens in view
+    # follow mode keeps all tokens in view (the range grows in steps, so the axis is not redrawn per token)
     (x0, x1), _ = heatmap.vb.viewRange()
-    assert (x0, x1) == (0, 50)
+    assert x0 == 0 and 50 <= x1 <= 64
 
 
 def test_heatmap_hover_readout(heatmap, qtbot):
@@ -113,8 +114,9 @@ def test_heatmap_intervention_track(heatmap):
     values = np.ones((10, 4), np.float32)
     marks = np.array([0, 0, 0, 2, 2, 2, 1, 1, 0, 0, 0], np.int8)
     show(heatmap, values, marks=marks)
-    track = heatmap.track_img.image
-    assert track is not None and list(track[:, 0]) == [0, 0, 0, 2, 2, 2, 1, 1, 0, 0]
+    track = heatmap.track_marks
+    assert list(track) == [0, 0, 0, 2, 2, 2, 1, 1, 0, 0]
+    assert heatmap.track_img.image.shape == (10, 1, 4) and heatmap.track_img.isVisible()
     assert "intervention active on this hook" in heatmap.readout_at(4.5, 1.5)
 
 
@@ -184,3 +186,33 @@ def test_summary_view_layers_by_tokens(qtbot, ui_settings):
     view.measure_box.setCurrentText("feature value")
     view.set_rows(rows, vm.token_texts("0"))
     np.testing.assert_array_equal(view.matrix()[:, 0], run.requests["0"].hooks[resid[0].name].values[:, 3])
+    view.measure_box.setCurrentText("L2 norm")
+    view.relative_box.setChecked(True)
+    view.set_rows(vm.summary_rows("0", view.kinds(), "L2 norm"), vm.token_texts("0"))
+    np.testing.assert_allclose(np.median(view.matrix(), axis=0), 1.0, rtol=1e-6)
+
+
+def test_color_image_colours_incrementally_like_a_full_recolour(qtbot, ui_settings):
+    from PySide6.QtCore import QRectF
+
+    from inspector.ui.color_image import ColorImageItem
+    from inspector.ui.heatmap import colormap
+
+    rng = np.random.default_rng(3)
+    full = rng.normal(size=(40, 9)).astype(np.float32)
+    full[5, 2] = np.nan
+    a, b = ColorImageItem(), ColorImageItem()
+    for item in (a, b):
+        item.setColorMap(colormap("viridis"))
+        item.setLevels((-1.0, 1.0))
+    for n in range(1, 41, 3):
+        a.set_frame(full[:n], QRectF(0, 0, n, 9), reset=False)
+    a.set_frame(full, QRectF(0, 0, 40, 9), reset=False)
+    b.set_frame(full, QRectF(0, 0, 40, 9), reset=True)
+    np.testing.assert_array_equal(a.rgb(), b.rgb())
+    lut = colormap("viridis").getLookupTable(nPts=256, alpha=False).astype(np.uint32)
+    idx = np.clip((full[7, 4] + 1.0) * 127.5, 0, 255).astype(np.uint8)
+    assert a.rgb()[4, 7] == (0xFF000000 | (lut[idx, 0] << 16) | (lut[idx, 1] << 8) | lut[idx, 2])
+    before = a.recolour_count
+    a.setLevels((-2.0, 2.0))  # a level change recolours everything, once
+    assert a.recolour_count == before + 1 and not np.array_equal(a.rgb(), b.rgb())

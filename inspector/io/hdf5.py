@@ -21,10 +21,13 @@ API
     raises ``CaptureFileError`` (e.g. "no space left on device while writing /x/run.h5 ...").
     The directory is checked (and the temp file created) in the constructor, before anything is
     generated. After a hard kill (SIGKILL, power loss) a hidden ``.partial`` file may remain.
-    Rows are buffered per (request, hook) up to one chunk and written chunk-aligned, so per-decode-step
-    appends are cheap; ``buffer_bytes`` bounds the buffers (over it, everything buffered is written).
-    A request's hook buffers are also written when ``update_request`` reports a finish reason.
-    Not thread-safe: call it from one thread.
+    Rows are buffered per (request, hook) up to one chunk (~256 KiB) and written as whole chunks, so
+    a one-row decode-step append costs ~10 us; ``buffer_bytes`` bounds these buffers (over it,
+    everything buffered is written). Positions/token ids (16 bytes a row) stay in memory until the
+    request finishes (``update_request`` with a finish reason) or ``close()``; token data, texts and
+    logprobs are written at ``close()``. ``compression``: None (default: export is I/O-bound and
+    activations barely compress; see bench/export_bench.py), "lzf", "gzip" or ("gzip", level), each
+    with the shuffle filter. Not thread-safe: call it from one thread.
 
 ``write_run(run, path, progress=None, **writer_options) -> Path``
     A whole Run through ``CaptureWriter``; ``progress(fraction)`` is called with 0..1 by bytes
@@ -36,8 +39,8 @@ API
     is an ``H5Array``: ``shape``, ``dtype``, ``[...]`` slicing and ``np.asarray()`` read from disk on
     demand). Opening a multi-GB file reads only the small per-request data. The file stays open until
     ``RunFile.close()`` (or ``with open_run(p) as rf:``); after that, reading hook values raises
-    ``CaptureFileError``. If not closed, it closes when the RunFile and all arrays from it are
-    garbage collected.
+    ``CaptureFileError``. Without ``close()`` it closes once neither the RunFile nor anything from
+    its run is referenced any more (at the next garbage collection: the run refers back to the file).
 
 ``read_run(path) -> Run``
     Everything loaded into memory as plain ``HookRows``; the file is closed on return.
@@ -74,9 +77,13 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "CaptureFileError", "CaptureWriter",
 FORMAT_NAME = "activation-inspector-capture"
 FORMAT_VERSION = 1
 
-CHUNK_COLS = 1024           # a chunk spans at most this many columns of a hook
-CHUNK_TARGET_BYTES = 1 << 18  # narrow hooks get more rows per chunk, up to this size
-MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 256, 4096
+# Chunks of ~256 KiB: [rows, cols] with cols = the width split in equal parts of <= 1024 and rows =
+# 256 KiB / (4 * cols), within [64, 4096]. HDF5 stores a partly filled chunk at full size (we do not
+# compress), so small chunks bound the padding: <= 1 chunk row per (request, hook); none for
+# requests that end up with fewer rows than a chunk (those get a chunk of exactly their size).
+CHUNK_COLS = 1024
+CHUNK_TARGET_BYTES = 1 << 18
+MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 64, 4096
 INDEX_CHUNK = 4096          # chunk length of the 1-D positions/token_ids datasets
 WRITE_PIECE_BYTES = 32 << 20  # write_run hands arrays over in pieces of about this size (progress)
 
@@ -158,19 +165,18 @@ def _storable(s: str) -> bool:
 
 
 def _set_text(obj, key: str, value: str) -> None:
+    """A UTF-8 string attr; one HDF5 cannot hold (NUL, lone surrogates) is stored JSON-encoded and its
+    key listed in the ``json_escaped_attrs`` attr."""
     value = str(value)
-    escaped = [str(k) for k in obj.attrs.get(_TEXT_ESCAPED, [])]
-    if _storable(value):
-        obj.attrs[key] = value
-        if key in escaped:
-            escaped.remove(key)
-    else:
-        obj.attrs[key] = json.dumps(value)  # ASCII, no NUL
-        if key not in escaped:
-            escaped.append(key)
+    storable = _storable(value)
+    obj.attrs[key] = value if storable else json.dumps(value)  # JSON: ASCII, no NUL
+    if storable and _TEXT_ESCAPED not in obj.attrs:
+        return
+    escaped = [k.decode() if isinstance(k, bytes) else str(k) for k in obj.attrs.get(_TEXT_ESCAPED, [])]
+    escaped = [k for k in escaped if k != key] + ([] if storable else [key])
     if escaped:
         obj.attrs[_TEXT_ESCAPED] = np.array(escaped, dtype=h5py.string_dtype())
-    elif _TEXT_ESCAPED in obj.attrs:
+    else:
         del obj.attrs[_TEXT_ESCAPED]
 
 
@@ -211,9 +217,14 @@ def _to_json(value: Any, what: str) -> str:
         raise ValueError(f"{what} cannot be stored in a capture file: {exc}") from exc
 
 
+def chunk_cols_for(width: int) -> int:
+    """Split the width into equal parts of at most CHUNK_COLS (edge chunks are stored full size)."""
+    parts = -(-width // CHUNK_COLS)
+    return -(-width // parts)
+
+
 def chunk_rows_for(width: int) -> int:
-    cols = min(width, CHUNK_COLS)
-    return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, CHUNK_TARGET_BYTES // (cols * 4))))
+    return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, CHUNK_TARGET_BYTES // (chunk_cols_for(width) * 4))))
 
 
 def _compression_kwargs(compression) -> dict:
@@ -229,34 +240,187 @@ def _compression_kwargs(compression) -> dict:
 
 # ------------------------------------------------------------------------------------------- writer
 
-class _HookBuffer:
-    """Rows of one (request, hook) not yet written; written chunk-aligned."""
+class _LatchingFile:
+    """The temp file as HDF5 sees it (h5py's "fileobj" driver): a write error is latched, never raised.
 
-    __slots__ = ("name", "width", "chunk_rows", "count", "pos", "tok", "vals", "rows_written",
-                 "d_values", "d_positions", "d_token_ids")
+    HDF5 (2.0 via h5py 3.16) can crash the process when it closes a file whose writes failed: failed
+    flushes happen again in object deallocators and it frees state twice. So the first OSError
+    (ENOSPC, EFBIG, EIO, ...) is stored in ``.error`` and the file switches to *discard* mode, where
+    writes land in a small in-memory overlay (reads see them) and always succeed. HDF5 never sees a
+    failure; CaptureWriter checks ``.error`` after every operation and removes the file. Plain
+    positioned reads/writes on one descriptor: as fast as HDF5's own POSIX driver (measured).
+    """
+
+    OVERLAY_MAX_WRITE = 1 << 20   # in discard mode, bigger writes (raw chunks) are dropped, not kept
+    OVERLAY_MAX_TOTAL = 64 << 20
+
+    def __init__(self, path: Path):
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+        self.fd: int | None = os.open(path, flags, 0o666)
+        self.error: OSError | None = None
+        self._discarding = False
+        self._pos = 0
+        self._size = 0        # logical size in discard mode
+        self._overlay: list[tuple[int, bytes]] = []
+        self._overlay_bytes = 0
+
+    def _latch(self, exc: OSError) -> None:
+        if self.error is None:
+            self.error = exc
+        self.discard()
+
+    def discard(self) -> None:
+        if not self._discarding and self.fd is not None:
+            self._discarding = True
+            try:
+                self._size = os.fstat(self.fd).st_size
+            except OSError:
+                self._size = 0
+
+    def _end(self) -> int:
+        if self._discarding:
+            return self._size
+        return os.fstat(self.fd).st_size
+
+    # -- the file-like interface h5py's fileobj driver uses
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset if whence == 0 else self._pos + offset if whence == 1 else self._end() + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data) -> int:
+        mv = memoryview(data).cast("B")
+        n, pos = len(mv), self._pos
+        if not self._discarding:
+            try:
+                done = 0
+                while done < n:
+                    wrote = os.pwrite(self.fd, mv[done:], pos + done)
+                    if wrote <= 0:
+                        raise OSError(_errno.ENOSPC, "no space left on device (short write)")
+                    done += wrote
+            except OSError as exc:
+                self._latch(exc)
+        if self._discarding:
+            if n <= self.OVERLAY_MAX_WRITE and self._overlay_bytes + n <= self.OVERLAY_MAX_TOTAL:
+                self._overlay.append((pos, bytes(mv)))
+                self._overlay_bytes += n
+            self._size = max(self._size, pos + n)
+        self._pos = pos + n
+        return n
+
+    def readinto(self, buffer) -> int:
+        mv = memoryview(buffer).cast("B")
+        n, pos = len(mv), self._pos
+        got = 0
+        try:
+            got = os.preadv(self.fd, [mv], pos) if hasattr(os, "preadv") else self._pread_copy(mv, pos)
+        except OSError as exc:
+            self._latch(exc)
+        if got < n:
+            mv[got:] = bytes(n - got)
+        for at, blob in self._overlay:  # later writes win
+            lo, hi = max(at, pos), min(at + len(blob), pos + n)
+            if lo < hi:
+                mv[lo - pos: hi - pos] = blob[lo - at: hi - at]
+        self._pos = pos + n
+        return n
+
+    def _pread_copy(self, mv: memoryview, pos: int) -> int:
+        data = os.pread(self.fd, len(mv), pos)
+        mv[: len(data)] = data
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        size = max(0, self._end() - self._pos) if size is None or size < 0 else size
+        buf = bytearray(size)
+        self.readinto(buf)
+        return bytes(buf)
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self._pos if size is None else size
+        if not self._discarding:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError as exc:
+                self._latch(exc)
+        if self._discarding:
+            self._size = size
+        return size
+
+    def flush(self) -> None:
+        pass
+
+    # -- ours
+
+    def finish(self, fsync: bool) -> None:
+        """After HDF5 closed the file: fsync (errors raise) and close the descriptor."""
+        if self.error is not None:
+            raise self.error
+        try:
+            if fsync:
+                os.fsync(self.fd)
+        finally:
+            self.close()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError as exc:
+                if self.error is None and not self._discarding:
+                    self.error = exc
+            self.fd = None
+
+
+class _HookBuffer:
+    """One (request, hook): values not yet written (< one chunk, written chunk-aligned) and all its
+    positions/token ids (16 bytes a row, kept in memory and written when the request finishes)."""
+
+    __slots__ = ("name", "width", "chunk_rows", "chunk_cols", "count", "vals", "rows_written",
+                 "idx_pos", "idx_tok", "n_idx", "idx_written", "d_values", "d_positions", "d_token_ids")
 
     def __init__(self, name: str, width: int):
-        self.name, self.width, self.chunk_rows = name, width, chunk_rows_for(width)
+        self.name, self.width = name, width
+        self.chunk_rows, self.chunk_cols = chunk_rows_for(width), chunk_cols_for(width)
         self.count = 0
-        self.pos = self.tok = self.vals = None
+        self.vals: np.ndarray | None = None
         self.rows_written = 0
+        self.idx_pos = np.empty(16, np.int64)
+        self.idx_tok = np.empty(16, np.int64)
+        self.n_idx = self.idx_written = 0
         self.d_values = self.d_positions = self.d_token_ids = None
 
     def gap(self) -> int:
         """Rows from what is written to the next chunk boundary, in 1..chunk_rows."""
         return self.chunk_rows - self.rows_written % self.chunk_rows
 
-    def stash(self, p: np.ndarray, t: np.ndarray, v: np.ndarray) -> None:
+    def add_index(self, p: np.ndarray, t: np.ndarray) -> None:
+        need = self.n_idx + len(p)
+        if need > len(self.idx_pos):
+            cap = max(need, 2 * len(self.idx_pos))
+            for name in ("idx_pos", "idx_tok"):
+                grown = np.empty(cap, np.int64)
+                grown[: self.n_idx] = getattr(self, name)[: self.n_idx]
+                setattr(self, name, grown)
+        self.idx_pos[self.n_idx: need] = p
+        self.idx_tok[self.n_idx: need] = t
+        self.n_idx = need
+
+    def stash(self, v: np.ndarray) -> None:
         need = self.count + len(v)
         if self.vals is None or need > len(self.vals):
             cap = max(need, min(self.chunk_rows, 2 * (0 if self.vals is None else len(self.vals)) or 16))
-            pos, tok = np.empty(cap, np.int64), np.empty(cap, np.int64)
             vals = np.empty((cap, self.width), np.float32)
             if self.count:
-                pos[: self.count], tok[: self.count] = self.pos[: self.count], self.tok[: self.count]
                 vals[: self.count] = self.vals[: self.count]
-            self.pos, self.tok, self.vals = pos, tok, vals
-        self.pos[self.count: need], self.tok[self.count: need], self.vals[self.count: need] = p, t, v
+            self.vals = vals
+        self.vals[self.count: need] = v
         self.count = need
 
 
@@ -292,6 +456,7 @@ class CaptureWriter:
                  compression: str | tuple | None = None, fsync: bool = True, buffer_bytes: int = 128 << 20):
         self._state = "init"
         self._file = None
+        self._io: _LatchingFile | None = None
         self._tmp: Path | None = None
         self.path = Path(os.path.abspath(os.fspath(path)))
         self._hooks: dict[str, HookInfo] = dict(hooks)
@@ -355,35 +520,31 @@ class CaptureWriter:
             fail(f"{parent} is not a directory")
         if not os.access(parent, os.W_OK | os.X_OK):
             fail(f"the directory {parent} is not writable")
-        self._tmp = parent / f".{final.name}.{secrets.token_hex(4)}.partial"
+        tmp = parent / f".{final.name}.{secrets.token_hex(4)}.partial"
         try:
-            self._file = h5py.File(self._tmp, "w-")
+            self._io = _LatchingFile(tmp)
+        except OSError as exc:
+            fail(_reason(exc), exc)
+        self._tmp = tmp
+        try:
+            # no chunk cache: full chunks go straight to disk instead of piling up, dirty, per dataset
+            self._file = h5py.File(self._io, "w", rdcc_nbytes=0, libver=("v110", "v110"))
         except Exception as exc:  # noqa: BLE001 - any failure here means "cannot create"
             self._discard()
-            fail(_reason(exc), exc)
+            fail(_reason(self._io.error or exc) if self._io else _reason(exc), exc)
+        if self._io.error is not None:
+            error = self._io.error
+            self._discard()
+            fail(_reason(error), error)
 
     def _discard(self) -> None:
-        """Close and delete the temp file, also after a failed write.
-
-        HDF5 (2.0, via h5py 3.16) can crash the process when objects of a file whose writes failed are
-        closed (it retries the flush, fails again and frees state twice). So before closing, the file's
-        descriptor is pointed at /dev/null: the pending flushes then "succeed" into nothing, the close is
-        clean, and the temp file (already doomed) is unlinked by name.
-        """
-        if self._file is not None:
-            try:
-                fd = self._file.id.get_vfd_handle()
-                null = os.open(os.devnull, os.O_RDWR)
-                try:
-                    os.dup2(null, int(fd))
-                finally:
-                    os.close(null)
-            except Exception:  # noqa: BLE001 - not a POSIX descriptor: close normally
-                pass
-        for req in self._requests.values():  # only now: dropping a dataset may flush it
+        """Close and delete the temp file; safe after failed writes (see _LatchingFile)."""
+        if self._io is not None:
+            self._io.discard()  # from now on HDF5 writes into memory: closing cannot fail
+        for req in self._requests.values():
             for buf in req.buffers.values():
                 buf.d_values = buf.d_positions = buf.d_token_ids = None
-                buf.pos = buf.tok = buf.vals = None
+                buf.vals = None
             req.group = None
         if self._file is not None:
             try:
@@ -391,11 +552,12 @@ class CaptureWriter:
             except Exception:  # noqa: BLE001 - already failing; the temp file goes anyway
                 pass
             self._file = None
+        if self._io is not None:
+            self._io.close()
+            self._io = None
         if self._tmp is not None:
             try:
                 os.unlink(self._tmp)
-            except FileNotFoundError:
-                pass
             except OSError:
                 pass
 
@@ -405,23 +567,30 @@ class CaptureWriter:
             reason = f"the writer was {what.get(self._state, self._state)}"
             raise CaptureFileError(f"cannot write {self.path}: {reason}", self.path, reason)
 
+    def _fail(self, error: BaseException, doing: str, cause: BaseException | None = None):
+        reason = _reason(error)
+        if not re.search(r"space|too large|quota", reason):
+            try:
+                if shutil.disk_usage(self.path.parent).free == 0:
+                    reason = f"no space left on device ({reason})"
+            except OSError:
+                pass
+        self._discard()
+        self._state = "failed"
+        raise CaptureFileError(f"{reason} while writing {self.path} ({doing}); nothing was saved",
+                               self.path, reason) from (cause or error)
+
     @contextmanager
     def _guard(self, doing: str):
+        """Run file operations; any error (raised, or latched by the file object) removes the temp file."""
         self._check_open()
         try:
             yield
         except Exception as exc:  # noqa: BLE001 - any error leaves the file unusable: remove it
-            reason = _reason(exc)
-            if not re.search(r"space|too large|quota", reason):
-                try:
-                    if shutil.disk_usage(self.path.parent).free == 0:
-                        reason = f"no space left on device ({reason})"
-                except OSError:
-                    pass
-            self._discard()
-            self._state = "failed"
-            raise CaptureFileError(f"{reason} while writing {self.path} ({doing}); nothing was saved",
-                                   self.path, reason) from exc
+            latched = self._io.error if self._io is not None else None
+            self._fail(latched or exc, doing, exc)
+        if self._io is not None and self._io.error is not None:
+            self._fail(self._io.error, doing)
 
     def close(self) -> Path:
         """Write what is buffered, finish the file and rename it onto ``path``. Idempotent."""
@@ -431,18 +600,12 @@ class CaptureWriter:
             for req in self._requests.values():
                 self._flush_request(req, final=True)
                 self._write_request_data(req)
-        with self._guard("flushing the file"):
-            self._file.flush()
-        with self._guard("closing the file"):
             self._file.close()
             self._file = None
-            if self._fsync:
-                fd = os.open(self._tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            self._io.finish(fsync=self._fsync)
+        with self._guard("renaming the finished file"):
             os.replace(self._tmp, self.path)
+            self._io = None
             if self._fsync:
                 try:
                     fd = os.open(self.path.parent, os.O_RDONLY)
@@ -509,29 +672,52 @@ class CaptureWriter:
                 self._flush_request(state, final=True)
 
     def append_rows(self, request_id: str, hook: str, positions, token_ids, values) -> None:
-        """Append ``values[n, width]`` (float32; other floats are converted) with their positions/token ids."""
-        self._check_open()
-        req = self._request(request_id)
-        info = self._hooks.get(hook)
-        if info is None:
-            raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
-        values = np.asarray(values)
-        if values.dtype != np.float32:
-            values = values.astype(np.float32)
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if values.ndim != 2 or values.shape[1] != info.width:
-            raise ValueError(f"rows of shape {values.shape} do not fit hook {hook!r} of width {info.width}")
-        if not len(positions) == len(token_ids) == len(values):
-            raise ValueError(f"{len(values)} rows but {len(positions)} positions and {len(token_ids)} token ids")
+        """Append ``values[n, width]`` (float32; other floats are converted) with their positions/token ids.
+
+        Called once per decode step per (request, hook), so it is kept lean (~10 us for one row).
+        """
+        if self._state != "open":
+            self._check_open()
+        req = self._requests.get(request_id)
+        if req is None:
+            req = self._request(request_id)
         buf = req.buffers.get(hook)
         if buf is None:
+            info = self._hooks.get(hook)
+            if info is None:
+                raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
             buf = req.buffers[hook] = _HookBuffer(hook, int(info.width))
-        with self._guard(f"appending rows of hook {hook!r}"):
-            self._push(req, buf, positions, token_ids, values)
+        if type(values) is not np.ndarray or values.dtype != np.float32:
+            values = np.asarray(values).astype(np.float32, copy=False)
+        if type(positions) is not np.ndarray or positions.dtype != np.int64 or positions.ndim != 1:
+            positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if type(token_ids) is not np.ndarray or token_ids.dtype != np.int64 or token_ids.ndim != 1:
+            token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if values.ndim != 2 or values.shape[1] != buf.width:
+            raise ValueError(f"rows of shape {values.shape} do not fit hook {hook!r} of width {buf.width}")
+        n = len(values)
+        if not len(positions) == len(token_ids) == n:
+            raise ValueError(f"{n} rows but {len(positions)} positions and {len(token_ids)} token ids")
+        try:
+            buf.add_index(positions, token_ids)
+            if n and buf.count + n < buf.gap():  # the common decode step: just buffer it
+                buf.stash(values)
+                self._buffered += n * buf.width * 4
+            elif n:
+                self._push(req, buf, values)
             if self._buffered > self._budget:
                 for r in self._requests.values():
                     self._flush_request(r, final=False)
+        except Exception as exc:  # noqa: BLE001 - see _guard
+            self._fail(self._io.error or exc, f"appending rows of hook {hook!r}", exc)
+        if self._io.error is not None:
+            self._fail(self._io.error, f"appending rows of hook {hook!r}")
+
+    def _release(self, request_id: str) -> None:
+        """Write a request's buffered rows now (as when it finishes), freeing its buffers."""
+        state = self._request(request_id)
+        with self._guard(f"writing the rows of request {state.snapshot.request_id!r}"):
+            self._flush_request(state, final=True)
 
     def _request(self, request_id) -> _Request:
         state = self._requests.get(str(request_id))
@@ -541,18 +727,18 @@ class CaptureWriter:
 
     # -- rows
 
-    def _push(self, req: _Request, buf: _HookBuffer, p, t, v) -> None:
-        n, i, row_bytes = len(v), 0, buf.width * 4 + 16
+    def _push(self, req: _Request, buf: _HookBuffer, v: np.ndarray) -> None:
+        n, i = len(v), 0
         while i < n:
             gap = buf.gap()
             if buf.count == 0 and n - i >= gap:  # chunk-aligned: write straight from the caller's array
                 k = gap + ((n - i - gap) // buf.chunk_rows) * buf.chunk_rows
-                self._write(req, buf, p[i: i + k], t[i: i + k], v[i: i + k], exact=False)
+                self._write_values(req, buf, v[i: i + k], exact=False)
                 i += k
                 continue
             take = min(gap - buf.count, n - i)
-            buf.stash(p[i: i + take], t[i: i + take], v[i: i + take])
-            self._buffered += take * row_bytes
+            buf.stash(v[i: i + take])
+            self._buffered += take * buf.width * 4
             i += take
             if buf.count == gap:
                 self._flush(req, buf, final=False)
@@ -560,43 +746,68 @@ class CaptureWriter:
     def _flush(self, req: _Request, buf: _HookBuffer, final: bool) -> None:
         if buf.count or (final and buf.d_values is None):
             c = buf.count
-            self._write(req, buf, buf.pos[:c] if c else np.zeros(0, np.int64),
-                        buf.tok[:c] if c else np.zeros(0, np.int64),
-                        buf.vals[:c] if c else np.zeros((0, buf.width), np.float32),
-                        exact=final and buf.d_values is None)
-            self._buffered -= c * (buf.width * 4 + 16)
+            self._write_values(req, buf, buf.vals[:c] if c else np.zeros((0, buf.width), np.float32),
+                               exact=final and buf.d_values is None)
+            self._buffered -= c * buf.width * 4
             buf.count = 0
         if final:
-            buf.pos = buf.tok = buf.vals = None
+            buf.vals = None
+            self._write_index(buf)
 
     def _flush_request(self, req: _Request, final: bool) -> None:
         for buf in req.buffers.values():
             self._flush(req, buf, final)
 
-    def _write(self, req: _Request, buf: _HookBuffer, p, t, v, exact: bool) -> None:
+    def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool) -> None:
         if buf.d_values is None:
             if exact:  # everything this hook will get: chunks fit the data, no padding on disk
                 buf.chunk_rows = max(1, len(v))
-            g = req.group["hooks"].create_group(escape_name(buf.name))
-            _set_text(g, "name", buf.name)
-            g.attrs["width"] = np.int64(buf.width)
-            cols = min(buf.width, CHUNK_COLS)
+            link = escape_name(buf.name)
+            g = req.group["hooks"].create_group(link)
+            if link != buf.name:  # the hook's own name, where the link name had to be escaped
+                _set_text(g, "name", buf.name)
             buf.d_values = g.create_dataset("values", shape=(0, buf.width), maxshape=(None, buf.width),
-                                            dtype="<f4", chunks=(buf.chunk_rows, cols), **self._compression)
-            index_chunk = buf.chunk_rows if exact else INDEX_CHUNK
-            buf.d_positions = g.create_dataset("positions", shape=(0,), maxshape=(None,), dtype="<i8",
-                                               chunks=(index_chunk,), **self._compression)
-            buf.d_token_ids = g.create_dataset("token_ids", shape=(0,), maxshape=(None,), dtype="<i8",
-                                               chunks=(index_chunk,), **self._compression)
+                                            dtype="<f4", chunks=(buf.chunk_rows, buf.chunk_cols),
+                                            **self._compression)
         n = len(v)
         if n == 0:
             return
-        a, b = buf.rows_written, buf.rows_written + n
-        for d, data in ((buf.d_values, v), (buf.d_positions, p), (buf.d_token_ids, t)):
-            d.resize(b, axis=0)
-            d[a:b] = data
+        a, b, rows, cols, width = buf.rows_written, buf.rows_written + n, buf.chunk_rows, buf.chunk_cols, buf.width
+        d = buf.d_values
+        d.id.set_extent((b, width))
+        if not self._compression and a % rows == 0 and n % rows == 0 and v.dtype == np.dtype("<f4"):
+            # whole chunks: hand HDF5 the chunk bytes directly (no selection, no gather copy)
+            for r0 in range(0, n, rows):
+                block = v[r0: r0 + rows]
+                for c0 in range(0, width, cols):
+                    if c0 == 0 and cols == width:
+                        data = block if block.flags.c_contiguous else np.ascontiguousarray(block)
+                    elif c0 + cols <= width:
+                        data = np.ascontiguousarray(block[:, c0: c0 + cols])
+                    else:  # the last column chunk sticks out: pad it like HDF5 would
+                        data = np.zeros((rows, cols), np.float32)
+                        data[:, : width - c0] = block[:, c0:]
+                    d.id.write_direct_chunk((a + r0, c0), data)
+        else:
+            d[a:b] = v
         buf.rows_written = b
-        self.bytes_written += v.nbytes + p.nbytes + t.nbytes
+        self.bytes_written += v.nbytes + 16 * n
+
+    def _write_index(self, buf: _HookBuffer) -> None:
+        """Write positions/token ids up to the rows appended so far (called when a request finishes)."""
+        n, have = buf.n_idx, buf.idx_written
+        if buf.d_positions is None:
+            g = buf.d_values.parent
+            chunk = (max(1, min(n, INDEX_CHUNK)),)
+            buf.d_positions = g.create_dataset("positions", shape=(0,), maxshape=(None,), dtype="<i8",
+                                               chunks=chunk, **self._compression)
+            buf.d_token_ids = g.create_dataset("token_ids", shape=(0,), maxshape=(None,), dtype="<i8",
+                                               chunks=chunk, **self._compression)
+        if n > have:
+            for d, data in ((buf.d_positions, buf.idx_pos), (buf.d_token_ids, buf.idx_tok)):
+                d.resize(n, axis=0)
+                d[have:n] = data[have:n]
+            buf.idx_written = n
 
     def _write_request_data(self, req: _Request) -> None:
         g, s = req.group, req.snapshot
@@ -668,7 +879,7 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
                     if progress and total:
                         progress(min(1.0, done / total))
             writer.update_request(req)
-            writer._flush_request(writer._request(req.request_id), final=True)  # free its buffers now
+            writer._release(req.request_id)  # write its last rows now and free the buffers
     if progress:
         progress(1.0)
     return Path(writer.path)
@@ -694,14 +905,23 @@ class H5Array:
     def __getitem__(self, key) -> np.ndarray:
         self._owner._check_open()
         try:
+            return self._dataset[key]
+        except (TypeError, ValueError, IndexError):  # indexing h5py does not do: read all, let numpy index
             try:
-                return self._dataset[key]
-            except (TypeError, ValueError, IndexError):  # indexing h5py does not do: read all, let numpy index
-                return self._dataset[...][key]
-        except (OSError, RuntimeError, KeyError) as exc:
-            reason = _reason(exc)
-            raise CaptureFileError(f"cannot read {self._dataset.name} from {self._owner.path}: the file is "
-                                   f"damaged ({reason})", self._owner.path, reason) from exc
+                everything = self._dataset[...]
+            except Exception as exc:  # noqa: BLE001
+                raise self._error(exc) from exc
+            return everything[key]
+        except Exception as exc:  # noqa: BLE001 - OSError/RuntimeError/MemoryError from a damaged file
+            raise self._error(exc) from exc
+
+    def _error(self, exc: BaseException) -> CaptureFileError:
+        path, name = self._owner.path, self._dataset.name
+        if isinstance(exc, MemoryError):
+            reason = f"not enough memory for {self.shape} {self.dtype} (is the file damaged?)"
+            return CaptureFileError(f"cannot read {name} from {path}: {reason}", path, reason)
+        reason = f"damaged: {_reason(exc)}"
+        return CaptureFileError(f"cannot read {name} from {path}: the file is {reason}", path, reason)
 
     def read(self) -> np.ndarray:
         return self[...]
@@ -732,20 +952,35 @@ class LazyHookRows(HookRows):
     def values(self) -> H5Array:
         if self._lazy_values is None:
             self._owner._check_open()
-            d = self._group.get("values")
-            if not isinstance(d, h5py.Dataset):
-                raise self._damaged("has no 'values' dataset")
-            if d.ndim != 2 or d.shape[1] != self.width:
-                raise self._damaged(f"holds values of shape {d.shape}, not [rows, {self.width}]")
-            self._lazy_values = H5Array(d, self._owner)
+            try:
+                d = self._group.get("values")
+                if not isinstance(d, h5py.Dataset):
+                    raise self._damaged("has no 'values' dataset")
+                if d.ndim != 2 or d.shape[1] != self.width:
+                    raise self._damaged(f"holds values of shape {d.shape}, not [rows, {self.width}]")
+                if d.dtype.kind != "f":
+                    raise self._damaged(f"holds values of type {d.dtype}, not float")
+                self._lazy_values = H5Array(d, self._owner)
+            except CaptureFileError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - unreadable dataset header
+                raise self._damaged(f"has an unreadable 'values' dataset ({_reason(exc)})") from exc
         return self._lazy_values
 
     def _index(self, name: str) -> np.ndarray:
         self._owner._check_open()
-        d = self._group.get(name)
-        if not isinstance(d, h5py.Dataset):
-            raise self._damaged(f"has no {name!r} dataset")
-        data = H5Array(d, self._owner)[...]
+        try:
+            d = self._group.get(name)
+            if not isinstance(d, h5py.Dataset):
+                raise self._damaged(f"has no {name!r} dataset")
+            if d.shape != (len(self),):
+                raise self._damaged(f"has {name} of shape {d.shape} for {len(self)} rows")
+            array = H5Array(d, self._owner)
+        except CaptureFileError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise self._damaged(f"has an unreadable {name!r} dataset ({_reason(exc)})") from exc
+        data = array[...]
         if data.shape != (len(self),):
             raise self._damaged(f"has {data.shape[0] if data.ndim else 0} {name} for {len(self)} rows")
         return data.astype(np.int64, copy=False)
@@ -861,7 +1096,8 @@ def _open_validated(path: Path) -> h5py.File:
             fail("not a capture file", f"cannot open {path}: it is an HDF5 file of another kind "
                  f"(format {fmt!r}, expected {FORMAT_NAME!r})")
         if "format_version" not in f.attrs:
-            fail("damaged: no format_version", f"cannot open {path}: the file is damaged (no 'format_version' attribute)")
+            fail("damaged: no format_version",
+                 f"cannot open {path}: the file is damaged (no 'format_version' attribute)")
         try:
             version = int(np.asarray(f.attrs["format_version"]).reshape(()))
         except (TypeError, ValueError) as exc:
@@ -873,9 +1109,13 @@ def _open_validated(path: Path) -> h5py.File:
                  f"Activation Inspector can read (up to {FORMAT_VERSION}); update Activation Inspector to open it")
         if version < 1:
             fail(f"invalid format version {version}", f"cannot open {path}: invalid format version {version}")
-    except BaseException:
+    except CaptureFileError:
         f.close()
         raise
+    except Exception as exc:  # noqa: BLE001 - unreadable root attributes
+        f.close()
+        reason = _reason(exc)
+        fail(f"damaged: {reason}", f"cannot open {path}: the file is damaged ({reason})", exc)
     return f
 
 
@@ -949,7 +1189,8 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
         for i in td.attrs.get("json_escaped", []):
             texts[int(i)] = json.loads(texts[int(i)])
         logprobs = dataset(g, "logprobs").astype(np.float64, copy=False).tolist()
-        ids, vals, counts = dataset(g, "top_logprob_ids"), dataset(g, "top_logprob_values"), dataset(g, "top_logprob_counts")
+        ids, vals = dataset(g, "top_logprob_ids"), dataset(g, "top_logprob_values")
+        counts = dataset(g, "top_logprob_counts")
         if ids.ndim != 2 or vals.shape != ids.shape or counts.shape != (ids.shape[0],):
             raise damaged(f"the top-logprob datasets of {g.name} have shapes {ids.shape}, {vals.shape}, {counts.shape}")
         top = [list(zip(ids[r, :c].tolist(), vals[r, :c].tolist())) for r, c in enumerate(counts.tolist())]

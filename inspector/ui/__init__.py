@@ -5,3 +5,7 @@ arrays and frozen dataclasses. Views repaint from accumulated data on a ~30 Hz t
 Modules without Qt in their name-space (``capture_view_model``, ``image_pool``, ``intervention_rows``)
 hold the state and arithmetic, so they can be unit-tested without a display.
 """
+
+from .qt_compat import guard_none_refcount as _guard_none_refcount
+
+_guard_none_refcount()

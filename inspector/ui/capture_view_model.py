@@ -264,11 +264,15 @@ class CaptureViewModel:
             raise RuntimeError("no live run to apply a step to")
         run = self.run
         for info in update.new_requests:
-            if info.request_id not in run.requests:
+            req = run.requests.get(info.request_id)
+            if req is None:
                 run.requests[info.request_id] = RequestCapture(
                     request_id=info.request_id, prompt=info.prompt,
                     prompt_token_ids=list(info.prompt_token_ids), sampling=dict(info.sampling),
                     token_texts=list(info.prompt_texts))
+            elif not req.prompt_token_ids and info.prompt_token_ids:  # known only after chunked prefill
+                req.prompt_token_ids = list(info.prompt_token_ids)
+                req.token_texts[:0] = list(info.prompt_texts)
         changed = set()
         for rs in update.event.requests:
             req = run.requests.get(rs.request_id)
@@ -358,7 +362,7 @@ class CaptureViewModel:
         if req is None or hook is None or hook not in req.hooks:
             return None
         hr = req.hooks[hook]
-        if isinstance(hr, GrowingRows) or self.source == "live":
+        if isinstance(hr, GrowingRows) or self.source in ("live", "memory"):
             return hr.positions, hr.values
         key = (rid, hook)
         if key in self._loaded:

@@ -16,9 +16,30 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from .capture_view_model import RequestInfo, SessionInfo, StepUpdate
+
+
+@dataclass(frozen=True)
+class _RowsOnly:
+    """A RequestStep look-alike for rows found after the fact (same fields as the engine's)."""
+
+    request_id: str
+    new_token_ids: tuple
+    new_texts: tuple
+    logprobs: tuple
+    top_logprobs: tuple
+    rows: dict
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class _Event:
+    step: int
+    requests: tuple
 
 
 @dataclass(frozen=True)
@@ -88,7 +109,8 @@ class EngineWorker(QObject):
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._interventions: list = []
-        self._known: dict[str, int] = {}  # request id -> intervention_log entries already sent
+        self._known: dict[str, dict] = {}  # request id -> log entries / rows already sent, prompt known
+        self._announced: set[str] = set()
         self.engine_threads: set[int] = set()  # threads engine code ran on (tests assert on this)
 
     # ---- helpers ----
@@ -141,6 +163,7 @@ class EngineWorker(QObject):
             self.finished.emit(GenerationResult(0, 0, True, 0.0))
             return
         error = None
+        seen: list[str] = []
         try:
             if isinstance(sampling, dict):
                 sampling = self._types()[1](**sampling)
@@ -148,12 +171,19 @@ class EngineWorker(QObject):
                 self._mark()
                 steps += 1
                 tokens += sum(len(r.new_token_ids) for r in event.requests)
+                seen.extend(r.request_id for r in event.requests if r.request_id not in self._known)
                 self.stepEvent.emit(self._envelope(session, event))
                 if self._stop.is_set():
                     session.stop()
         except BaseException as exc:  # noqa: BLE001
             error = describe_exception(exc, "generate")
             self._fail("generate", exc)
+        try:
+            extra = self._reconcile(session, seen)
+            if extra is not None:
+                self.stepEvent.emit(extra)
+        except Exception:  # noqa: BLE001 - best effort; never hides the generation's own result
+            traceback.print_exc()
         self.finished.emit(GenerationResult(steps, tokens, self._stop.is_set(), time.perf_counter() - t0, error))
 
     def _envelope(self, session, event) -> StepUpdate:
@@ -162,23 +192,55 @@ class EngineWorker(QObject):
         for rs in event.requests:
             rid = rs.request_id
             req = requests.get(rid)
-            if rid not in self._known:
-                self._known[rid] = 0
-                if req is not None:
-                    n_prompt = len(req.prompt_token_ids)
-                    texts = list(req.token_texts[:n_prompt])
-                    texts += [f"⟨{t}⟩" for t in req.prompt_token_ids[len(texts):]]
-                    new.append(RequestInfo(rid, req.prompt, tuple(req.prompt_token_ids), tuple(texts),
-                                           dict(req.sampling or {})))
-                else:
-                    new.append(RequestInfo(rid, "", (), ()))
+            known = self._known.get(rid)
+            if known is None:
+                known = self._known[rid] = {"log": 0, "prompt": False, "rows": {}}
+            if not known["prompt"]:
+                # the prompt's token ids are known from the request's first output (after any
+                # chunked-prefill steps): send the request again once they are there
+                info = self._request_info(rid, req)
+                if info.prompt_token_ids or rid not in self._announced:
+                    new.append(info)
+                    self._announced.add(rid)
+                known["prompt"] = bool(info.prompt_token_ids)
+            for hook, (pos, _tok, _val) in rs.rows.items():
+                known["rows"][hook] = known["rows"].get(hook, 0) + len(pos)
             if req is not None:
                 log = req.intervention_log
-                seen = self._known[rid]
-                if len(log) > seen:
-                    logs[rid] = tuple((int(p), tuple(copy.deepcopy(list(ivs)))) for p, ivs in log[seen:])
-                    self._known[rid] = len(log)
+                if len(log) > known["log"]:
+                    logs[rid] = tuple((int(p), tuple(copy.deepcopy(list(ivs)))) for p, ivs in log[known["log"]:])
+                    known["log"] = len(log)
         return StepUpdate(event, tuple(new), logs, threading.get_ident())
+
+    @staticmethod
+    def _request_info(rid: str, req) -> RequestInfo:
+        if req is None:
+            return RequestInfo(rid, "", (), ())
+        n_prompt = len(req.prompt_token_ids)
+        texts = list(req.token_texts[:n_prompt])
+        texts += [f"⟨{t}⟩" for t in req.prompt_token_ids[len(texts):]]
+        return RequestInfo(rid, req.prompt, tuple(req.prompt_token_ids), tuple(texts), dict(req.sampling or {}))
+
+    def _reconcile(self, session, request_ids) -> StepUpdate | None:
+        """Rows the session kept but no step event carried (e.g. drained when a stop aborted requests)."""
+        requests = getattr(session.run, "requests", {})
+        steps = []
+        for rid in request_ids:
+            req, known = requests.get(rid), self._known.get(rid)
+            if req is None or known is None:
+                continue
+            rows = {}
+            for hook, hr in req.hooks.items():
+                sent = known["rows"].get(hook, 0)
+                if len(hr) > sent:
+                    rows[hook] = (np.asarray(hr.positions[sent:]), np.asarray(hr.token_ids[sent:]),
+                                  np.asarray(hr.values[sent:], dtype=np.float32))
+                    known["rows"][hook] = len(hr)
+            if rows:
+                steps.append(_RowsOnly(rid, (), (), (), (), rows, False, None))
+        if not steps:
+            return None
+        return StepUpdate(_Event(-1, tuple(steps)), (), {}, threading.get_ident())
 
     @Slot(object)
     def set_hooks(self, hooks) -> None:
@@ -299,7 +361,7 @@ class EngineController(QObject):
     def new_run(self) -> None:
         self._new_run.emit()
 
-    def shutdown(self, timeout_ms: int = 30000) -> bool:
+    def shutdown(self, timeout_ms: int = 180000) -> bool:
         """Stop any generation, close the session on its thread, and end the thread."""
         if not self.thread.isRunning():
             return True

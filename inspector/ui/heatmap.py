@@ -9,6 +9,8 @@ another hook). Hovering reads out the raw (unpooled) value under the cursor.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, QSignalBlocker, Qt, QTimer, Signal
@@ -17,7 +19,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QHBoxLayout
                                QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from .capture_view_model import display_token
-from .image_pool import PooledImage, choose_key, robust_levels
+from .color_image import ColorImageItem
+from .image_pool import PooledImage, choose_key, follow_extent, robust_levels
 
 COLORMAPS = ("cividis", "viridis", "CET-CBD1", "CET-CBL2", "inferno", "plasma", "magma", "turbo")
 COLORMAP_HINTS = {"cividis": "colour-blind safe", "viridis": "colour-blind safe",
@@ -57,41 +60,52 @@ class HeatmapWidget(QWidget):
         self._selected: int | None = None
         self._hook_label = ""
         self.last_readout = ""
+        self._levels_time = 0.0
+        self._shown_empty = None
         self.paint_count = 0
+        self.track_marks = np.zeros(0, dtype=np.uint8)  # per shown row: 0 none, 1 other hook, 2 this hook
 
         # ---- controls ----
         self.features_from = QSpinBox(minimum=0, maximum=0, toolTip="First feature shown")
         self.features_to = QSpinBox(minimum=1, maximum=1, toolTip="Last feature shown (exclusive)")
         self.features_all = QToolButton(text="All", toolTip="Show every feature")
         self.follow_box = QCheckBox("Follow", checked=True, toolTip="Keep the newest tokens in view")
-        self.cmap_box = QComboBox(toolTip="Colour map")
-        for name in COLORMAPS:
+        self.cmap_box = QComboBox(toolTip="Colour map (cividis, viridis and the CET-CB maps are colour-blind safe)")
+        for i, name in enumerate(COLORMAPS):
+            self.cmap_box.addItem(name, name)
             hint = COLORMAP_HINTS.get(name)
-            self.cmap_box.addItem(f"{name} ({hint})" if hint else name, name)
-        self.levels_box = QComboBox(toolTip="auto: robust 0.5–99.5 percentiles; auto ±: symmetric about 0; "
-                                           "fixed: the values on the right (or drag the colour bar)")
+            if hint:
+                self.cmap_box.setItemData(i, hint, Qt.ItemDataRole.ToolTipRole)
+        self.cmap_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.cmap_box.setMinimumContentsLength(8)
+        self.levels_box = QComboBox(toolTip="Colour levels. auto: robust 0.5–99.5 percentiles; auto ±: symmetric "
+                                           "about 0; fixed: the values on the right (or drag the colour bar)")
         self.levels_box.addItems(LEVEL_MODES)
         self.level_lo = QDoubleSpinBox(decimals=4, minimum=-1e9, maximum=1e9, value=-1.0, enabled=False)
         self.level_hi = QDoubleSpinBox(decimals=4, minimum=-1e9, maximum=1e9, value=1.0, enabled=False)
         for w in (self.level_lo, self.level_hi):
             w.setKeyboardTracking(False)
-            w.setMaximumWidth(90)
-        self.reset_view = QPushButton("Fit", toolTip="Show all tokens and the chosen feature range")
+            w.setMinimumWidth(56)
+            w.setMaximumWidth(84)
+            w.setButtonSymbols(QDoubleSpinBox.ButtonSymbols.NoButtons)
+        for w in (self.features_from, self.features_to):
+            w.setButtonSymbols(QSpinBox.ButtonSymbols.NoButtons)
+            w.setMinimumWidth(48)
+        self.reset_view = QToolButton(text="Fit", toolTip="Show all tokens and the chosen feature range")
 
         bar = QHBoxLayout()
         bar.setContentsMargins(0, 0, 0, 0)
+        bar.setSpacing(4)
         bar.addWidget(QLabel("Features"))
         bar.addWidget(self.features_from)
         bar.addWidget(QLabel("–"))
         bar.addWidget(self.features_to)
         bar.addWidget(self.features_all)
-        bar.addSpacing(12)
+        bar.addSpacing(6)
         bar.addWidget(self.follow_box)
         bar.addWidget(self.reset_view)
         bar.addStretch(1)
-        bar.addWidget(QLabel("Colours"))
         bar.addWidget(self.cmap_box)
-        bar.addWidget(QLabel("Levels"))
         bar.addWidget(self.levels_box)
         bar.addWidget(self.level_lo)
         bar.addWidget(self.level_hi)
@@ -100,18 +114,18 @@ class HeatmapWidget(QWidget):
         self.glw = pg.GraphicsLayoutWidget()
         self.glw.setBackground("w")
         self.track = self.glw.addPlot(row=0, col=0)
-        self.track.setMaximumHeight(34)
         self.track.setMouseEnabled(x=False, y=False)
         self.track.hideButtons()
-        self.track.getAxis("bottom").setStyle(showValues=False)
+        self.track.hideAxis("bottom")
+        self.track.setMenuEnabled(False)
+        self.track.getViewBox().setBackgroundColor((246, 246, 246))
         self.track.getAxis("left").setTicks([[(0.5, "interv.")]])
+        self.track.getAxis("left").setToolTip("Where interventions were active: orange on this hook, grey elsewhere")
         self.track.getAxis("left").setWidth(58)
         self.track.setYRange(0, 1, padding=0)
         self.track_img = pg.ImageItem(axisOrder="col-major")
-        lut = np.array([[255, 255, 255, 0], [*MARK_OTHER.getRgb()[:3], 255], [*MARK_THIS.getRgb()[:3], 255]],
-                       dtype=np.uint8)
-        self.track_img.setLookupTable(lut)
-        self.track_img.setLevels((0, 2))
+        self._mark_colors = np.array([[0, 0, 0, 0], [*MARK_OTHER.getRgb()[:3], 255], [*MARK_THIS.getRgb()[:3], 255]],
+                                     dtype=np.uint8)
         self.track.addItem(self.track_img)
 
         self.plot = self.glw.addPlot(row=1, col=0)
@@ -124,7 +138,7 @@ class HeatmapWidget(QWidget):
         self.vb = self.plot.getViewBox()
         self.vb.setDefaultPadding(0.0)
         self.track.setXLink(self.plot)
-        self.img = pg.ImageItem(axisOrder="col-major")
+        self.img = ColorImageItem()
         self.plot.addItem(self.img)
         self.selection = pg.LinearRegionItem((0, 1), movable=False, brush=pg.mkBrush(255, 64, 64, 40),
                                              pen=pg.mkPen(220, 40, 40, 200, width=1.5))
@@ -136,6 +150,8 @@ class HeatmapWidget(QWidget):
         self.cbar.setImageItem(self.img)
         self.glw.addItem(self.cbar, row=1, col=1)
         self.glw.ci.layout.setRowStretchFactor(1, 10)
+        self.glw.ci.layout.setRowFixedHeight(0, 18)
+        self.glw.ci.layout.setRowSpacing(0, 2)
         self.empty_text = pg.TextItem("No captured rows yet", color=(110, 110, 110), anchor=(0.5, 0.5))
         self.plot.addItem(self.empty_text)
 
@@ -154,7 +170,7 @@ class HeatmapWidget(QWidget):
         self._range_timer = QTimer(self, singleShot=True, interval=60)
         self._range_timer.timeout.connect(self._repool)
         self.vb.sigRangeChangedManually.connect(self._user_moved_view)
-        self.vb.sigRangeChanged.connect(lambda *_: self._updating_range or self._range_timer.start())
+        self.vb.sigRangeChanged.connect(self._range_changed)
         self.vb.sigResized.connect(lambda *_: self._range_timer.start())
         self.features_from.valueChanged.connect(self._feature_range_edited)
         self.features_to.valueChanged.connect(self._feature_range_edited)
@@ -181,6 +197,8 @@ class HeatmapWidget(QWidget):
         old_width = self._values.shape[1] if self._values.ndim == 2 else 0
         self._positions, self._values, self._texts = positions, values, texts
         self._marks = marks if marks is not None else np.zeros(0, dtype=np.int8)
+        if hook_label != self._hook_label:
+            self.plot.setLabel("left", f"feature · {hook_label}" if hook_label else "feature")
         self._hook_label = hook_label
         self._p0 = int(positions[0]) if len(positions) else 0
         if new_source:
@@ -198,6 +216,10 @@ class HeatmapWidget(QWidget):
                 self.fit()
         self._dirty = True
         self.render()
+
+    def set_placeholder(self, text: str) -> None:
+        """The message shown while there is nothing to draw."""
+        self.empty_text.setText(text)
 
     def displayed_data(self) -> np.ndarray:
         """The full-resolution rows the image shows (tests compare this and the image with captures)."""
@@ -221,11 +243,22 @@ class HeatmapWidget(QWidget):
         """Update the image from the data (incremental); called at most at the repaint rate."""
         n = len(self._values)
         width = self._values.shape[1] if self._values.ndim == 2 else 0
-        self.empty_text.setVisible(n == 0 or width == 0)
-        if n == 0 or width == 0:
+        empty = n == 0 or width == 0
+        self.empty_text.setVisible(empty)
+        if empty != self._shown_empty:  # setStyle makes an axis regenerate: only on a change
+            self._shown_empty = empty
+            for axis in ("left", "bottom"):
+                self.plot.getAxis(axis).setStyle(showValues=not empty)
+        if empty:
             self.img.clear()
             self.track_img.clear()
+            self.track_marks = np.zeros(0, dtype=np.uint8)
             self._frame = None
+            self._updating_range = True
+            try:
+                self.vb.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
+            finally:
+                self._updating_range = False
             self.empty_text.setPos(0.5, 0.5)
             return
         if self._follow:
@@ -237,32 +270,56 @@ class HeatmapWidget(QWidget):
         if frame is None:
             return
         self._frame = frame
+        reset = self._pool.last_reset
         mode = self.levels_box.currentText()
         if mode != "fixed":
-            self._levels = robust_levels(frame.image, symmetric=(mode == "auto ±"))
-            self._show_levels()
-        self.img.setImage(frame.image, autoLevels=False, levels=self._levels)
-        self.img.setRect(QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height))
-        self.cbar.setLevels(self._levels, update_items=False)
+            self._auto_levels(frame.image, mode == "auto ±", force=reset)
+        self.img.setLevels(self._levels)
+        self.img.set_frame(frame.image, QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height), reset)
+        if tuple(self.cbar.levels()) != self._levels:
+            self.cbar.setLevels(self._levels, update_items=False)
         self._render_marks(n)
         self.paint_count += 1
         self._dirty = False
+
+    def _auto_levels(self, image: np.ndarray, symmetric: bool, force: bool) -> None:
+        """Robust levels, re-estimated at most 4 times a second and adopted only when they move by more
+        than 2% of the span: every change recolours the whole image."""
+        now = time.perf_counter()
+        if not force and now - self._levels_time < 0.25:
+            return
+        self._levels_time = now
+        lo, hi = robust_levels(image, symmetric=symmetric)
+        span = max(self._levels[1] - self._levels[0], 1e-12)
+        if force or abs(lo - self._levels[0]) > 0.02 * span or abs(hi - self._levels[1]) > 0.02 * span:
+            self._levels = (lo, hi)
+            self._show_levels()
 
     def _render_marks(self, n: int) -> None:
         marks = self._marks
         if marks is None or not len(marks) or not marks.any():
             self.track_img.clear()
+            self.track_marks = np.zeros(0, dtype=np.uint8)
             return
-        m = marks[self._p0:self._p0 + n].astype(np.uint8).reshape(-1, 1)
-        self.track_img.setImage(m, autoLevels=False, levels=(0, 2))
+        m = marks[self._p0:self._p0 + n].astype(np.uint8)
+        self.track_marks = m
+        rgba = self._mark_colors[np.minimum(m, 2)].reshape(len(m), 1, 4)
+        self.track_img.setImage(rgba, autoLevels=False, levels=(0, 255))
         self.track_img.setRect(QRectF(self._p0, 0, len(m), 1))
 
     def _apply_follow_range(self, n: int) -> None:
         self._updating_range = True
         try:
-            self.vb.setXRange(self._p0, self._p0 + n, padding=0)
+            x0, x1 = self.vb.viewRange()[0]
+            want = (self._p0, self._p0 + follow_extent(n))
+            if (x0, x1) != want:  # an unchanged range must not make the axes regenerate
+                self.vb.setXRange(*want, padding=0)
         finally:
             self._updating_range = False
+
+    def _range_changed(self, *_) -> None:
+        if not self._updating_range:
+            self._range_timer.start()
 
     def _repool(self) -> None:
         if len(self._values):
@@ -345,12 +402,10 @@ class HeatmapWidget(QWidget):
         self.level_hi.setEnabled(fixed)
         if fixed:
             self._fixed_levels_edited()
-        else:
-            self._pool_levels_refresh()
-
-    def _pool_levels_refresh(self):
-        self._dirty = True
-        self.render()
+        elif self._frame is not None:
+            self._auto_levels(self._frame.image, mode == "auto ±", force=True)
+            self.img.setLevels(self._levels)
+            self.cbar.setLevels(self._levels, update_items=False)
 
     def _fixed_levels_edited(self, *_):
         if self.levels_box.currentText() != "fixed":

@@ -85,6 +85,7 @@ class PooledImage:
         self._buf: np.ndarray | None = None
         self._done = 0  # complete token bins pooled into _buf
         self._source_id = None
+        self.last_reset = True  # the last update rebuilt every bin
 
     def invalidate(self) -> None:
         self.key, self._buf, self._done, self._source_id = None, None, 0, None
@@ -92,7 +93,8 @@ class PooledImage:
     def update(self, values: np.ndarray, key: PoolKey, source_id=None) -> PooledFrame | None:
         """Pool rows of ``values`` ([n, width], may be a growing view) under ``key``."""
         n = len(values)
-        if key != self.key or source_id != self._source_id or self._buf is None:
+        self.last_reset = key != self.key or source_id != self._source_id or self._buf is None
+        if self.last_reset:
             self.key, self._source_id, self._done = key, source_id, 0
             nfb = -(-(key.f1 - key.f0) // key.fbin)
             self._buf = np.empty((64, nfb), dtype=np.float32)
@@ -120,7 +122,16 @@ class PooledImage:
                            k.tbin, k.fbin)
 
 
-def robust_levels(image: np.ndarray, symmetric: bool, max_samples: int = 65536) -> tuple[float, float]:
+def follow_extent(n: int) -> int:
+    """Where a following view ends for n tokens: a few fixed steps per doubling, so the axis (and
+    the bin size) change now and then instead of on every token."""
+    if n <= 16:
+        return 16
+    step = 1 << (int(n - 1).bit_length() - 2)  # quarter of the enclosing power of two
+    return -(-n // step) * step
+
+
+def robust_levels(image: np.ndarray, symmetric: bool, max_samples: int = 16384) -> tuple[float, float]:
     """Colour levels from the 0.5th/99.5th percentiles of (a strided sample of) the image."""
     flat = image.reshape(-1)
     if flat.size == 0:

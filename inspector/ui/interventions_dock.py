@@ -22,11 +22,12 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QDialogBut
 
 from inspector.capture.run import HookInfo
 
-from .capture_view_model import format_positions, parse_positions
+from .capture_view_model import format_positions, parse_positions, short_hook_label
 from .intervention_rows import (SCOPE_LABELS, SCOPES, InterventionRow, active_interventions, check_vector,
                                 load_vector_file)
 
 COLUMNS = ("On", "Hook", "Scope", "Request", "Positions", "Scale", "Bias", "Source")
+SCOPE_SHORT = {"all": "all", "request": "request", "positions": "positions", "request+positions": "req+pos"}
 FIELD_OF = {0: "enabled", 1: "hook", 2: "scope", 3: "request_id", 4: "positions", 5: "scale", 6: "bias"}
 
 
@@ -38,6 +39,8 @@ class InterventionTableModel(QAbstractTableModel):
         super().__init__(parent)
         self.rows: list[InterventionRow] = []
         self.hooks: dict[str, HookInfo] = {}
+        self.default_positions: Callable[[], tuple[int, ...]] = lambda: ()
+        self.default_request: Callable[[], str | None] = lambda: None
 
     # ---- Qt model ----
     def rowCount(self, parent=QModelIndex()):
@@ -66,19 +69,25 @@ class InterventionTableModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.CheckStateRole and col == 0:
             return Qt.CheckState.Checked if row.enabled else Qt.CheckState.Unchecked
         if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
+            display = role == Qt.ItemDataRole.DisplayRole
             if col == 1:
                 info = self.hooks.get(row.hook)
-                return (info.alias or info.name) if info and role == Qt.ItemDataRole.DisplayRole else row.hook
+                return short_hook_label(info) if info and display else row.hook
             if col == 2:
-                return SCOPE_LABELS[row.scope] if role == Qt.ItemDataRole.DisplayRole else row.scope
+                return SCOPE_SHORT[row.scope] if display else row.scope
             if col == 3:
-                return row.request_id or ("—" if role == Qt.ItemDataRole.DisplayRole else "")
+                if display and "request" not in row.scope:
+                    return "—"
+                return row.request_id or ("—" if display else "")
             if col == 4:
-                return row.positions_text() or ("—" if role == Qt.ItemDataRole.DisplayRole else "")
-            if col == 5:
-                return row.value_text("scale")
-            if col == 6:
-                return row.value_text("bias")
+                if display and "positions" not in row.scope:
+                    return "—"
+                return row.positions_text() or ("—" if display else "")
+            if col in (5, 6):
+                v = getattr(row, "scale" if col == 5 else "bias")
+                if isinstance(v, np.ndarray):
+                    return f"vec[{v.shape[0]}]" if display else row.value_text("scale" if col == 5 else "bias")
+                return f"{v:g}"
             if col == 7:
                 return row.problem or row.source
         if role == Qt.ItemDataRole.ForegroundRole:
@@ -87,7 +96,10 @@ class InterventionTableModel(QAbstractTableModel):
             if not row.enabled:
                 return QBrush(QColor(140, 140, 140))
         if role == Qt.ItemDataRole.ToolTipRole:
-            tip = [f"hook {row.hook}", f"scope {SCOPE_LABELS[row.scope]}"]
+            info = self.hooks.get(row.hook)
+            tip = [f"hook {row.hook}" + (f" ({info.alias}, width {info.width})" if info else ""),
+                   f"scope {SCOPE_LABELS[row.scope]}", f"scale {row.value_text('scale')}",
+                   f"bias {row.value_text('bias')}"]
             if row.problem:
                 tip.append(f"not applied: {row.problem}")
             if row.source:
@@ -117,6 +129,15 @@ class InterventionTableModel(QAbstractTableModel):
         old = self.rows[i]
         try:
             new = old.with_field(name, value, self.width_of(old.hook if name != "hook" else str(value)))
+            if name == "scope":  # fill what the scope needs from the current selection, if there is one
+                if "positions" in new.scope and not new.positions:
+                    positions = tuple(self.default_positions())
+                    if not positions:
+                        raise ValueError("scope 'positions' needs positions: type them in the Positions column "
+                                         "(e.g. 3-7, 10) or select tokens in the strip first")
+                    new = replace(new, positions=positions)
+                if "request" in new.scope and not new.request_id:
+                    new = replace(new, request_id=self.default_request())
             if name == "hook":
                 if self.hooks and new.hook not in self.hooks:
                     raise ValueError(f"{new.hook!r} is not an installed hook point")
@@ -301,6 +322,9 @@ class InterventionsPanel(QWidget):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setStretchLastSection(True)
+        header.setMinimumSectionSize(24)
+        self.table.setWordWrap(False)
+        self.table.verticalHeader().setDefaultSectionSize(self.table.fontMetrics().height() + 8)
         self.table.setItemDelegateForColumn(1, ChoiceDelegate(
             lambda: [(f"{h.alias}  ({h.width})", h.name) for h in self.model.hooks.values()], self))
         self.table.setItemDelegateForColumn(2, ChoiceDelegate(
@@ -310,9 +334,9 @@ class InterventionsPanel(QWidget):
 
         self.add_button = QPushButton("Add", toolTip="New row on the hook shown in the heatmap")
         self.remove_button = QPushButton("Remove")
-        self.scale_file = QPushButton("Scale from .npy…")
-        self.bias_file = QPushButton("Bias from .npy…")
-        self.steer_button = QPushButton("Steering vector…",
+        self.scale_file = QPushButton("Scale file…", toolTip="Per-feature scale vector from a .npy file")
+        self.bias_file = QPushButton("Bias file…", toolTip="Per-feature bias vector from a .npy file")
+        self.steer_button = QPushButton("Steering…",
                                         toolTip="Bias = k × (mean of selection A − mean of selection B) in this run")
         self.clear_button = QPushButton("Clear")
         self.message = QLabel("")
@@ -337,12 +361,14 @@ class InterventionsPanel(QWidget):
         layout.addWidget(self.message)
         layout.addWidget(self.status)
 
-        self.add_button.clicked.connect(lambda: self.add_row())
+        self.add_button.clicked.connect(self._add_clicked)
         self.remove_button.clicked.connect(self.remove_selected)
         self.clear_button.clicked.connect(self.clear)
         self.scale_file.clicked.connect(lambda: self.load_vector_dialog("scale"))
         self.bias_file.clicked.connect(lambda: self.load_vector_dialog("bias"))
         self.steer_button.clicked.connect(self.open_steering_dialog)
+        self.model.default_positions = lambda: self.strip_selection()[1]
+        self.model.default_request = lambda: self.current_request()
         self.model.rejected.connect(self.show_message)
         self.model.edited.connect(self._edited)
 
@@ -400,6 +426,9 @@ class InterventionsPanel(QWidget):
                 self.show_message(f"New row: {exc}")
                 return -1
         return self.model.add(row)
+
+    def _add_clicked(self) -> None:
+        self.add_row()
 
     def edit(self, row: int, column: str, value) -> bool:
         """Edit a cell as the editor would (tests and scripted use): False and a message if refused."""

@@ -52,9 +52,11 @@ class ModelTreeWidget(QWidget):
         self._mode = "compiled"
         self._busy = False
 
-        self.mode_box = QComboBox(toolTip="Engine mode")
+        self.mode_box = QComboBox(toolTip="\n".join(MODES.values()))
         for key, label in MODES.items():
             self.mode_box.addItem(label, key)
+        self.mode_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.mode_box.setMinimumContentsLength(16)
         self.filter_box = QLineEdit(placeholderText="Filter: name, alias or kind (e.g. mlp, blocks.3)",
                                     clearButtonEnabled=True)
         self.presets_button = QToolButton(text="Presets", popupMode=QToolButton.ToolButtonPopupMode.InstantPopup,
@@ -66,6 +68,8 @@ class ModelTreeWidget(QWidget):
         menu.addAction("None", lambda: self.apply_preset("None"))
         self.presets_button.setMenu(menu)
         self.glob_box = QLineEdit(placeholderText="Glob, e.g. blocks.*.hook_mlp_out", clearButtonEnabled=True)
+        self.glob_box.setMinimumWidth(60)
+        self.filter_box.setMinimumWidth(60)
         self.glob_check = QToolButton(text="Check", toolTip="Check every hook point whose name or alias matches")
         self.glob_uncheck = QToolButton(text="Uncheck", toolTip="Uncheck every matching hook point")
 
@@ -110,9 +114,9 @@ class ModelTreeWidget(QWidget):
         self._auto_apply = QTimer(self, singleShot=True, interval=500)
         self._auto_apply.timeout.connect(self._eager_apply)
         self.filter_box.textChanged.connect(self._filter_changed)
-        self.glob_check.clicked.connect(lambda: self.check_glob(self.glob_box.text(), True))
-        self.glob_uncheck.clicked.connect(lambda: self.check_glob(self.glob_box.text(), False))
-        self.glob_box.returnPressed.connect(lambda: self.check_glob(self.glob_box.text(), True))
+        self.glob_check.clicked.connect(lambda: self._glob_clicked(True))
+        self.glob_uncheck.clicked.connect(lambda: self._glob_clicked(False))
+        self.glob_box.returnPressed.connect(lambda: self._glob_clicked(True))
         self.model.itemChanged.connect(self._item_changed)
         self.apply_button.clicked.connect(self.request_apply)
         self.revert_button.clicked.connect(lambda: self.set_checked(self._installed))
@@ -164,6 +168,7 @@ class ModelTreeWidget(QWidget):
         self.set_checked(self._installed)
         self.tree.expandToDepth(2)
         self.tree.resizeColumnToContents(0)
+        self.tree.setColumnWidth(0, min(self.tree.columnWidth(0), 210))
         self._refresh_badges()
 
     def set_installed(self, installed) -> None:
@@ -200,6 +205,11 @@ class ModelTreeWidget(QWidget):
             return
         rule = PRESETS[name]
         self.set_checked(set(self.checked()) | {n for n, h in self._infos.items() if rule(h)})
+
+    def _glob_clicked(self, on: bool) -> None:
+        n = self.check_glob(self.glob_box.text(), on)
+        if not n:
+            self.summary.setText(f"No hook point matches {self.glob_box.text()!r}")
 
     def check_glob(self, pattern: str, on: bool = True) -> int:
         matches = {n for n, h in self._infos.items() if glob_match(h, pattern)}
@@ -305,7 +315,9 @@ class ModelTreeWidget(QWidget):
                     leaf.setForeground(QBrush(self.palette().text().color()))
         self.tree.viewport().update()
         added, removed = len(checked - self._installed), len(self._installed - checked)
-        if not self._leaves:
+        if self._busy and self._leaves and not (added or removed) and "no model" in self.summary.text():
+            pass  # keep "N hook points in file.h5 (no model loaded)"
+        elif not self._leaves:
             self.summary.setText("No model loaded")
         else:
             text = f"{len(self._installed)} of {len(self._leaves)} hook points captured"

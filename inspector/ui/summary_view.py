@@ -7,10 +7,12 @@ small (hooks x tokens) and simply rebuilt per frame.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QRectF, Qt, Signal
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QSpinBox, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSpinBox, QVBoxLayout, QWidget
 
 from .capture_view_model import display_token
 from .heatmap import colormap
@@ -36,6 +38,9 @@ class SummaryView(QWidget):
         self.feature_box = QSpinBox(minimum=0, maximum=1_000_000, enabled=False, toolTip="Feature index")
         self.family_box = QComboBox(toolTip="Which residual-stream hook points form the rows")
         self.family_box.addItems(list(FAMILIES))
+        self.relative_box = QCheckBox("relative to layer median", toolTip=(
+            "Divide each row by its median, so layers of different scale (the residual stream grows with "
+            "depth) share one colour scale"))
         bar = QHBoxLayout()
         bar.setContentsMargins(0, 0, 0, 0)
         bar.addWidget(QLabel("Show"))
@@ -43,7 +48,8 @@ class SummaryView(QWidget):
         bar.addWidget(self.feature_box)
         bar.addWidget(QLabel("of"))
         bar.addWidget(self.family_box)
-        bar.addWidget(QLabel("hooks, per layer and token"))
+        bar.addWidget(QLabel("hooks"))
+        bar.addWidget(self.relative_box)
         bar.addStretch(1)
 
         self.glw = pg.GraphicsLayoutWidget()
@@ -76,6 +82,7 @@ class SummaryView(QWidget):
         self.measure_box.currentTextChanged.connect(self._measure_changed)
         self.feature_box.valueChanged.connect(lambda _: self.settingsChanged.emit())
         self.family_box.currentTextChanged.connect(lambda _: self.settingsChanged.emit())
+        self.relative_box.toggled.connect(lambda _: self.settingsChanged.emit())
         self._hover = pg.SignalProxy(self.plot.scene().sigMouseMoved, rateLimit=60, slot=self._mouse_moved)
         self.plot.scene().sigMouseClicked.connect(self._mouse_clicked)
 
@@ -102,20 +109,34 @@ class SummaryView(QWidget):
             k = min(len(pos), len(vals))
             if k:
                 m[pos[:k], j] = vals[:k]
+        if self.relative_box.isChecked() and m.size:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows (hook not captured yet)
+                med = np.nanmedian(np.abs(m), axis=0)
+            med = np.where(np.isfinite(med) & (med > 0), med, 1.0)
+            m = m / med[None, :]
         self._matrix = m
         empty = m.size == 0 or not np.isfinite(m).any()
         self.empty_text.setVisible(empty)
+        if empty != getattr(self, "_shown_empty", None):  # setStyle makes an axis regenerate
+            self._shown_empty = empty
+            for axis in ("left", "bottom"):
+                self.plot.getAxis(axis).setStyle(showValues=not empty)
         if empty:
             self.img.clear()
+            self.vb.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
             self.empty_text.setPos(0.5, 0.5)
             return
         levels = robust_levels(m, symmetric=self.measure_box.currentText() == "feature value")
         self.img.setImage(m, autoLevels=False, levels=levels)
+        self.img.setLevels(levels)  # again: ImageItem applies levels deferred from before it had an image
         self.img.setRect(QRectF(0, 0, m.shape[0], m.shape[1]))
         self.cbar.setLevels(levels, update_items=False)
         step = max(1, len(self._labels) // 24)
         self.plot.getAxis("left").setTicks([[(j + 0.5, lab) for j, lab in enumerate(self._labels) if j % step == 0]])
-        self.vb.setRange(xRange=(0, max(m.shape[0], 1)), yRange=(0, max(m.shape[1], 1)), padding=0)
+        want = [[0, max(m.shape[0], 1)], [0, max(m.shape[1], 1)]]
+        if self.vb.viewRange() != want:
+            self.vb.setRange(xRange=want[0], yRange=want[1], padding=0)
 
     def matrix(self) -> np.ndarray:
         return self._matrix
@@ -127,6 +148,8 @@ class SummaryView(QWidget):
         value = self._matrix[col, row]
         text = self._texts[col] if col < len(self._texts) else "?"
         what = "‖x‖" if self.measure_box.currentText() == "L2 norm" else f"feature {self.feature_box.value()}"
+        if self.relative_box.isChecked():
+            what += " / layer median"
         shown = "not captured" if not np.isfinite(value) else f"{value:.6g}"
         return f"{self._labels[row]}   token {display_token(text)!r}   position {col}   {what} = {shown}"
 

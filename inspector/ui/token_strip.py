@@ -139,7 +139,12 @@ class TokenStrip(QListView):
         self.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.setMouseTracking(True)
         self.clicked.connect(lambda idx: self.positionClicked.emit(idx.row()))
+        self.selectionModel().currentChanged.connect(self._current_changed)
         self._follow = True
+
+    def _current_changed(self, current, _previous) -> None:
+        if current.isValid() and self.hasFocus():  # arrow keys walk the tokens
+            self.positionClicked.emit(current.row())
 
     def set_tokens(self, texts, ids, n_prompt, logprobs=(), top=(), marks=None, reset=False) -> None:
         sb = self.verticalScrollBar()
