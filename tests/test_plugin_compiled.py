@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import hf_reference
-from engines import PARITY_TOL, booted, generate, rel_l2, rpc
+from engines import PARITY_TOL, assert_greedy_matches, booted, generate, rel_l2, rpc
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Parser(object):\n    def"]
 LONG_PROMPT = "\n".join(f"x_{i} = compute({i}, key='v{i}')" for i in range(7))  # > 64 tokens: chunked
@@ -49,7 +49,7 @@ def test_residual_stream_matches_transformers(llm, model_dir, clean):
         seq = prompt_ids + gen_ids
         ref = hf_reference.run(model_dir, seq[:-1])
         # greedy tokens: every generated token is the reference's argmax at the previous position
-        assert ref["logits"][len(prompt_ids) - 1:].argmax(-1).tolist() == gen_ids
+        assert_greedy_matches(ref["logits"], len(prompt_ids), gen_ids)
         for layer in range(ref["resid_post"].shape[0]):
             rows = caps[rid][n[f"blocks.{layer}.hook_resid_post"]]
             assert rows["positions"].tolist() == list(range(len(seq) - 1))
@@ -154,7 +154,8 @@ def test_per_position_intervention_changes_only_those_rows(llm, clean):
         rpc(llm, "inspector_clear_interventions")
     got, ref = steered["r0"][hook]["values"], clean[1]["r0"][hook]["values"]
     np.testing.assert_allclose(got[2:4], ref[2:4] * 2.0 + bias, rtol=1e-6, atol=1e-6)
-    others = [i for i in range(len(ref)) if i not in (2, 3)]
+    n_prompt = len(clean[0]["r0"][0])  # later rows are fed steered tokens, so compare prompt rows
+    others = [i for i in range(n_prompt) if i not in (2, 3)]
     np.testing.assert_array_equal(got[others], ref[others])  # the layer's other rows do not see it
     later = n["blocks.1.hook_resid_post"]
     np.testing.assert_array_equal(steered["r0"][later]["values"][:2], clean[1]["r0"][later]["values"][:2])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
 from .environment import prepare_environment
 
 MODES = ("compiled", "eager")
@@ -38,8 +36,7 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
 
 
 def shutdown_llm(llm) -> None:
-    """Free the engine so another can boot in this process."""
+    """Free the engine (memory included) so another can boot in this process."""
     from inspector.plugin import vllm_compat
 
     vllm_compat.shutdown_engine(llm)
-    gc.collect()

@@ -130,9 +130,19 @@ def compilation_count() -> int:
 
 
 def shutdown_engine(llm) -> None:
-    """Stop an in-process engine and tear down vLLM's process-global state so a new one can boot."""
+    """Stop an in-process engine and tear down vLLM's process-global state so a new one can boot.
+
+    The ``LLM`` object is unusable afterwards: its engine is dropped so that the model, the KV cache
+    and any CUDA graphs are freed now, not when the caller lets go of the object."""
+    import gc
+
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-    llm.llm_engine.engine_core.shutdown()
+    engine, llm.llm_engine = llm.llm_engine, None
+    engine.engine_core.shutdown()
+    del engine
+    gc.collect()
     destroy_model_parallel()
     destroy_distributed_environment()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
