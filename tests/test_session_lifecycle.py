@@ -6,15 +6,24 @@ import shutil
 import numpy as np
 import pytest
 
+from engines import ENGINE_ARGS
 from inspector.engine.models import ModelNotFound, resolve_model
 from inspector.engine.session import Sampling, Session, SessionError, SessionOptions
 
 
 def options(path, **kw):
-    return SessionOptions(model=str(path), mode="eager", max_model_len=256, max_num_batched_tokens=64, **kw)
+    return SessionOptions(model=str(path), mode="eager", max_model_len=256, max_num_batched_tokens=64,
+                          engine_args=ENGINE_ARGS, **kw)
+
+
+def _device_free_bytes():
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
 
 
 def test_open_close_open_three_models_in_one_process(tiny_models):
+    free_before = _device_free_bytes()
     for arch in ("llama", "gpt2", "qwen2"):
         with Session.open(options(tiny_models[arch])) as session:
             events = list(session.generate(["def f():"], Sampling(max_tokens=3)))
@@ -22,6 +31,8 @@ def test_open_close_open_three_models_in_one_process(tiny_models):
             assert events[-1].requests[0].finished and len(req.generated_token_ids) == 3
             assert session.run.metadata["model_config"]["model_type"] == arch
         assert not session.alive
+        if free_before is not None:  # closing gave the engine's device memory back
+            assert _device_free_bytes() > free_before - 2 * 2**30
 
 
 def test_eager_hook_change_is_live_and_keeps_the_run(tiny_models):

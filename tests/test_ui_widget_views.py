@@ -152,9 +152,8 @@ def test_token_strip_matches_texts_and_click_selects(qtbot, ui_settings):
     strip.set_tokens(texts[:5], list(range(5)), 3)
     strip.set_tokens(texts, list(range(8)), 3, logprobs=[-0.1] * 5, top=[[(1, -0.1)]] * 5)  # appended
     assert strip.texts() == texts
-    assert strip.token_model.data(strip.token_model.index(5)) == "↵"
-    assert strip.token_model.data(strip.token_model.index(6)) == "␣␣␣"
-    assert "logprob -0.100" in strip.token_model.data(strip.token_model.index(4), 3)  # ToolTipRole
+    assert strip.display_text(5) == "↵" and strip.display_text(6) == "␣␣␣"
+    assert "logprob -0.100" in strip.tooltip_text(4) and "generated" in strip.tooltip_text(4)
     show(heatmap, np.ones((7, 3), np.float32), texts)
     strip.positionClicked.connect(heatmap.select_position)
     with qtbot.waitSignal(strip.positionClicked) as sig:
@@ -163,6 +162,35 @@ def test_token_strip_matches_texts_and_click_selects(qtbot, ui_settings):
     assert sig.args == [4]
     assert heatmap.selection.isVisible() and tuple(heatmap.selection.getRegion()) == (4, 5)
     assert strip.selected_positions() == (4,)
+    # shift-click selects a range (for steering selections); arrow keys walk the tokens
+    with qtbot.waitSignal(strip.positionClicked):
+        qtbot.mouseClick(strip.viewport(), __import__("PySide6.QtCore", fromlist=["Qt"]).Qt.MouseButton.LeftButton,
+                         __import__("PySide6.QtCore", fromlist=["Qt"]).Qt.KeyboardModifier.ShiftModifier,
+                         pos=strip.position_rect(6).center())
+    assert strip.selected_positions() == (4, 5, 6)
+    with qtbot.waitSignal(strip.positionClicked) as sig:
+        qtbot.keyClick(strip, __import__("PySide6.QtCore", fromlist=["Qt"]).Qt.Key.Key_Right)
+    assert sig.args == [7] and strip.selected_positions() == (7,)
+
+
+def test_token_strip_lays_out_incrementally(qtbot, ui_settings):
+    from inspector.ui.token_strip import TokenStrip
+
+    strip = TokenStrip()
+    qtbot.addWidget(strip)
+    strip.resize(400, 200)
+    strip.show()
+    texts = [f"tok{i}" for i in range(3000)]
+    for n in range(0, 3001, 100):
+        strip.set_tokens(texts[:n], list(range(n)), 5)
+    assert strip.texts() == texts
+    rects = strip._rects
+    assert len(rects) == 3000 and all(r.right() < 400 for r in rects)
+    assert strip.verticalScrollBar().value() == strip.verticalScrollBar().maximum()  # follows the end
+    strip.resize(250, 200)  # a new width lays everything out again
+    qtbot.wait(10)
+    assert all(r.right() < 250 for r in strip._rects)
+    assert strip.position_at(strip.position_rect(2999).center()) == 2999
 
 
 def test_summary_view_layers_by_tokens(qtbot, ui_settings):

@@ -144,5 +144,7 @@ def shutdown_engine(llm) -> None:
     gc.collect()
     destroy_model_parallel()
     destroy_distributed_environment()
+    torch._dynamo.reset()  # Dynamo's cache entries hold the compiled model (and its buffers) alive
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

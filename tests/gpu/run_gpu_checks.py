@@ -16,13 +16,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = ["tests/test_plugin_compiled.py", "tests/test_plugin_architectures.py", "tests/test_session.py"]
+FILES = ["tests/test_plugin_compiled.py", "tests/test_plugin_architectures.py", "tests/test_session.py",
+         "tests/test_session_lifecycle.py"]
 
 
 def main() -> int:
     env = dict(os.environ)
     env.setdefault("INSPECTOR_PARITY_TOL", "1e-3")
-    env.setdefault("INSPECTOR_TEST_ENGINE_ARGS", json.dumps({"gpu_memory_utilization": 0.3}))
+    env.setdefault("INSPECTOR_TEST_ENGINE_ARGS", json.dumps({"gpu_memory_utilization": 0.15}))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     report = Path(os.environ.get("OUT", "/tmp")) / "gpu-junit.xml"
     t0 = time.time()
