@@ -63,7 +63,9 @@ def test_engine_failure_is_clear_marks_dead_and_keeps_captures(tiny_models):
             list(stream)
         assert not session.alive
         req = next(iter(session.run.requests.values()))
-        assert len(req.generated_token_ids) == 2 and len(req.hooks["model.layers.0.resid_post"]) == len(req.token_ids) - 1
+        # two events: two tokens here; with async scheduling (GPU) the first step may come back empty
+        assert 1 <= len(req.generated_token_ids) <= 2
+        assert len(req.hooks["model.layers.0.resid_post"]) == len(req.token_ids) - 1
         with pytest.raises(SessionError, match="open a new session"):
             next(session.generate(["x"]))
     finally:

@@ -60,6 +60,14 @@ class ActiveHook:
             del module._buffers[f"{self.prefix}_{suffix}"]
 
 
+@dataclass
+class RowStack:
+    """Capture buffers of hooks of one width, stacked so that a step's rows leave in one copy."""
+
+    tensor: torch.Tensor  # [hooks, max_tokens, width]
+    names: list[str | None]  # hook per slot; None once removed
+
+
 class InspectorRuntime:
     def __init__(self, model: nn.Module, points: list[hp.HookPoint], config: PluginConfig,
                  device: torch.device, max_tokens: int, max_model_len: int):
@@ -72,6 +80,7 @@ class InspectorRuntime:
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
         self.active: dict[str, ActiveHook] = {}
+        self._stacks: list[RowStack] = []
         self.planner = SlotPlanner(config.max_slots)
         # The compiled graph must contain the affine, since interventions arrive after tracing.
         self._affine_in_graph = not config.eager
@@ -79,7 +88,7 @@ class InspectorRuntime:
         with torch.inference_mode():
             self.row_slot = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self._row_slot_dirty = False
-        self._pending: list[tuple[StepInfo, torch.Tensor, dict[str, torch.Tensor]]] = []
+        self._pending: list[tuple[StepInfo, torch.Tensor, list[tuple[list, torch.Tensor]]]] = []
 
     # --- hook set ---
 
@@ -125,14 +134,20 @@ class InspectorRuntime:
             if point.name in taken:
                 raise ValueError(f"hook {name!r} is {point.name}, already installed as {taken[point.name]!r}")
             resolved[name], taken[point.name] = point, name
-        for name, point in resolved.items():
-            self._install(name, point)
+        for width in sorted({p.width for p in resolved.values()}):
+            names = [name for name, p in resolved.items() if p.width == width]
+            with torch.inference_mode():
+                stack = RowStack(torch.zeros(len(names), self.max_tokens, width, dtype=self.dtype,
+                                             device=self.device), list(names))
+            self._stacks.append(stack)
+            for index, name in enumerate(names):
+                self._install(name, resolved[name], stack.tensor[index])
 
-    def _install(self, name: str, point: hp.HookPoint) -> None:
+    def _install(self, name: str, point: hp.HookPoint, buffer: torch.Tensor) -> None:
         with torch.inference_mode():
             hook = ActiveHook(
                 point,
-                buffer=torch.zeros(self.max_tokens, point.width, dtype=self.dtype, device=self.device),
+                buffer=buffer,
                 scale=torch.ones(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
                 bias=torch.zeros(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
                 prefix=f"_inspector_{point.kind}",
@@ -152,6 +167,9 @@ class InspectorRuntime:
         for name in names:
             hook = self.active.pop(name)
             hook.detach(self.model.get_submodule(hook.point.module_path))
+            for stack in self._stacks:
+                stack.names = [None if n == name else n for n in stack.names]
+        self._stacks = [stack for stack in self._stacks if any(stack.names)]
         self.set_interventions([iv for iv in self.planner.interventions if iv.hook not in names])
 
     # --- the hooks (traced in the compiled flavour) ---
@@ -207,13 +225,13 @@ class InspectorRuntime:
         self._row_slot_dirty = True
 
     def after_forward(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
-        """Copy this forward's live rows out, one contiguous slice per hook. On a GPU the copies are
-        queued behind the forward (pinned, non-blocking); ``drain`` waits for them."""
+        """Copy this forward's live rows out: one copy per stack of same-width hooks. On a GPU the
+        copies are queued behind the forward (pinned, non-blocking); ``drain`` waits for them."""
         n = step.num_tokens
-        rows = {name: self._copy_out(hook.buffer[:n]) for name, hook in self.active.items()}
+        blocks = [(list(stack.names), self._copy_out(stack.tensor[:, :n])) for stack in self._stacks]
         token_ids = (self._copy_out(input_ids[:n]) if input_ids is not None
                      else torch.full((n,), -1, dtype=torch.long))
-        self._pending.append((step, token_ids, rows))
+        self._pending.append((step, token_ids, blocks))
 
     def _copy_out(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu":
@@ -240,15 +258,19 @@ class InspectorRuntime:
         if pending and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the queued copies have landed
         parts: dict[str, dict[str, list]] = {}
-        for step, token_ids, rows in pending:
+        for step, token_ids, blocks in pending:
             token_ids = token_ids.numpy().astype(np.int64)
+            arrays = [(names, _as_numpy(block)) for names, block in blocks]  # one conversion per stack
             for i, rid in enumerate(step.req_ids):
                 a, b = int(step.query_start_loc[i]), int(step.query_start_loc[i + 1])
                 if a == b:
                     continue
                 per_hook = parts.setdefault(rid, {})
-                for name, values in rows.items():
-                    per_hook.setdefault(name, []).append((step.positions[a:b], token_ids[a:b], values[a:b]))
+                positions, tokens = step.positions[a:b], token_ids[a:b]
+                for names, values in arrays:
+                    for index, name in enumerate(names):
+                        if name is not None:
+                            per_hook.setdefault(name, []).append((positions, tokens, values[index, a:b]))
         return {rid: {name: _concat(chunks) for name, chunks in hooks.items()} for rid, hooks in parts.items()}
 
     def describe(self) -> dict:
@@ -264,10 +286,14 @@ class InspectorRuntime:
         }
 
 
-def _concat(chunks: list[tuple[np.ndarray, np.ndarray, torch.Tensor]]) -> dict[str, np.ndarray]:
-    values = torch.cat([c[2] for c in chunks])
-    if values.dtype == torch.bfloat16:  # numpy has no bfloat16
-        values = values.float()
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bfloat16
+
+
+def _concat(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    if len(chunks) == 1:  # the common case when draining every step: views, no copies
+        positions, token_ids, values = chunks[0]
+        return {"positions": positions, "token_ids": token_ids, "values": values}
     return {"positions": np.concatenate([c[0] for c in chunks]),
             "token_ids": np.concatenate([c[1] for c in chunks]),
-            "values": values.numpy()}
+            "values": np.concatenate([c[2] for c in chunks])}
