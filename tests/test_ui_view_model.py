@@ -83,7 +83,8 @@ def test_positions_text_round_trip():
 
 def _step(rid, positions, hook_values, token="x", finished=False):
     rows = {h: (np.asarray(positions), np.asarray(positions) + 100, v) for h, v in hook_values.items()}
-    return FakeRequestStep(rid, (7,), (token,), (-0.1,), (((7, -0.1),),), rows, finished, "length" if finished else None)
+    return FakeRequestStep(rid, (7,), (token,), (-0.1,), (((7, -0.1),),), rows, finished,
+                           "length" if finished else None)
 
 
 def test_live_mirror_applies_steps_and_logs():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 
-from ui_fixtures import fail_on_qt_warnings, make_catalogue, make_run, ui_settings  # noqa: F401
+from ui_fixtures import fail_on_qt_warnings, keep, make_catalogue, make_run, ui_settings  # noqa: F401
 
 
 @pytest.fixture
@@ -12,7 +12,7 @@ def tree(qtbot, ui_settings):
     from inspector.ui.model_tree import ModelTreeWidget
 
     w = ModelTreeWidget()
-    qtbot.addWidget(w)
+    keep(qtbot, w)
     w.show()
     cat = make_catalogue(layers=3)
     w.set_catalogue(cat, {"model.layers.0.resid_post"})
@@ -103,7 +103,7 @@ def panel(qtbot, ui_settings):
     from inspector.ui.interventions_dock import InterventionsPanel
 
     p = InterventionsPanel()
-    qtbot.addWidget(p)
+    keep(qtbot, p)
     p.show()
     cat = make_catalogue(hidden=8)
     p.set_hooks({h.name: h for h in cat if h.kind in ("resid_post", "mlp_out")})

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from PySide6.QtWidgets import QMessageBox
 
-from ui_fixtures import FakeSession, fail_on_qt_warnings, make_window, ui_settings, wait_state  # noqa: F401
+from ui_fixtures import (FakeSession, fail_on_qt_warnings, keep, make_window, ui_settings,  # noqa: F401
+                         wait_state)
 
 
 @pytest.fixture(autouse=True)
@@ -39,10 +40,12 @@ def test_boot_shows_stages_and_fills_tree(qtbot, ui_settings):
     from ui_fixtures import fake_types
 
     FakeSession.boot_delay = 0.3
-    window = MainWindow(session_factory=lambda o, p: FakeSession.open(o, p), types=fake_types)
-    qtbot.addWidget(window)
+    def record(report):  # runs on the engine thread, as the session reports each stage
+        return lambda progress: (stages.append(progress.stage), report(progress))
+
+    window = MainWindow(session_factory=lambda o, p: FakeSession.open(o, record(p)), types=fake_types)
+    keep(qtbot, window)
     window.show()
-    window.controller.worker.bootProgress.connect(lambda p: stages.append(p.stage))
     window.open_model("demo")
     assert window.state == "booting" and window.boot_progress.isVisible()
     assert not window.prompt.generate_button.isEnabled()
@@ -70,7 +73,8 @@ def test_generate_streams_into_heatmap_strip_and_text(qtbot, ui_settings):
             np.testing.assert_array_equal(window.heatmap.displayed_data(), expected.values)
             np.testing.assert_array_equal(window.heatmap.image_array(), expected.values)
         assert window.strip.texts() == s.run.requests[rid].token_texts
-        assert window.generated_text(rid) == "".join(s.run.requests[rid].token_texts[len(s.run.requests[rid].prompt_token_ids):])
+        req = s.run.requests[rid]
+        assert window.generated_text(rid) == "".join(req.token_texts[len(req.prompt_token_ids):])
         assert window.text_view.toPlainText().endswith(window.generated_text(rid))
     # engine code never ran on the GUI thread; every step came from the worker thread
     assert window.step_threads and threading.get_ident() not in window.step_threads
@@ -108,13 +112,16 @@ def test_stop_mid_generation_keeps_what_was_captured(qtbot, ui_settings):
 
 
 def test_intervention_mid_generation_marks_and_changes_following_tokens(qtbot, ui_settings):
-    FakeSession.step_delay = 0.03
+    FakeSession.step_delay = 0.01
     window = make_window(qtbot)
     hook = "model.layers.1.resid_post"
-    generate(qtbot, window, "abcdef", max_tokens=30, wait=False)
+    generate(qtbot, window, "abcdef", max_tokens=1000, wait=False)
     qtbot.waitUntil(lambda: window._gen_tokens >= 6, timeout=5000)
     row = window.interventions.add_row(hook)
     assert window.interventions.edit(row, "Bias", "100")
+    at = window._gen_tokens
+    qtbot.waitUntil(lambda: window._gen_tokens >= at + 10, timeout=5000)
+    window.stop()
     wait_state(qtbot, window, "ready")
     req = window.vm.request("0")
     log = req.intervention_log

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 import threading
 import time
@@ -27,7 +26,7 @@ from inspector.capture.run import HookInfo, HookRows, RequestCapture, Run  # noq
 
 __all__ = ["fail_on_qt_warnings", "ui_settings", "make_catalogue", "make_run", "FakeSession", "fake_types",
            "FakeSessionOptions", "FakeSampling", "FakeStepEvent", "FakeRequestStep", "FakeBootProgress",
-           "SessionError", "fake_value", "make_window", "wait_state"]
+           "SessionError", "fake_value", "make_window", "wait_state", "keep"]
 
 IGNORED_QT_MESSAGES = (
     "This plugin does not support propagateSizeHints",  # offscreen platform noise
@@ -340,14 +339,23 @@ def make_window(qtbot, session_cls=FakeSession, boot=True, model="demo", mode="c
     """A MainWindow on the fake engine, booted and ready."""
     from inspector.ui.main_window import MainWindow
 
-    window = MainWindow(session_factory=lambda o, p: session_cls.open(o, p), types=fake_types)
-    qtbot.addWidget(window)  # (a weak reference: keep a strong one until teardown closes the window)
-    pass  # TEMP
+    window = keep(qtbot, MainWindow(session_factory=lambda o, p: session_cls.open(o, p), types=fake_types))
     window.show()
     if boot:
         window.open_model(model, mode=mode, hooks=hooks)
         wait_state(qtbot, window, "ready")
     return window
+
+
+def keep(qtbot, widget):
+    """qtbot.addWidget, plus a strong reference until the test's teardown has closed the widget.
+
+    pytest-qt keeps only a weak reference: a shown widget whose Python wrapper is garbage-collected
+    before teardown is never closed (a MainWindow's engine thread keeps running) and may be painted
+    after pyqtgraph's Python side of it is gone (a crash)."""
+    qtbot.addWidget(widget)
+    qtbot.__dict__.setdefault("_kept_widgets", []).append(widget)
+    return widget
 
 
 def wait_state(qtbot, window, state, timeout=10000):

@@ -163,8 +163,9 @@ class Session:
             if not open_ids:
                 return
             if self._stop.is_set():
-                self._abort(sorted(open_ids))
-                yield StepEvent(step, tuple(self._finish(rid, "stopped") for rid in sorted(open_ids)))
+                leftover = self._abort(sorted(open_ids))
+                yield StepEvent(step, tuple(self._finish(rid, "stopped", leftover.get(rid, {}))
+                                            for rid in sorted(open_ids)))
                 return
             self._apply_interventions(sorted(open_ids))
             try:
@@ -303,16 +304,15 @@ class Session:
     def _rows_only(self, rid: str, rows: dict) -> RequestStep:
         return RequestStep(rid, (), (), (), (), rows, False, None)
 
-    def _finish(self, rid: str, reason: str) -> RequestStep:
+    def _finish(self, rid: str, reason: str, rows: dict) -> RequestStep:
         self.run.requests[rid].finish_reason = reason
-        return RequestStep(rid, (), (), (), (), {}, True, reason)
+        return RequestStep(rid, (), (), (), (), rows, True, reason)
 
-    def _abort(self, ids: list[str]) -> None:
+    def _abort(self, ids: list[str]) -> dict:
+        """Abort requests; returns the rows still in the worker, per request (recorded in the run too)."""
         self._llm.llm_engine.abort_request(ids)
         leftover = self._llm.collective_rpc("inspector_drain")[0]
-        for rid, rows in leftover.items():
-            if rid in self.run.requests:
-                self._record_rows(rid, rows)
+        return {rid: self._record_rows(rid, rows) for rid, rows in leftover.items() if rid in self.run.requests}
 
     def _text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])

@@ -74,7 +74,7 @@ class GrowingRows(HookRows):
     reallocation copies into a new array.
     """
 
-    def __init__(self, width: int, capacity: int = 64):
+    def __init__(self, width: int, capacity: int = 8):
         super().__init__(width)
         self._n = 0
         self._pos = np.empty(capacity, dtype=np.int64)
@@ -90,7 +90,7 @@ class GrowingRows(HookRows):
             return
         need = self._n + k
         if need > len(self._pos):
-            cap = max(need, 2 * len(self._pos))
+            cap = max(need, len(self._pos) + len(self._pos) // 2)  # x1.5: at most 50% slack in memory
             for name in ("_pos", "_tok", "_val"):
                 old = getattr(self, name)
                 new = np.empty((cap, *old.shape[1:]), dtype=old.dtype)

@@ -337,6 +337,19 @@ class EngineController(QObject):
         self._close.connect(self.worker.close)
         self.thread.start()
 
+    def __del__(self):
+        # A window dropped without closeEvent (garbage-collected, killed) must not take a running
+        # QThread down with it: Qt aborts the process when a running QThread is destroyed.
+        # No queued close here (nothing may be emitted while objects are being collected): stop any
+        # generation and end the thread's event loop once its current slot returns.
+        try:
+            if self.thread.isRunning():
+                self.worker.request_stop()
+                self.thread.quit()
+                self.thread.wait()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing more can be done
+            pass
+
     # signals, re-exported for convenience
     @property
     def signals(self) -> EngineWorker:
@@ -363,7 +376,10 @@ class EngineController(QObject):
 
     def shutdown(self, timeout_ms: int = 180000) -> bool:
         """Stop any generation, close the session on its thread, and end the thread."""
-        if not self.thread.isRunning():
+        try:
+            if not self.thread.isRunning():
+                return True
+        except RuntimeError:  # the C++ thread object is already gone
             return True
         self.worker.request_stop()
         self._close.emit()

@@ -15,7 +15,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, QSignalBlocker, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, QPushButton,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel,
                                QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from .capture_view_model import display_token
@@ -62,6 +62,7 @@ class HeatmapWidget(QWidget):
         self.last_readout = ""
         self._levels_time = 0.0
         self._shown_empty = None
+        self.live = False  # rows are arriving: the followed range grows in steps, not per token
         self.paint_count = 0
         self.track_marks = np.zeros(0, dtype=np.uint8)  # per shown row: 0 none, 1 other hook, 2 this hook
 
@@ -171,13 +172,13 @@ class HeatmapWidget(QWidget):
         self._range_timer.timeout.connect(self._repool)
         self.vb.sigRangeChangedManually.connect(self._user_moved_view)
         self.vb.sigRangeChanged.connect(self._range_changed)
-        self.vb.sigResized.connect(lambda *_: self._range_timer.start())
+        self.vb.sigResized.connect(self._restart_range_timer)
         self.features_from.valueChanged.connect(self._feature_range_edited)
         self.features_to.valueChanged.connect(self._feature_range_edited)
         self.features_all.clicked.connect(self.show_all_features)
         self.follow_box.toggled.connect(self._follow_toggled)
         self.reset_view.clicked.connect(self.fit)
-        self.cmap_box.currentIndexChanged.connect(lambda _: self.set_colormap(self.cmap_box.currentData()))
+        self.cmap_box.currentIndexChanged.connect(self._cmap_chosen)
         self.levels_box.currentTextChanged.connect(self._levels_mode_changed)
         self.level_lo.valueChanged.connect(self._fixed_levels_edited)
         self.level_hi.valueChanged.connect(self._fixed_levels_edited)
@@ -209,7 +210,8 @@ class HeatmapWidget(QWidget):
             with QSignalBlocker(self.features_from), QSignalBlocker(self.features_to):
                 self.features_from.setMaximum(max(width - 1, 0))
                 self.features_to.setMaximum(max(width, 1))
-                if new_source and width != old_width or self.features_to.value() > width or self.features_to.value() == 0:
+                to = self.features_to.value()
+                if (new_source and width != old_width) or to > width or to == 0:
                     self.features_from.setValue(0)
                     self.features_to.setValue(max(width, 1))
             if new_source:
@@ -311,11 +313,19 @@ class HeatmapWidget(QWidget):
         self._updating_range = True
         try:
             x0, x1 = self.vb.viewRange()[0]
-            want = (self._p0, self._p0 + follow_extent(n))
+            want = (self._p0, self._p0 + (follow_extent(n) if self.live else n))
             if (x0, x1) != want:  # an unchanged range must not make the axes regenerate
                 self.vb.setXRange(*want, padding=0)
         finally:
             self._updating_range = False
+
+    # slots are bound methods, never lambdas that capture self: PySide keeps such lambdas alive past
+    # the widget, and the interpreter's exit then deletes Qt objects in an order Qt cannot handle
+    def _restart_range_timer(self, *_) -> None:
+        self._range_timer.start()
+
+    def _cmap_chosen(self, _index: int) -> None:
+        self.set_colormap(self.cmap_box.currentData())
 
     def _range_changed(self, *_) -> None:
         if not self._updating_range:

@@ -27,6 +27,11 @@ from .intervention_rows import (SCOPE_LABELS, SCOPES, InterventionRow, active_in
                                 load_vector_file)
 
 COLUMNS = ("On", "Hook", "Scope", "Request", "Positions", "Scale", "Bias", "Source")
+HEADERS = ("On", "Hook", "Scope", "Req.", "Pos.", "Scale", "Bias", "Source")
+HEADER_TIPS = ("Enabled", "Hook point", "Which rows: all, one request, given positions, or both",
+               "The request a 'request' scope applies to", "Positions a 'positions' scope applies to",
+               "Multiply the activation (scalar or per-feature vector)",
+               "Then add (scalar or per-feature vector)", "Where a vector came from")
 SCOPE_SHORT = {"all": "all", "request": "request", "positions": "positions", "request+positions": "req+pos"}
 FIELD_OF = {0: "enabled", 1: "hook", 2: "scope", 3: "request_id", 4: "positions", 5: "scale", 6: "bias"}
 
@@ -50,8 +55,10 @@ class InterventionTableModel(QAbstractTableModel):
         return 0 if parent.isValid() else len(COLUMNS)
 
     def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
-        if role == Qt.ItemDataRole.DisplayRole and orientation == Qt.Orientation.Horizontal:
-            return COLUMNS[section]
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return HEADERS[section]
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.ToolTipRole:
+            return HEADER_TIPS[section]
         return None
 
     def flags(self, index):
@@ -205,8 +212,11 @@ class ChoiceDelegate(QStyledItemDelegate):
         box = QComboBox(parent)
         for label, value in self._choices():
             box.addItem(label, value)
-        box.activated.connect(lambda _=0, b=box: self.commitData.emit(b))
+        box.activated.connect(self._activated)
         return box
+
+    def _activated(self, _index: int) -> None:
+        self.commitData.emit(self.sender())
 
     def setEditorData(self, editor, index):
         i = editor.findData(index.data(Qt.ItemDataRole.EditRole))
@@ -240,7 +250,8 @@ class SteeringDialog(QDialog):
             req.addItems(requests)
             pos = QLineEdit(placeholderText="positions, e.g. 3-7, 10")
             use = QPushButton("Use token-strip selection")
-            use.clicked.connect(lambda _=False, r=req, p=pos: self._fill_from_strip(r, p))
+            use.setProperty("selection", key)
+            use.clicked.connect(self._use_clicked)
             g = QFormLayout(group)
             g.addRow("Request", req)
             g.addRow("Positions", pos)
@@ -258,6 +269,9 @@ class SteeringDialog(QDialog):
         self.buttons.accepted.connect(self._accept)
         self.buttons.rejected.connect(self.reject)
         form.addRow(self.buttons)
+
+    def _use_clicked(self, *_) -> None:
+        self._fill_from_strip(*self.sel[self.sender().property("selection")])
 
     def _fill_from_strip(self, req_box: QComboBox, pos_edit: QLineEdit) -> None:
         rid, positions = self._strip()
@@ -320,9 +334,11 @@ class InterventionsPanel(QWidget):
                                    QAbstractItemView.EditTrigger.SelectedClicked)
         self.table.verticalHeader().setVisible(False)
         header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
         header.setStretchLastSection(True)
         header.setMinimumSectionSize(24)
+        for col, width in enumerate((30, 96, 66, 44, 56, 42, 64)):
+            header.resizeSection(col, width)
         self.table.setWordWrap(False)
         self.table.verticalHeader().setDefaultSectionSize(self.table.fontMetrics().height() + 8)
         self.table.setItemDelegateForColumn(1, ChoiceDelegate(
@@ -344,6 +360,9 @@ class InterventionsPanel(QWidget):
         self.message.setVisible(False)
         self.status = QLabel("No interventions: generation runs unchanged.")
         self.status.setWordWrap(True)
+        self.details = QLabel("")
+        self.details.setWordWrap(True)
+        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         buttons = QHBoxLayout()
         for b in (self.add_button, self.remove_button, self.clear_button):
@@ -358,18 +377,21 @@ class InterventionsPanel(QWidget):
         layout.addLayout(buttons)
         layout.addWidget(self.table, 1)
         layout.addLayout(vectors)
+        layout.addWidget(self.details)
         layout.addWidget(self.message)
         layout.addWidget(self.status)
 
         self.add_button.clicked.connect(self._add_clicked)
         self.remove_button.clicked.connect(self.remove_selected)
         self.clear_button.clicked.connect(self.clear)
-        self.scale_file.clicked.connect(lambda: self.load_vector_dialog("scale"))
-        self.bias_file.clicked.connect(lambda: self.load_vector_dialog("bias"))
+        self.scale_file.clicked.connect(self._scale_file_clicked)
+        self.bias_file.clicked.connect(self._bias_file_clicked)
         self.steer_button.clicked.connect(self.open_steering_dialog)
         self.model.default_positions = lambda: self.strip_selection()[1]
         self.model.default_request = lambda: self.current_request()
         self.model.rejected.connect(self.show_message)
+        self.table.selectionModel().selectionChanged.connect(self._show_details)
+        self.model.dataChanged.connect(self._show_details)
         self.model.edited.connect(self._edited)
 
     # ---- outside world ----
@@ -426,6 +448,19 @@ class InterventionsPanel(QWidget):
                 self.show_message(f"New row: {exc}")
                 return -1
         return self.model.add(row)
+
+    def _show_details(self, *_) -> None:
+        rows = sorted({i.row() for i in self.table.selectionModel().selectedRows()})
+        if not rows or rows[0] >= len(self.model.rows):
+            self.details.setText("")
+            return
+        self.details.setText(self.model.data(self.model.index(rows[0], 1), Qt.ItemDataRole.ToolTipRole))
+
+    def _scale_file_clicked(self, *_) -> None:
+        self.load_vector_dialog("scale")
+
+    def _bias_file_clicked(self, *_) -> None:
+        self.load_vector_dialog("bias")
 
     def _add_clicked(self) -> None:
         self.add_row()
@@ -494,9 +529,12 @@ class InterventionsPanel(QWidget):
             return None
         dialog = SteeringDialog(hooks, self._request_ids, self.compute_steering, self.strip_selection,
                                 default_hook=self.current_hook(), parent=self)
-        dialog.finished.connect(lambda code, d=dialog: self._steering_done(d, code))
+        dialog.finished.connect(self._steering_finished)
         dialog.open()
         return dialog
+
+    def _steering_finished(self, code: int) -> None:
+        self._steering_done(self.sender(), code)
 
     def _steering_done(self, dialog: SteeringDialog, code: int) -> None:
         if code != QDialog.DialogCode.Accepted or dialog.result_vector is None:

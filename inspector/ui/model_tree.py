@@ -63,9 +63,10 @@ class ModelTreeWidget(QWidget):
                                           toolTip="Add a family of hook points to the checked set")
         menu = QMenu(self.presets_button)
         for name in PRESETS:
-            menu.addAction(name, lambda n=name: self.apply_preset(n))
+            menu.addAction(name).setData(name)
         menu.addSeparator()
-        menu.addAction("None", lambda: self.apply_preset("None"))
+        menu.addAction("None").setData("None")
+        menu.triggered.connect(self._preset_triggered)
         self.presets_button.setMenu(menu)
         self.glob_box = QLineEdit(placeholderText="Glob, e.g. blocks.*.hook_mlp_out", clearButtonEnabled=True)
         self.glob_box.setMinimumWidth(60)
@@ -114,12 +115,12 @@ class ModelTreeWidget(QWidget):
         self._auto_apply = QTimer(self, singleShot=True, interval=500)
         self._auto_apply.timeout.connect(self._eager_apply)
         self.filter_box.textChanged.connect(self._filter_changed)
-        self.glob_check.clicked.connect(lambda: self._glob_clicked(True))
-        self.glob_uncheck.clicked.connect(lambda: self._glob_clicked(False))
-        self.glob_box.returnPressed.connect(lambda: self._glob_clicked(True))
+        self.glob_check.clicked.connect(self._glob_check_clicked)
+        self.glob_uncheck.clicked.connect(self._glob_uncheck_clicked)
+        self.glob_box.returnPressed.connect(self._glob_check_clicked)
         self.model.itemChanged.connect(self._item_changed)
         self.apply_button.clicked.connect(self.request_apply)
-        self.revert_button.clicked.connect(lambda: self.set_checked(self._installed))
+        self.revert_button.clicked.connect(self._revert)
         self.mode_box.currentIndexChanged.connect(self._mode_edited)
         self.tree.selectionModel().currentChanged.connect(self._current_changed)
 
@@ -150,7 +151,8 @@ class ModelTreeWidget(QWidget):
                     parent = node
                 leaf = QStandardItem(f"◆ {info.kind}")
                 leaf.setData(info.name, NAME_ROLE)
-                leaf.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable | Qt.ItemFlag.ItemIsUserCheckable)
+                leaf.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
+                              | Qt.ItemFlag.ItemIsUserCheckable)
                 leaf.setCheckState(Qt.CheckState.Unchecked)
                 leaf.setToolTip(f"{info.name}\nalias {info.alias}\nmodule {info.module_path}\n"
                                 f"kind {info.kind}, width {info.width}, dtype {info.dtype}")
@@ -205,6 +207,18 @@ class ModelTreeWidget(QWidget):
             return
         rule = PRESETS[name]
         self.set_checked(set(self.checked()) | {n for n, h in self._infos.items() if rule(h)})
+
+    def _preset_triggered(self, action) -> None:
+        self.apply_preset(action.data())
+
+    def _glob_check_clicked(self, *_) -> None:
+        self._glob_clicked(True)
+
+    def _glob_uncheck_clicked(self, *_) -> None:
+        self._glob_clicked(False)
+
+    def _revert(self, *_) -> None:
+        self.set_checked(self._installed)
 
     def _glob_clicked(self, on: bool) -> None:
         n = self.check_glob(self.glob_box.text(), on)

@@ -80,11 +80,14 @@ class SummaryView(QWidget):
         layout.addWidget(self.readout)
 
         self.measure_box.currentTextChanged.connect(self._measure_changed)
-        self.feature_box.valueChanged.connect(lambda _: self.settingsChanged.emit())
-        self.family_box.currentTextChanged.connect(lambda _: self.settingsChanged.emit())
-        self.relative_box.toggled.connect(lambda _: self.settingsChanged.emit())
+        self.feature_box.valueChanged.connect(self._emit_settings)
+        self.family_box.currentTextChanged.connect(self._emit_settings)
+        self.relative_box.toggled.connect(self._emit_settings)
         self._hover = pg.SignalProxy(self.plot.scene().sigMouseMoved, rateLimit=60, slot=self._mouse_moved)
         self.plot.scene().sigMouseClicked.connect(self._mouse_clicked)
+
+    def _emit_settings(self, *_) -> None:
+        self.settingsChanged.emit()
 
     def _measure_changed(self, text: str) -> None:
         self.feature_box.setEnabled(text == "feature value")

@@ -1,17 +1,21 @@
 """Every token of the selected request as a wrapping strip of chips (prompt grey, generated blue).
 
-Tokens are appended incrementally (``beginInsertRows``), so a long generation never rebuilds the
-strip. Clicking a token emits its position (the heatmap selects that column); shift/ctrl-click
-select ranges for steering-vector selections. Tooltips show the id, logprob and top alternatives.
+A custom-painted scroll area, not a QListView: a list view lays out every item again whenever one is
+appended (thousands of Python sizeHint calls per frame in a long generation). Here chips are laid out
+once, as they arrive (a relayout happens only when the width changes), and painting touches only the
+visible lines. Clicking a token emits its position (the heatmap selects that column); shift-click
+selects a range and ctrl-click toggles, for steering-vector selections; arrow keys walk the tokens.
+Tooltips show the id, logprob and top alternatives.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
-from PySide6.QtCore import QAbstractListModel, QItemSelection, QItemSelectionModel, QModelIndex, QSize, Qt, Signal
-from PySide6.QtGui import QColor, QPen
-from PySide6.QtWidgets import QAbstractItemView, QListView, QStyle, QStyledItemDelegate
+from PySide6.QtCore import QEvent, QPoint, QRect, Qt, Signal
+from PySide6.QtGui import QColor, QFontMetrics, QPainter, QPen
+from PySide6.QtWidgets import QAbstractScrollArea, QToolTip
 
 from .capture_view_model import display_token
 
@@ -19,65 +23,198 @@ PROMPT_BG = QColor(236, 236, 236)
 GENERATED_BG = QColor(214, 232, 250)
 INTERVENED = QColor(230, 159, 0)
 SELECTED_BG = QColor(255, 205, 120)
+BORDER = QColor(190, 190, 190)
+SELECTED_BORDER = QColor(200, 80, 0)
+MARGIN, SPACING, PAD, MAX_CHIP = 3, 3, 6, 240
 
 
-class TokenListModel(QAbstractListModel):
+class TokenStrip(QAbstractScrollArea):
+    positionClicked = Signal(int)
+    selectionChanged = Signal()
+
     def __init__(self, parent=None):
         super().__init__(parent)
         self._texts: list[str] = []
+        self._shown: list[str] = []  # display_token(text), cached
         self._ids: list[int] = []
         self._n_prompt = 0
-        self._logprobs: list[float] = []
+        self._logprobs: list = []
         self._top: list = []
         self._marks = None
-        self._rows_captured = -1
+        self._rects: list[QRect] = []  # laid-out chips, content coordinates
+        self._line_tops: list[int] = []  # y of each line, and the index of its first chip
+        self._line_first: list[int] = []
+        self._layout_width = -1
+        self._selected: set[int] = set()
+        self._anchor: int | None = None
+        self._current: int | None = None
+        fm = QFontMetrics(self.font())
+        self._chip_h = fm.height() + 6
+        self.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+        self.setMouseTracking(True)
+        self.viewport().setBackgroundRole(self.viewport().backgroundRole())
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
 
-    def rowCount(self, parent=QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self._texts)
-
-    def set_tokens(self, texts: list[str], ids: list[int], n_prompt: int, logprobs=(), top=(), marks=None,
-                   reset: bool = False) -> None:
+    # ------------------------------------------------------------------ data
+    def set_tokens(self, texts, ids, n_prompt, logprobs=(), top=(), marks=None, reset=False) -> None:
         old = len(self._texts)
-        same_prefix = not reset and old <= len(texts) and self._texts == texts[:old] and n_prompt == self._n_prompt
+        same_prefix = (not reset and old <= len(texts) and n_prompt == self._n_prompt
+                       and (old == 0 or (self._texts[-1] == texts[old - 1] and self._texts[0] == texts[0])))
+        at_end = self.verticalScrollBar().value() >= self.verticalScrollBar().maximum() - 4
         self._ids, self._n_prompt = list(ids), n_prompt
-        self._logprobs, self._top = list(logprobs), list(top)
-        marks_changed = (marks is not None and self._marks is not None and len(marks) and
-                         (len(marks) != len(self._marks) or (marks[:old] != self._marks[:old]).any()))
-        self._marks = marks
+        self._logprobs, self._top, self._marks = logprobs, top, marks
         if same_prefix:
-            if len(texts) > old:
-                self.beginInsertRows(QModelIndex(), old, len(texts) - 1)
-                self._texts = list(texts)
-                self.endInsertRows()
-            if marks_changed and old:
-                self.dataChanged.emit(self.index(0), self.index(old - 1))
-            return
-        self.beginResetModel()
-        self._texts = list(texts)
-        self.endResetModel()
+            self._texts.extend(texts[old:])
+            self._shown.extend(display_token(t) for t in texts[old:])
+        else:
+            self._texts = list(texts)
+            self._shown = [display_token(t) for t in texts]
+            self._rects, self._line_tops, self._line_first = [], [], []
+            self._selected = {p for p in self._selected if p < len(texts)} if not reset else set()
+        self._layout(incremental=True)
+        if at_end:
+            self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+        self.viewport().update()
 
     def texts(self) -> list[str]:
         return list(self._texts)
 
-    def data(self, index: QModelIndex, role=Qt.ItemDataRole.DisplayRole):
-        if not index.isValid():
+    def display_text(self, position: int) -> str:
+        return self._shown[position]
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    # ------------------------------------------------------------------ layout
+    def _layout(self, incremental: bool) -> None:
+        width = max(self.viewport().width(), 60)
+        if width != self._layout_width or not incremental:
+            self._rects, self._line_tops, self._line_first = [], [], []
+            self._layout_width = width
+        fm = QFontMetrics(self.font())
+        start = len(self._rects)
+        if start:
+            last = self._rects[-1]
+            x, y = last.right() + 1 + SPACING, last.top()
+        else:
+            x, y = MARGIN, MARGIN
+        for i in range(start, len(self._shown)):
+            w = min(fm.horizontalAdvance(self._shown[i]) + 2 * PAD, MAX_CHIP)
+            if x + w > width - MARGIN and x > MARGIN:
+                x, y = MARGIN, y + self._chip_h + SPACING
+            if not self._line_tops or self._line_tops[-1] != y:
+                self._line_tops.append(y)
+                self._line_first.append(i)
+            self._rects.append(QRect(x, y, w, self._chip_h))
+            x += w + SPACING
+        total = (self._rects[-1].bottom() + MARGIN) if self._rects else 0
+        sb = self.verticalScrollBar()
+        sb.setRange(0, max(0, total - self.viewport().height()))
+        sb.setPageStep(self.viewport().height())
+        sb.setSingleStep(self._chip_h + SPACING)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        at_end = self.verticalScrollBar().value() >= self.verticalScrollBar().maximum() - 4
+        self._layout(incremental=self.viewport().width() == self._layout_width)
+        if at_end:
+            self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+
+    def scrollContentsBy(self, dx, dy) -> None:
+        self.viewport().update()
+
+    def _visible_range(self) -> tuple[int, int]:
+        top = self.verticalScrollBar().value()
+        bottom = top + self.viewport().height()
+        a = max(0, bisect.bisect_right(self._line_tops, top - self._chip_h) - 1)
+        b = bisect.bisect_right(self._line_tops, bottom)
+        first = self._line_first[a] if a < len(self._line_first) else len(self._rects)
+        last = self._line_first[b] if b < len(self._line_first) else len(self._rects)
+        return first, last
+
+    # ------------------------------------------------------------------ painting
+    def paintEvent(self, event) -> None:
+        painter = QPainter(self.viewport())
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing, True)
+        dy = self.verticalScrollBar().value()
+        first, last = self._visible_range()
+        marks = self._marks
+        for i in range(first, last):
+            r = self._rects[i].translated(0, -dy)
+            selected = i in self._selected
+            painter.setPen(QPen(SELECTED_BORDER if selected else BORDER, 1))
+            painter.setBrush(SELECTED_BG if selected else (PROMPT_BG if i < self._n_prompt else GENERATED_BG))
+            painter.drawRoundedRect(r, 3, 3)
+            if marks is not None and i < len(marks) and marks[i]:
+                painter.setPen(QPen(INTERVENED, 3))
+                painter.drawLine(r.left() + 2, r.bottom() - 1, r.right() - 2, r.bottom() - 1)
+            painter.setPen(QColor(20, 20, 20))
+            painter.drawText(r.adjusted(PAD - 2, 0, -(PAD - 2), -1), Qt.AlignmentFlag.AlignCenter, self._shown[i])
+        if not self._rects:
+            painter.setPen(QColor(120, 120, 120))
+            painter.drawText(self.viewport().rect(), Qt.AlignmentFlag.AlignCenter, "No tokens yet")
+        painter.end()
+
+    # ------------------------------------------------------------------ hit testing
+    def position_at(self, point: QPoint) -> int | None:
+        """The token under a viewport point, or None."""
+        y = point.y() + self.verticalScrollBar().value()
+        line = bisect.bisect_right(self._line_tops, y) - 1
+        if line < 0:
             return None
-        i = index.row()
-        if role == Qt.ItemDataRole.DisplayRole:
-            return display_token(self._texts[i])
-        if role == Qt.ItemDataRole.UserRole:
-            return self._texts[i]
-        if role == Qt.ItemDataRole.BackgroundRole:
-            return PROMPT_BG if i < self._n_prompt else GENERATED_BG
-        if role == Qt.ItemDataRole.UserRole + 1:  # intervention mark
-            if self._marks is not None and i < len(self._marks):
-                return int(self._marks[i])
-            return 0
-        if role == Qt.ItemDataRole.ToolTipRole:
-            return self._tooltip(i)
+        a = self._line_first[line]
+        b = self._line_first[line + 1] if line + 1 < len(self._line_first) else len(self._rects)
+        for i in range(a, b):
+            if self._rects[i].contains(point.x(), y):
+                return i
         return None
 
-    def _tooltip(self, i: int) -> str:
+    def position_rect(self, position: int) -> QRect:
+        """A token's rectangle in viewport coordinates."""
+        return self._rects[position].translated(0, -self.verticalScrollBar().value())
+
+    def mousePressEvent(self, event) -> None:
+        if event.button() != Qt.MouseButton.LeftButton:
+            return super().mousePressEvent(event)
+        event.accept()
+        i = self.position_at(event.position().toPoint())
+        if i is None:
+            return
+        mods = event.modifiers()
+        if mods & Qt.KeyboardModifier.ShiftModifier and self._anchor is not None:
+            a, b = sorted((self._anchor, i))
+            self._selected = set(range(a, b + 1))
+        elif mods & Qt.KeyboardModifier.ControlModifier:
+            self._selected ^= {i}
+            self._anchor = i
+        else:
+            self._selected, self._anchor = {i}, i
+        self._current = i
+        self.viewport().update()
+        self.selectionChanged.emit()
+        self.positionClicked.emit(i)
+
+    def mouseReleaseEvent(self, event) -> None:
+        event.accept()
+
+    def keyPressEvent(self, event) -> None:
+        step = {Qt.Key.Key_Left: -1, Qt.Key.Key_Right: 1}.get(event.key())
+        if step is None or not self._texts:
+            return super().keyPressEvent(event)
+        i = min(max((self._current if self._current is not None else -1) + step, 0), len(self._texts) - 1)
+        self.click_position(i)
+
+    def event(self, event) -> bool:
+        if event.type() == QEvent.Type.ToolTip:
+            i = self.position_at(self.viewport().mapFromGlobal(event.globalPos()))
+            if i is None:
+                QToolTip.hideText()
+            else:
+                QToolTip.showText(event.globalPos(), self.tooltip_text(i), self)
+            return True
+        return super().event(event)
+
+    def tooltip_text(self, i: int) -> str:
         tid = self._ids[i] if i < len(self._ids) else None
         lines = [f"position {i} · {'prompt' if i < self._n_prompt else 'generated'} · id {tid}",
                  f"text {self._texts[i]!r}"]
@@ -93,91 +230,37 @@ class TokenListModel(QAbstractListModel):
             lines.append("an intervention was active here")
         return "\n".join(lines)
 
-
-class ChipDelegate(QStyledItemDelegate):
-    """Rounded chips; an orange underline where an intervention was active."""
-
-    def paint(self, painter, option, index):
-        painter.save()
-        rect = option.rect.adjusted(1, 1, -1, -1)
-        selected = bool(option.state & QStyle.StateFlag.State_Selected)
-        bg = SELECTED_BG if selected else index.data(Qt.ItemDataRole.BackgroundRole)
-        painter.setRenderHint(painter.RenderHint.Antialiasing, True)
-        painter.setPen(QPen(QColor(200, 80, 0) if selected else QColor(190, 190, 190), 1))
-        painter.setBrush(bg)
-        painter.drawRoundedRect(rect, 3, 3)
-        if index.data(Qt.ItemDataRole.UserRole + 1):
-            painter.setPen(QPen(INTERVENED, 3))
-            painter.drawLine(rect.left() + 2, rect.bottom() - 1, rect.right() - 2, rect.bottom() - 1)
-        painter.setPen(QColor(20, 20, 20))
-        painter.drawText(rect.adjusted(4, 0, -4, -1), Qt.AlignmentFlag.AlignCenter, index.data())
-        painter.restore()
-
-    def sizeHint(self, option, index):
-        fm = option.fontMetrics
-        text = index.data() or ""
-        return QSize(min(fm.horizontalAdvance(text) + 12, 240), fm.height() + 8)
-
-
-class TokenStrip(QListView):
-    positionClicked = Signal(int)
-
-    def __init__(self, parent=None):
-        super().__init__(parent)
-        self.token_model = TokenListModel(self)
-        self.setModel(self.token_model)
-        self.setItemDelegate(ChipDelegate(self))
-        self.setViewMode(QListView.ViewMode.ListMode)
-        self.setFlow(QListView.Flow.LeftToRight)
-        self.setWrapping(True)
-        self.setResizeMode(QListView.ResizeMode.Adjust)
-        self.setLayoutMode(QListView.LayoutMode.Batched)
-        self.setBatchSize(500)
-        self.setSpacing(1)
-        self.setUniformItemSizes(False)
-        self.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
-        self.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.setMouseTracking(True)
-        self.clicked.connect(lambda idx: self.positionClicked.emit(idx.row()))
-        self.selectionModel().currentChanged.connect(self._current_changed)
-        self._follow = True
-
-    def _current_changed(self, current, _previous) -> None:
-        if current.isValid() and self.hasFocus():  # arrow keys walk the tokens
-            self.positionClicked.emit(current.row())
-
-    def set_tokens(self, texts, ids, n_prompt, logprobs=(), top=(), marks=None, reset=False) -> None:
-        sb = self.verticalScrollBar()
-        at_end = sb.value() >= sb.maximum() - 4
-        self.token_model.set_tokens(texts, ids, n_prompt, logprobs, top, marks, reset)
-        if at_end and self._follow:
-            self.scrollToBottom()
-
-    def texts(self) -> list[str]:
-        return self.token_model.texts()
-
+    # ------------------------------------------------------------------ selection API
     def select_position(self, position: int | None, scroll: bool = True) -> None:
-        sm = self.selectionModel()
-        if position is None or not 0 <= position < self.token_model.rowCount():
-            sm.clearSelection()
+        if position is None or not 0 <= position < len(self._texts):
+            self._selected, self._current = set(), None
+        else:
+            self._selected, self._anchor, self._current = {position}, position, position
+            if scroll:
+                self._ensure_visible(position)
+        self.viewport().update()
+
+    def _ensure_visible(self, position: int) -> None:
+        r = self._rects[position] if position < len(self._rects) else None
+        if r is None:
             return
-        idx = self.token_model.index(position)
-        sm.select(idx, QItemSelectionModel.SelectionFlag.ClearAndSelect)
-        sm.setCurrentIndex(idx, QItemSelectionModel.SelectionFlag.NoUpdate)
-        if scroll:
-            self.scrollTo(idx)
+        sb = self.verticalScrollBar()
+        if r.top() < sb.value():
+            sb.setValue(r.top() - MARGIN)
+        elif r.bottom() > sb.value() + self.viewport().height():
+            sb.setValue(r.bottom() - self.viewport().height() + MARGIN)
 
     def select_range(self, first: int, last: int) -> None:
-        sel = QItemSelection(self.token_model.index(first), self.token_model.index(last))
-        self.selectionModel().select(sel, QItemSelectionModel.SelectionFlag.ClearAndSelect)
+        self._selected = set(range(max(first, 0), min(last, len(self._texts) - 1) + 1))
+        self._anchor, self._current = first, last
+        self.viewport().update()
+        self.selectionChanged.emit()
 
     def selected_positions(self) -> tuple[int, ...]:
-        return tuple(sorted(i.row() for i in self.selectionModel().selectedIndexes()))
+        return tuple(sorted(self._selected))
 
     def click_position(self, position: int) -> None:
-        """What a mouse click does (tests)."""
+        """What a plain click on a token does."""
         self.select_position(position)
+        self.selectionChanged.emit()
         self.positionClicked.emit(position)
-
-    def position_rect(self, position: int):
-        return self.visualRect(self.token_model.index(position))

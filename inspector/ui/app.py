@@ -1,0 +1,122 @@
+"""``inspector`` (the GUI): ``main(argv)`` creates the QApplication and the window, then boots a model.
+
+    inspector                      # opens the window at once, boots the built-in demo model
+    inspector PATH                 # a Hugging Face model directory, or an .h5 capture to reopen
+    inspector --model PATH --mode eager --hooks 'blocks.*.hook_resid_post,blocks.*.hook_mlp_out'
+    inspector --capture run.h5 --no-model
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="inspector", description="Look inside an LLM while vLLM serves it.")
+    p.add_argument("path", nargs="?", help="a model directory to boot, or an .h5 capture to open")
+    p.add_argument("--model", help='model directory, or "demo" (default: the built-in demo model)')
+    p.add_argument("--mode", choices=("compiled", "eager"), help="engine mode (default: the last one used)")
+    p.add_argument("--hooks", help="comma-separated hook names, aliases or globs to capture at boot")
+    p.add_argument("--capture", help="an .h5 capture to open")
+    p.add_argument("--no-model", action="store_true", help="do not boot any model")
+    p.add_argument("--settings-dir", help="keep settings in this directory (also $INSPECTOR_SETTINGS_DIR)")
+    return p
+
+
+def _install_excepthook(window_getter) -> None:
+    """Unexpected exceptions in slots become a dialog; the app keeps running."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)  # the traceback still goes to stderr (and to test harnesses)
+        window = window_getter()
+        if window is not None and not issubclass(exc_type, KeyboardInterrupt):
+            try:
+                text = "".join(traceback.format_exception(exc_type, exc, tb))
+                window._error(f"Unexpected error: {exc_type.__name__}: {exc}\n\nThe app keeps running; "
+                              "please report this.", text, title="Internal error")
+            except Exception:  # noqa: BLE001
+                pass
+
+    sys.excepthook = hook
+
+
+def gui_environment() -> None:
+    """Engine defaults for a process that also paints a GUI; the user's own settings win.
+
+    The CPU backend's OpenMP threads spin at barriers: with one per core, the GUI thread has to
+    preempt one of them whenever it paints, and every engine step waits for it (measured on a
+    2-core machine: 5 tokens/s with OMP_NUM_THREADS=2 next to a busy thread, 300-600 with 1).
+    So leave one core to the GUI."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores - 1)))
+    # The in-process engine thread runs Python between forwards; a thread waiting for the GIL waits up
+    # to the switch interval (5 ms by default) each time, and a repaint needs the GIL many times.
+    sys.setswitchinterval(float(os.environ.get("INSPECTOR_SWITCH_INTERVAL", "0.001")))
+
+
+def create_app(argv: list[str] | None = None):
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "inspector", *(argv or [])])
+    app.setOrganizationName("ActivationInspector")
+    app.setApplicationName("inspector")
+    app.setApplicationDisplayName("Activation Inspector")
+    from pathlib import Path
+
+    from PySide6.QtGui import QIcon
+
+    icons = Path(__file__).resolve().parent.parent / "resources" / "icons"
+    for name in ("activation-inspector.svg", "activation-inspector-256.png"):
+        if (icons / name).is_file():
+            app.setWindowIcon(QIcon(str(icons / name)))
+            break
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; ``argv`` excludes the program name (``sys.argv[1:]`` when None)."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from .settings import configure_storage
+
+    if args.settings_dir:
+        os.environ["INSPECTOR_SETTINGS_DIR"] = args.settings_dir
+    configure_storage()
+    gui_environment()
+    app = create_app()
+    import pyqtgraph as pg
+
+    pg.setConfigOptions(antialias=False, imageAxisOrder="col-major")
+    from .main_window import MainWindow
+
+    window = MainWindow()
+    previous_hook = sys.excepthook
+    _install_excepthook(lambda: window)
+    window.show()
+
+    model, capture = args.model, args.capture
+    if args.path:
+        if args.path.endswith((".h5", ".hdf5")):
+            capture = capture or args.path
+        else:
+            model = model or args.path
+    hooks = [h.strip() for h in args.hooks.split(",") if h.strip()] if args.hooks else None
+    if capture:
+        window.open_capture(capture)
+    if not args.no_model and not (capture and not model):
+        window.open_model(model or "demo", mode=args.mode, hooks=hooks)
+    elif args.mode:
+        window.tree.set_mode(args.mode)
+    try:
+        return app.exec()
+    finally:
+        sys.excepthook = previous_hook
+        if window.isVisible():  # app.quit() from elsewhere: still save settings and stop the engine
+            window.close()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

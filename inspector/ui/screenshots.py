@@ -1,0 +1,132 @@
+"""Regenerate the screenshots in docs/screenshots/ with the real engine (offscreen).
+
+    python -m inspector.ui.screenshots [--model demo|tiny|PATH] [--out docs/screenshots]
+
+Shots: booting.png (staged boot progress), generating.png (a batch mid-generation, heatmap
+growing), interventions.png (a steering vector and a scaled hook, their marks on the heatmap),
+summary.png (layers x tokens), reopened-capture.png (an exported .h5 reopened without the engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="demo")
+    p.add_argument("--out", default="docs/screenshots")
+    p.add_argument("--size", default="1500x940")
+    args = p.parse_args(argv)
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    os.environ.setdefault("INSPECTOR_SETTINGS_DIR", tempfile.mkdtemp(prefix="inspector-shots-"))
+    from .app import create_app, gui_environment
+    from .settings import configure_storage
+
+    gui_environment()
+    configure_storage()
+    app = create_app()
+    import pyqtgraph as pg
+
+    pg.setConfigOptions(antialias=False)
+    from .main_window import MainWindow
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model == "tiny":
+        from inspector.tinymodels import tiny_model
+
+        model = str(tiny_model("llama"))
+    w, h = (int(x) for x in args.size.split("x"))
+    win = MainWindow()
+    win.resize(w, h)
+    win.show()
+
+    def pump(pred, timeout=600.0):
+        t = time.perf_counter()
+        while not pred() and time.perf_counter() - t < timeout:
+            app.processEvents()
+            time.sleep(0.005)
+        app.processEvents()
+
+    def shot(name):
+        win._tick()
+        app.processEvents()
+        path = out / name
+        win.grab().save(str(path))
+        print("wrote", path)
+
+    hooks = ["blocks.*.hook_resid_post", "blocks.*.hook_mlp_out"]
+    win.open_model(model, mode="compiled", hooks=hooks)
+    pump(lambda: win._stage == "compiling" or win.state != "booting", 300)
+    pump(lambda: False, 1.5)
+    shot("booting.png")
+    pump(lambda: win.state != "booting")
+    if win.state != "ready":
+        print("boot failed:", win.last_dialog.text() if win.last_dialog else win.state, file=sys.stderr)
+        return 1
+    win.prompt.prompts.setPlainText("def fibonacci(n):\nclass Stack:\nimport os\nfor i in range(")
+    win.prompt.max_tokens.setValue(160)
+    win.prompt.ignore_eos.setChecked(True)
+    win.generate()
+    pump(lambda: win._gen_tokens >= 150 or win.state != "generating")
+    win.lower_tabs.setCurrentWidget(win.strip)
+    shot("generating.png")
+    pump(lambda: win.state != "generating")
+    rid = win.live.request_ids()[0]
+    win.select_request(rid)
+    hook = next(h.name for h in win.session_info.catalogue if h.alias == "blocks.1.hook_resid_post")
+    win.select_hook(hook)
+    n = len(win.live.request(rid).prompt_token_ids)
+    vec, _, _ = win.live.steering_vector(hook, [(rid, tuple(range(n, n + 8)))], [(rid, tuple(range(0, n)))])
+    panel = win.interventions
+    row = panel.add_row(hook)
+    panel.set_vector(row, "bias", 4 * vec, f"steer 4×(mean {rid}[{n}-{n + 7}] − mean {rid}[0-{n - 1}])")
+    mlp = next(h.name for h in win.session_info.catalogue if h.alias == "blocks.0.hook_mlp_out")
+    row2 = panel.add_row(mlp, scale="0.5")
+    panel.edit(row2, "Positions", "12-40")
+    panel.edit(row2, "Scope", "positions")
+    panel.table.selectRow(row)
+    win.prompt.prompts.setPlainText("def fibonacci(n):")
+    win.prompt.max_tokens.setValue(10)
+    win.generate()
+    pump(lambda: win._gen_tokens >= 4)
+    panel.edit(row2, "Scale", "0.25")  # an edit mid-generation: applies from the next forward
+    pump(lambda: win.state != "generating")
+    win.prompt.max_tokens.setValue(60)
+    win.generate()
+    pump(lambda: win.state != "generating")
+    win.select_request(win.live.request_ids()[-1])
+    win.select_hook(hook)
+    win.strip.select_range(n, n + 3)
+    win.select_position(n + 2)
+    shot("interventions.png")
+    win.tabs.setCurrentWidget(win.summary)
+    shot("summary.png")
+    win.tabs.setCurrentWidget(win.heatmap)
+    path = Path(tempfile.mkdtemp()) / "capture.h5"
+    win.export(str(path))
+    pump(lambda: win.export_thread is None, 120)
+    win.close()
+
+    win = MainWindow()  # a fresh window with no engine: File > Open Capture
+    win.resize(w, h)
+    win.show()
+    win.open_capture(str(path))
+    win.select_request(win.vm.request_ids()[1])
+    win.select_hook(next(h.name for h in win.vm.hooks_for(None) if h.kind == "mlp_out"))
+    win.strip.select_position(5)
+    win.select_position(5)
+    shot("reopened-capture.png")
+    win.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
