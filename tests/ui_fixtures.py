@@ -15,7 +15,7 @@ import fnmatch
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from inspector.capture.run import HookInfo, HookRows, RequestCapture, Run  # noqa: E402
+from inspector.engine.session import BootProgress, RequestStep, Sampling, SessionOptions, StepEvent  # noqa: E402
 
 __all__ = ["fail_on_qt_warnings", "ui_settings", "make_catalogue", "make_run", "FakeSession", "fake_types",
            "FakeSessionOptions", "FakeSampling", "FakeStepEvent", "FakeRequestStep", "FakeBootProgress",
@@ -125,52 +126,9 @@ class SessionError(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class FakeSessionOptions:
-    model: str = "demo"
-    mode: str = "compiled"
-    hooks: tuple = ("blocks.*.hook_resid_post",)
-    dtype: str = "float32"
-    max_model_len: int = 1024
-    max_num_batched_tokens: int = 512
-    enable_position_interventions: bool = True
-    retain_rows: bool = True
-    engine_args: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class FakeSampling:
-    max_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    logprobs: int = 5
-    ignore_eos: bool = False
-
-
-@dataclass(frozen=True)
-class FakeBootProgress:
-    stage: str
-    message: str
-
-
-@dataclass(frozen=True)
-class FakeRequestStep:
-    request_id: str
-    new_token_ids: tuple
-    new_texts: tuple
-    logprobs: tuple
-    top_logprobs: tuple
-    rows: dict
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass(frozen=True)
-class FakeStepEvent:
-    step: int
-    requests: tuple
+# The fake speaks the real Session's data types (plain dataclasses, no vLLM behind them).
+FakeSessionOptions, FakeSampling, FakeBootProgress = SessionOptions, Sampling, BootProgress
+FakeRequestStep, FakeStepEvent = RequestStep, StepEvent
 
 
 def fake_types():

@@ -23,26 +23,6 @@ from .capture_view_model import RequestInfo, SessionInfo, StepUpdate
 
 
 @dataclass(frozen=True)
-class _RowsOnly:
-    """A RequestStep look-alike for rows found after the fact (same fields as the engine's)."""
-
-    request_id: str
-    new_token_ids: tuple
-    new_texts: tuple
-    logprobs: tuple
-    top_logprobs: tuple
-    rows: dict
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass(frozen=True)
-class _Event:
-    step: int
-    requests: tuple
-
-
-@dataclass(frozen=True)
 class EngineFailure:
     op: str  # "open" | "generate" | "set_hooks" | "interventions" | "close" | "new_run"
     message: str  # one clear sentence for the dialog
@@ -223,6 +203,8 @@ class EngineWorker(QObject):
 
     def _reconcile(self, session, request_ids) -> StepUpdate | None:
         """Rows the session kept but no step event carried (e.g. drained when a stop aborted requests)."""
+        from inspector.engine.session import RequestStep, StepEvent
+
         requests = getattr(session.run, "requests", {})
         steps = []
         for rid in request_ids:
@@ -237,10 +219,10 @@ class EngineWorker(QObject):
                                   np.asarray(hr.values[sent:], dtype=np.float32))
                     known["rows"][hook] = len(hr)
             if rows:
-                steps.append(_RowsOnly(rid, (), (), (), (), rows, False, None))
+                steps.append(RequestStep(rid, (), (), (), (), rows, False, None))
         if not steps:
             return None
-        return StepUpdate(_Event(-1, tuple(steps)), (), {}, threading.get_ident())
+        return StepUpdate(StepEvent(-1, tuple(steps)), (), {}, threading.get_ident())
 
     @Slot(object)
     def set_hooks(self, hooks) -> None:
