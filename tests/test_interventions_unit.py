@@ -59,3 +59,22 @@ def test_validate(kw, message):
 def test_from_dict_reads_numpy_vectors():
     got = Intervention.from_dict({"hook": "h", "bias": np.arange(3, dtype=np.float32), "positions": np.array([4])})
     assert got.bias == (0.0, 1.0, 2.0) and got.positions == (4,)
+
+
+def test_vectors_from_npy_files(tmp_path):
+    from inspector.engine.vectors import load_vector
+
+    good = tmp_path / "v.npy"
+    np.save(good, np.arange(4, dtype=np.float32).reshape(1, 4))
+    assert load_vector(good, width=4) == (0.0, 1.0, 2.0, 3.0)
+    with pytest.raises(ValueError, match="4 values; the hook point is 8 wide"):
+        load_vector(good, width=8)
+    np.save(tmp_path / "m.npy", np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="1-D numeric vector"):
+        load_vector(tmp_path / "m.npy")
+    np.save(tmp_path / "n.npy", np.array([1.0, np.nan]))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        load_vector(tmp_path / "n.npy")
+    (tmp_path / "t.npy").write_text("not numpy")
+    with pytest.raises(ValueError, match="cannot read a vector"):
+        load_vector(tmp_path / "t.npy")

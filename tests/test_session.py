@@ -42,6 +42,20 @@ def test_boot_reports_stages_in_order(session):
     assert {h.alias for h in session.catalogue} >= {"blocks.1.hook_resid_mid", "ln_final.hook_normalized"}
 
 
+def test_catalogue_tree_mirrors_the_module_tree(session):
+    tree = session.catalogue_tree()
+    layer = tree["model"]["layers"]["1"]
+    assert [h.kind for h in layer["hooks"]] == ["resid_pre", "resid_post"]
+    assert [h.kind for h in layer["self_attn"]["hooks"]] == ["attn_out"]
+    assert [h.kind for h in layer["mlp"]["down_proj"]["hooks"]] == ["mlp_post"]
+    assert sum(1 for _ in _walk(tree)) == len(session.catalogue)
+
+
+def _walk(node):
+    for key, child in node.items():
+        yield from (child if key == "hooks" else _walk(child))
+
+
 def test_stream_matches_plain_generate_and_the_plugin(session):
     from vllm import SamplingParams
 

@@ -210,6 +210,17 @@ class Session:
         with self._lock:
             return list(self._pending if self._pending is not None else self._interventions)
 
+    def catalogue_tree(self) -> dict:
+        """The catalogue grouped like the module tree: nested dicts by module path component; the
+        hook points of a module sit under the key ``"hooks"``."""
+        tree: dict = {}
+        for info in self.catalogue:
+            node = tree
+            for part in info.module_path.split("."):
+                node = node.setdefault(part, {})
+            node.setdefault("hooks", []).append(info)
+        return tree
+
     def hook_name(self, name_or_alias: str) -> str:
         """The installed hook a name or alias refers to (ValueError if none)."""
         if name_or_alias in self.installed:
