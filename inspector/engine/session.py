@@ -23,6 +23,7 @@ from inspector.plugin.interventions import Intervention, validate
 
 from .boot import MODES, boot_llm, shutdown_llm
 from .models import model_config, resolve_model
+from .tokens import token_text
 
 
 class SessionError(RuntimeError):
@@ -326,7 +327,7 @@ class Session:
         return {rid: self._record_rows(rid, rows) for rid, rows in leftover.items() if rid in self.run.requests}
 
     def _text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id])
+        return token_text(self._tokenizer, token_id)
 
     def _metadata(self) -> dict:
         import torch
