@@ -91,6 +91,9 @@ def test_stop_mid_generation_keeps_what_was_captured(session):
         rows = req.hooks["model.layers.1.resid_post"]
         assert rows.positions.tolist() == list(range(len(rows)))
         assert len(rows) >= len(req.token_ids) - 1
+        streamed = [pos for ev in events for step in ev.requests if step.request_id == req.request_id
+                    for pos in step.rows.get("model.layers.1.resid_post", ((), (), ()))[0]]
+        assert streamed == rows.positions.tolist()  # the events alone carry every row, the last ones too
     again = collect(session, PROMPTS[:1], Sampling(max_tokens=3))  # the stop does not stick
     assert again[-1].requests[0].finished and session.run.requests[again[0].requests[0].request_id].finish_reason
 

@@ -16,7 +16,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from .capture_view_model import RequestInfo, SessionInfo, StepUpdate
@@ -143,7 +142,6 @@ class EngineWorker(QObject):
             self.finished.emit(GenerationResult(0, 0, True, 0.0))
             return
         error = None
-        seen: list[str] = []
         try:
             if isinstance(sampling, dict):
                 sampling = self._types()[1](**sampling)
@@ -151,19 +149,12 @@ class EngineWorker(QObject):
                 self._mark()
                 steps += 1
                 tokens += sum(len(r.new_token_ids) for r in event.requests)
-                seen.extend(r.request_id for r in event.requests if r.request_id not in self._known)
                 self.stepEvent.emit(self._envelope(session, event))
                 if self._stop.is_set():
                     session.stop()
         except BaseException as exc:  # noqa: BLE001
             error = describe_exception(exc, "generate")
             self._fail("generate", exc)
-        try:
-            extra = self._reconcile(session, seen)
-            if extra is not None:
-                self.stepEvent.emit(extra)
-        except Exception:  # noqa: BLE001 - best effort; never hides the generation's own result
-            traceback.print_exc()
         self.finished.emit(GenerationResult(steps, tokens, self._stop.is_set(), time.perf_counter() - t0, error))
 
     def _envelope(self, session, event) -> StepUpdate:
@@ -200,29 +191,6 @@ class EngineWorker(QObject):
         texts = list(req.token_texts[:n_prompt])
         texts += [f"⟨{t}⟩" for t in req.prompt_token_ids[len(texts):]]
         return RequestInfo(rid, req.prompt, tuple(req.prompt_token_ids), tuple(texts), dict(req.sampling or {}))
-
-    def _reconcile(self, session, request_ids) -> StepUpdate | None:
-        """Rows the session kept but no step event carried (e.g. drained when a stop aborted requests)."""
-        from inspector.engine.session import RequestStep, StepEvent
-
-        requests = getattr(session.run, "requests", {})
-        steps = []
-        for rid in request_ids:
-            req, known = requests.get(rid), self._known.get(rid)
-            if req is None or known is None:
-                continue
-            rows = {}
-            for hook, hr in req.hooks.items():
-                sent = known["rows"].get(hook, 0)
-                if len(hr) > sent:
-                    rows[hook] = (np.asarray(hr.positions[sent:]), np.asarray(hr.token_ids[sent:]),
-                                  np.asarray(hr.values[sent:], dtype=np.float32))
-                    known["rows"][hook] = len(hr)
-            if rows:
-                steps.append(RequestStep(rid, (), (), (), (), rows, False, None))
-        if not steps:
-            return None
-        return StepUpdate(StepEvent(-1, tuple(steps)), (), {}, threading.get_ident())
 
     @Slot(object)
     def set_hooks(self, hooks) -> None:
