@@ -188,7 +188,7 @@ def main() -> None:
             print(f"GPU peak allocated after boot (weights, buffers, profiling): vanilla "
                   f"{boot['vanilla']['weights_and_buffers_gib']:.2f} GiB, compiled "
                   f"{boot['compiled']['weights_and_buffers_gib']:.2f} GiB; KV cache blocks vanilla {kv_v}, "
-                  f"compiled {kv_c} (same memory budget: what the hooks take comes out of the KV cache)")
+                  f"compiled {kv_c} (both at the same gpu_memory_utilization)")
             print("GPU peak allocated while running: " + ", ".join(
                 f"{n} {med(n, last, 'gpu_peak_gib'):.2f} GiB" for n in args.configs))
         else:
