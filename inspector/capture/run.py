@@ -7,9 +7,16 @@ request with T tokens normally has T - 1 rows per hook.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+def matches_pattern(name: str, alias: str, pattern: str) -> bool:
+    """How a hook selection picks points, everywhere (worker, session, app): a glob on the stable
+    name or on the TransformerLens-style alias."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(alias, pattern)
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,9 @@ class HookInfo:
     width: int
     layer: int = -1
     dtype: str = "float32"  # the engine's dtype the rows were captured in
+
+    def matches(self, pattern: str) -> bool:
+        return matches_pattern(self.name, self.alias, pattern)
 
     @classmethod
     def from_point(cls, point: dict, dtype: str) -> "HookInfo":

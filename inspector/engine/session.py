@@ -9,7 +9,6 @@ between steps, before the next forward.
 from __future__ import annotations
 
 import datetime
-import fnmatch
 import itertools
 import threading
 from dataclasses import dataclass, field, replace
@@ -258,8 +257,7 @@ class Session:
 
     def _check_patterns(self, patterns: list[str]) -> None:
         for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(h.name, pattern) or fnmatch.fnmatchcase(h.alias, pattern)
-                       for h in self.catalogue):
+            if not any(h.matches(pattern) for h in self.catalogue):
                 raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
 
     def _require_alive(self) -> None:

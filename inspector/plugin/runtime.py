@@ -10,13 +10,14 @@ hook. Splitting rows per request waits until the driver drains, keeping the per-
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+
+from inspector.capture.run import matches_pattern
 
 from . import hookpoints as hp
 from .config import PluginConfig
@@ -116,8 +117,7 @@ class InspectorRuntime:
         """Specs for every point whose name or alias matches one of the glob patterns."""
         specs = {}
         for pattern in patterns:
-            hits = [p for p in self.catalogue.values()
-                    if fnmatch.fnmatchcase(p.name, pattern) or fnmatch.fnmatchcase(p.alias, pattern)]
+            hits = [p for p in self.catalogue.values() if matches_pattern(p.name, p.alias, pattern)]
             if not hits:
                 raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
             specs.update({p.name: (p.module_path, p.width) for p in hits})

@@ -12,7 +12,6 @@ loads one (request, hook) into memory only when a view asks for it.
 from __future__ import annotations
 
 import copy
-import fnmatch
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -195,7 +194,7 @@ def format_positions(positions) -> str:
 
 def glob_match(info: HookInfo, pattern: str) -> bool:
     pattern = pattern.strip()
-    return bool(pattern) and (fnmatch.fnmatchcase(info.name, pattern) or fnmatch.fnmatchcase(info.alias, pattern))
+    return bool(pattern) and info.matches(pattern)
 
 
 # --- the model ----------------------------------------------------------------------------------

@@ -160,12 +160,7 @@ class HeatmapWidget(QWidget):
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.readout.setMinimumHeight(self.readout.fontMetrics().height() + 4)
 
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(2, 2, 2, 2)
-        layout.setSpacing(2)
-        layout.addLayout(bar)
-        layout.addWidget(self.glw, 1)
-        layout.addWidget(self.readout)
+        stack_view(self, bar, self.glw, self.readout)
 
         # ---- wiring ----
         self._range_timer = QTimer(self, singleShot=True, interval=60)
@@ -500,3 +495,13 @@ class HeatmapWidget(QWidget):
             position = int(self._positions[row]) if row < len(self._positions) else row + self._p0
             self.select_position(position)
             self.positionClicked.emit(position)
+
+
+def stack_view(widget, bar, plot_area, readout) -> None:
+    """The layout both plot views share: controls on top, the plot taking the room, a read-out below."""
+    layout = QVBoxLayout(widget)
+    layout.setContentsMargins(2, 2, 2, 2)
+    layout.setSpacing(2)
+    layout.addLayout(bar)
+    layout.addWidget(plot_area, 1)
+    layout.addWidget(readout)

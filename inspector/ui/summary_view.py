@@ -12,10 +12,10 @@ import warnings
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QRectF, Qt, Signal
-from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSpinBox, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSpinBox, QWidget
 
 from .capture_view_model import display_token
-from .heatmap import colormap
+from .heatmap import colormap, stack_view
 from .image_pool import robust_levels
 
 MEASURES = ("L2 norm", "feature value")
@@ -72,12 +72,7 @@ class SummaryView(QWidget):
                                       anchor=(0.5, 0.5))
         self.plot.addItem(self.empty_text)
         self.readout = QLabel(" ")
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(2, 2, 2, 2)
-        layout.setSpacing(2)
-        layout.addLayout(bar)
-        layout.addWidget(self.glw, 1)
-        layout.addWidget(self.readout)
+        stack_view(self, bar, self.glw, self.readout)
 
         self.measure_box.currentTextChanged.connect(self._measure_changed)
         self.feature_box.valueChanged.connect(self._emit_settings)
