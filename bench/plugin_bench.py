@@ -59,6 +59,9 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float)
     from inspector.engine.environment import prepare_environment
 
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle engines must not spin on the shared cores
+    cold_caches(name)
+    if not CONFIGS[name][1]:
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "0"  # vanilla as users run it: vLLM's cache on (but cold)
     prepare_environment()
     import numpy as np
     import torch
@@ -80,8 +83,12 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float)
     boot_s = time.perf_counter() - t0
     engine = llm.llm_engine
     cache = engine.vllm_config.cache_config
-    info = {"boot_s": boot_s, "kv_blocks": cache.num_gpu_blocks,
-            "weights_and_buffers_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    from torch._dynamo.utils import counters
+
+    info = {"boot_s": boot_s, "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+            "compile_s": engine.vllm_config.compilation_config.compilation_time,
+            "fx_cache": (counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]),
+            "cuda": cuda}
     conn.send(info)
     rng = np.random.default_rng(0)
     vocab = engine.vllm_config.model_config.get_vocab_size()
@@ -96,26 +103,42 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float)
             ids = rng.integers(10, vocab - 10, prompt_len).tolist()
             engine.add_request(f"{run_no}-{i}", {"prompt_token_ids": ids}, params)
         run_no += 1
+        drain_s = 0.0
+
+        def drain(wait: bool) -> None:  # as the engine session does: wait only when requests finish
+            nonlocal drain_s
+            if hooks:
+                t = time.perf_counter()
+                llm.collective_rpc("inspector_drain", kwargs={"wait": wait})
+                drain_s += time.perf_counter() - t
+
         t0 = time.perf_counter()
         first = set()
         while len(first) < batch:  # prefill: until every request has its first token
             for out in engine.step():
                 first.add(out.request_id)
-            if hooks:
-                llm.collective_rpc("inspector_drain")
+            drain(wait=False)
         t1 = time.perf_counter()
-        steps = 0
+        steps, drain_s = 0, 0.0
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-            if hooks:
-                llm.collective_rpc("inspector_drain")
+            drain(wait=not engine.has_unfinished_requests())
         t2 = time.perf_counter()
         conn.send({"prefill_tok_s": batch * prompt_len / (t1 - t0), "decode_tok_s": batch * steps / (t2 - t1),
                    "ms_per_step": 1000 * (t2 - t1) / max(steps, 1),
+                   "drain_ms_per_step": 1000 * drain_s / max(steps, 1),
                    "rss_mib": _rss_mib(),
                    "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None})
     conn.close()
+
+
+def cold_caches(name: str) -> None:
+    """Fresh compiler caches per configuration, so no boot profits from another's compiled kernels."""
+    root = Path(tempfile.mkdtemp(prefix=f"bench-cache-{name}-"))
+    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                     ("TRITON_CACHE_DIR", "triton")):
+        os.environ[var] = str(root / sub)
 
 
 def receive(conn, proc):
@@ -146,7 +169,9 @@ def main() -> None:
         proc.start()
         boot[name] = receive(parent, proc)
         workers[name] = (proc, parent)
-        print(f"booted {name:9s} in {boot[name]['boot_s']:6.1f} s", flush=True)
+        hits, misses = boot[name]["fx_cache"]
+        print(f"booted {name:9s} in {boot[name]['boot_s']:6.1f} s (torch.compile {boot[name]['compile_s']:.1f} s, "
+              f"Inductor graph cache {hits} hits / {misses} misses; cold caches)", flush=True)
 
     results = {(name, run): [] for name in args.configs for run in runs}
     for rep in range(args.reps):
@@ -165,10 +190,12 @@ def main() -> None:
     print(f"\npreset {args.preset}: {dtype}, prompts of {prompt_len} tokens, greedy, ignore_eos, "
           f"max_num_batched_tokens {max_batched}; capture = resid_post of every block; {args.reps} alternated reps")
     print(f"{'config':9s} {'boot s':>7s} " + " ".join(
-        f"{f'{b}x{n} prefill tok/s':>22s} {f'{b}x{n} decode tok/s':>21s} {'ms/step':>8s}" for b, n in runs))
+        f"{f'{b}x{n} prefill tok/s':>22s} {f'{b}x{n} decode tok/s':>21s} {'ms/step':>8s} {'drain':>6s}"
+        for b, n in runs))
     for name in args.configs:
         cells = " ".join(f"{med(name, run, 'prefill_tok_s'):22.1f} {med(name, run, 'decode_tok_s'):21.1f} "
-                         f"{med(name, run, 'ms_per_step'):8.2f}" for run in runs)
+                         f"{med(name, run, 'ms_per_step'):8.2f} {med(name, run, 'drain_ms_per_step'):6.2f}"
+                         for run in runs)
         print(f"{name:9s} {boot[name]['boot_s']:7.1f} {cells}")
     if {"vanilla", "compiled", "eager"} <= set(args.configs):
         print()
@@ -183,22 +210,28 @@ def main() -> None:
         tables = layers * 2 * 64 * width * itemsize / 2**20
         print(f"capture buffers {buffers:.1f} MiB + intervention tables {tables:.1f} MiB")
         last = runs[-1]
-        if boot["vanilla"]["weights_and_buffers_gib"] is not None:
-            kv_v, kv_c = boot["vanilla"]["kv_blocks"], boot["compiled"]["kv_blocks"]
-            print(f"GPU peak allocated after boot (weights, buffers, profiling): vanilla "
-                  f"{boot['vanilla']['weights_and_buffers_gib']:.2f} GiB, compiled "
-                  f"{boot['compiled']['weights_and_buffers_gib']:.2f} GiB; KV cache blocks vanilla {kv_v}, "
-                  f"compiled {kv_c} (both at the same gpu_memory_utilization)")
-            print("GPU peak allocated while running: " + ", ".join(
-                f"{n} {med(n, last, 'gpu_peak_gib'):.2f} GiB" for n in args.configs))
+        if boot["vanilla"]["cuda"]:
+            # Every engine gets the same memory budget and vLLM gives what is left to the KV cache, so
+            # compare what is not KV cache: the peak allocation minus the KV cache's blocks.
+            block = kv_block_bytes(spec, itemsize, boot["vanilla"]["block_size"])
+            used = {n: med(n, last, "gpu_peak_gib") * 2**30 - boot[n]["kv_blocks"] * block for n in args.configs}
+            print("GPU peak allocated while running, less the KV cache: " + ", ".join(
+                f"{n} {b / 2**30:.2f} GiB" for n, b in used.items()))
+            extra_mib = (used["compiled"] - used["vanilla"]) / 2**20
+            base_mib = used["vanilla"] / 2**20
         else:
             rss = {n: med(n, last, "rss_mib") for n in args.configs}
-            extra_mib = rss["compiled"] - rss["vanilla"]
             print("resident memory after the runs: " + ", ".join(f"{n} {m:.0f} MiB" for n, m in rss.items()))
-            print(f"compiled above vanilla: {extra_mib:.1f} MiB = buffers and tables + "
-                  f"{extra_mib - buffers - tables:.1f} MiB ({(extra_mib - buffers - tables) / rss['vanilla']:.1%} "
-                  f"of vanilla; target: buffers + 10%)")
+            extra_mib, base_mib = rss["compiled"] - rss["vanilla"], rss["vanilla"]
+        over = extra_mib - buffers - tables
+        print(f"compiled above vanilla: {extra_mib:.1f} MiB = buffers and tables + {over:.1f} MiB "
+              f"({over / (buffers + tables):.1%} of buffers and tables, {over / base_mib:.1%} of vanilla)")
 
+
+def kv_block_bytes(spec: dict, itemsize: int, block_size: int) -> int:
+    layers, heads = spec["num_hidden_layers"], spec["num_attention_heads"]
+    head_dim = spec["hidden_size"] // heads
+    return 2 * layers * spec.get("num_key_value_heads", heads) * head_dim * block_size * itemsize
 
 if __name__ == "__main__":
     main()

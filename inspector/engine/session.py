@@ -170,7 +170,9 @@ class Session:
             self._apply_interventions(sorted(open_ids))
             try:
                 outputs = engine.step()
-                captures = self._llm.collective_rpc("inspector_drain")[0]
+                # Rows still copying arrive with the next step, except a finishing request's: wait for those.
+                finishing = any(out.finished for out in outputs if out.request_id in open_ids)
+                captures = self._llm.collective_rpc("inspector_drain", kwargs={"wait": finishing})[0]
             except Exception as e:
                 self.alive = False
                 raise SessionError(f"the engine failed while generating: {type(e).__name__}: {e}. "

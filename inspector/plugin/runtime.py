@@ -4,8 +4,9 @@ Hooks write each forward's rows into static ``[max_tokens, width]`` buffers and 
 ``value * scale[slot] + bias[slot]`` with the slot gathered per row from ``row_slot``. In the compiled
 flavour both are traced into the graph, so the hooks' Python never runs again: everything that
 varies (which request owns which row, which interventions apply) is written into those buffers
-*between* forwards by ``before_forward``, and ``after_forward`` copies the live rows out once per
-hook. Splitting rows per request waits until the driver drains, keeping the per-step work small.
+*between* forwards by ``before_forward``, and ``after_forward`` queues one copy of the live rows to
+the host per stack of same-width hooks (``copyout``). Splitting rows per request waits until the
+driver drains, keeping the per-step work small.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from inspector.capture.run import matches_pattern
 
 from . import hookpoints as hp
 from .config import PluginConfig
+from .copyout import CopyOut, Transfer
 from .interventions import Intervention, SlotPlanner, compose, validate
 
 
@@ -89,7 +91,10 @@ class InspectorRuntime:
         with torch.inference_mode():
             self.row_slot = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self._row_slot_dirty = False
-        self._pending: list[tuple[StepInfo, torch.Tensor, list[tuple[list, torch.Tensor]]]] = []
+        self._copy_out = CopyOut(device)
+        # per queued forward: its rows, the hook names per stack, and the host copies (stacks, then
+        # token ids when the forward had them)
+        self._pending: list[tuple[StepInfo, list[list[str | None]], Transfer]] = []
 
     # --- hook set ---
 
@@ -225,19 +230,15 @@ class InspectorRuntime:
         self._row_slot_dirty = True
 
     def after_forward(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
-        """Copy this forward's live rows out: one copy per stack of same-width hooks. On a GPU the
-        copies are queued behind the forward (pinned, non-blocking); ``drain`` waits for them."""
+        """Queue the copy of this forward's live rows to the host: one per stack of same-width hooks."""
         n = step.num_tokens
-        blocks = [(list(stack.names), self._copy_out(stack.tensor[:, :n])) for stack in self._stacks]
-        token_ids = (self._copy_out(input_ids[:n]) if input_ids is not None
-                     else torch.full((n,), -1, dtype=torch.long))
-        self._pending.append((step, token_ids, blocks))
-
-    def _copy_out(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
-            return t.clone()
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t, non_blocking=True)
+        tensors = [stack.tensor[:, :n] for stack in self._stacks]
+        if input_ids is not None:
+            tensors.append(input_ids[:n])
+        # Staging on the device takes n / max_tokens of the buffers' memory while the copy runs: do it
+        # for decode-sized steps only, so that it stays within a few percent.
+        transfer = self._copy_out.queue(tensors, stage=n * 64 <= self.max_tokens)
+        self._pending.append((step, [list(stack.names) for stack in self._stacks], transfer))
 
     # --- driver-facing operations (through the worker extension) ---
 
@@ -252,25 +253,34 @@ class InspectorRuntime:
                 hook.bias[1:].zero_()
         self._has_interventions = bool(interventions)
 
-    def drain(self) -> dict[str, dict[str, dict[str, np.ndarray]]]:
-        """Captures since the last drain: request id → hook → positions, token_ids, values."""
-        pending, self._pending = self._pending, []
-        if pending and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the queued copies have landed
+    def drain(self, wait: bool = True) -> dict[str, dict[str, dict[str, np.ndarray]]]:
+        """Captures since the last drain: request id → hook → positions, token_ids, values.
+
+        ``wait=False`` never waits for the GPU: steps whose copies are still in flight stay for the
+        next drain (rows still arrive in step order)."""
+        ready = 0
+        for _, _, transfer in self._pending:
+            if wait:
+                transfer.wait()
+            elif not transfer.ready():
+                break
+            ready += 1
+        taken, self._pending = self._pending[:ready], self._pending[ready:]
         parts: dict[str, dict[str, list]] = {}
-        for step, token_ids, blocks in pending:
-            token_ids = token_ids.numpy().astype(np.int64)
-            arrays = [(names, _as_numpy(block)) for names, block in blocks]  # one conversion per stack
+        for step, stack_names, transfer in taken:
+            arrays = transfer.arrays()  # one conversion per stack
+            token_ids = (arrays.pop().astype(np.int64) if len(arrays) > len(stack_names)
+                         else np.full(step.num_tokens, -1, dtype=np.int64))
             for i, rid in enumerate(step.req_ids):
                 a, b = int(step.query_start_loc[i]), int(step.query_start_loc[i + 1])
                 if a == b:
                     continue
                 per_hook = parts.setdefault(rid, {})
                 positions, tokens = step.positions[a:b], token_ids[a:b]
-                for names, values in arrays:
-                    for index, name in enumerate(names):
+                for names, values in zip(stack_names, arrays):
+                    for name, rows in zip(names, values[:, a:b]):
                         if name is not None:
-                            per_hook.setdefault(name, []).append((positions, tokens, values[index, a:b]))
+                            per_hook.setdefault(name, []).append((positions, tokens, rows))
         return {rid: {name: _concat(chunks) for name, chunks in hooks.items()} for rid, hooks in parts.items()}
 
     def describe(self) -> dict:
@@ -284,10 +294,6 @@ class InspectorRuntime:
             "hook_points": [p.describe() for p in self.catalogue.values()],
             "installed": {name: hook.point.name for name, hook in self.active.items()},
         }
-
-
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bfloat16
 
 
 def _concat(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -50,8 +50,9 @@ class InspectorWorkerExtension:
     def inspector_describe(self) -> dict:
         return self._inspector().describe()
 
-    def inspector_drain(self) -> dict:
-        return self._inspector().drain()
+    def inspector_drain(self, wait: bool = True) -> dict:
+        """Captured rows since the last drain; ``wait=False`` leaves steps still copying for later."""
+        return self._inspector().drain(wait)
 
     def inspector_set_interventions(self, interventions: list[dict]) -> None:
         self._inspector().set_interventions([Intervention.from_dict(d) for d in interventions])

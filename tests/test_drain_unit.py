@@ -1,0 +1,64 @@
+"""Draining without waiting: steps whose host copies are still in flight stay, in order, for later.
+
+The CUDA event is replaced by a stand-in whose completion the test controls; the GPU run
+(tests/gpu/run_gpu_checks.py) covers the real streams through the session tests.
+"""
+
+import numpy as np
+import torch
+from torch import nn
+
+from inspector.plugin.config import PluginConfig
+from inspector.plugin.copyout import Transfer
+from inspector.plugin.runtime import InspectorRuntime, StepInfo
+
+
+class FlagEvent:
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def _runtime() -> InspectorRuntime:
+    config = PluginConfig({}, 64, "bfloat16", False, False, ())
+    return InspectorRuntime(nn.Module(), [], config, torch.device("cpu"), 64, 128)
+
+
+def _queue(runtime, req_ids, counts, first_position, event):
+    """One forward: requests with ``counts`` rows each, two hooks whose values encode the position."""
+    qsl = np.concatenate([[0], np.cumsum(counts)])
+    positions = np.concatenate([np.arange(first_position, first_position + c) for c in counts])
+    n = int(qsl[-1])
+    values = torch.tensor(positions, dtype=torch.bfloat16).reshape(1, n, 1).expand(2, n, 4).clone()
+    ids = torch.tensor(positions + 1000)
+    step = StepInfo(list(req_ids), qsl, positions)
+    runtime._pending.append((step, [["a", "b"]], Transfer([values, ids], event)))
+
+
+def test_drain_without_wait_takes_only_landed_steps_in_order():
+    runtime = _runtime()
+    first, second, third = FlagEvent(), FlagEvent(), FlagEvent()
+    _queue(runtime, ["r0", "r1"], [3, 2], 0, first)
+    _queue(runtime, ["r0", "r1"], [1, 1], 3, second)
+    _queue(runtime, ["r0"], [1], 4, third)
+    first.done = third.done = True  # the second is still copying: the third must wait behind it
+
+    early = runtime.drain(wait=False)
+    assert early["r0"]["a"]["positions"].tolist() == [0, 1, 2]
+    assert early["r1"]["b"]["positions"].tolist() == [0, 1]
+    assert runtime.drain(wait=False) == {}
+
+    rest = runtime.drain(wait=True)
+    assert second.done
+    assert rest["r0"]["a"]["positions"].tolist() == [3, 4]
+    assert rest["r1"]["a"]["positions"].tolist() == [3]
+    r0 = rest["r0"]["b"]
+    assert r0["values"].dtype == np.float32  # bfloat16 arrives as float32
+    assert r0["values"][:, 0].tolist() == [3.0, 4.0]
+    assert r0["token_ids"].tolist() == [1003, 1004]
+    assert runtime.drain() == {}
