@@ -42,6 +42,18 @@ def test_every_point_installed_in_compiled_mode(llm):
     assert all(isinstance(path, str) and isinstance(cls, str) for path, cls in info["modules"])
 
 
+def test_hook_memory_is_booked_as_model_memory(llm, tiny_models):
+    """vLLM sizes the KV cache from what it measured as the model's memory: the hooks' buffers must
+    be part of it, or the engine would exceed gpu_memory_utilization by their size."""
+    info = rpc(llm, "inspector_describe")
+    widths = {p["name"]: p["width"] for p in info["hook_points"]}
+    buffers = sum(widths[name] for name in info["installed"].values()) * info["max_tokens"] * 4  # float32
+    held = info["allocated_bytes"]
+    assert held >= buffers
+    booked = llm.collective_rpc(lambda worker: worker.model_runner.model_memory_usage)[0]
+    assert booked >= held
+
+
 def test_residual_stream_matches_transformers(llm, model_dir, clean):
     tokens, caps = clean
     n = names(llm)

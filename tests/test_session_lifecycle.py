@@ -65,7 +65,10 @@ def test_engine_failure_is_clear_marks_dead_and_keeps_captures(tiny_models):
         req = next(iter(session.run.requests.values()))
         # two events: two tokens here; with async scheduling (GPU) the first step may come back empty
         assert 1 <= len(req.generated_token_ids) <= 2
-        assert len(req.hooks["model.layers.0.resid_post"]) == len(req.token_ids) - 1
+        # a row for every token fed so far; with async scheduling the forward that fed the last token
+        # may have finished before the fault, and then its rows are kept too
+        rows = len(req.hooks["model.layers.0.resid_post"])
+        assert len(req.token_ids) - 1 <= rows <= len(req.token_ids)
         with pytest.raises(SessionError, match="open a new session"):
             next(session.generate(["x"]))
     finally:

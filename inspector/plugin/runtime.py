@@ -165,6 +165,12 @@ class InspectorRuntime:
             hook.handle = module.register_forward_hook(functools.partial(self._on_output, hook))
         self.active[name] = hook
 
+    def allocated_bytes(self) -> int:
+        """Device memory held for the installed hooks: capture buffers and intervention tables."""
+        tensors = [self.row_slot, *(s.tensor for s in self._stacks),
+                   *(t for h in self.active.values() for t in (h.scale, h.bias))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def remove(self, names: list[str]) -> None:
         missing = [n for n in names if n not in self.active]
         if missing:
@@ -260,15 +266,13 @@ class InspectorRuntime:
         next drain (rows still arrive in step order)."""
         ready = 0
         for _, _, transfer in self._pending:
-            if wait:
-                transfer.wait()
-            elif not transfer.ready():
+            if not (wait or transfer.ready()):
                 break
             ready += 1
         taken, self._pending = self._pending[:ready], self._pending[ready:]
         parts: dict[str, dict[str, list]] = {}
         for step, stack_names, transfer in taken:
-            arrays = transfer.arrays()  # one conversion per stack
+            arrays = transfer.arrays()  # waits, if need be, for the copies and their conversion
             token_ids = (arrays.pop().astype(np.int64) if len(arrays) > len(stack_names)
                          else np.full(step.num_tokens, -1, dtype=np.int64))
             for i, rid in enumerate(step.req_ids):
@@ -289,6 +293,7 @@ class InspectorRuntime:
             "dtype": self.config.dtype,
             "max_tokens": self.max_tokens,
             "max_slots": self.config.max_slots,
+            "allocated_bytes": self.allocated_bytes(),
             "enable_position_interventions": self.config.enable_position_interventions,
             "modules": [(path, type(m).__name__) for path, m in self.model.named_modules()],
             "hook_points": [p.describe() for p in self.catalogue.values()],

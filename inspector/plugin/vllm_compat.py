@@ -43,6 +43,15 @@ def device_of(worker) -> torch.device:
     return worker.model_runner.device
 
 
+def count_as_model_memory(worker, nbytes: int) -> None:
+    """Book memory allocated right after loading as part of the model's, so that vLLM's memory
+    profile subtracts it from the KV cache budget instead of exceeding ``gpu_memory_utilization``
+    by that much (it measures the weights around ``load_model`` and activations from a baseline
+    taken after it)."""
+    runner = worker.model_runner
+    runner.model_memory_usage = int(getattr(runner, "model_memory_usage", 0)) + int(nbytes)
+
+
 def is_eager(worker) -> bool:
     return bool(worker.vllm_config.model_config.enforce_eager)
 
