@@ -1,70 +1,41 @@
-"""Moving each forward's captured rows to host memory without stalling the GPU or the engine.
+"""Moving each forward's captured rows to host memory without stalling the GPU.
 
 A forward's rows sit in static capture buffers that the next forward overwrites, so they must leave
 before it runs. On a GPU a decode step's rows are first copied on the device (microseconds) and then
 sent to pinned host memory on a side stream, in parallel with the next forward; a large step
 (prefill) is copied straight from the buffers on the compute stream, which needs no staging memory
-of the buffers' size. A converter thread then turns the pinned copies into numpy arrays (torch
-releases the GIL while it converts), so the engine's thread only collects finished arrays.
+of the buffers' size. Nothing here waits for the GPU: ``Transfer.ready`` says whether the copies
+have landed, ``Transfer.wait`` waits for them. (Converting the landed copies on a background thread
+was tried on the H200 and measured: it fell behind decode at batch 32 and slowed every step, so the
+driver's drain converts them.)
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 
+@dataclass
 class Transfer:
-    """Host copies of one forward's tensors, as numpy arrays once ``ready()``."""
+    """Host copies of one forward's tensors, valid once ``ready()``."""
 
-    def __init__(self, host: list[torch.Tensor], event: torch.cuda.Event | None = None):
-        self._host = host
-        self._event = event  # None: the copies are complete (CPU device)
-        self._arrays: list[np.ndarray] | None = None
-        self._error: BaseException | None = None
-        self._converted = threading.Event()
-        if event is None:
-            self.convert()
-
-    def convert(self) -> None:
-        """Wait for the copies, then make arrays that own their memory (the pinned buffers go back to
-        torch's host cache for later steps); bfloat16 becomes float32, since numpy has no bfloat16."""
-        try:
-            if self._event is not None:
-                self._event.synchronize()
-            self._arrays = [_owned_array(t) for t in self._host]
-        except BaseException as e:  # handed to the thread that asks for the arrays
-            self._error = e
-        self._host = []
-        self._converted.set()
+    host: list[torch.Tensor]
+    event: torch.cuda.Event | None = None  # None: already complete (CPU device)
 
     def ready(self) -> bool:
-        return self._converted.is_set()
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
     def arrays(self) -> list[np.ndarray]:
-        """The arrays, waiting for them if need be."""
-        self._converted.wait()
-        if self._error is not None:
-            raise RuntimeError(f"copying captured rows to the host failed: {self._error}") from self._error
-        return self._arrays
-
-
-class Converter:
-    """A daemon thread that converts transfers in the order they were queued."""
-
-    def __init__(self):
-        self._queue: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="inspector-copyout", daemon=True).start()
-
-    def submit(self, transfer: Transfer) -> None:
-        self._queue.put(transfer)
-
-    def _run(self) -> None:
-        while True:
-            self._queue.get().convert()
+        """Numpy arrays that own their memory (pinned buffers go back to torch's host cache for the
+        next steps); bfloat16 becomes float32, since numpy has no bfloat16."""
+        return [_owned_array(t) for t in self.host]
 
 
 class CopyOut:
@@ -73,7 +44,6 @@ class CopyOut:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._converter = Converter() if self.stream is not None else None
 
     def queue(self, tensors: list[torch.Tensor], stage: bool) -> Transfer:
         """``stage``: copy on the device first and send from there on the side stream."""
@@ -89,7 +59,8 @@ class CopyOut:
             t.record_stream(self.stream)
         return transfer
 
-    def _copy_on(self, stream: torch.cuda.Stream, tensors: list[torch.Tensor]) -> Transfer:
+    @staticmethod
+    def _copy_on(stream: torch.cuda.Stream, tensors: list[torch.Tensor]) -> Transfer:
         with torch.cuda.stream(stream):
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for dst, src in zip(host, tensors):
@@ -97,11 +68,9 @@ class CopyOut:
                 # a temporary as large as itself; its per-hook slices are contiguous: send them one by one.
                 for d, s in ((dst, src),) if src.is_contiguous() else zip(dst, src):
                     d.copy_(s, non_blocking=True)
-            event = torch.cuda.Event(blocking=True)  # the converter thread sleeps, not spins, on it
+            event = torch.cuda.Event()
             event.record(stream)
-        transfer = Transfer(host, event)
-        self._converter.submit(transfer)
-        return transfer
+        return Transfer(host, event)
 
 
 def _owned_array(t: torch.Tensor) -> np.ndarray:

@@ -266,13 +266,15 @@ class InspectorRuntime:
         next drain (rows still arrive in step order)."""
         ready = 0
         for _, _, transfer in self._pending:
-            if not (wait or transfer.ready()):
+            if wait:
+                transfer.wait()
+            elif not transfer.ready():
                 break
             ready += 1
         taken, self._pending = self._pending[:ready], self._pending[ready:]
         parts: dict[str, dict[str, list]] = {}
         for step, stack_names, transfer in taken:
-            arrays = transfer.arrays()  # waits, if need be, for the copies and their conversion
+            arrays = transfer.arrays()  # one conversion per stack
             token_ids = (arrays.pop().astype(np.int64) if len(arrays) > len(stack_names)
                          else np.full(step.num_tokens, -1, dtype=np.int64))
             for i, rid in enumerate(step.req_ids):
