@@ -29,15 +29,15 @@ def _runtime() -> InspectorRuntime:
     return InspectorRuntime(nn.Module(), [], config, torch.device("cpu"), 64, 128)
 
 
-def _queue(runtime, req_ids, counts, first_position, event):
-    """One forward: requests with ``counts`` rows each, two hooks whose values encode the position."""
+def _queue(runtime, req_ids, counts, first_position, event, hooks=("a", "b")):
+    """One forward: requests with ``counts`` rows each, hooks whose values encode the position."""
     qsl = np.concatenate([[0], np.cumsum(counts)])
     positions = np.concatenate([np.arange(first_position, first_position + c) for c in counts])
     n = int(qsl[-1])
-    values = torch.tensor(positions, dtype=torch.bfloat16).reshape(1, n, 1).expand(2, n, 4).clone()
+    values = torch.tensor(positions, dtype=torch.bfloat16).reshape(1, n, 1).expand(len(hooks), n, 4).clone()
     ids = torch.tensor(positions + 1000)
     step = StepInfo(list(req_ids), qsl, positions)
-    runtime._pending.append((step, [["a", "b"]], Transfer([values, ids], event)))
+    runtime._pending.append((step, [list(hooks)], Transfer([values, ids], event)))
 
 
 def test_drain_without_wait_takes_only_landed_steps_in_order():
@@ -62,3 +62,15 @@ def test_drain_without_wait_takes_only_landed_steps_in_order():
     assert r0["values"][:, 0].tolist() == [3.0, 4.0]
     assert r0["token_ids"].tolist() == [1003, 1004]
     assert runtime.drain() == {}
+
+
+def test_a_hook_added_between_drained_steps_covers_only_its_steps():
+    runtime = _runtime()
+    _queue(runtime, ["r0"], [2], 0, None, hooks=("a",))
+    _queue(runtime, ["r0"], [1], 2, None, hooks=("a", "b"))  # eager mode: "b" installed after step one
+    _queue(runtime, ["r0"], [1], 3, None, hooks=(None, "b"))  # and "a" removed
+    rows = runtime.drain()["r0"]
+    assert rows["a"]["positions"].tolist() == [0, 1, 2]
+    assert rows["b"]["positions"].tolist() == [2, 3]
+    assert rows["b"]["token_ids"].tolist() == [1002, 1003]
+    assert rows["b"]["values"][:, 0].tolist() == [2.0, 3.0]

@@ -272,22 +272,19 @@ class InspectorRuntime:
                 break
             ready += 1
         taken, self._pending = self._pending[:ready], self._pending[ready:]
-        parts: dict[str, dict[str, list]] = {}
+        per_request: dict[str, list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]]] = {}
         for step, stack_names, transfer in taken:
             arrays = transfer.arrays()  # one conversion per stack
             token_ids = (arrays.pop().astype(np.int64) if len(arrays) > len(stack_names)
                          else np.full(step.num_tokens, -1, dtype=np.int64))
-            for i, rid in enumerate(step.req_ids):
-                a, b = int(step.query_start_loc[i]), int(step.query_start_loc[i + 1])
+            bounds = step.query_start_loc.tolist()
+            for rid, a, b in zip(step.req_ids, bounds, bounds[1:]):
                 if a == b:
                     continue
-                per_hook = parts.setdefault(rid, {})
-                positions, tokens = step.positions[a:b], token_ids[a:b]
-                for names, values in zip(stack_names, arrays):
-                    for name, rows in zip(names, values[:, a:b]):
-                        if name is not None:
-                            per_hook.setdefault(name, []).append((positions, tokens, rows))
-        return {rid: {name: _concat(chunks) for name, chunks in hooks.items()} for rid, hooks in parts.items()}
+                rows = {name: r for names, values in zip(stack_names, arrays)
+                        for name, r in zip(names, values[:, a:b]) if name is not None}
+                per_request.setdefault(rid, []).append((step.positions[a:b], token_ids[a:b], rows))
+        return {rid: _per_hook(chunks) for rid, chunks in per_request.items()}
 
     def describe(self) -> dict:
         return {
@@ -303,10 +300,15 @@ class InspectorRuntime:
         }
 
 
-def _concat(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+def _per_hook(chunks: list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]]) -> dict[str, dict[str, np.ndarray]]:
+    """One request's steps → hook → positions, token_ids, values. A hook added or removed between
+    the drained steps (eager mode) covers only the steps it was installed for."""
     if len(chunks) == 1:  # the common case when draining every step: views, no copies
-        positions, token_ids, values = chunks[0]
-        return {"positions": positions, "token_ids": token_ids, "values": values}
-    return {"positions": np.concatenate([c[0] for c in chunks]),
-            "token_ids": np.concatenate([c[1] for c in chunks]),
-            "values": np.concatenate([c[2] for c in chunks])}
+        positions, tokens, rows = chunks[0]
+        return {name: {"positions": positions, "token_ids": tokens, "values": v} for name, v in rows.items()}
+    out = {}
+    for name in dict.fromkeys(name for _, _, rows in chunks for name in rows):
+        present = [(p, t, rows[name]) for p, t, rows in chunks if name in rows]
+        out[name] = {key: np.concatenate([c[i] for c in present])
+                     for i, key in enumerate(("positions", "token_ids", "values"))}
+    return out
