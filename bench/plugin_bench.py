@@ -6,8 +6,8 @@ Each configuration boots once in its own process and stays up; the runs then alt
     packaging/dev bench plugin_bench                     # CPU: a small Llama, float32
     python3 bench/plugin_bench.py --preset llama3-8b     # GPU: Llama-3-8B shape, dummy bf16 weights
 
-Capture = the residual stream after every block; the hooked engines are drained every step, as the
-engine session does.
+Capture = the residual stream after every block; the hooked engines are drained as the engine session
+does it (every ``DRAIN_INTERVAL_S`` at most, and when requests finish).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
     from vllm import LLM, SamplingParams
 
     from inspector.engine.boot import boot_llm
+    from inspector.engine.session import DRAIN_INTERVAL_S
 
     _, dtype, max_batched, prompt_len, _ = PRESETS[preset]
     mode, hooks = CONFIGS[name]
@@ -106,27 +107,30 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             ids = rng.integers(10, vocab - 10, prompt_len).tolist()
             engine.add_request(f"{run_no}-{i}", {"prompt_token_ids": ids}, params)
         run_no += 1
-        drain_s = 0.0
+        drain_s, last_drain = 0.0, time.perf_counter()
 
-        def drain(wait: bool) -> None:  # as the engine session does: wait only when requests finish
-            nonlocal drain_s
-            if hooks:
-                t = time.perf_counter()
-                llm.collective_rpc("inspector_drain", kwargs={"wait": wait})
-                drain_s += time.perf_counter() - t
+        def drain(finishing: bool) -> None:
+            """As the engine session does: every DRAIN_INTERVAL_S at most, and waiting only when
+            requests finish."""
+            nonlocal drain_s, last_drain
+            t = time.perf_counter()
+            if hooks and (finishing or t - last_drain >= DRAIN_INTERVAL_S):
+                llm.collective_rpc("inspector_drain", kwargs={"wait": finishing})
+                last_drain = time.perf_counter()
+                drain_s += last_drain - t
 
         t0 = time.perf_counter()
         first = set()
         while len(first) < batch:  # prefill: until every request has its first token
             for out in engine.step():
                 first.add(out.request_id)
-            drain(wait=False)
+            drain(finishing=False)
         t1 = time.perf_counter()
         steps, drain_s = 0, 0.0
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-            drain(wait=not engine.has_unfinished_requests())
+            drain(finishing=not engine.has_unfinished_requests())
         t2 = time.perf_counter()
         conn.send({"prefill_tok_s": batch * prompt_len / (t1 - t0), "decode_tok_s": batch * steps / (t2 - t1),
                    "ms_per_step": 1000 * (t2 - t1) / max(steps, 1),

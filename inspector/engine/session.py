@@ -1,7 +1,8 @@
 """An engine session: one model booted with the plugin, generation as a stream of step events.
 
-The session drives vLLM step by step (``add_request``/``step``), drains the worker's captures after
-every step and yields them as plain dataclasses and numpy arrays, keeping everything in ``run``.
+The session drives vLLM step by step (``add_request``/``step``), drains the worker's captures between
+steps (every ``DRAIN_INTERVAL_S`` at most, and when a request ends) and yields them as plain
+dataclasses and numpy arrays, keeping everything in ``run``.
 ``stop()`` and ``set_interventions()`` may be called from another thread (the UI's): they take effect
 between steps, before the next forward.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
@@ -23,6 +25,11 @@ from inspector.plugin.interventions import Intervention, validate
 from .boot import MODES, boot_llm, shutdown_llm
 from .models import model_config, resolve_model
 from .tokens import token_text
+
+# Captured rows are collected from the worker at most this often (and always when a request ends):
+# splitting them per request and hook costs host time that, every step, would slow a fast GPU's
+# decode; the UI paints far less often than this anyway.
+DRAIN_INTERVAL_S = 0.02
 
 
 class SessionError(RuntimeError):
@@ -159,6 +166,7 @@ class Session:
                 raise ValueError(f"request refused: {e}") from None
         self._apply_interventions(ids, force=True)
         open_ids = set(ids)
+        last_drain = time.monotonic()
         for step in itertools.count():
             if not open_ids:
                 return
@@ -170,11 +178,15 @@ class Session:
             self._apply_interventions(sorted(open_ids))
             try:
                 outputs = engine.step()
-                # Rows still copying arrive with the next step, except a finishing request's: wait for those.
+                # Rows still copying arrive with a later step, except a finishing request's: wait for those.
                 finishing = any(out.finished for out in outputs if out.request_id in open_ids)
-                captures = self._llm.collective_rpc("inspector_drain", kwargs={"wait": finishing})[0]
+                captures = {}
+                if finishing or time.monotonic() - last_drain >= DRAIN_INTERVAL_S:
+                    captures = self._llm.collective_rpc("inspector_drain", kwargs={"wait": finishing})[0]
+                    last_drain = time.monotonic()
             except Exception as e:
                 self.alive = False
+                self._keep_undrained_rows(open_ids)
                 raise SessionError(f"the engine failed while generating: {type(e).__name__}: {e}. "
                                    "Everything captured so far is kept; open a new session to go on.") from e
             events = {rid: self._record_rows(rid, rows) for rid, rows in captures.items() if rid in open_ids}
@@ -269,16 +281,30 @@ class Session:
     def _apply_interventions(self, open_ids: list[str], force: bool = False) -> None:
         with self._lock:
             pending, self._pending = self._pending, None
+        queued = {}
         if pending is not None:
             self._llm.collective_rpc("inspector_set_interventions", args=([_as_dict(iv) for iv in pending],))
             self._interventions = pending
+            # forwards already queued (async scheduling) or not yet drained run before the change
+            queued = self._llm.collective_rpc("inspector_queued_positions", args=(open_ids,))[0]
         elif not force:
             return
         for rid in open_ids:
             active = [_as_dict(iv) for iv in self._interventions if iv.request_id in (None, rid)]
             log = self.run.requests[rid].intervention_log
             if not log or log[-1][1] != active:
-                log.append((self._fed[rid], active))
+                log.append((max(self._fed[rid], queued.get(rid, 0)), active))
+
+    def _keep_undrained_rows(self, open_ids: set[str]) -> None:
+        """After an engine failure: record the rows of the forwards that did finish, if the worker
+        can still hand them over."""
+        try:
+            leftover = self._llm.collective_rpc("inspector_drain")[0]
+        except Exception:
+            return
+        for rid, rows in leftover.items():
+            if rid in open_ids:
+                self._record_rows(rid, rows)
 
     def _record_rows(self, rid: str, captures: dict) -> dict:
         req = self.run.requests[rid]

@@ -286,6 +286,17 @@ class InspectorRuntime:
                 per_request.setdefault(rid, []).append((step.positions[a:b], token_ids[a:b], rows))
         return {rid: _per_hook(chunks) for rid, chunks in per_request.items()}
 
+    def queued_positions(self, request_ids: list[str]) -> dict[str, int]:
+        """Per request, the position after the last row of a forward already queued but not drained:
+        where an intervention set now starts to apply (a later forward)."""
+        wanted, nxt = set(request_ids), {}
+        for step, _, _ in self._pending:
+            bounds = step.query_start_loc
+            for i, rid in enumerate(step.req_ids):
+                if rid in wanted and bounds[i + 1] > bounds[i]:
+                    nxt[rid] = max(nxt.get(rid, 0), int(step.positions[bounds[i + 1] - 1]) + 1)
+        return nxt
+
     def describe(self) -> dict:
         return {
             "mode": "eager" if self.config.eager else "compiled",

@@ -55,6 +55,9 @@ class InspectorWorkerExtension:
         """Captured rows since the last drain; ``wait=False`` leaves steps still copying for later."""
         return self._inspector().drain(wait)
 
+    def inspector_queued_positions(self, request_ids: list[str]) -> dict[str, int]:
+        return self._inspector().queued_positions(list(request_ids))
+
     def inspector_set_interventions(self, interventions: list[dict]) -> None:
         self._inspector().set_interventions([Intervention.from_dict(d) for d in interventions])
 
