@@ -7,14 +7,13 @@ sent to pinned host memory on a side stream, in parallel with the next forward; 
 of the buffers' size. Nothing here waits for the GPU: ``Transfer.ready`` says whether the copies
 have landed, ``Transfer.wait`` waits for them. (Converting the landed copies on a background thread
 was tried on the H200 and measured: it fell behind decode at batch 32 and slowed every step, so the
-driver's drain converts them.)
+driver's drain converts them, in ``gather``.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -31,11 +30,6 @@ class Transfer:
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
-
-    def arrays(self) -> list[np.ndarray]:
-        """Numpy arrays that own their memory (pinned buffers go back to torch's host cache for the
-        next steps); bfloat16 becomes float32, since numpy has no bfloat16."""
-        return [_owned_array(t) for t in self.host]
 
 
 class CopyOut:
@@ -72,7 +66,3 @@ class CopyOut:
             event.record(stream)
         return Transfer(host, event)
 
-
-def _owned_array(t: torch.Tensor) -> np.ndarray:
-    dtype = torch.float32 if t.dtype == torch.bfloat16 else t.dtype
-    return t.to(dtype, copy=t.is_pinned()).numpy()

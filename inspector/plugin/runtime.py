@@ -5,8 +5,8 @@ Hooks write each forward's rows into static ``[max_tokens, width]`` buffers and 
 flavour both are traced into the graph, so the hooks' Python never runs again: everything that
 varies (which request owns which row, which interventions apply) is written into those buffers
 *between* forwards by ``before_forward``, and ``after_forward`` queues one copy of the live rows to
-the host per stack of same-width hooks (``copyout``). Splitting rows per request waits until the
-driver drains, keeping the per-step work small.
+the host per stack of same-width hooks (``copyout``). Splitting rows per request (``gather``) waits
+until the driver drains, keeping the per-step work small.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from inspector.capture.run import matches_pattern
 from . import hookpoints as hp
 from .config import PluginConfig
 from .copyout import CopyOut, Transfer
+from .gather import Drained, rows_by_request
 from .interventions import Intervention, SlotPlanner, compose, validate
 
 
@@ -272,19 +273,8 @@ class InspectorRuntime:
                 break
             ready += 1
         taken, self._pending = self._pending[:ready], self._pending[ready:]
-        per_request: dict[str, list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]]] = {}
-        for step, stack_names, transfer in taken:
-            arrays = transfer.arrays()  # one conversion per stack
-            token_ids = (arrays.pop().astype(np.int64) if len(arrays) > len(stack_names)
-                         else np.full(step.num_tokens, -1, dtype=np.int64))
-            bounds = step.query_start_loc.tolist()
-            for rid, a, b in zip(step.req_ids, bounds, bounds[1:]):
-                if a == b:
-                    continue
-                rows = {name: r for names, values in zip(stack_names, arrays)
-                        for name, r in zip(names, values[:, a:b]) if name is not None}
-                per_request.setdefault(rid, []).append((step.positions[a:b], token_ids[a:b], rows))
-        return {rid: _per_hook(chunks) for rid, chunks in per_request.items()}
+        return rows_by_request([Drained(step.req_ids, step.query_start_loc, step.positions, names, transfer.host)
+                                for step, names, transfer in taken])
 
     def queued_positions(self, request_ids: list[str]) -> dict[str, int]:
         """Per request, the position after the last row of a forward already queued but not drained:
@@ -309,17 +299,3 @@ class InspectorRuntime:
             "hook_points": [p.describe() for p in self.catalogue.values()],
             "installed": {name: hook.point.name for name, hook in self.active.items()},
         }
-
-
-def _per_hook(chunks: list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]]) -> dict[str, dict[str, np.ndarray]]:
-    """One request's steps → hook → positions, token_ids, values. A hook added or removed between
-    the drained steps (eager mode) covers only the steps it was installed for."""
-    if len(chunks) == 1:  # the common case when draining every step: views, no copies
-        positions, tokens, rows = chunks[0]
-        return {name: {"positions": positions, "token_ids": tokens, "values": v} for name, v in rows.items()}
-    out = {}
-    for name in dict.fromkeys(name for _, _, rows in chunks for name in rows):
-        present = [(p, t, rows[name]) for p, t, rows in chunks if name in rows]
-        out[name] = {key: np.concatenate([c[i] for c in present])
-                     for i, key in enumerate(("positions", "token_ids", "values"))}
-    return out
