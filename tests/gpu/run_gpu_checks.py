@@ -16,8 +16,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = ["tests/test_plugin_compiled.py", "tests/test_plugin_architectures.py", "tests/test_session.py",
-         "tests/test_session_lifecycle.py"]
+FILES = ["tests/test_plugin_compiled.py", "tests/test_plugin_architectures.py", "tests/test_plugin_bf16.py",
+         "tests/test_session.py", "tests/test_session_lifecycle.py"]
 
 
 def main() -> int:
@@ -28,10 +28,12 @@ def main() -> int:
     report = Path(os.environ.get("OUT", "/tmp")) / "gpu-junit.xml"
     t0 = time.time()
     code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                            "-o", "junit_family=xunit1",  # keeps the recorded figures (record_property)
                             f"--junitxml={report}", *FILES, *sys.argv[1:]], cwd=ROOT, env=env)
-    rows = []
+    rows, figures = [], []
     if report.exists():
         for case in ET.parse(report).getroot().iter("testcase"):
+            figures += [f"{p.get('name')} {p.get('value')}" for p in case.iter("property")]
             outcome = "passed"
             for tag in ("failure", "error", "skipped"):
                 if case.find(tag) is not None:
@@ -47,6 +49,8 @@ def main() -> int:
     for module, name, outcome, seconds in rows:
         print(f"{module:28s} {name[:70]:70s} {outcome:8s} {seconds:6.1f}")
     counts = {o: sum(1 for r in rows if r[2] == o) for o in ("passed", "FAILED", "ERROR", "skipped")}
+    if figures:
+        print("recorded figures: " + ", ".join(figures))
     print(f"{counts['passed']} passed, {counts['FAILED'] + counts['ERROR']} failed, {counts['skipped']} skipped")
     return code
 
