@@ -74,3 +74,12 @@ def test_a_hook_added_between_drained_steps_covers_only_its_steps():
     assert rows["b"]["positions"].tolist() == [2, 3]
     assert rows["b"]["token_ids"].tolist() == [1002, 1003]
     assert rows["b"]["values"][:, 0].tolist() == [2.0, 3.0]
+
+
+def test_queued_positions_count_forwards_not_yet_drained():
+    runtime = _runtime()
+    _queue(runtime, ["r0", "r1"], [3, 2], 0, None)
+    _queue(runtime, ["r0"], [1], 3, None)  # r1 skipped this forward
+    assert runtime.queued_positions(["r0", "r1", "r2"]) == {"r0": 4, "r1": 2}
+    runtime.drain()
+    assert runtime.queued_positions(["r0", "r1"]) == {}  # drained: the session knows them from the rows
