@@ -10,7 +10,8 @@ from torch import nn
 
 from inspector.plugin.config import PluginConfig
 from inspector.plugin.copyout import Transfer
-from inspector.plugin.runtime import InspectorRuntime, StepInfo
+from inspector.plugin.gather import Drained
+from inspector.plugin.runtime import InspectorRuntime
 
 
 class FlagEvent:
@@ -36,8 +37,8 @@ def _queue(runtime, req_ids, counts, first_position, event, hooks=("a", "b")):
     n = int(qsl[-1])
     values = torch.tensor(positions, dtype=torch.bfloat16).reshape(1, n, 1).expand(len(hooks), n, 4).clone()
     ids = torch.tensor(positions + 1000)
-    step = StepInfo(list(req_ids), qsl, positions)
-    runtime._pending.append((step, [list(hooks)], Transfer([values, ids], event)))
+    transfer = Transfer([values, ids], event)
+    runtime._pending.append((Drained(list(req_ids), qsl, positions, [list(hooks)], transfer.host), transfer))
 
 
 def test_drain_without_wait_takes_only_landed_steps_in_order():

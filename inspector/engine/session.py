@@ -182,7 +182,7 @@ class Session:
                 finishing = any(out.finished for out in outputs if out.request_id in open_ids)
                 captures = {}
                 if finishing or time.monotonic() - last_drain >= DRAIN_INTERVAL_S:
-                    captures = self._llm.collective_rpc("inspector_drain", kwargs={"wait": finishing})[0]
+                    captures = self._drain(wait=finishing)
                     last_drain = time.monotonic()
             except Exception as e:
                 self.alive = False
@@ -295,11 +295,15 @@ class Session:
             if not log or log[-1][1] != active:
                 log.append((max(self._fed[rid], queued.get(rid, 0)), active))
 
+    def _drain(self, wait: bool = True) -> dict:
+        """The worker's rows since the last drain; ``wait=False`` leaves those still copying."""
+        return self._llm.collective_rpc("inspector_drain", kwargs={"wait": wait})[0]
+
     def _keep_undrained_rows(self, open_ids: set[str]) -> None:
         """After an engine failure: record the rows of the forwards that did finish, if the worker
         can still hand them over."""
         try:
-            leftover = self._llm.collective_rpc("inspector_drain")[0]
+            leftover = self._drain()
         except Exception:
             return
         for rid, rows in leftover.items():
@@ -349,7 +353,7 @@ class Session:
     def _abort(self, ids: list[str]) -> dict:
         """Abort requests; returns the rows still in the worker, per request (recorded in the run too)."""
         self._llm.llm_engine.abort_request(ids)
-        leftover = self._llm.collective_rpc("inspector_drain")[0]
+        leftover = self._drain()
         return {rid: self._record_rows(rid, rows) for rid, rows in leftover.items() if rid in self.run.requests}
 
     def _text(self, token_id: int) -> str:

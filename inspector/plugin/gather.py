@@ -18,7 +18,8 @@ Rows = dict[str, np.ndarray]  # positions, token_ids, values
 
 
 class Drained(NamedTuple):
-    """One forward's landed copies: the stacks, then the token ids if the forward had them."""
+    """One forward's rows and their host copies (read once its transfer has landed): the stacks,
+    then the token ids if the forward had them."""
 
     req_ids: list[str]
     query_start_loc: np.ndarray

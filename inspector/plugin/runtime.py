@@ -93,9 +93,8 @@ class InspectorRuntime:
             self.row_slot = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self._row_slot_dirty = False
         self._copy_out = CopyOut(device)
-        # per queued forward: its rows, the hook names per stack, and the host copies (stacks, then
-        # token ids when the forward had them)
-        self._pending: list[tuple[StepInfo, list[list[str | None]], Transfer]] = []
+        # per queued forward: its rows and host copies, and the transfer that says when they have landed
+        self._pending: list[tuple[Drained, Transfer]] = []
 
     # --- hook set ---
 
@@ -245,7 +244,9 @@ class InspectorRuntime:
         # Staging on the device takes n / max_tokens of the buffers' memory while the copy runs: do it
         # for decode-sized steps only, so that it stays within a few percent.
         transfer = self._copy_out.queue(tensors, stage=n * 64 <= self.max_tokens)
-        self._pending.append((step, [list(stack.names) for stack in self._stacks], transfer))
+        names = [list(stack.names) for stack in self._stacks]
+        self._pending.append((Drained(step.req_ids, step.query_start_loc, step.positions, names, transfer.host),
+                              transfer))
 
     # --- driver-facing operations (through the worker extension) ---
 
@@ -266,25 +267,24 @@ class InspectorRuntime:
         ``wait=False`` never waits for the GPU: steps whose copies are still in flight stay for the
         next drain (rows still arrive in step order)."""
         ready = 0
-        for _, _, transfer in self._pending:
+        for _, transfer in self._pending:
             if wait:
                 transfer.wait()
             elif not transfer.ready():
                 break
             ready += 1
         taken, self._pending = self._pending[:ready], self._pending[ready:]
-        return rows_by_request([Drained(step.req_ids, step.query_start_loc, step.positions, names, transfer.host)
-                                for step, names, transfer in taken])
+        return rows_by_request([forward for forward, _ in taken])
 
     def queued_positions(self, request_ids: list[str]) -> dict[str, int]:
         """Per request, the position after the last row of a forward already queued but not drained:
         where an intervention set now starts to apply (a later forward)."""
         wanted, nxt = set(request_ids), {}
-        for step, _, _ in self._pending:
-            bounds = step.query_start_loc
-            for i, rid in enumerate(step.req_ids):
+        for forward, _ in self._pending:
+            bounds = forward.query_start_loc
+            for i, rid in enumerate(forward.req_ids):
                 if rid in wanted and bounds[i + 1] > bounds[i]:
-                    nxt[rid] = max(nxt.get(rid, 0), int(step.positions[bounds[i + 1] - 1]) + 1)
+                    nxt[rid] = max(nxt.get(rid, 0), int(forward.positions[bounds[i + 1] - 1]) + 1)
         return nxt
 
     def describe(self) -> dict:

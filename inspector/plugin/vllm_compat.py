@@ -70,7 +70,7 @@ def external_request_id(internal: str) -> str:
     return internal.rsplit("-", 1)[0]
 
 
-def wrap_model_forward(runner, before: Callable[[StepInfo], None],
+def wrap_model_forward(worker, before: Callable[[StepInfo], None],
                        after: Callable[[StepInfo, torch.Tensor], None]) -> None:
     """Run ``before(step)`` ahead of every real forward and ``after(step, input_ids)`` once it is
     queued. Dummy/profile runs bypass both. Two runners exist:
@@ -79,6 +79,7 @@ def wrap_model_forward(runner, before: Callable[[StepInfo], None],
     - "V2" (vLLM's GPU default since 0.2x): ``prepare_inputs`` builds the batch, ``execute_model``
       runs it (or replays a full CUDA graph); dummy runs skip ``prepare_inputs``.
     """
+    runner = worker.model_runner
     if hasattr(runner, "_model_forward"):
         original = runner._model_forward
 

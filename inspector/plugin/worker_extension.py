@@ -35,7 +35,7 @@ def install_runtime(worker) -> None:
     matched = {name: spec for name, spec in runtime.match(config.hook_patterns).items() if name not in explicit}
     runtime.install({**config.capture_specs, **matched})
     vllm_compat.count_as_model_memory(worker, runtime.allocated_bytes())
-    vllm_compat.wrap_model_forward(worker.model_runner, runtime.before_forward, runtime.after_forward)
+    vllm_compat.wrap_model_forward(worker, runtime.before_forward, runtime.after_forward)
     setattr(worker, _ATTR, runtime)
     for listener in on_hooks_installed:
         listener()
