@@ -222,8 +222,7 @@ def main() -> None:
         print(f"boot: compiled/vanilla {boot['compiled']['boot_s'] / boot['vanilla']['boot_s']:.2f} with cold caches, "
               f"{boot['compiled again']['boot_s'] / boot['vanilla again']['boot_s']:.2f} with warm ones (vanilla "
               "with vLLM's compile cache; hooked engines without it, since its key does not see the hooks)")
-        width = spec.get("hidden", spec.get("hidden_size"))
-        layers = spec.get("layers", spec.get("num_hidden_layers"))
+        layers, width, _, _ = dims(spec)
         itemsize = 4 if dtype == "float32" else 2
         buffers = layers * max_batched * width * itemsize / 2**20
         tables = layers * 2 * 64 * width * itemsize / 2**20
@@ -247,10 +246,17 @@ def main() -> None:
               f"({over / (buffers + tables):.1%} of buffers and tables, {over / base_mib:.1%} of vanilla)")
 
 
+def dims(spec: dict) -> tuple[int, int, int, int]:
+    """(layers, hidden, heads, KV heads) of a preset's model, named the tinymodels way or the HF way."""
+    if "hidden_size" in spec:
+        heads = spec["num_attention_heads"]
+        return spec["num_hidden_layers"], spec["hidden_size"], heads, spec.get("num_key_value_heads", heads)
+    return spec["layers"], spec["hidden"], spec["heads"], spec.get("kv_heads", spec["heads"])
+
+
 def kv_block_bytes(spec: dict, itemsize: int, block_size: int) -> int:
-    layers, heads = spec["num_hidden_layers"], spec["num_attention_heads"]
-    head_dim = spec["hidden_size"] // heads
-    return 2 * layers * spec.get("num_key_value_heads", heads) * head_dim * block_size * itemsize
+    layers, hidden, heads, kv_heads = dims(spec)
+    return 2 * layers * kv_heads * (hidden // heads) * block_size * itemsize
 
 if __name__ == "__main__":
     main()

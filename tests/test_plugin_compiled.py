@@ -6,6 +6,7 @@ import pytest
 
 import hf_reference
 from engines import PARITY_TOL, assert_greedy_matches, booted, generate, rel_l2, rpc
+from inspector.plugin import vllm_compat
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Parser(object):\n    def"]
 LONG_PROMPT = "\n".join(f"x_{i} = compute({i}, key='v{i}')" for i in range(7))  # > 64 tokens: chunked
@@ -50,7 +51,7 @@ def test_hook_memory_is_booked_as_model_memory(llm, tiny_models):
     buffers = sum(widths[name] for name in info["installed"].values()) * info["max_tokens"] * 4  # float32
     held = info["allocated_bytes"]
     assert held >= buffers
-    booked = llm.collective_rpc(lambda worker: worker.model_runner.model_memory_usage)[0]
+    booked = llm.collective_rpc(vllm_compat.model_memory)[0]
     assert booked >= held
 
 

@@ -9,6 +9,7 @@ import pytest
 from engines import ENGINE_ARGS
 from inspector.engine.models import ModelNotFound, resolve_model
 from inspector.engine.session import Sampling, Session, SessionError, SessionOptions
+from inspector.plugin import vllm_compat
 
 
 def options(path, **kw):
@@ -53,7 +54,7 @@ def test_engine_failure_is_clear_marks_dead_and_keeps_captures(tiny_models):
     session = Session.open(options(tiny_models["llama"]))
     try:
         def break_layer(worker):  # a worker-side fault on the next forwards
-            layer = worker.model_runner.get_model().model.layers[1]
+            layer = vllm_compat.model_of(worker).model.layers[1]
             layer.register_forward_hook(lambda *a: (_ for _ in ()).throw(MemoryError("simulated out of memory")))
 
         stream = session.generate(["def f(x):"], Sampling(max_tokens=20, ignore_eos=True))

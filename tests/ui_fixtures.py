@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import threading
 import time
@@ -23,7 +22,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from inspector.capture.run import HookInfo, HookRows, RequestCapture, Run  # noqa: E402
-from inspector.engine.session import BootProgress, RequestStep, Sampling, SessionOptions, StepEvent  # noqa: E402
+from inspector.engine.session import (BootProgress, RequestStep, Sampling, SessionError, SessionOptions,  # noqa: E402
+                                      StepEvent)
+from inspector.plugin.interventions import validate  # noqa: E402
 
 __all__ = ["fail_on_qt_warnings", "ui_settings", "make_catalogue", "make_run", "FakeSession", "fake_types",
            "FakeSessionOptions", "FakeSampling", "FakeStepEvent", "FakeRequestStep", "FakeBootProgress",
@@ -122,10 +123,6 @@ def make_run(n_tokens=(12, 7), hooks=None, prompt_len: int = 4, width: int = 16)
 
 # ------------------------------------------------------------------------------------------ fake engine API
 
-class SessionError(RuntimeError):
-    pass
-
-
 # The fake speaks the real Session's data types (plain dataclasses, no vLLM behind them).
 FakeSessionOptions, FakeSampling, FakeBootProgress = SessionOptions, Sampling, BootProgress
 FakeRequestStep, FakeStepEvent = RequestStep, StepEvent
@@ -179,7 +176,7 @@ class FakeSession:
     def _resolve(self, patterns) -> dict:
         out = {}
         for pat in patterns:
-            hits = [h for h in self.catalogue if fnmatch.fnmatchcase(h.name, pat) or fnmatch.fnmatchcase(h.alias, pat)]
+            hits = [h for h in self.catalogue if h.matches(pat)]
             if not hits:
                 raise ValueError(f"no hook point matches {pat!r}")
             out.update({h.name: h for h in hits})
@@ -194,15 +191,8 @@ class FakeSession:
 
     def set_interventions(self, interventions):
         widths = {n: h.width for n, h in self.installed.items()}
-        for iv in interventions:
-            if iv.hook not in widths:
-                raise ValueError(f"intervention on {iv.hook!r}, which is not an installed hook point")
-            for which in ("scale", "bias"):
-                v = np.asarray(getattr(iv, which), dtype=np.float64)
-                if v.ndim == 1 and len(v) != widths[iv.hook]:
-                    raise ValueError(f"{which} has {len(v)} values; the hook point is {widths[iv.hook]} wide")
-                if not np.all(np.isfinite(v)):
-                    raise ValueError(f"{which} of the intervention on {iv.hook!r} holds NaN or Inf")
+        for iv in interventions:  # the real session's validation
+            validate(iv, widths, self.options.max_model_len, self.options.enable_position_interventions)
         with self._lock:
             self._interventions = list(interventions)
             self._iv_version += 1

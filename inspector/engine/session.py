@@ -9,6 +9,7 @@ between steps, before the next forward.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import threading
@@ -186,7 +187,8 @@ class Session:
                     last_drain = time.monotonic()
             except Exception as e:
                 self.alive = False
-                self._keep_undrained_rows(open_ids)
+                with contextlib.suppress(Exception):  # keep the finished forwards' rows, if the worker can
+                    self._record_drained(open_ids)
                 raise SessionError(f"the engine failed while generating: {type(e).__name__}: {e}. "
                                    "Everything captured so far is kept; open a new session to go on.") from e
             events = {rid: self._record_rows(rid, rows) for rid, rows in captures.items() if rid in open_ids}
@@ -299,16 +301,10 @@ class Session:
         """The worker's rows since the last drain; ``wait=False`` leaves those still copying."""
         return self._llm.collective_rpc("inspector_drain", kwargs={"wait": wait})[0]
 
-    def _keep_undrained_rows(self, open_ids: set[str]) -> None:
-        """After an engine failure: record the rows of the forwards that did finish, if the worker
-        can still hand them over."""
-        try:
-            leftover = self._drain()
-        except Exception:
-            return
-        for rid, rows in leftover.items():
-            if rid in open_ids:
-                self._record_rows(rid, rows)
+    def _record_drained(self, keep) -> dict:
+        """Drain the worker (waiting for copies in flight) and record the rows of the requests in
+        ``keep``; returns them per request."""
+        return {rid: self._record_rows(rid, rows) for rid, rows in self._drain().items() if rid in keep}
 
     def _record_rows(self, rid: str, captures: dict) -> dict:
         req = self.run.requests[rid]
@@ -353,8 +349,7 @@ class Session:
     def _abort(self, ids: list[str]) -> dict:
         """Abort requests; returns the rows still in the worker, per request (recorded in the run too)."""
         self._llm.llm_engine.abort_request(ids)
-        leftover = self._drain()
-        return {rid: self._record_rows(rid, rows) for rid, rows in leftover.items() if rid in self.run.requests}
+        return self._record_drained(self.run.requests)
 
     def _text(self, token_id: int) -> str:
         return token_text(self._tokenizer, token_id)

@@ -468,7 +468,6 @@ class CaptureWriter:
         self._fsync = fsync
         self._budget = int(buffer_bytes)
         self._buffered = 0
-        self.bytes_written = 0  # hook bytes (values + positions + token ids) handed to HDF5 so far
         self._requests: dict[str, _Request] = {}
         metadata = dict(metadata)
         meta_json = _to_json(metadata, "the run metadata")
@@ -529,11 +528,10 @@ class CaptureWriter:
         try:
             # no chunk cache: full chunks go straight to disk instead of piling up, dirty, per dataset
             self._file = h5py.File(self._io, "w", rdcc_nbytes=0, libver=("v110", "v110"))
-        except Exception as exc:  # noqa: BLE001 - any failure here means "cannot create"
-            self._discard()
-            fail(_reason(self._io.error or exc) if self._io else _reason(exc), exc)
-        if self._io.error is not None:
             error = self._io.error
+        except Exception as exc:  # noqa: BLE001 - any failure here means "cannot create"
+            error = self._io.error or exc  # the latched OS error (e.g. disk full) says more than HDF5's
+        if error is not None:
             self._discard()
             fail(_reason(error), error)
 
@@ -665,11 +663,9 @@ class CaptureWriter:
         Written at ``close()``; a finish reason also writes out the request's buffered rows now.
         """
         self._check_open()
-        state = self._request(req.request_id)
-        state.snapshot = _Snapshot(req)
-        if state.snapshot.finish_reason is not None:
-            with self._guard(f"finishing request {state.snapshot.request_id!r}"):
-                self._flush_request(state, final=True)
+        self._request(req.request_id).snapshot = _Snapshot(req)
+        if req.finish_reason is not None:
+            self._release(req.request_id)
 
     def append_rows(self, request_id: str, hook: str, positions, token_ids, values) -> None:
         """Append ``values[n, width]`` (float32; other floats are converted) with their positions/token ids.
@@ -791,7 +787,6 @@ class CaptureWriter:
         else:
             d[a:b] = v
         buf.rows_written = b
-        self.bytes_written += v.nbytes + 16 * n
 
     def _write_index(self, buf: _HookBuffer) -> None:
         """Write positions/token ids up to the rows appended so far (called when a request finishes)."""
@@ -879,7 +874,8 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
                     if progress and total:
                         progress(min(1.0, done / total))
             writer.update_request(req)
-            writer._release(req.request_id)  # write its last rows now and free the buffers
+            if req.finish_reason is None:  # update_request wrote a finished one's rows already
+                writer._release(req.request_id)  # write its last rows now and free the buffers
     if progress:
         progress(1.0)
     return Path(writer.path)
@@ -980,10 +976,7 @@ class LazyHookRows(HookRows):
             raise
         except Exception as exc:  # noqa: BLE001
             raise self._damaged(f"has an unreadable {name!r} dataset ({_reason(exc)})") from exc
-        data = array[...]
-        if data.shape != (len(self),):
-            raise self._damaged(f"has {data.shape[0] if data.ndim else 0} {name} for {len(self)} rows")
-        return data.astype(np.int64, copy=False)
+        return array[...].astype(np.int64, copy=False)
 
     @property
     def positions(self) -> np.ndarray:

@@ -48,8 +48,12 @@ def count_as_model_memory(worker, nbytes: int) -> None:
     profile subtracts it from the KV cache budget instead of exceeding ``gpu_memory_utilization``
     by that much (it measures the weights around ``load_model`` and activations from a baseline
     taken after it)."""
-    runner = worker.model_runner
-    runner.model_memory_usage = int(getattr(runner, "model_memory_usage", 0)) + int(nbytes)
+    worker.model_runner.model_memory_usage = model_memory(worker) + int(nbytes)
+
+
+def model_memory(worker) -> int:
+    """What vLLM counts as the model's memory, from which it sizes the KV cache."""
+    return int(getattr(worker.model_runner, "model_memory_usage", 0))
 
 
 def is_eager(worker) -> bool:
