@@ -251,6 +251,9 @@ def test_engine_crash_mid_generation_keeps_captures(qtbot, ui_settings):
     window.restart_engine()
     wait_state(qtbot, window, "ready")
     generate(qtbot, window, "x", max_tokens=2)
+    assert window.vm.request_ids() == ["0", "1"]  # the reopened engine's request is a new one
+    assert len(window.vm.request("0").generated_token_ids) == 4
+    assert len(window.vm.request("1").generated_token_ids) == 2
 
 
 def test_compiled_hook_change_asks_then_restarts(qtbot, ui_settings):

@@ -143,6 +143,7 @@ class FakeSession:
     fail_open: str | None = None
     fail_at_step: int | None = None  # raise during generate at this step (engine crash)
     opened: list["FakeSession"] = []
+    next_id = 0  # class-wide, like the real session's: ids stay unique when the engine is reopened
 
     def __init__(self, options, progress=None, layers=2, hidden=16, intermediate=32):
         self.options = options
@@ -157,7 +158,6 @@ class FakeSession:
         self._lock = threading.Lock()
         self._interventions: list = []
         self._iv_version = 0
-        self._counter = 0
         FakeSession.opened.append(self)
 
     @classmethod
@@ -226,8 +226,8 @@ class FakeSession:
         self._stop.clear()
         reqs = []
         for prompt in prompts:
-            rid = str(self._counter)
-            self._counter += 1
+            rid = str(FakeSession.next_id)
+            FakeSession.next_id += 1
             toks = [prompt[i:i + 3] for i in range(0, len(prompt), 3)] or [" "]
             ids = [sum(map(ord, t)) % 1000 for t in toks]
             rc = RequestCapture(rid, prompt, ids, asdict(sampling), token_texts=list(toks))
@@ -287,6 +287,7 @@ def make_window(qtbot, session_cls=FakeSession, boot=True, model="demo", mode="c
     """A MainWindow on the fake engine, booted and ready."""
     from inspector.ui.main_window import MainWindow
 
+    FakeSession.next_id = 0  # as in a fresh app process
     window = keep(qtbot, MainWindow(session_factory=lambda o, p: session_cls.open(o, p), types=fake_types))
     window.show()
     if boot:

@@ -91,6 +91,10 @@ class StepEvent:
 class Session:
     """Use ``Session.open(options, progress)``; close it to free the engine for another."""
 
+    # Class-wide, so request ids stay unique across the sessions of one process: the app keeps
+    # showing a run while it reopens the engine, and a new "req0" would land in the old one.
+    _next_id = 0
+
     def __init__(self, options: SessionOptions, llm, model_path, catalogue: list[HookInfo],
                  installed: dict[str, HookInfo]):
         self.options = options
@@ -100,7 +104,6 @@ class Session:
         self.alive = True
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
-        self._next_id = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pending: list[Intervention] | None = None
@@ -156,7 +159,7 @@ class Session:
         params = _sampling_params(sampling)
         self._stop.clear()
         ids = self.upcoming_request_ids(len(prompts))
-        self._next_id += len(ids)
+        type(self)._next_id += len(ids)
         for rid, prompt in zip(ids, prompts):
             self.run.requests[rid] = RequestCapture(rid, prompt, [], sampling.as_dict())
             self._fed[rid] = 0

@@ -64,11 +64,15 @@ class ColorImageItem(pg.GraphicsObject):
         self.update()
 
     # ---- data ----
-    def set_frame(self, image: np.ndarray, rect: QRectF, reset: bool) -> None:
-        """Show ``image`` ([token bins, feature bins]) in ``rect`` (data coordinates).
+    def set_frame(self, image: np.ndarray, rect: QRectF, reset: bool,
+                  levels: tuple[float, float] | None = None) -> None:
+        """Show ``image`` ([token bins, feature bins]) in ``rect`` (data coordinates), at ``levels`` if given.
 
         ``reset``: the bins were recomputed (new source, zoom, bin sizes); otherwise the first
-        ``len(previous image) - 1`` bins are unchanged and only the rest is coloured."""
+        ``len(previous image) - 1`` bins are unchanged and only the rest is coloured. New levels
+        recolour the new image once (``setLevels`` would first recolour the old one)."""
+        if levels is not None and (float(levels[0]), float(levels[1])) != self._levels:
+            self._levels, reset = (float(levels[0]), float(levels[1])), True
         nt, nf = image.shape
         if reset or self._image is None or nf != self._rgb.shape[0] or nt < len(self._image):
             self._coloured = 0

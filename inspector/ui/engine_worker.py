@@ -88,8 +88,7 @@ class EngineWorker(QObject):
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._interventions: list = []
-        self._known: dict[str, dict] = {}  # request id -> log entries / rows already sent, prompt known
-        self._announced: set[str] = set()
+        self._known: dict[str, dict] = {}  # request id -> log entries already sent, prompt known
         self.engine_threads: set[int] = set()  # threads engine code ran on (tests assert on this)
 
     # ---- helpers ----
@@ -164,18 +163,16 @@ class EngineWorker(QObject):
             rid = rs.request_id
             req = requests.get(rid)
             known = self._known.get(rid)
-            if known is None:
-                known = self._known[rid] = {"log": 0, "prompt": False, "rows": {}}
+            fresh = known is None
+            if fresh:
+                known = self._known[rid] = {"log": 0, "prompt": False}
             if not known["prompt"]:
                 # the prompt's token ids are known from the request's first output (after any
                 # chunked-prefill steps): send the request again once they are there
                 info = self._request_info(rid, req)
-                if info.prompt_token_ids or rid not in self._announced:
+                if info.prompt_token_ids or fresh:
                     new.append(info)
-                    self._announced.add(rid)
                 known["prompt"] = bool(info.prompt_token_ids)
-            for hook, (pos, _tok, _val) in rs.rows.items():
-                known["rows"][hook] = known["rows"].get(hook, 0) + len(pos)
             if req is not None:
                 log = req.intervention_log
                 if len(log) > known["log"]:

@@ -271,8 +271,8 @@ class HeatmapWidget(QWidget):
         mode = self.levels_box.currentText()
         if mode != "fixed":
             self._auto_levels(frame.image, mode == "auto ±", force=reset)
-        self.img.setLevels(self._levels)
-        self.img.set_frame(frame.image, QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height), reset)
+        self.img.set_frame(frame.image, QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height), reset,
+                           self._levels)
         if tuple(self.cbar.levels()) != self._levels:
             self.cbar.setLevels(self._levels, update_items=False)
         self._render_marks(n)

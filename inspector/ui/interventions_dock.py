@@ -91,10 +91,9 @@ class InterventionTableModel(QAbstractTableModel):
                     return "—"
                 return row.positions_text() or ("—" if display else "")
             if col in (5, 6):
-                v = getattr(row, "scale" if col == 5 else "bias")
-                if isinstance(v, np.ndarray):
-                    return f"vec[{v.shape[0]}]" if display else row.value_text("scale" if col == 5 else "bias")
-                return f"{v:g}"
+                which = "scale" if col == 5 else "bias"
+                v = getattr(row, which)
+                return f"vec[{v.shape[0]}]" if display and isinstance(v, np.ndarray) else row.value_text(which)
             if col == 7:
                 return row.problem or row.source
         if role == Qt.ItemDataRole.ForegroundRole:

@@ -144,7 +144,6 @@ class MainWindow(QMainWindow):
         self.controller = EngineController(session_factory, types, parent=self)
         self.live = CaptureViewModel()
         self.vm = self.live  # the model shown: the live run, or a reopened capture
-        self.file_vm: CaptureViewModel | None = None
         self.previous_runs: list[CaptureViewModel] = []  # live runs of models opened before this one
         self._run_file = None  # an open inspector.io RunFile (lazy capture)
         self.state = "no-model"  # no-model | booting | ready | generating | restarting | dead
@@ -324,8 +323,7 @@ class MainWindow(QMainWindow):
             self.resize(1440, 900)
         if state is not None:
             self.restoreState(state)
-        self.heatmap.set_colormap(self.settings.colormap)
-        self.summary.set_colormap(self.settings.colormap)
+        self.heatmap.set_colormap(self.settings.colormap)  # and, through colormapChanged, the summary's
         self.tree.set_mode(self.settings.engine_mode)
 
     # Slots are bound methods returning None: never lambdas capturing self (PySide keeps them alive past
@@ -417,9 +415,12 @@ class MainWindow(QMainWindow):
 
     def restart_engine(self) -> None:
         if self.options is not None:
-            extra = {k: v for k, v in self.options.items() if k not in ("model", "mode", "hooks")}
-            self.open_model(self.options["model"], self.options["mode"], self.tree.checked() or self.options["hooks"],
-                            **extra)
+            self._reopen(self.options["mode"], self.tree.checked() or self.options["hooks"])
+
+    def _reopen(self, mode: str, hooks) -> None:
+        """Open the current model again, in ``mode`` with ``hooks``, keeping its other options."""
+        extra = {k: v for k, v in self.options.items() if k not in ("model", "mode", "hooks")}
+        self.open_model(self.options["model"], mode, hooks, **extra)
 
     @Slot(object)
     def _on_boot_progress(self, p) -> None:
@@ -494,13 +495,17 @@ class MainWindow(QMainWindow):
             self.controller.stop()
             self.statusBar().showMessage("Stopping after the current step…")
 
+    def _start_live(self) -> None:
+        """A fresh live run for the open session's model and hooks."""
+        info = self.session_info
+        self.live.start_live(info.metadata if info else {}, info.installed if info else {},
+                             info.catalogue if info else ())
+
     @Slot(object)
     def _on_step(self, update: StepUpdate) -> None:
         self.step_threads.add(update.thread_id)
         if self.live.run is None:
-            info = self.session_info
-            self.live.start_live(info.metadata if info else {}, info.installed if info else {},
-                                 info.catalogue if info else ())
+            self._start_live()
         self.live.apply_update(update)
         if self._select_new and update.new_requests:
             self._select_new = False
@@ -577,8 +582,7 @@ class MainWindow(QMainWindow):
         def go():
             self.tree.set_mode(mode)
             self.settings.engine_mode = mode
-            extra = {k: v for k, v in self.options.items() if k not in ("model", "mode", "hooks")}
-            self.open_model(self.options["model"], mode, hooks, **extra)
+            self._reopen(mode, hooks)
 
         self._ask("Switch engine mode?",
                   f"Switching to {mode} mode restarts the engine with the checked hook points. "
@@ -677,7 +681,7 @@ class MainWindow(QMainWindow):
         old = self._run_file
         vm = CaptureViewModel()
         vm.load_run(run_file.run, path)
-        self.file_vm, self._run_file = vm, run_file
+        self._run_file = run_file
         self.vm = vm
         if old is not None:
             old.close()
@@ -763,7 +767,6 @@ class MainWindow(QMainWindow):
         job.failed.connect(self._export_failed)
         thread.started.connect(job.work)
         self.export_thread, self._export_job, self._export_dialog = thread, job, dialog
-        self._export_path = path
         thread.start()
         return True
 
@@ -802,9 +805,7 @@ class MainWindow(QMainWindow):
 
         def go():
             self.controller.new_run()
-            info = self.session_info
-            self.live.start_live(info.metadata if info else {}, info.installed if info else {},
-                                 info.catalogue if info else ())
+            self._start_live()
             self.show_live()
 
         if self.live.total_rows():
@@ -898,10 +899,9 @@ class MainWindow(QMainWindow):
         texts = vm.token_texts(rid)
         info = vm.hook_info(hook)
         marks = vm.intervention_marks(rid, hook, len(texts))
-        placeholder = self._placeholder(rid, hook)
-        self.heatmap.set_placeholder(placeholder)
-        self.summary.empty_text.setText(placeholder if placeholder != "No rows captured at this hook point for "
-                                        "this request" else "No residual-stream hook points captured")
+        state = self._state_placeholder()
+        self.heatmap.set_placeholder(state or "No rows captured at this hook point for this request")
+        self.summary.empty_text.setText(state or "No residual-stream hook points captured")
         if self.tabs.currentWidget() is self.heatmap:
             rows = vm.rows(rid, hook)
             if rows is None:
@@ -923,16 +923,16 @@ class MainWindow(QMainWindow):
                                   marks, reset=strip_key != self._strip_key)
         self._strip_key = strip_key
         self._refresh_text(req)
-        if vm.selected_position is not None:
-            self.heatmap.select_position(vm.selected_position)
+        self.heatmap.select_position(vm.selected_position)  # None: no column highlighted
 
-    def _placeholder(self, rid, hook) -> str:
+    def _state_placeholder(self) -> str | None:
+        """What the plots say while the live run has no request yet; None once there is data to show."""
         if self.vm is self.live and not self.live.request_ids():
             return {"booting": "The model is starting…", "restarting": "The engine is restarting…",
                     "no-model": "No model: File ▸ Open Model…, or File ▸ Open Capture… to view a saved run",
                     "dead": "The engine stopped: Engine ▸ Restart Engine",
                     }.get(self.state, "Type a prompt below and press Generate")
-        return "No rows captured at this hook point for this request"
+        return None
 
     def _refresh_selectors(self) -> None:
         vm = self.vm

@@ -31,6 +31,8 @@ class SummaryView(QWidget):
         self._matrix = np.zeros((0, 0), dtype=np.float32)
         self._labels: list[str] = []
         self._texts: list[str] = []
+        self._shown_empty: bool | None = None  # axis state last set, to touch the axes only on change
+        self._ticks: list | None = None
         self.last_readout = ""
 
         self.measure_box = QComboBox()
@@ -116,7 +118,7 @@ class SummaryView(QWidget):
         self._matrix = m
         empty = m.size == 0 or not np.isfinite(m).any()
         self.empty_text.setVisible(empty)
-        if empty != getattr(self, "_shown_empty", None):  # setStyle makes an axis regenerate
+        if empty != self._shown_empty:  # setStyle makes an axis regenerate
             self._shown_empty = empty
             for axis in ("left", "bottom"):
                 self.plot.getAxis(axis).setStyle(showValues=not empty)
@@ -131,7 +133,10 @@ class SummaryView(QWidget):
         self.img.setRect(QRectF(0, 0, m.shape[0], m.shape[1]))
         self.cbar.setLevels(levels, update_items=False)
         step = max(1, len(self._labels) // 24)
-        self.plot.getAxis("left").setTicks([[(j + 0.5, lab) for j, lab in enumerate(self._labels) if j % step == 0]])
+        ticks = [[(j + 0.5, lab) for j, lab in enumerate(self._labels) if j % step == 0]]
+        if ticks != self._ticks:  # setTicks makes the axis redraw: only when the layers change, not every frame
+            self._ticks = ticks
+            self.plot.getAxis("left").setTicks(ticks)
         want = [[0, max(m.shape[0], 1)], [0, max(m.shape[1], 1)]]
         if self.vb.viewRange() != want:
             self.vb.setRange(xRange=want[0], yRange=want[1], padding=0)

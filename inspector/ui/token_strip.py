@@ -30,7 +30,6 @@ MARGIN, SPACING, PAD, MAX_CHIP = 3, 3, 6, 240
 
 class TokenStrip(QAbstractScrollArea):
     positionClicked = Signal(int)
-    selectionChanged = Signal()
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -81,9 +80,6 @@ class TokenStrip(QAbstractScrollArea):
 
     def display_text(self, position: int) -> str:
         return self._shown[position]
-
-    def __len__(self) -> int:
-        return len(self._texts)
 
     # ------------------------------------------------------------------ layout
     def _layout(self, incremental: bool) -> None:
@@ -191,7 +187,6 @@ class TokenStrip(QAbstractScrollArea):
             self._selected, self._anchor = {i}, i
         self._current = i
         self.viewport().update()
-        self.selectionChanged.emit()
         self.positionClicked.emit(i)
 
     def mouseReleaseEvent(self, event) -> None:
@@ -254,7 +249,6 @@ class TokenStrip(QAbstractScrollArea):
         self._selected = set(range(max(first, 0), min(last, len(self._texts) - 1) + 1))
         self._anchor, self._current = first, last
         self.viewport().update()
-        self.selectionChanged.emit()
 
     def selected_positions(self) -> tuple[int, ...]:
         return tuple(sorted(self._selected))
@@ -262,5 +256,4 @@ class TokenStrip(QAbstractScrollArea):
     def click_position(self, position: int) -> None:
         """What a plain click on a token does."""
         self.select_position(position)
-        self.selectionChanged.emit()
         self.positionClicked.emit(position)
