@@ -7,7 +7,7 @@ Each configuration boots once in its own process and stays up; the runs then alt
     python3 bench/plugin_bench.py --preset llama3-8b     # GPU: Llama-3-8B shape, dummy bf16 weights
 
 Capture = the residual stream after every block; the hooked engines are drained as the engine session
-does it (every ``DRAIN_INTERVAL_S`` at most, and when requests finish).
+does it (after every step, waiting for copies in flight only when requests finish).
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
     from vllm import LLM, SamplingParams
 
     from inspector.engine.boot import boot_llm
-    from inspector.engine.session import DRAIN_INTERVAL_S
 
     _, dtype, max_batched, prompt_len, _ = PRESETS[preset]
     mode, hooks = CONFIGS[name]
@@ -107,17 +106,15 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             ids = rng.integers(10, vocab - 10, prompt_len).tolist()
             engine.add_request(f"{run_no}-{i}", {"prompt_token_ids": ids}, params)
         run_no += 1
-        drain_s, last_drain = 0.0, time.perf_counter()
+        drain_s = 0.0
 
         def drain(finishing: bool) -> None:
-            """As the engine session does: every DRAIN_INTERVAL_S at most, and waiting only when
-            requests finish."""
-            nonlocal drain_s, last_drain
-            t = time.perf_counter()
-            if hooks and (finishing or t - last_drain >= DRAIN_INTERVAL_S):
+            """As the engine session does: after every step, waiting only when requests finish."""
+            nonlocal drain_s
+            if hooks:
+                t = time.perf_counter()
                 llm.collective_rpc("inspector_drain", kwargs={"wait": finishing})
-                last_drain = time.perf_counter()
-                drain_s += last_drain - t
+                drain_s += time.perf_counter() - t
 
         t0 = time.perf_counter()
         first = set()

@@ -5,12 +5,13 @@ The CUDA event is replaced by a stand-in whose completion the test controls; the
 """
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from inspector.plugin.config import PluginConfig
 from inspector.plugin.copyout import Transfer
-from inspector.plugin.gather import Drained
+from inspector.plugin.gather import Drained, rows_by_request
 from inspector.plugin.runtime import InspectorRuntime
 
 
@@ -84,3 +85,34 @@ def test_queued_positions_count_forwards_not_yet_drained():
     assert runtime.queued_positions(["r0", "r1", "r2"]) == {"r0": 4, "r1": 2}
     runtime.drain()
     assert runtime.queued_positions(["r0", "r1"]) == {}  # drained: the session knows them from the rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_drained_rows_are_each_requests_rows_in_order(dtype):
+    """Forwards with requests joining, leaving and spanning chunks (some land evenly spaced, some
+    not), against a plain per-request reference."""
+    rng = np.random.default_rng(0)
+    batches = [(["r0", "r1", "r2"], [4, 1, 2]), (["r0", "r1", "r2"], [1, 1, 1]), (["r1", "r3"], [1, 5]),
+               (["r0", "r1", "r3"], [1, 1, 1]), (["r3", "r0"], [2, 1])]
+    forwards, expected, next_position = [], {}, {}
+    for req_ids, counts in batches:
+        qsl = np.concatenate([[0], np.cumsum(counts)])
+        positions = np.concatenate([np.arange(next_position.get(r, 0), next_position.get(r, 0) + c)
+                                    for r, c in zip(req_ids, counts)])
+        values = torch.tensor(rng.standard_normal((3, int(qsl[-1]), 8)), dtype=dtype)
+        ids = torch.tensor(rng.integers(0, 100, int(qsl[-1])), dtype=torch.int32)
+        forwards.append(Drained(req_ids, qsl, positions, [["a", None, "b"]], [values, ids]))
+        for i, (r, c) in enumerate(zip(req_ids, counts)):
+            next_position[r] = next_position.get(r, 0) + c
+            for hook, k in (("a", 0), ("b", 2)):
+                rows = expected.setdefault(r, {}).setdefault(hook, [])
+                rows += [(int(positions[j]), int(ids[j]), values[k, j].float().numpy()) for j in range(qsl[i], qsl[i + 1])]
+    got = rows_by_request(forwards)
+    assert got.keys() == expected.keys()
+    for rid, hooks in expected.items():
+        assert got[rid].keys() == hooks.keys()
+        for hook, rows in hooks.items():
+            assert got[rid][hook]["positions"].tolist() == [p for p, _, _ in rows] == list(range(len(rows)))
+            assert got[rid][hook]["token_ids"].tolist() == [t for _, t, _ in rows]
+            assert got[rid][hook]["values"].dtype == np.float32
+            np.testing.assert_array_equal(got[rid][hook]["values"], np.stack([v for _, _, v in rows]))
