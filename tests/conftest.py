@@ -1,8 +1,16 @@
-"""Test-wide set-up: environment for an in-process CPU engine, and the tiny models."""
+"""Test-wide set-up: environment for an in-process CPU engine, its compile cache, and the tiny models."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# vLLM's compile cache in a directory of this run's own: every run compiles from scratch, as CI does,
+# and engines re-booted within the run load what it saved (tests then cover both).
+_compile_cache = tempfile.mkdtemp(prefix="inspector-tests-vllm-")
+os.environ.setdefault("VLLM_CACHE_ROOT", _compile_cache)
+atexit.register(shutil.rmtree, _compile_cache, ignore_errors=True)
 
 from inspector.engine.environment import prepare_environment  # noqa: E402
 

@@ -22,6 +22,24 @@ def test_register_is_idempotent():
     assert Worker.load_model is patched
 
 
+def test_compile_cache_key_sees_the_hooks():
+    """vLLM keys its compiled-artifact caches by this hash: each hook set must get its own."""
+    from vllm.config import VllmConfig
+
+    plugin.register()
+    config = VllmConfig()
+    keys = [config.compute_hash()]
+    try:
+        for specs in ({"a": ("model.layers.0", 128)}, {"a": ("model.layers.1", 128)}):
+            plugin.configure(specs, 64, torch.float32)
+            keys.append(config.compute_hash())
+            assert config.compute_hash() == keys[-1]  # stable while the config stays
+    finally:
+        plugin.clear_config()
+    assert len(set(keys)) == 3
+    assert config.compute_hash() == keys[0]  # no hooks: vLLM's own key
+
+
 def test_register_is_the_vllm_entry_point():
     from importlib.metadata import entry_points
 

@@ -7,7 +7,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from engines import ENGINE_ARGS, rpc
+import hf_reference
+from engines import ENGINE_ARGS, PARITY_TOL, rel_l2, rpc
 from inspector.engine import Intervention
 from inspector.engine.session import Sampling, Session, SessionError, SessionOptions
 from inspector.io.hdf5 import read_run, write_run
@@ -153,18 +154,34 @@ def test_hdf5_round_trip_is_bit_for_bit(session, tmp_path):
         assert out.returncode == 0 and "resid_post" in out.stdout
 
 
-def test_compiled_hook_change_restarts_the_engine(session):
+def test_compiled_hook_change_restarts_the_engine(tiny_models, session):
+    """Each hook set boots its own compiled graph, and vLLM's compile cache keeps them apart: the
+    switch back to the first set boots from the cache (on CUDA it loads the saved graph), and both
+    capture what transformers computes."""
     collect(session, PROMPTS[:1], Sampling(max_tokens=2))
     kept = dict(session.run.requests)
-    assert session.set_hooks(["blocks.1.hook_mlp_out"]) is True
-    assert list(session.installed) == ["model.layers.1.mlp.mlp_out"]
+    first_hooks = tuple(session.options.hooks)
+    assert session.set_hooks(["blocks.1.mlp.hook_post"]) is True
+    assert list(session.installed) == ["model.layers.1.mlp.down_proj.mlp_post"]
     assert session.run.requests.keys() == kept.keys()  # the run survives the restart
-    for event in session.generate(PROMPTS[:1], Sampling(max_tokens=2)):
-        for step in event.requests:
-            assert set(step.rows) <= {"model.layers.1.mlp.mlp_out"}
+    _assert_matches_transformers(tiny_models["llama"], session, "model.layers.1.mlp.down_proj.mlp_post",
+                                 lambda ref: ref["mlp_post"][1])
+    assert session.set_hooks(list(first_hooks)) is True
+    _assert_matches_transformers(tiny_models["llama"], session, "model.layers.1.resid_post",
+                                 lambda ref: ref["resid_post"][1])
     with pytest.raises(ValueError, match="matches no hook point"):
         session.set_hooks(["blocks.9.*"])
     assert session.alive
+
+
+def _assert_matches_transformers(model_dir, session, hook, expected):
+    collect(session, PROMPTS[:1], Sampling(max_tokens=3))
+    req = list(session.run.requests.values())[-1]
+    assert set(req.hooks) == set(session.installed)
+    rows = req.hooks[hook]
+    ref = expected(hf_reference.run(model_dir, req.token_ids[:-1]))
+    assert rows.positions.tolist() == list(range(len(ref)))
+    assert rel_l2(rows.values, ref).max() < 3 * PARITY_TOL
 
 
 def test_closed_session_refuses_work(tiny_models, session):

@@ -9,12 +9,10 @@ def prepare_environment(kv_cache_gib: int = 1) -> None:
     """Set what an in-process engine needs; values the user set explicitly win.
 
     - the engine core and worker live in this process, so the driver can reach the model;
-    - the compiled-artifact cache key ignores hooks, so a cached graph without them would be reused;
     - CPU decode runs 20-40x slower without OMP_NUM_THREADS set to the core count.
     """
     defaults = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_DISABLE_COMPILE_CACHE": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
         "TOKENIZERS_PARALLELISM": "false",

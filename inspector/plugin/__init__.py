@@ -17,11 +17,13 @@ WORKER_EXTENSION = "inspector.plugin.worker_extension.InspectorWorkerExtension"
 
 
 def register() -> None:
-    """Idempotent: patch ``Worker.load_model``; the patch does nothing while no config is set."""
+    """Idempotent: patch ``Worker.load_model`` and key vLLM's compile cache by the hook config; both
+    patches do nothing while no config is set."""
     from . import vllm_compat
     from .worker_extension import install_runtime
 
     vllm_compat.patch_load_model(install_runtime)
+    vllm_compat.key_compile_cache(lambda: os.environ.get(ENV_VAR))
 
 
 def configure(capture_specs: dict[str, tuple[str, int]], max_num_batched_tokens: int, dtype: torch.dtype,

@@ -7,6 +7,7 @@ on CUDA (its default "V2" GPU model runner, and the V1 runner).
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Callable
 
 import numpy as np
@@ -33,6 +34,26 @@ def patch_load_model(after_load: Callable[[object], None]) -> None:
 
     setattr(load_model, _PATCHED_FLAG, True)
     Worker.load_model = load_model
+
+
+def key_compile_cache(extra_key: Callable[[], str | None]) -> None:
+    """Fold ``extra_key()`` (our hook config, or None) into ``VllmConfig.compute_hash``, which keys
+    vLLM's compiled-artifact caches (its AOT cache and its Inductor cache directory). The hooks live
+    in the worker, not in vLLM's config, so without this a graph compiled with other hooks, or none,
+    would be loaded."""
+    from vllm.config import VllmConfig
+
+    if getattr(VllmConfig.compute_hash, _PATCHED_FLAG, False):
+        return
+    original = VllmConfig.compute_hash
+
+    @functools.wraps(original)
+    def compute_hash(self, *args, **kwargs):
+        key, extra = original(self, *args, **kwargs), extra_key()
+        return key if extra is None else hashlib.sha256(f"{key}|{extra}".encode()).hexdigest()[:len(key)]
+
+    setattr(compute_hash, _PATCHED_FLAG, True)
+    VllmConfig.compute_hash = compute_hash
 
 
 def model_of(worker) -> torch.nn.Module:
