@@ -61,8 +61,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
 
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle engines must not spin on the shared cores
     use_caches(cache_root)
-    if not CONFIGS[name][1]:
-        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "0"  # vanilla as users run it: vLLM's cache on (but cold)
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "0"  # as users run it: vLLM's cache on (cold on the first boot)
     prepare_environment()
     import numpy as np
     import torch
@@ -217,8 +216,7 @@ def main() -> None:
             v, c, e = (med(n, run, "decode_tok_s") for n in ("vanilla", "compiled", "eager"))
             print(f"{run[0]}x{run[1]} decode: compiled/vanilla {c / v:.3f}, compiled/eager {c / e:.2f}")
         print(f"boot: compiled/vanilla {boot['compiled']['boot_s'] / boot['vanilla']['boot_s']:.2f} with cold caches, "
-              f"{boot['compiled again']['boot_s'] / boot['vanilla again']['boot_s']:.2f} with warm ones (vanilla "
-              "with vLLM's compile cache; hooked engines without it, since its key does not see the hooks)")
+              f"{boot['compiled again']['boot_s'] / boot['vanilla again']['boot_s']:.2f} with warm ones")
         layers, width, _, _ = dims(spec)
         itemsize = 4 if dtype == "float32" else 2
         buffers = layers * max_batched * width * itemsize / 2**20
