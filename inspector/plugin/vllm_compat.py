@@ -181,5 +181,11 @@ def shutdown_engine(llm) -> None:
     destroy_distributed_environment()
     torch._dynamo.reset()  # Dynamo's cache entries hold the compiled model (and its buffers) alive
     gc.collect()
+    # vLLM captures every engine's CUDA graphs into one pool per process (a class attribute of the
+    # platform). With its compile cache on, the old engine's graphs release that pool while a block
+    # of it lives on, and the next engine's capture then fails an allocator assertion: start a new one.
+    from vllm.platforms import current_platform
+
+    type(current_platform)._global_graph_pool = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
