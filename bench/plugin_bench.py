@@ -253,5 +253,6 @@ def kv_block_bytes(spec: dict, itemsize: int, block_size: int) -> int:
     layers, hidden, heads, kv_heads = dims(spec)
     return 2 * layers * kv_heads * (hidden // heads) * block_size * itemsize
 
+
 if __name__ == "__main__":
     main()

@@ -106,7 +106,8 @@ def test_drained_rows_are_each_requests_rows_in_order(dtype):
             next_position[r] = next_position.get(r, 0) + c
             for hook, k in (("a", 0), ("b", 2)):
                 rows = expected.setdefault(r, {}).setdefault(hook, [])
-                rows += [(int(positions[j]), int(ids[j]), values[k, j].float().numpy()) for j in range(qsl[i], qsl[i + 1])]
+                rows += [(int(positions[j]), int(ids[j]), values[k, j].float().numpy())
+                         for j in range(qsl[i], qsl[i + 1])]
     got = rows_by_request(forwards)
     assert got.keys() == expected.keys()
     for rid, hooks in expected.items():

@@ -127,7 +127,8 @@ def test_round_trip_bit_for_bit(tmp_path):
         g = f["requests/0"]
         assert g.attrs["request_id"] == "req-0-\u00e9"
         v = g["hooks/model.layers.1.mlp.down_proj/values"]
-        assert v.dtype == np.float32 and v.chunks == (119, 550) and v.maxshape == (None, 1100)  # width split in equal parts, ~256 KiB
+        # width split in equal parts, ~256 KiB
+        assert v.dtype == np.float32 and v.chunks == (119, 550) and v.maxshape == (None, 1100)
         assert v.compression is None
         assert g["token_texts"].asstr()[1] == " caf\u00e9"
         assert g["top_logprob_ids"].shape[0] == 40 and g["is_prompt"][:5].all()

@@ -28,6 +28,7 @@ from .boot import MODES, boot_llm, shutdown_llm
 from .models import model_config, resolve_model
 from .tokens import token_text
 
+
 class SessionError(RuntimeError):
     """The engine could not boot, or failed while running; the message says why."""
 

@@ -65,4 +65,3 @@ class CopyOut:
             event = torch.cuda.Event()
             event.record(stream)
         return Transfer(host, event)
-
