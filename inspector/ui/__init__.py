@@ -6,6 +6,6 @@ Modules without Qt in their name-space (``capture_view_model``, ``image_pool``, 
 hold the state and arithmetic, so they can be unit-tested without a display.
 """
 
-from .qt_compat import guard_none_refcount as _guard_none_refcount
+from .qt_compat import guard_refcounts as _guard_refcounts
 
-_guard_none_refcount()
+_guard_refcounts()
