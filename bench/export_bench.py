@@ -31,7 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inspector.capture.run import HookInfo, RequestCapture, Run  # noqa: E402
+from inspector.capture.hooks import HookPoint  # noqa: E402
+from inspector.capture.run import RequestCapture, Run  # noqa: E402
 from inspector.io import CaptureWriter, open_run, write_run  # noqa: E402
 
 
@@ -50,7 +51,7 @@ class Rows:
 def build(n_req: int, n_hooks: int, rows: int, width: int) -> tuple[Run, int]:
     rng = np.random.default_rng(0)
     pool = [rng.standard_normal((rows, width), dtype=np.float32) for _ in range(8)]
-    hooks = {f"model.layers.{h}.resid_post": HookInfo(f"model.layers.{h}.resid_post", f"L{h}", f"model.layers.{h}",
+    hooks = {f"model.layers.{h}.resid_post": HookPoint(f"model.layers.{h}.resid_post", f"L{h}", f"model.layers.{h}",
                                                       "resid", width, h, "bfloat16") for h in range(n_hooks)}
     run = Run(metadata={"model_path": "synthetic", "engine_mode": "bench"}, hooks=hooks)
     for r in range(n_req):

@@ -35,7 +35,7 @@ def table(rows):
 def bench_heatmap(app, frames: int = 60) -> list:
     import numpy as np
 
-    from inspector.ui.capture_view_model import GrowingRows
+    from inspector.capture.run import HookRows
     from inspector.ui.heatmap import HeatmapWidget
 
     w = HeatmapWidget()
@@ -43,7 +43,7 @@ def bench_heatmap(app, frames: int = 60) -> list:
     w.show()
     app.processEvents()
     rng = np.random.default_rng(0)
-    rows = GrowingRows(4096)
+    rows = HookRows(4096)
     n0 = 2000 - frames
     rows.append(np.arange(n0), np.zeros(n0), rng.standard_normal((n0, 4096), dtype=np.float32))
     texts = ["tok"] * 2100
@@ -79,9 +79,10 @@ def bench_heatmap(app, frames: int = 60) -> list:
 def bench_generation(app, args) -> list:
     from PySide6.QtCore import QTimer
 
+    from inspector.cli import engine_session
     from inspector.ui.main_window import MainWindow
 
-    window = MainWindow()
+    window = MainWindow(engine_session)
     window.resize(1500, 950)
     window.show()
     ticks: list[float] = []
@@ -91,16 +92,16 @@ def bench_generation(app, args) -> list:
     hooks = args.hooks.split(",")
     model = args.model
     if model == "tiny":
-        from inspector.tinymodels import tiny_model
+        from inspector.testing.tinymodels import tiny_model
 
         model = str(tiny_model("llama"))
     t0 = time.perf_counter()
     window.open_model(model, mode=args.mode, hooks=hooks)
-    while window.state not in ("ready", "no-model") and time.perf_counter() - t0 < 600:
+    while window.state.value not in ("ready", "no model") and time.perf_counter() - t0 < 600:
         app.processEvents()
         time.sleep(0.002)
     boot = time.perf_counter() - t0
-    if window.state != "ready":
+    if window.state.value != "ready":
         print("boot failed:", window.last_dialog.text() if window.last_dialog else window.state, file=sys.stderr)
         window.close()
         return [("boot", "failed", "", False)]
@@ -112,7 +113,7 @@ def bench_generation(app, args) -> list:
     window.longest_tick_s = 0.0
     t0 = time.perf_counter()
     window.generate()
-    while window.state == "generating" and time.perf_counter() - t0 < 600:
+    while window.state.value == "generating" and time.perf_counter() - t0 < 600:
         app.processEvents()
         time.sleep(0.001)
     elapsed = time.perf_counter() - t0
@@ -120,9 +121,9 @@ def bench_generation(app, args) -> list:
     gaps = sorted(b - a for a, b in zip(ticks, ticks[1:]))
     longest = gaps[-1] if gaps else float("nan")
     p99 = gaps[int(0.99 * len(gaps)) - 1] if gaps else float("nan")
-    rid = window.vm.request_ids()[-1]
-    n_tokens = len(window.vm.request(rid).generated_token_ids)
-    n_hooks = len(window.vm.request(rid).hooks)
+    rid = window.shown.request_ids()[-1]
+    n_tokens = len(window.shown.request(rid).generated_token_ids)
+    n_hooks = len(window.shown.request(rid).hooks)
     paints = window.heatmap.paint_count
     longest_tick = window.longest_tick_s
     window.close()

@@ -40,7 +40,7 @@ PRESETS = {
 def model_dir(preset: str) -> tuple[str, dict]:
     spec = PRESETS[preset][0]
     if preset == "cpu":
-        from inspector.tinymodels import tiny_model
+        from inspector.testing.tinymodels import tiny_model
 
         return str(tiny_model(**spec)), {}
     path = Path(tempfile.mkdtemp(prefix="bench-model-"))

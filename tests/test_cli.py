@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from inspector.io.hdf5 import read_run
+from inspector.io import read_run
 
 
 def inspector(*args, check=True):
@@ -24,7 +24,8 @@ def test_capture_on_the_demo_model(tmp_path):
                        "--hooks", "blocks.*.hook_resid_post", "blocks.0.mlp.hook_post", "--max-tokens", "6",
                        "--intervene", "blocks.1.hook_resid_post:scale=0.5,request=1", "--out", str(out), "--json")
     summary = json.loads(result.stdout)
-    assert "[compiling]" in result.stderr and "[ready]" in result.stderr and "6/12 tokens" not in result.stdout
+    assert "[compiling]" in result.stderr and "[ready]" in result.stderr
+    assert "[generating] 12/12 tokens" in result.stderr  # progress on stderr: stdout is only the JSON
     run = read_run(out)
     assert summary["out"] == str(out) and len(summary["requests"]) == 2
     assert run.metadata["engine_mode"] == "compiled"
@@ -48,7 +49,16 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     result = inspector("capture", "--prompt", "x", "--intervene", "blocks.0.hook_resid_post:colour=red",
                        "--out", str(tmp_path / "r.h5"), check=False)
     assert result.returncode == 1 and "unknown key 'colour'" in result.stderr
+    result = inspector("capture", "--prompt", "x", "--intervene", "blocks.0.hook_resid_post:positions=4-2",
+                       "--out", str(tmp_path / "r.h5"), check=False)
+    assert result.returncode == 1 and "runs backwards" in result.stderr
     assert not (tmp_path / "r.h5").exists()
+
+
+def test_a_bad_output_path_is_refused_before_the_engine_boots(tmp_path):
+    result = inspector("capture", "--prompt", "x", "--out", str(tmp_path / "missing" / "x.h5"), check=False)
+    assert result.returncode == 1 and "the directory" in result.stderr and "does not exist" in result.stderr
+    assert "[resolving]" not in result.stderr  # no engine was started
 
 
 def test_version():

@@ -11,7 +11,7 @@ from torch import nn
 
 from inspector.plugin.config import PluginConfig
 from inspector.plugin.copyout import Transfer
-from inspector.plugin.gather import Drained, rows_by_request
+from inspector.plugin.gather import QueuedForward, rows_by_request
 from inspector.plugin.runtime import InspectorRuntime
 
 
@@ -39,7 +39,7 @@ def _queue(runtime, req_ids, counts, first_position, event, hooks=("a", "b")):
     values = torch.tensor(positions, dtype=torch.bfloat16).reshape(1, n, 1).expand(len(hooks), n, 4).clone()
     ids = torch.tensor(positions + 1000)
     transfer = Transfer([values, ids], event)
-    runtime._pending.append((Drained(list(req_ids), qsl, positions, [list(hooks)], transfer.host), transfer))
+    runtime._pending.append((QueuedForward(list(req_ids), qsl, positions, [list(hooks)], transfer.host), transfer))
 
 
 def test_drain_without_wait_takes_only_landed_steps_in_order():
@@ -101,7 +101,7 @@ def test_drained_rows_are_each_requests_rows_in_order(dtype):
                                     for r, c in zip(req_ids, counts)])
         values = torch.tensor(rng.standard_normal((3, int(qsl[-1]), 8)), dtype=dtype)
         ids = torch.tensor(rng.integers(0, 100, int(qsl[-1])), dtype=torch.int32)
-        forwards.append(Drained(req_ids, qsl, positions, [["a", None, "b"]], [values, ids]))
+        forwards.append(QueuedForward(req_ids, qsl, positions, [["a", None, "b"]], [values, ids]))
         for i, (r, c) in enumerate(zip(req_ids, counts)):
             next_position[r] = next_position.get(r, 0) + c
             for hook, k in (("a", 0), ("b", 2)):

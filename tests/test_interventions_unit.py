@@ -1,9 +1,10 @@
-"""The slot planner and intervention values, without an engine (pure numpy)."""
+"""Interventions as values, and the plugin's slot planner, without an engine (pure numpy)."""
 
 import numpy as np
 import pytest
 
-from inspector.plugin.interventions import Intervention, SlotPlanner, compose, validate
+from inspector.capture.interventions import Intervention, validate
+from inspector.plugin.slots import SlotPlanner, compose
 
 
 def iv(**kw):
@@ -47,8 +48,8 @@ def test_compose_applies_in_order():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(scale=[1.0, 2.0, 3.0]), "is 2 wide"),
-    (dict(bias=float("nan")), "NaN or Inf"),
+    (dict(scale=[1.0, 2.0, 3.0]), "has 3 values but the hook point is 2 wide"),
+    (dict(bias=float("nan")), "NaN/Inf"),
     (dict(positions=[2]), "enable_position_interventions"),
 ])
 def test_validate(kw, message):
@@ -61,20 +62,9 @@ def test_from_dict_reads_numpy_vectors():
     assert got.bias == (0.0, 1.0, 2.0) and got.positions == (4,)
 
 
-def test_vectors_from_npy_files(tmp_path):
-    from inspector.engine.vectors import load_vector
-
-    good = tmp_path / "v.npy"
-    np.save(good, np.arange(4, dtype=np.float32).reshape(1, 4))
-    assert load_vector(good, width=4) == (0.0, 1.0, 2.0, 3.0)
-    with pytest.raises(ValueError, match="4 values; the hook point is 8 wide"):
-        load_vector(good, width=8)
-    np.save(tmp_path / "m.npy", np.zeros((2, 3)))
-    with pytest.raises(ValueError, match="1-D numeric vector"):
-        load_vector(tmp_path / "m.npy")
-    np.save(tmp_path / "n.npy", np.array([1.0, np.nan]))
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        load_vector(tmp_path / "n.npy")
-    (tmp_path / "t.npy").write_text("not numpy")
-    with pytest.raises(ValueError, match="cannot read a vector"):
-        load_vector(tmp_path / "t.npy")
+def test_as_dict_round_trips_and_scopes():
+    one = Intervention("h", scale=(1.0, 2.0), bias=0.5, request_id="req3", positions=(1, 2))
+    assert Intervention.from_dict(one.as_dict()) == one
+    assert one.applies_to("req3") and not one.applies_to("req4") and Intervention("h").applies_to("req4")
+    with pytest.raises(ValueError, match="unknown intervention fields"):
+        Intervention.from_dict({"hook": "h", "colour": "red"})

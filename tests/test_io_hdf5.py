@@ -15,10 +15,11 @@ import h5py
 import numpy as np
 import pytest
 
-from inspector.capture.run import HookInfo, HookRows, RequestCapture, Run
+from inspector.capture.hooks import HookPoint
+from inspector.capture.run import HookRows, RequestCapture, Run, TopToken
 from inspector.io import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, CaptureWriter, H5Array, LazyHookRows,
                           open_run, read_run, write_run)
-from inspector.io.hdf5 import chunk_cols_for, chunk_rows_for, escape_name, unescape_name
+from inspector.io.format import chunk_cols_for, chunk_rows_for, escape_name, unescape_name
 
 H5DUMP = shutil.which("h5dump") or ("/usr/bin/h5dump" if os.path.exists("/usr/bin/h5dump") else None)
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ def special_values(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
 
 def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3)) -> Run:
     rng = np.random.default_rng(seed)
-    hooks = {name: HookInfo(name, f"L{layer}.{name[-8:]}", f"model.{name}", "resid", width, layer, "bfloat16")
+    hooks = {name: HookPoint(name, f"L{layer}.{name[-8:]}", f"model.{name}", "resid", width, layer, "bfloat16")
              for name, width, layer in HOOK_SPECS}
     run = Run(metadata={"app_version": "0.1.0", "vllm_version": "0.32.0", "model_path": "/models/tiny \u00e9",
                         "model_config": {"hidden_size": 48, "layers": [0, 1], "name": "t\u00efny \U0001F600"},
@@ -57,8 +58,9 @@ def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3)) -> Run:
         prompt_ids = rng.integers(0, 50_000, n_prompt).tolist()
         gen_ids = rng.integers(0, 50_000, n_gen).tolist()
         texts = [TEXTS[i % len(TEXTS)] for i in range(n_prompt + n_gen)]
-        top = [[(int(t), float(lp)) for t, lp in zip(rng.integers(0, 50_000, k), -rng.random(k) * 10)]
-               for k in rng.integers(0, 4, n_gen)]  # ragged, k may be 0
+        top = [[TopToken(int(t), float(lp), TEXTS[(j + k) % len(TEXTS)])
+                for j, (t, lp) in enumerate(zip(rng.integers(0, 50_000, k), -rng.random(k) * 10))]
+               for k in rng.integers(0, 4, n_gen)]  # ragged, k may be 0; texts HDF5 cannot hold too
         req = RequestCapture(
             request_id=f"req-{r}-\u00e9", prompt=f"Hello w\u00f6rld \U0001F600 #{r}\x00end" if r == 1 else f"prompt {r}",
             prompt_token_ids=prompt_ids, sampling={"temperature": 0.7, "max_tokens": n_gen, "stop": ["\n"]},
@@ -165,7 +167,7 @@ def stream(run: Run, path: Path, seed: int, **options) -> None:
                     w.append_rows(req.request_id, name, rows.positions[a:b], rows.token_ids[a:b],
                                   rows.values[a:b].copy())
                 partial = RequestCapture(req.request_id, "stale", [1], {"stale": True}, [2], ["x"], [0.0],
-                                         [[(1, 0.0)]], [], finish_reason=None)
+                                         [[TopToken(1, 0.0, "y")]], [], finish_reason=None)
                 w.update_request(partial)  # later calls win
         for req in run.requests.values():
             w.update_request(req)
@@ -205,15 +207,15 @@ def test_writer_argument_errors_keep_writer_usable(tmp_path):
 
 
 def test_update_request_last_call_wins(tmp_path):
-    hooks = {"h": HookInfo("h", "h", "m.h", "resid", 2)}
+    hooks = {"h": HookPoint("h", "h", "m.h", "resid", 2)}
     w = CaptureWriter(tmp_path / "r.h5", {}, hooks, fsync=False)
     w.add_request(RequestCapture("a", "with\x00nul", [1, 2], {"t": 1}))
     w.append_rows("a", "h", [0, 1], [1, 2], np.ones((2, 2), np.float32))
     w.update_request(RequestCapture("a", "with\x00nul", [1, 2], {"t": 1}, [3], ["x", "y", "z"], [-0.5],
-                                    [[(3, -0.5)]], [(0, [])], finish_reason="stop"))  # writes rows now
+                                    [[TopToken(3, -0.5, "c")]], [(0, [])], finish_reason="stop"))  # writes rows now
     w.append_rows("a", "h", [2], [3], np.full((1, 2), 2, np.float32))  # rows after "finished" still count
     final = RequestCapture("a", "plain", [1, 2], {"t": 2}, [3, 4], ["x", "y", "z", "w"], [-0.5, -1.0],
-                           [[(3, -0.5)], []], [(0, []), (3, [{"hook": "h", "scale": 0.0}])], finish_reason=None)
+                           [[TopToken(3, -0.5, "c")], []], [(0, []), (3, [{"hook": "h", "scale": 0.0}])], finish_reason=None)
     w.update_request(final)
     w.close()
     got = read_run(tmp_path / "r.h5").requests["a"]
@@ -311,6 +313,22 @@ def test_missing_datasets(tmp_path, small_file):
         open_run(path)
 
 
+def test_files_without_top_logprob_texts_still_open(tmp_path, small_file):
+    """Files written before the most likely tokens' texts were stored show their ids only."""
+    path = tmp_path / "older.h5"
+    shutil.copy(small_file, path)
+    with h5py.File(path, "a") as f:
+        for g in f["requests"].values():
+            del g["top_logprob_texts"]
+    for req in read_run(path).requests.values():
+        assert all(top.text == "" for tops in req.top_logprobs for top in tops)
+    with h5py.File(path, "a") as f:
+        f["requests/0"].create_dataset("top_logprob_texts", data=np.array([["x"]], dtype=object),
+                                       dtype=h5py.string_dtype())
+    with pytest.raises(CaptureFileError, match="top-logprob texts of /requests/0 have shape"):
+        read_run(path)
+
+
 # ------------------------------------------------------------------------------------------ write errors, atomicity
 
 def test_unwritable_destination_fails_at_open(tmp_path):
@@ -379,9 +397,10 @@ HARD_KILL = textwrap.dedent("""
     import os, sys, time
     import numpy as np
     sys.path.insert(0, sys.argv[2])
-    from inspector.capture.run import HookInfo, RequestCapture
+    from inspector.capture.hooks import HookPoint
+    from inspector.capture.run import RequestCapture
     from inspector.io import CaptureWriter
-    w = CaptureWriter(os.path.join(sys.argv[1], "run.h5"), {}, {"h": HookInfo("h", "h", "m", "resid", 256)})
+    w = CaptureWriter(os.path.join(sys.argv[1], "run.h5"), {}, {"h": HookPoint("h", "h", "m", "resid", 256)})
     w.add_request(RequestCapture("a", "p", [1], {}))
     for i in range(64):
         w.append_rows("a", "h", np.arange(100), np.arange(100), np.ones((100, 256), np.float32))
@@ -418,7 +437,7 @@ def test_lazy_open_of_big_file(tmp_path):
     width, rows, n_hooks = 1024, 2048, 25  # 25 x 8 MiB = 200 MiB
     rng = np.random.default_rng(5)
     block = rng.random((rows, width), dtype=np.float32)
-    hooks = {f"model.layers.{i}.resid_post": HookInfo(f"model.layers.{i}.resid_post", f"L{i}", f"model.layers.{i}",
+    hooks = {f"model.layers.{i}.resid_post": HookPoint(f"model.layers.{i}.resid_post", f"L{i}", f"model.layers.{i}",
                                                        "resid", width, i) for i in range(n_hooks)}
     req = RequestCapture("big", "p", [1, 2], {})
     path = tmp_path / "big.h5"

@@ -1,5 +1,6 @@
-"""Layers point one way (ui → engine → plugin; capture/io are plain data): checked by importing each
-package in a fresh interpreter where the forbidden modules cannot be imported."""
+"""Layers point one way: ui → viewer → capture/io, and engine → plugin → capture. Checked by importing
+every module of a layer in a fresh interpreter where the modules it must not use cannot be imported,
+and, for the app, by what a plain import of its window actually loads."""
 
 import subprocess
 import sys
@@ -24,12 +25,21 @@ for mod in pkgutil.walk_packages([{path!r}], prefix={prefix!r}):
 """
 
 QT = ["PySide6", "pyqtgraph", "shiboken6"]
+ENGINE = ["torch", "vllm", "transformers"]
 RULES = {
-    "plugin": QT + ["h5py", "inspector.engine", "inspector.ui", "inspector.io"],
-    "engine": QT + ["inspector.ui"],
-    "capture": QT + ["torch", "vllm", "h5py", "inspector.engine", "inspector.plugin"],
-    "io": QT + ["torch", "vllm", "inspector.engine", "inspector.plugin", "inspector.ui"],
+    "capture": QT + ENGINE + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.viewer",
+                              "inspector.ui"],
+    "io": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.viewer", "inspector.ui"],
+    "plugin": QT + ["h5py", "inspector.engine", "inspector.io", "inspector.viewer", "inspector.ui"],
+    "engine": QT + ["inspector.io", "inspector.viewer", "inspector.ui"],
+    "viewer": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.ui"],
+    "ui": ENGINE + ["inspector.engine", "inspector.plugin"],
 }
+
+
+def test_every_layer_has_a_rule():
+    layers = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert layers - {"testing"} == set(RULES)
 
 
 @pytest.mark.parametrize("layer", sorted(RULES))
@@ -42,8 +52,23 @@ def test_layer_imports_only_what_it_may(layer):
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_the_app_window_loads_neither_torch_nor_vllm():
+    code = "import inspector.ui.main_window, inspector.ui.app, sys; print(sorted(m for m in ('torch', 'vllm') " \
+           "if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={"QT_QPA_PLATFORM": "offscreen", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]
+
+
 def test_no_qt_outside_ui():
     offenders = [str(p) for p in PACKAGE.rglob("*.py")
                  if "ui" not in p.relative_to(PACKAGE).parts[:1]
                  and any(f"import {qt}" in p.read_text() or f"from {qt}" in p.read_text() for qt in QT)]
+    assert not offenders
+
+
+def test_the_app_reaches_the_engine_only_through_its_session_factory():
+    """Not even a deferred import: the window is given a factory (inspector.cli passes the engine's)."""
+    offenders = [str(p) for p in (PACKAGE / "ui").rglob("*.py") for name in ("inspector.engine", "inspector.plugin")
+                 if name in p.read_text()]
     assert not offenders

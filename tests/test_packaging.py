@@ -10,7 +10,6 @@ does not run the ``.pth`` files inside that directory, so the project's editable
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -35,14 +34,6 @@ VALIDATOR = shutil.which("desktop-file-validate")
 CAPTURE_ARGS = ["capture", "--model", "demo", "--prompt", "def ", "--hooks", "blocks.*.hook_resid_post",
                 "--max-tokens", "4"]
 SKIP_ROOT_NAMES = {".git", ".venv", "build", "dist", ".pytest_cache", ".gpu", ".gl"}
-
-
-def _cli_in_source_tree() -> bool:
-    spec = importlib.util.find_spec("inspector.cli")
-    return spec is not None and spec.origin is not None and Path(spec.origin).resolve().is_relative_to(ROOT)
-
-
-needs_cli = pytest.mark.skipif(not _cli_in_source_tree(), reason="inspector.cli has not landed yet")
 
 
 def _source_files(root: Path) -> list[str]:
@@ -134,7 +125,8 @@ def test_wheel_carries_resources_and_entry_points(wheel):
         assert f"inspector/resources/demo-model/{f}" in names
     for f in ["activation-inspector.svg", "activation-inspector-256.png"]:
         assert f"inspector/resources/icons/{f}" in names
-    assert "inspector/demo.py" in names and "inspector/plugin/__init__.py" in names
+    assert "inspector/capture/resources.py" in names and "inspector/plugin/__init__.py" in names
+    assert not [n for n in names if n.startswith("tools/") or "demo_model" in n], "the trainer is a tool, not shipped"
     assert not [n for n in names if n.startswith("resources/") or "__pycache__" in n]
     assert re.search(r"^\[gui_scripts\]\s*\ninspector = inspector\.cli:main", entry_points, re.M)
     assert "activation_inspector = inspector.plugin:register" in entry_points
@@ -142,7 +134,7 @@ def test_wheel_carries_resources_and_entry_points(wheel):
 
 def test_installed_copy_is_used(venv):
     out = json.loads(venv.py(
-        "import json, inspector, torch; from inspector.demo import demo_model_path, icon_path;"
+        "import json, inspector, torch; from inspector.capture.resources import demo_model_path, icon_path;"
         "print(json.dumps({'inspector': inspector.__file__, 'version': inspector.__version__,"
         " 'demo': str(demo_model_path()), 'icon': str(icon_path()), 'torch': torch.__version__}))"))
     for key in ("inspector", "demo", "icon"):
@@ -151,7 +143,7 @@ def test_installed_copy_is_used(venv):
     import torch
     assert out["torch"] == torch.__version__  # the heavy dependencies come through the .pth line
 
-    from inspector.demo import demo_model_path
+    from inspector.capture.resources import demo_model_path
     shipped, installed = demo_model_path(), Path(out["demo"])
     for f in ["config.json", "model.safetensors", "tokenizer.json"]:
         assert (installed / f).stat().st_size == (shipped / f).stat().st_size
@@ -164,7 +156,6 @@ def test_launcher_is_installed(venv):
     assert launcher.read_text().splitlines()[0] == f"#!{venv.python}"
 
 
-@needs_cli
 def test_version_reports_app_vllm_torch(venv):
     import torch
 
@@ -183,10 +174,10 @@ def _has_dist(name: str) -> bool:
         return False
 
 
-@needs_cli
 @pytest.mark.slow
 def test_headless_capture_from_installed_copy(venv):
-    h5py = pytest.importorskip("h5py")
+    import h5py
+
     out = venv.root / "demo.h5"
     venv.run([str(venv.bin / "inspector"), *CAPTURE_ARGS, "--out", str(out)], timeout=600)
     widths = []
@@ -214,12 +205,12 @@ def test_desktop_file_names_the_launcher_and_icon():
     entry = _desktop_entry(DESKTOP)
     assert entry["Exec"].split()[0] == "inspector" and entry["Type"] == "Application"
     assert entry["Icon"] == "activation-inspector"
-    from inspector.demo import icon_path
+    from inspector.capture.resources import icon_path
     assert icon_path(0).name == "activation-inspector.svg" and icon_path(0).is_file()
 
 
 def test_icon_png_is_256_square():
-    from inspector.demo import icon_path
+    from inspector.capture.resources import icon_path
     data = icon_path(256).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     assert struct.unpack(">II", data[16:24]) == (256, 256)

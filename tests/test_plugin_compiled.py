@@ -192,8 +192,8 @@ def test_interventions_never_recompile(llm):
     ({"hook": "model.layers.9.resid_post", "scale": 2.0}, "not an installed hook point"),
     ({"hook": "model.layers.0.resid_post", "scale": [1.0] * 7}, "128 wide"),
     ({"hook": "model.layers.0.resid_post", "bias": [[0.0] * 128] * 2}, "1-D"),
-    ({"hook": "model.layers.0.resid_post", "scale": float("nan")}, "NaN or Inf"),
-    ({"hook": "model.layers.0.resid_post", "bias": [float("inf")] + [0.0] * 127}, "NaN or Inf"),
+    ({"hook": "model.layers.0.resid_post", "scale": float("nan")}, "NaN/Inf"),
+    ({"hook": "model.layers.0.resid_post", "bias": [float("inf")] + [0.0] * 127}, "NaN/Inf"),
     ({"hook": "model.layers.0.resid_post", "scale": 2.0, "positions": [5, 4096]}, "out of range"),
     ({"hook": "model.layers.0.resid_post", "colour": "red"}, "unknown intervention fields"),
 ])

@@ -1,6 +1,10 @@
-"""The engine session on a real compiled engine (tiny Llama): the step stream, stop, interventions
-between steps, HDF5 round trip, and a compiled-mode hook change (which restarts the engine)."""
+"""The session boundary. One scenario runs against the real engine session (a compiled tiny Llama)
+and against the fake the app's tests drive, so the two cannot drift apart (a failure, which needs an
+engine of its own, is in test_session_lifecycle.py); then what only a real engine can show: the
+stream equals vLLM's own generate and the plugin, files round-trip, and each compiled hook set
+captures what transformers computes."""
 
+import re
 import shutil
 import subprocess
 
@@ -9,22 +13,36 @@ import pytest
 
 import hf_reference
 from engines import ENGINE_ARGS, PARITY_TOL, rel_l2, rpc
-from inspector.engine import Intervention
-from inspector.engine.session import Sampling, Session, SessionError, SessionOptions
-from inspector.io.hdf5 import read_run, write_run
+from fake_session import FakeSession
+from inspector.capture.interventions import Intervention
+from inspector.capture.protocol import BOOT_STAGES, Sampling, SessionOptions, fold_event
+from inspector.capture.run import Run
+from inspector.engine.session import Session
+from inspector.io import read_run, write_run
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Parser(object):"]
 GREEDY = Sampling(max_tokens=8, ignore_eos=True)
-stages = []
+HOOKS = ("blocks.*.hook_resid_post", "hook_embed")
+KINDS = ("real", "fake")
+
+
+def options(model_dir, mode="compiled", **kw):
+    return SessionOptions(model=str(model_dir), mode=mode, max_model_len=256, max_num_batched_tokens=64,
+                          hooks=HOOKS, engine_args=ENGINE_ARGS, **kw)
+
+
+def open_session(kind, model_dir):
+    stages = []
+    opener = Session.open if kind == "real" else FakeSession.open
+    return opener(options(model_dir), stages.append), stages
 
 
 @pytest.fixture(scope="module")
-def session(tiny_models):
-    s = Session.open(SessionOptions(model=str(tiny_models["llama"]), max_model_len=256, max_num_batched_tokens=64,
-                                    hooks=("blocks.*.hook_resid_post", "hook_embed"), engine_args=ENGINE_ARGS),
-                     stages.append)
-    yield s
-    s.close()
+def sessions(tiny_models):
+    opened = {kind: open_session(kind, tiny_models["llama"]) for kind in KINDS}
+    yield opened
+    for session, _ in opened.values():
+        session.close()
 
 
 def collect(session, prompts, sampling=GREEDY, on_step=None):
@@ -37,115 +55,142 @@ def collect(session, prompts, sampling=GREEDY, on_step=None):
     return events
 
 
-def test_boot_reports_stages_in_order(session):
-    assert [p.stage for p in stages] == ["resolving", "loading", "compiling", "ready"]
-    assert set(session.installed) == {"model.layers.0.resid_post", "model.layers.1.resid_post", "model.embed_tokens.embed"}
-    assert {h.alias for h in session.catalogue} >= {"blocks.1.hook_resid_mid", "ln_final.hook_normalized"}
+# ------------------------------------------------------------------------------ the contract, both kinds
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_boot_reports_stages_and_the_plugins_catalogue(sessions, kind):
+    session, stages = sessions[kind]
+    assert [p.stage for p in stages] == list(BOOT_STAGES)
+    assert set(session.installed) == {"model.layers.0.resid_post", "model.layers.1.resid_post",
+                                      "model.embed_tokens.embed"}
+    real = [h.as_dict() for h in sessions["real"][0].catalogue]
+    assert [h.as_dict() for h in session.catalogue] == real  # the fake offers what the plugin finds
+    assert {"model": session.options.model, "engine_mode": "compiled"}.items() <= session.run.metadata.items()
 
 
-def test_catalogue_tree_mirrors_the_module_tree(session):
-    tree = session.catalogue_tree()
-    layer = tree["model"]["layers"]["1"]
-    assert [h.kind for h in layer["hooks"]] == ["resid_pre", "resid_post"]
-    assert [h.kind for h in layer["self_attn"]["hooks"]] == ["attn_out"]
-    assert [h.kind for h in layer["mlp"]["down_proj"]["hooks"]] == ["mlp_post"]
-    assert sum(1 for _ in _walk(tree)) == len(session.catalogue)
-
-
-def _walk(node):
-    for key, child in node.items():
-        yield from (child if key == "hooks" else _walk(child))
-
-
-def test_stream_matches_plain_generate_and_the_plugin(session):
-    from vllm import SamplingParams
-
+@pytest.mark.parametrize("kind", KINDS)
+def test_events_alone_rebuild_the_run(sessions, kind):
+    session, _ = sessions[kind]
+    expected_ids = session.upcoming_request_ids(3)
     events = collect(session, PROMPTS)
-    plain = session._llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    plugin_rows = rpc(session._llm, "inspector_drain")
-    run = session.run
-    assert len(run.requests) == 3
-    for req, out in zip(run.requests.values(), plain):
-        streamed = [t for ev in events for step in ev.requests if step.request_id == req.request_id
-                    for t in step.new_token_ids]
-        assert streamed == req.generated_token_ids == list(out.outputs[0].token_ids)
-        assert req.prompt_token_ids == list(out.prompt_token_ids)
-        assert len(req.token_texts) == len(req.token_ids) and len(req.logprobs) == 8
-        assert all(len(top) >= 1 for top in req.top_logprobs) and np.all(np.array(req.logprobs) <= 0)
-        assert req.finish_reason == "length"
-        plain_rows = next(v for k, v in plugin_rows.items() if k == out.request_id)
-        for hook, rows in req.hooks.items():
-            assert rows.positions.tolist() == list(range(len(req.token_ids) - 1))
-            np.testing.assert_array_equal(rows.values, plain_rows[hook]["values"])
-            streamed_rows = np.concatenate([step.rows[hook][2] for ev in events for step in ev.requests
-                                            if step.request_id == req.request_id and hook in step.rows])
-            np.testing.assert_array_equal(streamed_rows, rows.values)
+    rebuilt = Run(metadata={})
+    for event in events:
+        fold_event(rebuilt, event)
+    assert [s.request_id for s in events[0].started] == expected_ids == list(session.run.requests)
+    assert all(re.fullmatch(r"req\d+", rid) for rid in expected_ids)
+    assert not any(event.started for event in events[1:])
+    assert {s.request_id for s in events[-1].requests if s.finished} <= set(expected_ids)
+    assert session.upcoming_request_ids(1)[0] not in expected_ids  # ids never repeat
+    for rid, req in session.run.requests.items():
+        got = rebuilt.requests[rid]
+        assert (got.prompt, got.token_ids, got.token_texts, got.logprobs) == \
+               (req.prompt, req.token_ids, req.token_texts, req.logprobs)
+        assert got.finish_reason == "length" and len(req.generated_token_ids) == 8
+        assert got.intervention_log == req.intervention_log == [(0, [])]
+        assert all(top and top[0].text for top in got.top_logprobs)
+        for hook in session.installed:
+            assert got.hooks[hook].positions.tolist() == list(range(len(req.token_ids) - 1))
 
 
-def test_stop_mid_generation_keeps_what_was_captured(session):
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_ends_every_request_in_a_final_event(sessions, kind):
+    session, _ = sessions[kind]
     events = collect(session, PROMPTS[:2], Sampling(max_tokens=50, ignore_eos=True),
                      on_step=lambda ev: ev.step == 2 and session.stop())
-    assert events[-1].requests and all(s.finished and s.finish_reason == "stopped" for s in events[-1].requests)
+    final = events[-1].requests
+    assert {s.request_id for s in final} == set(session.run.requests)
+    assert all(s.finished and s.finish_reason == "stopped" for s in final)
     for req in session.run.requests.values():
-        assert req.finish_reason == "stopped"
-        assert 1 <= len(req.generated_token_ids) < 50
+        assert req.finish_reason == "stopped" and 1 <= len(req.generated_token_ids) < 50
         rows = req.hooks["model.layers.1.resid_post"]
-        assert rows.positions.tolist() == list(range(len(rows)))
-        assert len(rows) >= len(req.token_ids) - 1
-        streamed = [pos for ev in events for step in ev.requests if step.request_id == req.request_id
-                    for pos in step.rows.get("model.layers.1.resid_post", ((), (), ()))[0]]
-        assert streamed == rows.positions.tolist()  # the events alone carry every row, the last ones too
+        assert rows.positions.tolist() == list(range(len(rows))) and len(rows) >= len(req.token_ids) - 1
     again = collect(session, PROMPTS[:1], Sampling(max_tokens=3))  # the stop does not stick
-    assert again[-1].requests[0].finished and session.run.requests[again[0].requests[0].request_id].finish_reason
+    assert again[-1].requests[-1].finish_reason == "length"
 
 
-def test_interventions_between_steps_change_only_later_tokens(session):
-    collect(session, PROMPTS[:2])
-    clean = {r.prompt: r for r in session.run.requests.values()}
-    hook = "blocks.0.hook_resid_post"
+@pytest.mark.parametrize("kind", KINDS)
+def test_interventions_log_from_where_they_apply(sessions, kind):
+    session, _ = sessions[kind]
 
     def steer(event):
         if event.step == 3:
-            session.set_interventions([Intervention(hook, scale=0.0, request_id=event.requests[0].request_id)])
+            target = event.requests[0].request_id
+            session.set_interventions([Intervention("blocks.0.hook_resid_post", scale=0.0, request_id=target)])
 
-    collect(session, PROMPTS[:2], on_step=steer)
-    session.set_interventions([])
-    steered = {r.prompt: r for r in session.run.requests.values()}
-    target, other = steered[PROMPTS[0]], steered[PROMPTS[1]]
-    start, active = target.intervention_log[-1]
-    assert active and active[0]["scale"] == 0.0 and target.intervention_log[0] == (0, [])
-    n_prompt = len(target.prompt_token_ids)
-    assert start == n_prompt + 3  # set after step 3 (prefill, 3 decodes): applies from the 4th decode
-    name = session.hook_name(hook)
-    got, ref = target.hooks[name].values, clean[PROMPTS[0]].hooks[name].values
-    np.testing.assert_array_equal(got[:start], ref[:start])
-    assert not np.any(got[start:])
-    assert target.generated_token_ids[:start - n_prompt + 1] == clean[PROMPTS[0]].generated_token_ids[:start - n_prompt + 1]
-    assert other.generated_token_ids == clean[PROMPTS[1]].generated_token_ids
-    np.testing.assert_array_equal(other.hooks[name].values, clean[PROMPTS[1]].hooks[name].values)
-    assert other.intervention_log == [(0, [])]
+    try:
+        collect(session, PROMPTS[:2], on_step=steer)
+    finally:
+        session.set_interventions([])
+    target, other = session.run.requests.values()
+    (start, active) = target.intervention_log[-1]
+    assert target.intervention_log[0] == (0, []) and other.intervention_log == [(0, [])]
+    assert active == [{"hook": "model.layers.0.resid_post", "scale": 0.0, "bias": 0.0,
+                       "request_id": target.request_id, "positions": None}]
+    assert start == len(target.prompt_token_ids) + 3  # set after step 3 (prefill, 3 decodes)
+    rows = target.hooks["model.layers.0.resid_post"]
+    assert not np.any(rows.values[rows.positions >= start]) and np.all(np.any(rows.values[:start], axis=1))
 
 
-def test_bad_interventions_are_refused_at_once(session):
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_interventions_are_refused_at_once(sessions, kind):
+    session, _ = sessions[kind]
     for bad, message in [(Intervention("blocks.7.hook_resid_post"), "not an installed hook point"),
                          (Intervention("blocks.0.hook_resid_post", scale=(1.0, 2.0)), "128 wide"),
                          (Intervention("blocks.0.hook_resid_post", bias=float("nan")), "NaN"),
                          (Intervention("blocks.0.hook_resid_post", positions=(999,)), "out of range")]:
         with pytest.raises(ValueError, match=message):
             session.set_interventions([bad])
-    assert session.interventions == []
+    with pytest.raises(ValueError, match="no prompts"):
+        next(session.generate([]))
 
 
-def test_hdf5_round_trip_is_bit_for_bit(session, tmp_path):
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_hook_change_restarts_and_keeps_the_run(sessions, kind):
+    session, _ = sessions[kind]
+    collect(session, PROMPTS[:1], Sampling(max_tokens=2))
+    kept, first = dict(session.run.requests), list(session.options.hooks)
+    try:
+        assert session.set_hooks(["blocks.1.mlp.hook_post"]) is True
+        assert list(session.installed) == ["model.layers.1.mlp.down_proj.mlp_post"]
+        assert session.run.requests.keys() == kept.keys()
+        with pytest.raises(ValueError, match="matches no hook point"):
+            session.set_hooks(["blocks.9.*"])
+        assert session.alive
+    finally:
+        session.set_hooks(first)
+
+
+# ------------------------------------------------------------------------------ what only a real engine shows
+
+def test_stream_matches_plain_generate_and_the_plugin(sessions):
+    from vllm import SamplingParams
+
+    session, _ = sessions["real"]
+    events = collect(session, PROMPTS)
+    plain = session._llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    plugin_rows = rpc(session._llm, "inspector_drain")
+    for req, out in zip(session.run.requests.values(), plain):
+        streamed = [t for ev in events for step in ev.requests if step.request_id == req.request_id
+                    for t in step.new_token_ids]
+        assert streamed == req.generated_token_ids == list(out.outputs[0].token_ids)
+        assert req.prompt_token_ids == list(out.prompt_token_ids)  # tokenized as vLLM does
+        assert np.all(np.array(req.logprobs) <= 0)
+        for hook, rows in req.hooks.items():
+            np.testing.assert_array_equal(rows.values, plugin_rows[out.request_id][hook]["values"])
+
+
+def test_hdf5_round_trip_is_bit_for_bit(sessions, tmp_path):
+    session, _ = sessions["real"]
     collect(session, PROMPTS)
     path = write_run(session.run, tmp_path / "run.h5")
     back = read_run(path)
     assert back.metadata["engine_mode"] == "compiled" and back.metadata["model_path"] == str(session.model_path)
-    assert back.hooks.keys() == session.run.hooks.keys()
+    assert back.hooks == session.run.hooks
     for rid, req in session.run.requests.items():
         got = back.requests[rid]
         assert (got.prompt, got.token_ids, got.token_texts) == (req.prompt, req.token_ids, req.token_texts)
-        assert got.logprobs == req.logprobs and got.finish_reason == req.finish_reason
+        assert got.logprobs == req.logprobs and got.top_logprobs == req.top_logprobs
+        assert got.finish_reason == req.finish_reason
         for hook, rows in req.hooks.items():
             np.testing.assert_array_equal(np.asarray(got.hooks[hook].values), rows.values)
             np.testing.assert_array_equal(got.hooks[hook].positions, rows.positions)
@@ -154,24 +199,19 @@ def test_hdf5_round_trip_is_bit_for_bit(session, tmp_path):
         assert out.returncode == 0 and "resid_post" in out.stdout
 
 
-def test_compiled_hook_change_restarts_the_engine(tiny_models, session):
+def test_each_compiled_hook_set_captures_what_transformers_computes(tiny_models, sessions):
     """Each hook set boots its own compiled graph, and vLLM's compile cache keeps them apart: the
-    switch back to the first set boots with that set's cache entry already there, and both sets
-    capture what transformers computes."""
-    collect(session, PROMPTS[:1], Sampling(max_tokens=2))
-    kept = dict(session.run.requests)
-    first_hooks = tuple(session.options.hooks)
-    assert session.set_hooks(["blocks.1.mlp.hook_post"]) is True
-    assert list(session.installed) == ["model.layers.1.mlp.down_proj.mlp_post"]
-    assert session.run.requests.keys() == kept.keys()  # the run survives the restart
-    _assert_matches_transformers(tiny_models["llama"], session, "model.layers.1.mlp.down_proj.mlp_post",
-                                 lambda ref: ref["mlp_post"][1])
-    assert session.set_hooks(list(first_hooks)) is True
+    switch back to the first set boots with that set's cache entry already there."""
+    session, _ = sessions["real"]
+    first = list(session.options.hooks)
+    try:
+        session.set_hooks(["blocks.1.mlp.hook_post"])
+        _assert_matches_transformers(tiny_models["llama"], session, "model.layers.1.mlp.down_proj.mlp_post",
+                                     lambda ref: ref["mlp_post"][1])
+    finally:
+        session.set_hooks(first)
     _assert_matches_transformers(tiny_models["llama"], session, "model.layers.1.resid_post",
                                  lambda ref: ref["resid_post"][1])
-    with pytest.raises(ValueError, match="matches no hook point"):
-        session.set_hooks(["blocks.9.*"])
-    assert session.alive
 
 
 def _assert_matches_transformers(model_dir, session, hook, expected):
@@ -182,9 +222,3 @@ def _assert_matches_transformers(model_dir, session, hook, expected):
     ref = expected(hf_reference.run(model_dir, req.token_ids[:-1]))
     assert rows.positions.tolist() == list(range(len(ref)))
     assert rel_l2(rows.values, ref).max() < 3 * PARITY_TOL
-
-
-def test_closed_session_refuses_work(tiny_models, session):
-    session.close()
-    with pytest.raises(SessionError, match="closed"):
-        next(session.generate(["x"]))

@@ -1,5 +1,6 @@
 """Session lifecycle with real (eager, quick to boot) engines: open/close cycles over different
-models, live hook changes, an engine failure, and how model names resolve."""
+models, live hook changes, a failure (against the fake too: part of the session contract), and how
+model names resolve. One in-process engine at a time: each test closes what it opens."""
 
 import shutil
 
@@ -7,8 +8,10 @@ import numpy as np
 import pytest
 
 from engines import ENGINE_ARGS
-from inspector.engine.models import ModelNotFound, resolve_model
-from inspector.engine.session import Sampling, Session, SessionError, SessionOptions
+from fake_session import FakeSession
+from inspector.capture.models import ModelNotFound, resolve_model
+from inspector.capture.protocol import Sampling, SessionError, SessionOptions
+from inspector.engine.session import Session
 from inspector.plugin import vllm_compat
 
 
@@ -50,17 +53,22 @@ def test_eager_hook_change_is_live_and_keeps_the_run(tiny_models):
         assert second.hooks["model.layers.1.mlp.down_proj.mlp_post"].values.shape[1] == 256
 
 
-def test_engine_failure_is_clear_marks_dead_and_keeps_captures(tiny_models):
-    session = Session.open(options(tiny_models["llama"]))
+@pytest.mark.parametrize("kind", ["real", "fake"])
+def test_a_failure_is_a_session_error_that_keeps_the_run(tiny_models, kind, monkeypatch):
+    """A failed engine is dead, its run intact, and it says to open a new session."""
+    session = (Session.open if kind == "real" else FakeSession.open)(options(tiny_models["llama"]))
     try:
-        def break_layer(worker):  # a worker-side fault on the next forwards
-            layer = vllm_compat.model_of(worker).model.layers[1]
-            layer.register_forward_hook(lambda *a: (_ for _ in ()).throw(MemoryError("simulated out of memory")))
-
         stream = session.generate(["def f(x):"], Sampling(max_tokens=20, ignore_eos=True))
         next(stream), next(stream)
-        session._llm.collective_rpc(break_layer)
-        with pytest.raises(SessionError, match="simulated out of memory"):
+        if kind == "real":
+            def break_layer(worker):  # a worker-side fault on the next forwards
+                layer = vllm_compat.model_of(worker).model.layers[1]
+                layer.register_forward_hook(lambda *a: (_ for _ in ()).throw(MemoryError("simulated out of memory")))
+
+            session._llm.collective_rpc(break_layer)
+        else:
+            monkeypatch.setattr(FakeSession, "fail_at_step", 2)
+        with pytest.raises(SessionError, match="failed while generating.*kept"):
             list(stream)
         assert not session.alive
         req = next(iter(session.run.requests.values()))
@@ -68,14 +76,13 @@ def test_engine_failure_is_clear_marks_dead_and_keeps_captures(tiny_models):
         assert 1 <= len(req.generated_token_ids) <= 2
         # a row for every token fed so far; with async scheduling the forward that fed the last token
         # may have finished before the fault, and then its rows are kept too
-        rows = len(req.hooks["model.layers.0.resid_post"])
-        assert len(req.token_ids) - 1 <= rows <= len(req.token_ids)
+        assert len(req.token_ids) - 1 <= len(req.hooks["model.layers.0.resid_post"]) <= len(req.token_ids)
         with pytest.raises(SessionError, match="open a new session"):
             next(session.generate(["x"]))
     finally:
         session.close()
-    with Session.open(options(tiny_models["gpt2"])) as fresh:  # and a new session works
-        assert list(fresh.generate(["x = 1"], Sampling(max_tokens=1)))
+    with pytest.raises(SessionError, match="closed"):
+        next(session.generate(["x"]))
 
 
 def test_bad_model_names_fail_clearly(tmp_path):

@@ -5,7 +5,7 @@ import json
 import pytest
 from safetensors.numpy import load_file
 
-from inspector.tinymodels import TinySpec, build_tiny_model, tiny_model, train_tokenizer, stdlib_corpus
+from inspector.testing.tinymodels import TinySpec, build_tiny_model, tiny_model, train_tokenizer, stdlib_corpus
 
 
 def test_all_architectures_build_with_head_size_64(tiny_models):

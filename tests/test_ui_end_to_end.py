@@ -38,49 +38,54 @@ def wait(app, predicate, timeout=300.0):
 def window(qapp, tmp_path_factory):
     import os
 
-    from inspector.tinymodels import tiny_model
+    from inspector.testing.tinymodels import tiny_model
     from inspector.ui.main_window import MainWindow
     from inspector.ui.settings import configure_storage
 
     settings_dir = tmp_path_factory.mktemp("settings")
     os.environ["INSPECTOR_SETTINGS_DIR"] = str(settings_dir)
     configure_storage(settings_dir)
+    from inspector.cli import engine_session
+
     engine_threads = set()
-    from inspector.ui import engine_worker
 
-    def factory(options, progress):  # the real factory, recording the thread it runs on
+    def factory(options, progress):  # the app's own factory, recording the thread it runs on
         engine_threads.add(threading.get_ident())
-        return engine_worker.default_session_factory(options, progress)
+        return engine_session(options, progress)
 
-    w = MainWindow(session_factory=factory)
+    w = MainWindow(factory)
     w.resize(1500, 950)
     w.show()
     w.factory_threads = engine_threads
     # retain_rows: the session keeps its own copy of every row, so the test can compare with it
     w.open_model(str(tiny_model("llama")), mode="compiled", hooks=["blocks.*.hook_resid_post"], retain_rows=True)
-    wait(qapp, lambda: w.state in ("ready", "no-model"))
-    assert w.state == "ready", w.last_dialog.text() if w.last_dialog else w.state
+    wait(qapp, lambda: w.state.value in ("ready", "no model"))
+    assert w.state.value == "ready", w.last_dialog.text() if w.last_dialog else w.state
     yield w
     w.close()
     os.environ.pop("INSPECTOR_SETTINGS_DIR", None)
 
 
 def session(w):
-    return w.controller.worker.session
+    return w.controller.session
+
+
+def live(w):
+    return w.controller.live
 
 
 def name_of(w, alias):
-    return next(h.name for h in w.session_info.catalogue if h.alias == alias)
+    return next(h.name for h in w.controller.info.catalogue if h.alias == alias)
 
 
 def generate(app, w, prompts, max_tokens, wait_done=True):
     w.prompt.prompts.setPlainText("\n".join(prompts))
     w.prompt.max_tokens.setValue(max_tokens)
     w.prompt.ignore_eos.setChecked(True)
-    before = set(w.live.request_ids())
+    before = set(live(w).request_ids())
     assert w.generate()
     if wait_done:
-        wait(app, lambda: w.state != "generating")
+        wait(app, lambda: w.state.value != "generating")
         w._tick()
     return before
 
@@ -96,7 +101,7 @@ def test_check_two_hook_points_in_the_tree(qapp, window, fail_on_qt_warnings):
     box = w.last_dialog
     assert isinstance(box, QMessageBox) and "Restart" in box.windowTitle()
     box.button(QMessageBox.StandardButton.Yes).click()
-    wait(qapp, lambda: w.state == "ready" and set(session(w).installed) == {resid0, mlp0})
+    wait(qapp, lambda: w.state.value == "ready" and set(session(w).installed) == {resid0, mlp0})
     assert not w.tree.pending()
 
 
@@ -104,7 +109,7 @@ def test_generate_heatmap_equals_captures_and_strip_equals_text(qapp, window, fa
     w = window
     before = generate(qapp, w, PROMPTS, max_tokens=12)
     s = session(w)
-    new = [rid for rid in w.live.request_ids() if rid not in before]
+    new = [rid for rid in live(w).request_ids() if rid not in before]
     assert len(new) == 2
     for rid in new:
         req = s.run.requests[rid]
@@ -118,9 +123,7 @@ def test_generate_heatmap_equals_captures_and_strip_equals_text(qapp, window, fa
             np.testing.assert_array_equal(w.heatmap.image_array(), rows.values)  # 128 wide: not pooled
         assert w.strip.texts() == req.token_texts
         assert w.generated_text(rid) == "".join(req.token_texts[len(req.prompt_token_ids):])
-    assert threading.get_ident() not in w.step_threads
-    assert threading.get_ident() not in w.controller.worker.engine_threads
-    assert threading.get_ident() not in w.factory_threads
+    assert len(w.factory_threads) == 1 and threading.get_ident() not in w.factory_threads
 
 
 def test_intervention_mid_generation_changes_only_following_tokens(qapp, window, fail_on_qt_warnings):
@@ -128,16 +131,16 @@ def test_intervention_mid_generation_changes_only_following_tokens(qapp, window,
     hook = name_of(w, H_RESID0)
     prompt = ["class Foo:"]
     clean_ids = generate(qapp, w, prompt, max_tokens=200)
-    clean_rid = [r for r in w.live.request_ids() if r not in clean_ids][0]
+    clean_rid = [r for r in live(w).request_ids() if r not in clean_ids][0]
     clean = session(w).run.requests[clean_rid].hooks[hook].values.copy()
 
     before = generate(qapp, w, prompt, max_tokens=200, wait_done=False)
-    wait(qapp, lambda: w._gen_tokens >= 3)
+    wait(qapp, lambda: w.controller.generation.tokens >= 3)
     row = w.interventions.add_row(hook)
     assert w.interventions.edit(row, "Bias", "100")  # applied before the next forward
-    wait(qapp, lambda: w.state != "generating")
+    wait(qapp, lambda: w.state.value != "generating")
     w._tick()
-    rid = [r for r in w.live.request_ids() if r not in before][0]
+    rid = [r for r in live(w).request_ids() if r not in before][0]
     req = session(w).run.requests[rid]
     # the new row (scale 1, bias 0: no change) may reach the engine a step or more before its edit
     marked = [p for p, ivs in req.intervention_log if ivs]
@@ -150,31 +153,32 @@ def test_intervention_mid_generation_changes_only_following_tokens(qapp, window,
     np.testing.assert_allclose(values[first], clean[first] + 100.0, rtol=1e-5, atol=1e-3)
     assert (np.abs(values[first:] - clean[first:len(values)]).max(axis=1) > 1.0).all()
     # the GUI's mirror has the same rows and marks exactly the intervened positions
-    np.testing.assert_array_equal(w.live.rows(rid, hook)[1], values)
+    np.testing.assert_array_equal(live(w).rows(rid, hook)[1], values)
     w.select_request(rid)
     w.select_hook(hook)
     marks = w.heatmap.track_marks
     assert (marks[:marked[0]] == 0).all() and (marks[marked[0]:] == 2).all()
     w.interventions.clear()
-    assert session(w).interventions == []
+    assert w.controller.interventions == []
 
 
 def test_export_then_reopen_gives_identical_arrays(qapp, window, tmp_path, fail_on_qt_warnings):
     w = window
     path = str(tmp_path / "run.h5")
-    expected = {(rid, h): w.live.rows(rid, h)[1].copy() for rid in w.live.request_ids()
-                for h in w.live.request(rid).hooks}
-    texts = {rid: w.live.token_texts(rid) for rid in w.live.request_ids()}
-    logs = {rid: w.live.request(rid).intervention_log for rid in w.live.request_ids()}
+    run = live(w)
+    expected = {(rid, h): run.rows(rid, h)[1].copy() for rid in run.request_ids() for h in run.request(rid).hooks}
+    texts = {rid: run.token_texts(rid) for rid in run.request_ids()}
+    logs = {rid: run.request(rid).intervention_log for rid in run.request_ids()}
+    tops = {rid: run.request(rid).top_logprobs for rid in run.request_ids()}
     assert w.export(path)
-    wait(qapp, lambda: w.export_thread is None, timeout=60)
-    assert getattr(w, "last_export", None) == path
+    wait(qapp, lambda: not w.controller.exporting, timeout=60)
+    assert w.controller.last_export == path
     assert w.open_capture(path)
     for (rid, h), values in expected.items():
-        np.testing.assert_array_equal(w.vm.rows(rid, h)[1], values)
+        np.testing.assert_array_equal(w.shown.rows(rid, h)[1], values)
     for rid, t in texts.items():
-        assert w.vm.token_texts(rid) == t
-        assert [p for p, _ in w.vm.request(rid).intervention_log] == [p for p, _ in logs[rid]]
+        assert w.shown.token_texts(rid) == t and w.shown.request(rid).top_logprobs == tops[rid]
+        assert [p for p, _ in w.shown.request(rid).intervention_log] == [p for p, _ in logs[rid]]
     w.show_live()
 
 
@@ -183,14 +187,14 @@ def test_bad_model_path_is_a_dialog_and_app_stays_usable(qapp, window, tmp_path,
     assert not w.open_model(str(tmp_path / "does-not-exist"))
     assert "Cannot open the model" in w.last_dialog.text()
     w.last_dialog.close()
-    assert w.state == "ready" and session(w).alive
+    assert w.state.value == "ready" and session(w).alive
     # a directory that looks like a model but is not one: the engine refuses it, the app stays alive
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"], "model_type": "nosuch"}')
-    n_requests = len(w.live.request_ids())
+    n_requests = len(live(w).request_ids())
     assert w.open_model(str(tmp_path))
-    wait(qapp, lambda: w.state != "booting")
-    assert w.state == "no-model"
+    wait(qapp, lambda: w.state.value != "booting")
+    assert w.state.value == "no model"
     assert "Could not open the model" in w.last_dialog.text()
     w.last_dialog.close()
-    assert len(w.live.request_ids()) == n_requests  # nothing captured was lost
-    assert threading.get_ident() not in w.controller.worker.engine_threads
+    assert len(live(w).request_ids()) == n_requests  # nothing captured was lost
+    assert len(w.factory_threads) == 1 and threading.get_ident() not in w.factory_threads

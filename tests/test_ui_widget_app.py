@@ -1,22 +1,24 @@
-"""Widget tests of ``inspector.ui.app.main`` (the entry point the ``inspector`` command calls)."""
+"""Widget tests of ``inspector.ui.app.main`` (what the ``inspector`` command runs for the app), on the
+fake session factory."""
 
 import numpy as np
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 
-from inspector.ui.app import build_parser, main
+from fake_session import FakeSession
+from inspector.ui.app import main
 from ui_fixtures import fail_on_qt_warnings, make_run, ui_settings  # noqa: F401
 
 
-def run_main(argv, inspect):
-    """Run main(argv); once its window is up, call inspect(window), then close the window."""
+def run_main(argv, inspect, ready=lambda w: True):
+    """Run main(argv); once its window is up and ``ready(window)``, call inspect(window), then close it."""
     seen = {}
 
     def poke():
         from inspector.ui.main_window import MainWindow
 
         windows = [w for w in QApplication.topLevelWidgets() if isinstance(w, MainWindow) and w.isVisible()]
-        if not windows:
+        if not windows or not ready(windows[0]):
             QTimer.singleShot(20, poke)
             return
         seen["window"] = windows[0]
@@ -28,17 +30,28 @@ def run_main(argv, inspect):
             windows[0].close()
 
     QTimer.singleShot(0, poke)
-    assert main(argv) == 0
+    assert main(argv, FakeSession.open) == 0
     return seen["window"]
 
 
-def test_parser():
-    a = build_parser().parse_args(["model-dir", "--mode", "eager", "--hooks", "a,b"])
-    assert (a.path, a.mode, a.hooks) == ("model-dir", "eager", "a,b")
+def test_main_boots_the_model_mode_and_hooks_it_is_given(qtbot, ui_settings, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    state = {}
+
+    def inspect(w):
+        state["options"] = w.controller.session.options
+        state["installed"] = sorted(w.controller.session.installed)
+        state["title"] = w.windowTitle()
+
+    run_main([str(tmp_path), "--mode", "eager", "--hooks", "blocks.0.hook_mlp_out, hook_embed"], inspect,
+             ready=lambda w: w.state.value == "ready")
+    assert state["options"].model == str(tmp_path.resolve()) and state["options"].mode == "eager"
+    assert state["installed"] == ["model.embed_tokens.embed", "model.layers.0.mlp.mlp_out"]
+    assert state["title"] == f"{tmp_path.name} (eager)"
 
 
 def test_main_reopens_a_capture_without_a_model(qtbot, ui_settings, tmp_path):
-    from inspector.io.hdf5 import write_run
+    from inspector.io import write_run
 
     run = make_run(n_tokens=(8,), width=8)
     write_run(run, tmp_path / "c.h5")
@@ -46,15 +59,15 @@ def test_main_reopens_a_capture_without_a_model(qtbot, ui_settings, tmp_path):
 
     def inspect(w):
         w._tick()
-        state["state"] = w.state
-        state["requests"] = w.vm.request_ids()
+        state["state"] = w.state.value
+        state["requests"] = w.shown.request_ids()
         state["values"] = w.heatmap.displayed_data().copy()
-        state["hook"] = w.vm.selected_hook
+        state["hook"] = w.shown.selection.hook
 
     w = run_main([str(tmp_path / "c.h5")], inspect)
-    assert state["state"] == "no-model" and state["requests"] == ["0"]
-    np.testing.assert_array_equal(state["values"], run.requests["0"].hooks[state["hook"]].values)
-    assert w.controller.worker.session is None
+    assert state["state"] == "no model" and state["requests"] == ["req0"]
+    np.testing.assert_array_equal(state["values"], run.requests["req0"].hooks[state["hook"]].values)
+    assert w.controller.session is None
 
 
 def test_main_with_a_bad_model_path_shows_a_dialog(qtbot, ui_settings, tmp_path):
@@ -62,7 +75,7 @@ def test_main_with_a_bad_model_path_shows_a_dialog(qtbot, ui_settings, tmp_path)
 
     def inspect(w):
         state["text"] = w.last_dialog.text() if w.last_dialog else ""
-        state["state"] = w.state
+        state["state"] = w.state.value
 
     run_main([str(tmp_path / "no-such-model")], inspect)
-    assert "does not exist" in state["text"] and state["state"] == "no-model"
+    assert "no model directory" in state["text"] and state["state"] == "no model"

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 
-from ui_fixtures import fail_on_qt_warnings, keep, make_catalogue, make_run, ui_settings  # noqa: F401
+from fake_session import llama_catalogue
+from ui_fixtures import fail_on_qt_warnings, keep, make_run, ui_settings  # noqa: F401
 
 
 @pytest.fixture
@@ -14,7 +15,7 @@ def tree(qtbot, ui_settings):
     w = ModelTreeWidget()
     keep(qtbot, w)
     w.show()
-    cat = make_catalogue(layers=3)
+    cat = llama_catalogue(layers=3, hidden=16, intermediate=32)
     w.set_catalogue(cat, {"model.layers.0.resid_post"})
     return w
 
@@ -47,7 +48,7 @@ def test_tree_check_by_click_and_module_node(tree, qtbot):
     # checking a module node checks everything below it; its parent becomes partial
     node = tree._leaves["model.layers.1.mlp.mlp_out"].parent()
     node.setCheckState(Qt.CheckState.Checked)
-    assert {"model.layers.1.mlp.mlp_out", "model.layers.1.mlp.act_fn.mlp_post"} <= set(tree.checked())
+    assert {"model.layers.1.mlp.mlp_out", "model.layers.1.mlp.down_proj.mlp_post"} <= set(tree.checked())
     assert node.parent().checkState() == Qt.CheckState.PartiallyChecked
 
 
@@ -72,7 +73,7 @@ def test_tree_presets_and_glob(tree):
     tree.apply_preset("All MLP out")
     assert sorted(tree.checked()) == [f"model.layers.{i}.mlp.mlp_out" for i in range(3)]
     assert tree.check_glob("blocks.[01].mlp.hook_post") == 2
-    assert "model.layers.0.mlp.act_fn.mlp_post" in tree.checked()
+    assert "model.layers.0.mlp.down_proj.mlp_post" in tree.checked()
     tree.check_glob("*mlp*", on=False)
     assert tree.checked() == []
 
@@ -105,10 +106,10 @@ def panel(qtbot, ui_settings):
     p = InterventionsPanel()
     keep(qtbot, p)
     p.show()
-    cat = make_catalogue(hidden=8)
+    cat = llama_catalogue(hidden=8, intermediate=16)
     p.set_hooks({h.name: h for h in cat if h.kind in ("resid_post", "mlp_out")})
-    p.set_requests(["0", "1"])
-    p.current_request = lambda: "1"
+    p.set_requests(["req0", "req1"])
+    p.current_request = lambda: "req1"
     return p
 
 
@@ -123,7 +124,7 @@ def test_interventions_edit_emits_interventions(panel, qtbot):
         assert panel.edit(row, "Scale", "2.5")
     assert sig.args[0][0].scale == 2.5
     assert panel.edit(row, "Scope", "request")
-    assert panel.interventions()[0].request_id == "1"
+    assert panel.interventions()[0].request_id == "req1"
     assert not panel.edit(row, "Scope", "positions")
     assert "needs positions" in panel.last_message and panel.model.rows[row].scope == "request"
     assert not panel.edit(row, "Positions", "7-3")
@@ -131,10 +132,10 @@ def test_interventions_edit_emits_interventions(panel, qtbot):
     assert panel.edit(row, "Positions", "3-5, 8") and panel.edit(row, "Scope", "positions")
     iv = panel.interventions()[0]
     assert iv.positions == (3, 4, 5, 8) and iv.request_id is None
-    panel.strip_selection = lambda: ("1", (6, 7))  # a new row takes positions from the token strip
+    panel.strip_selection = lambda: ("req1", (6, 7))  # a new row takes positions from the token strip
     row2 = panel.add_row(H0)
     assert panel.edit(row2, "Scope", "request+positions")
-    assert panel.interventions()[1].positions == (6, 7) and panel.interventions()[1].request_id == "1"
+    assert panel.interventions()[1].positions == (6, 7) and panel.interventions()[1].request_id == "req1"
     panel.model.remove([row2])
     assert panel.edit(row, "On", False)
     assert panel.interventions() == []
@@ -181,7 +182,7 @@ def test_interventions_engine_refusal_restores_last_accepted(panel):
 
 def test_interventions_park_rows_on_hooks_gone(panel):
     panel.add_row(H0)
-    cat = make_catalogue(hidden=8)
+    cat = llama_catalogue(hidden=8, intermediate=16)
     panel.set_hooks({h.name: h for h in cat if h.kind == "mlp_out"})
     assert panel.model.rows[0].problem and panel.interventions() == []
     assert "parked" in panel.status.text()
@@ -190,29 +191,28 @@ def test_interventions_park_rows_on_hooks_gone(panel):
 
 
 def test_steering_dialog_computes_mean_difference(panel, qtbot):
-    from inspector.ui.capture_view_model import CaptureViewModel
+    from inspector.viewer.run_view import RunSource, RunView
 
     run = make_run(n_tokens=(12, 9), width=8)
-    vm = CaptureViewModel()
-    vm.load_run(run, "x.h5")
-    panel.compute_steering = vm.steering_vector
-    panel.captured_hooks = lambda: vm.hooks_for(None)
-    panel.strip_selection = lambda: ("1", (2, 3))
+    view = RunView(run, RunSource.FILE, "x.h5")
+    panel.compute_steering = view.steering_vector
+    panel.captured_hooks = lambda: view.hooks_for(None)
+    panel.strip_selection = lambda: ("req1", (2, 3))
     dialog = panel.open_steering_dialog()
     assert dialog is not None
     dialog.hook_box.setCurrentIndex(dialog.hook_box.findData(H0))
-    dialog.set_selection("A", "0", "1-4")
+    dialog.set_selection("A", "req0", "1-4")
     dialog._fill_from_strip(*dialog.sel["B"])
     assert dialog.sel["B"][1].text() == "2-3"
     dialog.k.setValue(2.0)
     dialog.buttons.button(dialog.buttons.StandardButton.Ok).click()
     qtbot.waitUntil(lambda: len(panel.model.rows) == 1)
-    expected = 2.0 * (run.requests["0"].hooks[H0].values[1:5].mean(0) - run.requests["1"].hooks[H0].values[2:4].mean(0))
+    expected = 2.0 * (run.requests["req0"].hooks[H0].values[1:5].mean(0) - run.requests["req1"].hooks[H0].values[2:4].mean(0))
     np.testing.assert_allclose(panel.interventions()[0].bias, expected, rtol=1e-5)
     assert "steer" in panel.model.rows[0].source
     # an empty selection is explained, not accepted
     dialog = panel.open_steering_dialog()
-    dialog.set_selection("A", "0", "11")
-    dialog.set_selection("B", "0", "1")
+    dialog.set_selection("A", "req0", "11")
+    dialog.set_selection("B", "req0", "1")
     assert not dialog.compute() and "never fed back" in dialog.info.text()
     dialog.reject()

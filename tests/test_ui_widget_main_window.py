@@ -1,7 +1,6 @@
-"""Widget tests of the whole window on a fake engine (``FakeSession``: the Session API on synthetic data).
-
-The worker thread, signals, timers, dialogs, export and reopen are all real; only vLLM is replaced.
-The same flows run against the real engine in test_ui_end_to_end.py.
+"""Widget tests of the whole window on a fake engine (``FakeSession``: the session protocol on synthetic
+data). The engine thread, signals, timers, dialogs, export and reopen are all real; only vLLM is
+replaced. The same flows run against the real engine in test_ui_end_to_end.py.
 """
 
 import threading
@@ -10,20 +9,18 @@ import numpy as np
 import pytest
 from PySide6.QtWidgets import QMessageBox
 
-from ui_fixtures import (FakeSession, fail_on_qt_warnings, keep, make_window, ui_settings,  # noqa: F401
-                         wait_state)
+from fake_session import FakeSession
+from ui_fixtures import fail_on_qt_warnings, keep, make_run, make_window, ui_settings, wait_state  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
-def fake_engine_defaults():
-    FakeSession.boot_delay, FakeSession.step_delay = 0.0, 0.0
-    FakeSession.fail_open, FakeSession.fail_at_step = None, None
-    FakeSession.opened = []
-    yield
+def fake_engine_defaults(monkeypatch):
+    for name, value in (("boot_delay", 0.0), ("step_delay", 0.0), ("fail_open", None), ("fail_at_step", None)):
+        monkeypatch.setattr(FakeSession, name, value)
 
 
 def session(window):
-    return window.controller.worker.session
+    return window.controller.session
 
 
 def generate(qtbot, window, prompts="hello there world", max_tokens=8, wait=True):
@@ -37,17 +34,16 @@ def generate(qtbot, window, prompts="hello there world", max_tokens=8, wait=True
 def test_boot_shows_stages_and_fills_tree(qtbot, ui_settings):
     stages = []
     from inspector.ui.main_window import MainWindow
-    from ui_fixtures import fake_types
 
     FakeSession.boot_delay = 0.3
+
     def record(report):  # runs on the engine thread, as the session reports each stage
         return lambda progress: (stages.append(progress.stage), report(progress))
 
-    window = MainWindow(session_factory=lambda o, p: FakeSession.open(o, record(p)), types=fake_types)
-    keep(qtbot, window)
+    window = keep(qtbot, MainWindow(lambda options, report: FakeSession.open(options, record(report))))
     window.show()
     window.open_model("demo")
-    assert window.state == "booting" and window.boot_progress.isVisible()
+    assert window.state.value == "booting" and window.boot_bar.isVisible()
     assert not window.prompt.generate_button.isEnabled()
     qtbot.waitUntil(lambda: "compiling" in stages, timeout=5000)
     qtbot.wait(50)
@@ -55,7 +51,7 @@ def test_boot_shows_stages_and_fills_tree(qtbot, ui_settings):
     wait_state(qtbot, window, "ready")
     assert stages == ["resolving", "loading", "compiling", "ready"]
     assert sorted(window.tree.checked()) == ["model.layers.0.resid_post", "model.layers.1.resid_post"]
-    assert window.prompt.generate_button.isEnabled() and "demo" in window.windowTitle()
+    assert window.prompt.generate_button.isEnabled() and window.windowTitle() == "demo (compiled)"
     assert threading.get_ident() not in session(window).threads
 
 
@@ -63,8 +59,8 @@ def test_generate_streams_into_heatmap_strip_and_text(qtbot, ui_settings):
     window = make_window(qtbot, hooks=["blocks.*.hook_resid_post", "blocks.0.hook_mlp_out"])
     generate(qtbot, window, "abcdefghi\nxyz", max_tokens=10)
     s = session(window)
-    assert window.vm.request_ids() == ["0", "1"]
-    for rid in ("0", "1"):
+    assert window.shown.request_ids() == ["req0", "req1"]
+    for rid in ("req0", "req1"):
         window.select_request(rid)
         for hook in ("model.layers.1.resid_post", "model.layers.0.mlp.mlp_out"):
             window.select_hook(hook)
@@ -76,9 +72,8 @@ def test_generate_streams_into_heatmap_strip_and_text(qtbot, ui_settings):
         req = s.run.requests[rid]
         assert window.generated_text(rid) == "".join(req.token_texts[len(req.prompt_token_ids):])
         assert window.text_view.toPlainText().endswith(window.generated_text(rid))
-    # engine code never ran on the GUI thread; every step came from the worker thread
-    assert window.step_threads and threading.get_ident() not in window.step_threads
-    assert threading.get_ident() not in window.controller.worker.engine_threads
+    # engine code never ran on the GUI thread, and always on the same thread
+    assert len(s.threads) == 1 and threading.get_ident() not in s.threads
     assert "Generated 20 tokens" in window.statusBar().currentMessage()
 
 
@@ -90,7 +85,7 @@ def test_clicking_a_token_selects_its_heatmap_column(qtbot, ui_settings):
     from PySide6.QtCore import Qt
 
     qtbot.mouseClick(window.strip.viewport(), Qt.MouseButton.LeftButton, pos=rect.center())
-    assert window.vm.selected_position == 3
+    assert window.shown.selection.position == 3
     assert window.heatmap.selection.isVisible() and tuple(window.heatmap.selection.getRegion()) == (3, 4)
 
 
@@ -98,17 +93,18 @@ def test_stop_mid_generation_keeps_what_was_captured(qtbot, ui_settings):
     FakeSession.step_delay = 0.02
     window = make_window(qtbot)
     generate(qtbot, window, "abcdef", max_tokens=500, wait=False)
-    qtbot.waitUntil(lambda: window._gen_tokens >= 5, timeout=5000)
+    qtbot.waitUntil(lambda: window.controller.generation.tokens >= 5, timeout=5000)
     assert window.prompt.stop_button.isEnabled()
     window.prompt.stop_button.click()
     wait_state(qtbot, window, "ready")
-    n = len(window.vm.request("0").generated_token_ids)
+    n = len(window.shown.request("req0").generated_token_ids)
     assert 5 <= n < 500
     assert "Stopped after" in window.statusBar().currentMessage()
     # stop before the first step also works (pressed right after Generate)
     generate(qtbot, window, "xyz", max_tokens=500, wait=False)
-    window.stop()
+    window.controller.stop()
     wait_state(qtbot, window, "ready")
+    assert window.controller.last_result.stopped and window.controller.last_result.tokens < 500
 
 
 def test_intervention_mid_generation_marks_and_changes_following_tokens(qtbot, ui_settings):
@@ -116,34 +112,34 @@ def test_intervention_mid_generation_marks_and_changes_following_tokens(qtbot, u
     window = make_window(qtbot)
     hook = "model.layers.1.resid_post"
     generate(qtbot, window, "abcdef", max_tokens=1000, wait=False)
-    qtbot.waitUntil(lambda: window._gen_tokens >= 6, timeout=5000)
+    qtbot.waitUntil(lambda: window.controller.generation.tokens >= 6, timeout=5000)
     row = window.interventions.add_row(hook)
     assert window.interventions.edit(row, "Bias", "100")
-    at = window._gen_tokens
-    qtbot.waitUntil(lambda: window._gen_tokens >= at + 10, timeout=5000)
-    window.stop()
+    at = window.controller.generation.tokens
+    qtbot.waitUntil(lambda: window.controller.generation.tokens >= at + 10, timeout=5000)
+    window.controller.stop()
     wait_state(qtbot, window, "ready")
-    req = window.vm.request("0")
+    req = window.shown.request("req0")
     log = req.intervention_log
     assert log and log[-1][1][0]["hook"] == hook and log[-1][1][0]["bias"] == 100.0
     first = log[-1][0]
     window.select_hook(hook)
     values = window.heatmap.displayed_data()
     assert (values[:first] < 50).all() and (values[first:] > 50).all()
-    marks = window.vm.intervention_marks("0", hook, len(req.token_texts))
+    marks = window.shown.intervention_marks("req0", hook, len(req.token_texts))
     assert (marks[:first] == 0).all() and (marks[first:len(values)] == 2).all()
     assert list(window.heatmap.track_marks) == list(marks[:len(values)])
     # NaN typed into the table is refused by the editor; the engine keeps the old set
     assert not window.interventions.edit(row, "Bias", "nan")
-    assert session(window)._interventions[0].bias == 100.0
+    assert session(window).interventions[0].bias == 100.0
 
 
 def test_engine_refusal_of_interventions_is_shown(qtbot, ui_settings):
     window = make_window(qtbot)
     row = window.interventions.add_row("model.layers.0.resid_post", scale="2")
-    assert session(window)._interventions[0].scale == 2.0
+    assert session(window).interventions[0].scale == 2.0
     # the fake engine refuses interventions on hooks it does not capture
-    window.interventions.model.hooks["model.layers.0.mlp.mlp_out"] = window.vm.catalogue["model.layers.0.mlp.mlp_out"]
+    window.interventions.model.hooks["model.layers.0.mlp.mlp_out"] = window.shown.catalogue["model.layers.0.mlp.mlp_out"]
     window.interventions.edit(row, "Hook", "model.layers.0.mlp.mlp_out")
     assert "engine refused" in window.interventions.last_message
     assert window.interventions.model.rows[row].hook == "model.layers.0.resid_post"
@@ -152,49 +148,60 @@ def test_engine_refusal_of_interventions_is_shown(qtbot, ui_settings):
 def test_export_then_reopen_shows_identical_arrays(qtbot, ui_settings, tmp_path):
     window = make_window(qtbot, hooks=["blocks.*.hook_resid_post", "blocks.*.hook_attn_out"])
     generate(qtbot, window, "abcdefg\nhij", max_tokens=7)
-    live = {(rid, h): window.vm.rows(rid, h)[1].copy() for rid in window.vm.request_ids()
-            for h in window.vm.request(rid).hooks}
-    texts = {rid: window.vm.token_texts(rid) for rid in window.vm.request_ids()}
+    shown = window.shown
+    live = {(rid, h): shown.rows(rid, h)[1].copy() for rid in shown.request_ids() for h in shown.request(rid).hooks}
+    texts = {rid: shown.token_texts(rid) for rid in shown.request_ids()}
     path = str(tmp_path / "run.h5")
     assert window.export(path)
-    qtbot.waitUntil(lambda: window.export_thread is None, timeout=10000)
-    assert getattr(window, "last_export", None) == path
+    qtbot.waitUntil(lambda: not window.controller.exporting, timeout=10000)
+    assert window.controller.last_export == path
     assert window.open_capture(path)
-    assert window.vm is not window.live and window.live_button.isVisible() and "run.h5" in window.windowTitle()
-    from inspector.io.hdf5 import LazyHookRows
+    assert window.shown is not window.controller.live and window.live_button.isVisible()
+    assert window.windowTitle() == "run.h5"
+    from inspector.io import LazyHookRows
 
-    assert all(isinstance(hr, LazyHookRows) for hr in window.vm.request("0").hooks.values())  # lazily
+    assert all(isinstance(hr, LazyHookRows) for hr in window.shown.request("req0").hooks.values())  # lazily
     for (rid, hook), values in live.items():
-        np.testing.assert_array_equal(window.vm.rows(rid, hook)[1], values)
-    window.select_request("1")
+        np.testing.assert_array_equal(window.shown.rows(rid, hook)[1], values)
+    window.select_request("req1")
     window.select_hook("model.layers.0.self_attn.attn_out")
-    np.testing.assert_array_equal(window.heatmap.displayed_data(), live[("1", "model.layers.0.self_attn.attn_out")])
-    assert window.strip.texts() == texts["1"]
+    np.testing.assert_array_equal(window.heatmap.displayed_data(), live[("req1", "model.layers.0.self_attn.attn_out")])
+    assert window.strip.texts() == texts["req1"]
     window.tabs.setCurrentWidget(window.summary)
     window._tick()
-    assert window.summary.matrix().shape == (len(texts["1"]) - 1, 2)
+    assert window.summary.matrix().shape == (len(texts["req1"]) - 1, 2)
     # generating switches back to the live run
     generate(qtbot, window, "zz", max_tokens=2)
-    assert window.vm is window.live and len(window.live.request_ids()) == 3
+    assert window.shown is window.controller.live and len(window.shown.request_ids()) == 3
 
 
 def test_export_cancel_and_failure_leave_nothing(qtbot, ui_settings, tmp_path):
     window = make_window(qtbot)
     generate(qtbot, window, "abc", max_tokens=3)
-    target = tmp_path / "missing-dir" / "x.h5"
-    window.export(str(target))
-    qtbot.waitUntil(lambda: window.export_thread is None, timeout=10000)
+    gate = threading.Event()
+    window.file_tasks.start(lambda state: gate.wait(10))  # holds the export until it is cancelled
+    target = tmp_path / "x.h5"
+    assert window.export(str(target))
+    from PySide6.QtWidgets import QPushButton
+
+    window._export_dialog.findChild(QPushButton).click()  # the progress dialog's Cancel button
+    gate.set()
+    qtbot.waitUntil(lambda: not window.controller.exporting, timeout=10000)
+    assert "Export cancelled" in window.statusBar().currentMessage() and window._export_dialog is None
+    assert list(tmp_path.iterdir()) == [tmp_path / "settings"]  # no file, no temp file
+    missing = tmp_path / "missing-dir" / "x.h5"
+    window.export(str(missing))
+    qtbot.waitUntil(lambda: not window.controller.exporting, timeout=10000)
     assert window.last_dialog is not None and "Export failed" in window.last_dialog.text()
-    assert not target.exists()
+    assert "does not exist" in window.last_dialog.text() and not missing.parent.exists()
     window.last_dialog.close()
 
 
 def test_open_capture_without_engine_and_unreadable_file(qtbot, ui_settings, tmp_path):
-    from inspector.io.hdf5 import write_run
-    from ui_fixtures import make_run
+    from inspector.io import write_run
 
     window = make_window(qtbot, boot=False)
-    assert window.state == "no-model"
+    assert window.state.value == "no model"
     bad = tmp_path / "bad.h5"
     bad.write_bytes(b"this is not hdf5")
     assert not window.open_capture(str(bad))
@@ -204,11 +211,12 @@ def test_open_capture_without_engine_and_unreadable_file(qtbot, ui_settings, tmp
     write_run(run, tmp_path / "ok.h5")
     assert window.open_capture(str(tmp_path / "ok.h5"))
     window._tick()
-    hook = window.vm.selected_hook
-    np.testing.assert_array_equal(window.heatmap.displayed_data(), run.requests["0"].hooks[hook].values)
-    assert window.strip.texts() == run.requests["0"].token_texts
+    hook = window.shown.selection.hook
+    np.testing.assert_array_equal(window.heatmap.displayed_data(), run.requests["req0"].hooks[hook].values)
+    assert window.strip.texts() == run.requests["req0"].token_texts
+    assert "alt100" in window.strip.tooltip_text(4)  # the most likely tokens, as text
     assert str(tmp_path / "ok.h5") in window.settings.recent_captures
-    assert window.controller.worker.session is None  # no model, no engine
+    assert window.controller.session is None  # no model, no engine
 
 
 def test_bad_model_path_shows_dialog_and_keeps_engine(qtbot, ui_settings, tmp_path):
@@ -218,9 +226,9 @@ def test_bad_model_path_shows_dialog_and_keeps_engine(qtbot, ui_settings, tmp_pa
         assert not window.open_model(str(bad))
         assert "Cannot open the model" in window.last_dialog.text()
         window.last_dialog.close()
-    assert window.state == "ready" and session(window).alive
+    assert window.state.value == "ready" and session(window).alive
     generate(qtbot, window, "def", max_tokens=2)
-    assert len(window.vm.request_ids()) == 2
+    assert len(window.shown.request_ids()) == 2
 
 
 def test_engine_failure_on_open_is_a_dialog_and_app_recovers(qtbot, ui_settings, tmp_path):
@@ -229,10 +237,10 @@ def test_engine_failure_on_open_is_a_dialog_and_app_recovers(qtbot, ui_settings,
     FakeSession.fail_open = "no model directory at /x: broken weights"
     (tmp_path / "config.json").write_text("{}")
     window.open_model(str(tmp_path))
-    wait_state(qtbot, window, "no-model")
+    wait_state(qtbot, window, "no model")
     assert "broken weights" in window.last_dialog.text()
     window.last_dialog.close()
-    assert window.vm.request("0") is not None  # captured data kept
+    assert window.shown.request("req0") is not None  # captured data kept
     FakeSession.fail_open = None
     window.open_model("demo")
     wait_state(qtbot, window, "ready")
@@ -245,15 +253,15 @@ def test_engine_crash_mid_generation_keeps_captures(qtbot, ui_settings):
     wait_state(qtbot, window, "dead")
     assert "engine core died" in window.last_dialog.text() and "kept" in window.last_dialog.text()
     window.last_dialog.close()
-    assert len(window.vm.request("0").generated_token_ids) == 4
+    assert len(window.shown.request("req0").generated_token_ids) == 4
     assert window.heatmap.column_count() > 0
     FakeSession.fail_at_step = None
     window.restart_engine()
     wait_state(qtbot, window, "ready")
     generate(qtbot, window, "x", max_tokens=2)
-    assert window.vm.request_ids() == ["0", "1"]  # the reopened engine's request is a new one
-    assert len(window.vm.request("0").generated_token_ids) == 4
-    assert len(window.vm.request("1").generated_token_ids) == 2
+    assert window.shown.request_ids() == ["req0", "req1"]  # the reopened engine's request is a new one
+    assert len(window.shown.request("req0").generated_token_ids) == 4
+    assert len(window.shown.request("req1").generated_token_ids) == 2
 
 
 def test_compiled_hook_change_asks_then_restarts(qtbot, ui_settings):
@@ -263,14 +271,14 @@ def test_compiled_hook_change_asks_then_restarts(qtbot, ui_settings):
     box = window.last_dialog
     assert isinstance(box, QMessageBox) and "Restart the engine" in box.windowTitle()
     box.button(QMessageBox.StandardButton.Cancel).click()
-    assert window.state == "ready" and len(session(window).installed) == 2
+    assert window.state.value == "ready" and len(session(window).installed) == 2
     window.tree.apply_button.click()
     window.last_dialog.button(QMessageBox.StandardButton.Yes).click()
     qtbot.waitUntil(lambda: len(session(window).installed) == 4, timeout=5000)
     wait_state(qtbot, window, "ready")
     assert not window.tree.pending() and "restarted" in window.statusBar().currentMessage()
     generate(qtbot, window, "abc", max_tokens=3)
-    assert "model.layers.1.mlp.mlp_out" in window.vm.request("0").hooks
+    assert "model.layers.1.mlp.mlp_out" in window.shown.request("req0").hooks
 
 
 def test_eager_mode_switch_and_live_hooks(qtbot, ui_settings):
@@ -313,20 +321,23 @@ def test_opening_another_model_keeps_the_earlier_run(qtbot, ui_settings, tmp_pat
     (other / "config.json").write_text("{}")
     window.open_model(str(other))
     wait_state(qtbot, window, "ready")
-    assert window.live.request_ids() == [] and len(window.previous_runs) == 1
-    earlier = window.previous_runs[0]
-    assert earlier.request_ids() == ["0"] and window.previous_menu.isEnabled()
-    window.previous_menu.actions()[0].trigger()
+    live = window.controller.live
+    assert live.request_ids() == [] and len(window.controller.earlier) == 1
+    earlier = window.controller.earlier[0]
+    assert earlier.request_ids() == ["req0"] and window.earlier_menu.isEnabled()
+    window.earlier_menu.actions()[0].trigger()
     window._tick()
-    assert window.vm is earlier and window.heatmap.column_count() == len(earlier.request("0").token_ids) - 1
+    assert window.shown is earlier and window.heatmap.column_count() == len(earlier.request("req0").token_ids) - 1
     generate(qtbot, window, "xyz", max_tokens=2)  # back to the live run of the new model
-    assert window.vm is window.live and len(window.live.request_ids()) == 1
+    assert window.shown is live and len(live.request_ids()) == 1
 
 
 def test_failure_messages():
-    from inspector.ui.engine_worker import describe_exception
+    from inspector.capture.protocol import SessionError
+    from inspector.viewer.controller import describe_exception
 
-    assert describe_exception(MemoryError(), "generate").startswith("Out of memory while generating")
-    msg = describe_exception(RuntimeError("CUDA error: out of memory"), "open")
+    assert describe_exception(MemoryError(), "generating").startswith("Out of memory while generating")
+    msg = describe_exception(RuntimeError("CUDA error: out of memory"), "opening the model")
     assert "Out of memory while opening the model" in msg and "fewer hook points" in msg
-    assert describe_exception(ValueError("bad"), "set_hooks") == "ValueError while changing hook points: bad"
+    assert describe_exception(ValueError("bad"), "changing hook points") == "ValueError while changing hook points: bad"
+    assert describe_exception(SessionError("the engine said so"), "generating") == "the engine said so"

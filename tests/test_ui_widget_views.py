@@ -1,11 +1,10 @@
 """Widget tests (synthetic data, no engine): heatmap, token strip, summary view."""
 
-import time
-
 import numpy as np
 import pytest
 
-from inspector.ui.capture_view_model import CaptureViewModel, GrowingRows
+from inspector.capture.run import HookRows, TopToken
+from inspector.viewer.run_view import RunSource, RunView
 from ui_fixtures import fail_on_qt_warnings, keep, make_run, ui_settings  # noqa: F401
 
 
@@ -44,7 +43,7 @@ def test_heatmap_one_column_per_token_values_equal_data(heatmap):
 
 
 def test_heatmap_grows_incrementally(heatmap):
-    rows = GrowingRows(8)
+    rows = HookRows(8)
     rng = np.random.default_rng(1)
     full = rng.normal(size=(50, 8)).astype(np.float32)
     texts = [f"t{i}" for i in range(51)]
@@ -120,21 +119,24 @@ def test_heatmap_intervention_track(heatmap):
     assert "intervention active on this hook" in heatmap.readout_at(4.5, 1.5)
 
 
-def test_heatmap_repaint_is_fast_for_2000_by_4096(heatmap, qtbot):
-    rows = GrowingRows(4096)
+def test_heatmap_repaints_a_long_wide_run_incrementally(heatmap):
+    """A new token pools its own column only (the bench measures the frame time)."""
+    from inspector.ui.image_pool import pool_maxabs
+
+    rows = HookRows(4096)
     rng = np.random.default_rng(2)
     rows.append(np.arange(1999), np.zeros(1999), rng.normal(size=(1999, 4096)).astype(np.float32))
     texts = ["x"] * 2001
     heatmap.set_data(rows.positions, rows.values, texts, "big")
-    times = []
+    assert heatmap._pool.last_reset
     for i in range(5):
         rows.append([1999 + i], [0], rng.normal(size=(1, 4096)).astype(np.float32))
-        t = time.perf_counter()
         heatmap.set_data(rows.positions, rows.values, texts, "big")
         heatmap.glw.viewport().repaint()
-        times.append(time.perf_counter() - t)
-    # the bench asserts the 16 ms target on a quiet machine; here only "no full recompute per frame"
-    assert min(times) < 0.25, times
+        assert not heatmap._pool.last_reset
+    key = heatmap._pool.key
+    expected = pool_maxabs(rows.values[key.t0:, key.f0:key.f1], key.tbin, key.fbin)
+    np.testing.assert_array_equal(heatmap._frame.image, expected)
 
 
 # ------------------------------------------------------------------ token strip
@@ -150,8 +152,10 @@ def test_token_strip_matches_texts_and_click_selects(qtbot, ui_settings):
         w.show()
     texts = ["def", " f", "(", "x", "):", "\n", "   ", " return"]
     strip.set_tokens(texts[:5], list(range(5)), 3)
-    strip.set_tokens(texts, list(range(8)), 3, logprobs=[-0.1] * 5, top=[[(1, -0.1)]] * 5)  # appended
+    top = [[TopToken(1, -0.1, "\n"), TopToken(9, -2.5, "")]] * 5  # an older file has no texts: the id shows
+    strip.set_tokens(texts, list(range(8)), 3, logprobs=[-0.1] * 5, top=top)  # appended
     assert strip.texts() == texts
+    assert "most likely: '↵' -0.10, id 9 -2.50" in strip.tooltip_text(4)
     assert strip.display_text(5) == "↵" and strip.display_text(6) == "␣␣␣"
     assert "logprob -0.100" in strip.tooltip_text(4) and "generated" in strip.tooltip_text(4)
     show(heatmap, np.ones((7, 3), np.float32), texts)
@@ -197,26 +201,25 @@ def test_summary_view_layers_by_tokens(qtbot, ui_settings):
     from inspector.ui.summary_view import SummaryView
 
     run = make_run(n_tokens=(9,), width=8)
-    vm = CaptureViewModel()
-    vm.load_run(run, "x.h5")
+    vm = RunView(run, RunSource.FILE, "x.h5")
     view = SummaryView()
     keep(qtbot, view)
     view.show()
-    rows = vm.summary_rows("0", view.kinds(), "L2 norm")
-    view.set_rows(rows, vm.token_texts("0"))
+    rows = vm.summary_rows("req0", view.kinds(), "L2 norm")
+    view.set_rows(rows, vm.token_texts("req0"))
     m = view.matrix()
-    resid = [h for h in vm.hooks_for("0") if h.kind == "resid_post"]
+    resid = [h for h in vm.hooks_for("req0") if h.kind == "resid_post"]
     assert m.shape == (8, len(resid))
     for j, h in enumerate(resid):
-        np.testing.assert_allclose(m[:, j], np.linalg.norm(run.requests["0"].hooks[h.name].values, axis=1), rtol=1e-6)
+        np.testing.assert_allclose(m[:, j], np.linalg.norm(run.requests["req0"].hooks[h.name].values, axis=1), rtol=1e-6)
     assert view.readout_at(2.5, 1.5).startswith("L1 resid_post") and "position 2" in view.readout_at(2.5, 1.5)
-    rows = vm.summary_rows("0", view.kinds(), "feature value", 3)
+    rows = vm.summary_rows("req0", view.kinds(), "feature value", 3)
     view.measure_box.setCurrentText("feature value")
-    view.set_rows(rows, vm.token_texts("0"))
-    np.testing.assert_array_equal(view.matrix()[:, 0], run.requests["0"].hooks[resid[0].name].values[:, 3])
+    view.set_rows(rows, vm.token_texts("req0"))
+    np.testing.assert_array_equal(view.matrix()[:, 0], run.requests["req0"].hooks[resid[0].name].values[:, 3])
     view.measure_box.setCurrentText("L2 norm")
     view.relative_box.setChecked(True)
-    view.set_rows(vm.summary_rows("0", view.kinds(), "L2 norm"), vm.token_texts("0"))
+    view.set_rows(vm.summary_rows("req0", view.kinds(), "L2 norm"), vm.token_texts("req0"))
     np.testing.assert_allclose(np.median(view.matrix(), axis=0), 1.0, rtol=1e-6)
 
 

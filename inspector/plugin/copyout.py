@@ -5,9 +5,8 @@ before it runs. On a GPU a decode step's rows are first copied on the device (mi
 sent to pinned host memory on a side stream, in parallel with the next forward; a large step
 (prefill) is copied straight from the buffers on the compute stream, which needs no staging memory
 of the buffers' size. Nothing here waits for the GPU: ``Transfer.ready`` says whether the copies
-have landed, ``Transfer.wait`` waits for them. (Converting the landed copies on a background thread
-was tried on the H200 and measured: it fell behind decode at batch 32 and slowed every step, so the
-driver's drain converts them, in ``gather``.)
+have landed, ``Transfer.wait`` waits for them. The driver's drain converts the landed copies, in
+``gather`` (why not a background thread: docs/performance-notes.md).
 """
 
 from __future__ import annotations

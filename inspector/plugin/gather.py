@@ -4,8 +4,8 @@ Each forward's host copy holds, per stack of same-width hooks, ``[hooks, rows, w
 whole batch. Per stack, the drained forwards' rows are copied into one array of our own in request
 order (converting bfloat16 to float32, since numpy has no bfloat16), one strided copy per forward
 when its rows land evenly spaced (always, for a single forward or for decode steps); each request
-and hook then gets a view of it. Per-request copies were measured 3-10x slower on the H200's host:
-its 16 threads pay a wake-up for every copy, so the number of copies must not grow with the batch.
+and hook then gets a view of it. The number of copies must not grow with the batch: every copy
+costs a wake-up of the host's threads (measurements: docs/performance-notes.md).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 Rows = dict[str, np.ndarray]  # positions, token_ids, values
 
 
-class Drained(NamedTuple):
-    """One forward's rows and their host copies (read once its transfer has landed): the stacks,
-    then the token ids if the forward had them."""
+class QueuedForward(NamedTuple):
+    """A forward whose rows are on their way to the host, not yet drained: its batch layout and its
+    host copies (read once the transfer has landed), the stacks, then the token ids if it had them."""
 
     req_ids: list[str]
     query_start_loc: np.ndarray
@@ -30,7 +30,7 @@ class Drained(NamedTuple):
     host: list[torch.Tensor]
 
 
-def rows_by_request(forwards: list[Drained]) -> dict[str, dict[str, Rows]]:
+def rows_by_request(forwards: list[QueuedForward]) -> dict[str, dict[str, Rows]]:
     """request id → hook → rows, over ``forwards`` in order. Forwards with the same hooks are gathered
     together; a hook set changed between them (eager mode) splits them, and a hook then covers only
     the forwards it was installed for."""
@@ -44,7 +44,7 @@ def rows_by_request(forwards: list[Drained]) -> dict[str, dict[str, Rows]]:
     return out
 
 
-def _gather(forwards: list[Drained]) -> dict[str, dict[str, Rows]]:
+def _gather(forwards: list[QueuedForward]) -> dict[str, dict[str, Rows]]:
     stack_names = forwards[0].stack_names
     offsets = np.cumsum([0] + [len(f.positions) for f in forwards])
     spans: dict[str, list[np.ndarray]] = {}  # request → its rows in the forwards joined, in order
@@ -74,7 +74,7 @@ def _gather(forwards: list[Drained]) -> dict[str, dict[str, Rows]]:
     return out
 
 
-def _token_ids(f: Drained) -> np.ndarray:
+def _token_ids(f: QueuedForward) -> np.ndarray:
     if len(f.host) > len(f.stack_names):
         return f.host[-1].numpy()
     return np.full(len(f.positions), -1, dtype=np.int64)

@@ -19,31 +19,23 @@ becomes ``(h + r) * S + B`` while an identity (S = 1, B = 0) leaves every value 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-SITES = ("output", "output_pair_sum", "input_pair_sum", "input")
+from inspector.capture.hooks import HookPoint
 
 
 @dataclass(frozen=True)
-class HookPoint:
-    name: str
-    alias: str
-    module_path: str
-    kind: str
-    width: int
-    site: str
+class Site:
+    """How a hook point reads and replaces the value at its module (see the module docstring)."""
+
+    how: str  # output | output_pair_sum | input_pair_sum | input
     arg_index: int = 0
-    layer: int = -1  # -1: not inside a block
 
     @property
     def is_pre_hook(self) -> bool:
-        return self.site.startswith("input")
-
-    def describe(self) -> dict:
-        return asdict(self)
+        return self.how.startswith("input")
 
 
 def _has(module: nn.Module, *names: str) -> bool:
@@ -60,7 +52,7 @@ def _find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return None
 
 
-def catalogue(model: nn.Module, hidden: int, intermediate: int) -> list[HookPoint]:
+def catalogue(model: nn.Module, hidden: int, intermediate: int, dtype: str) -> list[tuple[HookPoint, Site]]:
     """Hook points of a Llama/Qwen-style (fused residual) or GPT-2-style model, in model order."""
     found = _find_block_list(model)
     if found is None:
@@ -73,9 +65,10 @@ def catalogue(model: nn.Module, hidden: int, intermediate: int) -> list[HookPoin
     def path(*parts: str) -> str:
         return ".".join(p for p in (stem, *parts) if p)
 
-    def point(module_path: str, kind: str, alias: str, site: str, width: int = hidden, arg_index: int = 0,
-              layer: int = -1) -> HookPoint:
-        return HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width, site, arg_index, layer)
+    def point(module_path: str, kind: str, alias: str, how: str, width: int = hidden, arg_index: int = 0,
+              layer: int = -1) -> tuple[HookPoint, Site]:
+        return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width, layer, dtype),
+                Site(how, arg_index))
 
     points = []
     if fused:
@@ -107,7 +100,7 @@ def catalogue(model: nn.Module, hidden: int, intermediate: int) -> list[HookPoin
             ]
     points.append(point(path("norm" if fused else "ln_f"), "normalized", "ln_final.hook_normalized", "output"))
     modules = dict(model.named_modules())
-    return [p for p in points if p.module_path in modules]
+    return [(p, site) for p, site in points if p.module_path in modules]
 
 
 # --- reading and replacing at a site (traced into the compiled graph: no value-dependent Python) ---
@@ -154,14 +147,3 @@ def replace_input(site, arg_index, args, scale, bias):
     h2 = _affine_delta(h, r, scale, bias)
     new_args = (*args[:arg_index], h2, *args[arg_index + 1:])
     return new_args, (h2 if r is None else h2 + r)
-
-
-def find_module(model: nn.Module, path: str) -> nn.Module:
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        raise ValueError(f"unknown module path {path!r}") from None
-
-
-def model_dtype(dtype_name: str) -> torch.dtype:
-    return getattr(torch, dtype_name)

@@ -18,13 +18,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from inspector.capture.run import matches_pattern
+from inspector.capture.hooks import HookPoint
+from inspector.capture.interventions import Intervention, validate
 
 from . import hookpoints as hp
 from .config import PluginConfig
 from .copyout import CopyOut, Transfer
-from .gather import Drained, rows_by_request
-from .interventions import Intervention, SlotPlanner, compose, validate
+from .gather import QueuedForward, rows_by_request
+from .slots import SlotPlanner, compose
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class ActiveHook:
     hooked module, and the hook reads them from there: the compiler then treats them like weights,
     as graph inputs, so the compiled pieces of identical layers stay identical and can be shared."""
 
-    point: hp.HookPoint
+    point: HookPoint
+    site: hp.Site
     buffer: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor
@@ -73,12 +75,13 @@ class RowStack:
 
 
 class InspectorRuntime:
-    def __init__(self, model: nn.Module, points: list[hp.HookPoint], config: PluginConfig,
+    def __init__(self, model: nn.Module, points: list[tuple[HookPoint, hp.Site]], config: PluginConfig,
                  device: torch.device, max_tokens: int, max_model_len: int):
         self.model = model
         self.config = config
-        self.catalogue = {p.name: p for p in points}
-        self.by_alias = {p.alias: p for p in points}
+        self.catalogue = {p.name: p for p, _ in points}
+        self.sites = {p.name: site for p, site in points}
+        self.by_alias = {p.alias: p for p, _ in points}
         self.device = device
         self.dtype = getattr(torch, config.dtype)
         self.max_tokens = max_tokens
@@ -94,16 +97,17 @@ class InspectorRuntime:
         self._row_slot_dirty = False
         self._copy_out = CopyOut(device)
         # per queued forward: its rows and host copies, and the transfer that says when they have landed
-        self._pending: list[tuple[Drained, Transfer]] = []
+        self._pending: list[tuple[QueuedForward, Transfer]] = []
 
     # --- hook set ---
 
-    def resolve(self, name: str, module_path: str, width: int) -> hp.HookPoint:
+    def resolve(self, name: str, module_path: str, width: int) -> HookPoint:
         """The catalogue point a spec means: by name or alias, else the point at that module's output."""
         point = self.catalogue.get(name) or self.by_alias.get(name)
         if point is None:
             candidates = [p for p in self.catalogue.values() if p.module_path == module_path]
-            point = next((p for p in candidates if not p.is_pre_hook), candidates[0] if candidates else None)
+            point = next((p for p in candidates if not self.sites[p.name].is_pre_hook),
+                         candidates[0] if candidates else None)
         if point is None:
             modules = dict(self.model.named_modules())
             if module_path not in modules:
@@ -122,7 +126,7 @@ class InspectorRuntime:
         """Specs for every point whose name or alias matches one of the glob patterns."""
         specs = {}
         for pattern in patterns:
-            hits = [p for p in self.catalogue.values() if matches_pattern(p.name, p.alias, pattern)]
+            hits = [p for p in self.catalogue.values() if p.matches(pattern)]
             if not hits:
                 raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
             specs.update({p.name: (p.module_path, p.width) for p in hits})
@@ -148,10 +152,11 @@ class InspectorRuntime:
             for index, name in enumerate(names):
                 self._install(name, resolved[name], stack.tensor[index])
 
-    def _install(self, name: str, point: hp.HookPoint, buffer: torch.Tensor) -> None:
+    def _install(self, name: str, point: HookPoint, buffer: torch.Tensor) -> None:
         with torch.inference_mode():
             hook = ActiveHook(
                 point,
+                self.sites[point.name],
                 buffer=buffer,
                 scale=torch.ones(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
                 bias=torch.zeros(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
@@ -159,7 +164,7 @@ class InspectorRuntime:
             )
         module = self.model.get_submodule(point.module_path)
         hook.attach(module, self.row_slot)
-        if point.is_pre_hook:
+        if hook.site.is_pre_hook:
             hook.handle = module.register_forward_pre_hook(functools.partial(self._on_input, hook))
         else:
             hook.handle = module.register_forward_hook(functools.partial(self._on_output, hook))
@@ -195,7 +200,7 @@ class InspectorRuntime:
                 getattr(module, f"{prefix}_bias").index_select(0, rows))
 
     def _on_output(self, hook: ActiveHook, module, args, output):
-        site, prefix = hook.point.site, hook.prefix
+        site, prefix = hook.site.how, hook.prefix
         if self._use_affine():
             n = (output[0] if isinstance(output, tuple) else output).shape[0]
             output, value = hp.replace_output(site, output, *self._gather(prefix, module, n))
@@ -205,12 +210,12 @@ class InspectorRuntime:
         return output
 
     def _on_input(self, hook: ActiveHook, module, args):
-        point, prefix = hook.point, hook.prefix
+        site, prefix = hook.site, hook.prefix
         if self._use_affine():
-            n = args[point.arg_index].shape[0]
-            args, value = hp.replace_input(point.site, point.arg_index, args, *self._gather(prefix, module, n))
+            n = args[site.arg_index].shape[0]
+            args, value = hp.replace_input(site.how, site.arg_index, args, *self._gather(prefix, module, n))
         else:
-            value, args = hp.read_input(point.site, point.arg_index, args), None
+            value, args = hp.read_input(site.how, site.arg_index, args), None
         getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
         return args
 
@@ -245,7 +250,7 @@ class InspectorRuntime:
         # for decode-sized steps only, so that it stays within a few percent.
         transfer = self._copy_out.queue(tensors, stage=n * 64 <= self.max_tokens)
         names = [list(stack.names) for stack in self._stacks]
-        self._pending.append((Drained(step.req_ids, step.query_start_loc, step.positions, names, transfer.host),
+        self._pending.append((QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, transfer.host),
                               transfer))
 
     # --- driver-facing operations (through the worker extension) ---
@@ -296,6 +301,6 @@ class InspectorRuntime:
             "allocated_bytes": self.allocated_bytes(),
             "enable_position_interventions": self.config.enable_position_interventions,
             "modules": [(path, type(m).__name__) for path, m in self.model.named_modules()],
-            "hook_points": [p.describe() for p in self.catalogue.values()],
+            "hook_points": [p.as_dict() for p in self.catalogue.values()],
             "installed": {name: hook.point.name for name, hook in self.active.items()},
         }

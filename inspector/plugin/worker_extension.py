@@ -6,9 +6,10 @@ numpy, so no insecure serialization is needed across processes.
 
 from __future__ import annotations
 
+from inspector.capture.interventions import Intervention
+
 from . import hookpoints, vllm_compat
 from .config import PluginConfig
-from .interventions import Intervention
 from .runtime import InspectorRuntime
 
 _ATTR = "_inspector_runtime"
@@ -28,7 +29,7 @@ def install_runtime(worker) -> None:
                          "and the compiled flavour needs enforce_eager=False")
     model = vllm_compat.model_of(worker)
     hidden, intermediate, max_model_len, max_tokens = vllm_compat.model_sizes(worker)
-    points = hookpoints.catalogue(model, hidden, intermediate)
+    points = hookpoints.catalogue(model, hidden, intermediate, config.dtype)
     runtime = InspectorRuntime(model, points, config, vllm_compat.device_of(worker),
                                max(max_tokens, config.max_num_batched_tokens), max_model_len)
     explicit = {runtime.resolve(name, *spec).name for name, spec in config.capture_specs.items()}

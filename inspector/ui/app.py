@@ -1,4 +1,5 @@
-"""``inspector`` (the GUI): ``main(argv)`` creates the QApplication and the window, then boots a model.
+"""``inspector`` (the GUI): ``main(argv, session_factory)`` creates the QApplication and the window,
+then boots a model through ``session_factory`` (``inspector.cli`` passes the in-process engine).
 
     inspector                      # opens the window at once, boots the built-in demo model
     inspector PATH                 # a Hugging Face model directory, or an .h5 capture to reopen
@@ -13,9 +14,13 @@ import os
 import sys
 import traceback
 
+from inspector.capture.protocol import SessionFactory
+from inspector.capture.resources import icon_path
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="inspector", description="Look inside an LLM while vLLM serves it.")
+    p = argparse.ArgumentParser(prog="inspector [app]", description="The desktop app: look inside an LLM while "
+                                "vLLM serves it. (Headless: inspector capture|hooks --help.)")
     p.add_argument("path", nargs="?", help="a model directory to boot, or an .h5 capture to open")
     p.add_argument("--model", help='model directory, or "demo" (default: the built-in demo model)')
     p.add_argument("--mode", choices=("compiled", "eager"), help="engine mode (default: the last one used)")
@@ -36,7 +41,7 @@ def _install_excepthook(window_getter) -> None:
         if window is not None and not issubclass(exc_type, KeyboardInterrupt):
             try:
                 text = "".join(traceback.format_exception(exc_type, exc, tb))
-                window._error(f"Unexpected error: {exc_type.__name__}: {exc}\n\nThe app keeps running; "
+                window.error(f"Unexpected error: {exc_type.__name__}: {exc}\n\nThe app keeps running; "
                               "please report this.", text, title="Internal error")
             except Exception:  # noqa: BLE001
                 pass
@@ -48,9 +53,8 @@ def gui_environment() -> None:
     """Engine defaults for a process that also paints a GUI; the user's own settings win.
 
     The CPU backend's OpenMP threads spin at barriers: with one per core, the GUI thread has to
-    preempt one of them whenever it paints, and every engine step waits for it (measured on a
-    2-core machine: 5 tokens/s with OMP_NUM_THREADS=2 next to a busy thread, 300-600 with 1).
-    So leave one core to the GUI."""
+    preempt one of them whenever it paints, and every engine step waits for it. So leave one core
+    to the GUI (figures: docs/performance-notes.md)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores - 1)))
     # The in-process engine thread runs Python between forwards; a thread waiting for the GIL waits up
@@ -65,21 +69,19 @@ def create_app(argv: list[str] | None = None):
     app.setOrganizationName("ActivationInspector")
     app.setApplicationName("inspector")
     app.setApplicationDisplayName("Activation Inspector")
-    from pathlib import Path
-
     from PySide6.QtGui import QIcon
 
-    icons = Path(__file__).resolve().parent.parent / "resources" / "icons"
-    for name in ("activation-inspector.svg", "activation-inspector-256.png"):
-        if (icons / name).is_file():
-            app.setWindowIcon(QIcon(str(icons / name)))
+    for size in (0, 256):
+        icon = icon_path(size)
+        if icon.is_file():
+            app.setWindowIcon(QIcon(str(icon)))
             break
     return app
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; ``argv`` excludes the program name (``sys.argv[1:]`` when None)."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str], session_factory: SessionFactory) -> int:
+    """The app; ``argv`` excludes the program name."""
+    args = build_parser().parse_args(argv)
     from .settings import configure_storage
 
     if args.settings_dir:
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     pg.setConfigOptions(antialias=False, imageAxisOrder="col-major")
     from .main_window import MainWindow
 
-    window = MainWindow()
+    window = MainWindow(session_factory)
     previous_hook = sys.excepthook
     _install_excepthook(lambda: window)
     window.show()
@@ -116,7 +118,3 @@ def main(argv: list[str] | None = None) -> int:
         sys.excepthook = previous_hook
         if window.isVisible():  # app.quit() from elsewhere: still save settings and stop the engine
             window.close()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -18,7 +18,7 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel,
                                QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
-from .capture_view_model import display_token
+from inspector.viewer.labels import display_token
 from .color_image import ColorImageItem
 from .image_pool import PooledImage, choose_key, follow_extent, robust_levels
 
@@ -40,7 +40,6 @@ def colormap(name: str) -> pg.ColorMap:
 
 class HeatmapWidget(QWidget):
     positionClicked = Signal(int)  # a token position was clicked in the image
-    levelsChanged = Signal(float, float)
     colormapChanged = Signal(str)
 
     def __init__(self, parent=None):
@@ -55,7 +54,6 @@ class HeatmapWidget(QWidget):
         self._frame = None
         self._levels = (0.0, 1.0)
         self._follow = True
-        self._dirty = True
         self._updating_range = False
         self._selected: int | None = None
         self._hook_label = ""
@@ -211,7 +209,6 @@ class HeatmapWidget(QWidget):
                     self.features_to.setValue(max(width, 1))
             if new_source:
                 self.fit()
-        self._dirty = True
         self.render()
 
     def set_placeholder(self, text: str) -> None:
@@ -277,7 +274,6 @@ class HeatmapWidget(QWidget):
             self.cbar.setLevels(self._levels, update_items=False)
         self._render_marks(n)
         self.paint_count += 1
-        self._dirty = False
 
     def _auto_levels(self, image: np.ndarray, symmetric: bool, force: bool) -> None:
         """Robust levels, re-estimated at most 4 times a second and adopted only when they move by more
@@ -421,7 +417,6 @@ class HeatmapWidget(QWidget):
         self._levels = (lo, hi)
         self.img.setLevels(self._levels)
         self.cbar.setLevels(self._levels, update_items=False)
-        self.levelsChanged.emit(lo, hi)
 
     def _colorbar_dragged(self, bar) -> None:
         lo, hi = bar.levels()
@@ -433,7 +428,6 @@ class HeatmapWidget(QWidget):
             self.level_lo.setValue(lo)
             self.level_hi.setValue(hi)
         self._levels = (float(lo), float(hi))
-        self.levelsChanged.emit(lo, hi)
 
     def _show_levels(self) -> None:
         with QSignalBlocker(self.level_lo), QSignalBlocker(self.level_hi):

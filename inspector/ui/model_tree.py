@@ -1,6 +1,6 @@
 """The model's module tree with its hook points as checkable leaves.
 
-Hook points (``HookInfo``) are grouped by the components of their module path; a module node checks
+Hook points (``HookPoint``) are grouped by the components of their module path; a module node checks
 or unchecks everything below it (tri-state). Each leaf shows its kind, width and TransformerLens-style
 alias. Presets and glob patterns add to (or, for "None", clear) the checked set. The checked set is
 what the user *wants*; ``installed`` is what the engine captures now. In eager mode changes apply on
@@ -14,9 +14,7 @@ from PySide6.QtGui import QBrush, QColor, QFont, QStandardItem, QStandardItemMod
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QMenu, QPushButton,
                                QToolButton, QTreeView, QVBoxLayout, QWidget)
 
-from inspector.capture.run import HookInfo
-
-from .capture_view_model import glob_match
+from inspector.capture.hooks import HookPoint
 
 NAME_ROLE = Qt.ItemDataRole.UserRole + 1
 PRESETS = {
@@ -46,7 +44,7 @@ class ModelTreeWidget(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        self._infos: dict[str, HookInfo] = {}
+        self._infos: dict[str, HookPoint] = {}
         self._leaves: dict[str, QStandardItem] = {}
         self._installed: set[str] = set()
         self._mode = "compiled"
@@ -125,7 +123,7 @@ class ModelTreeWidget(QWidget):
         self.tree.selectionModel().currentChanged.connect(self._current_changed)
 
     # ------------------------------------------------------------------ content
-    def set_catalogue(self, catalogue: list[HookInfo], installed) -> None:
+    def set_catalogue(self, catalogue: list[HookPoint], installed) -> None:
         self._infos = {h.name: h for h in catalogue}
         self._leaves = {}
         with QSignalBlocker(self.model):
@@ -226,7 +224,8 @@ class ModelTreeWidget(QWidget):
             self.summary.setText(f"No hook point matches {self.glob_box.text()!r}")
 
     def check_glob(self, pattern: str, on: bool = True) -> int:
-        matches = {n for n, h in self._infos.items() if glob_match(h, pattern)}
+        pattern = pattern.strip()
+        matches = {n for n, h in self._infos.items() if pattern and h.matches(pattern)}
         current = set(self.checked())
         self.set_checked(current | matches if on else current - matches)
         return len(matches)

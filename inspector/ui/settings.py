@@ -82,9 +82,6 @@ class Settings:
         self._q.setValue("models/recent", [path, *recent][:MAX_RECENT])
         self._q.setValue("models/last", path)
 
-    def clear_recent_models(self) -> None:
-        self._q.remove("models/recent")
-
     @property
     def recent_captures(self) -> list[str]:
         return self._list("captures/recent")

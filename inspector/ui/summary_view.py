@@ -14,7 +14,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSpinBox, QWidget
 
-from .capture_view_model import display_token
+from inspector.viewer.labels import display_token
 from .heatmap import colormap, stack_view
 from .image_pool import robust_levels
 

@@ -5,7 +5,7 @@ appended (thousands of Python sizeHint calls per frame in a long generation). He
 once, as they arrive (a relayout happens only when the width changes), and painting touches only the
 visible lines. Clicking a token emits its position (the heatmap selects that column); shift-click
 selects a range and ctrl-click toggles, for steering-vector selections; arrow keys walk the tokens.
-Tooltips show the id, logprob and top alternatives.
+Tooltips show the id, the logprob and the most likely tokens (as text).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from PySide6.QtCore import QEvent, QPoint, QRect, Qt, Signal
 from PySide6.QtGui import QColor, QFontMetrics, QPainter, QPen
 from PySide6.QtWidgets import QAbstractScrollArea, QToolTip
 
-from .capture_view_model import display_token
+from inspector.viewer.labels import display_token
 
 PROMPT_BG = QColor(236, 236, 236)
 GENERATED_BG = QColor(214, 232, 250)
@@ -219,8 +219,9 @@ class TokenStrip(QAbstractScrollArea):
             if lp is not None and math.isfinite(lp):
                 lines.append(f"logprob {lp:.3f} (p = {math.exp(lp):.3f})")
         if 0 <= g < len(self._top) and self._top[g]:
-            alts = ", ".join(f"{tok}: {lp:.2f}" for tok, lp in list(self._top[g])[:5])
-            lines.append(f"top: {alts}")
+            alts = ", ".join(f"{display_token(top.text)!r} {top.logprob:.2f}" if top.text else
+                             f"id {top.token_id} {top.logprob:.2f}" for top in self._top[g][:5])
+            lines.append(f"most likely: {alts}")
         if self._marks is not None and i < len(self._marks) and self._marks[i]:
             lines.append("an intervention was active here")
         return "\n".join(lines)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .resources import demo_model_path
+
 DEMO = "demo"
 
 
@@ -15,21 +17,34 @@ class ModelNotFound(ValueError):
     pass
 
 
-def resolve_model(name: str) -> Path:
-    if name == DEMO:
-        from inspector.demo import demo_model_path
+def looks_like_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).expanduser().exists()
 
-        return demo_model_path()
+
+def model_path_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a model, as far as can be told without the hub cache; None if it may be."""
+    if name == DEMO or looks_like_hub_id(name):
+        return None
     path = Path(name).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ModelNotFound(f"{name} is a file; a model is a Hugging Face model directory (with config.json)")
-        if not (path / "config.json").is_file():
-            raise ModelNotFound(f"{path} has no config.json: it is not a Hugging Face model directory")
-        return path.resolve()
-    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+    if not path.exists():
+        return f"no model directory at {name}"
+    if not path.is_dir():
+        return f"{name} is a file; a model is a Hugging Face model directory (with config.json)"
+    if not (path / "config.json").is_file():
+        return f"{path} has no config.json: it is not a Hugging Face model directory"
+    return None
+
+
+def resolve_model(name: str) -> Path:
+    """The model's directory; ModelNotFound with the reason."""
+    if name == DEMO:
+        return demo_model_path()
+    problem = model_path_problem(name)
+    if problem:
+        raise ModelNotFound(problem)
+    if looks_like_hub_id(name):
         return _cached_hub_model(name)
-    raise ModelNotFound(f"no model directory at {name}")
+    return Path(name).expanduser().resolve()
 
 
 def _cached_hub_model(repo_id: str) -> Path:

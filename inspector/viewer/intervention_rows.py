@@ -8,17 +8,13 @@ length, positions that do not parse) is refused with a message and the previous 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .capture_view_model import format_positions, parse_positions
-
-try:  # the engine re-exports it; the plugin module is where it is defined today
-    from inspector.engine import Intervention
-except ImportError:  # pragma: no cover - until inspector.engine exports it
-    from inspector.plugin.interventions import Intervention
+from inspector.capture.interventions import Intervention
+from inspector.capture.positions import format_positions, parse_positions
+from inspector.capture.vectors import check_vector
 
 SCOPES = ("all", "request", "positions", "request+positions")
 SCOPE_LABELS = {"all": "all requests", "request": "this request", "positions": "positions",
@@ -42,38 +38,6 @@ def parse_scalar(text, what: str = "value") -> float:
     return value
 
 
-def check_vector(vec, width: int | None, what: str) -> np.ndarray:
-    arr = np.asarray(vec)
-    if arr.dtype == object or not np.issubdtype(arr.dtype, np.number):
-        raise ValueError(f"{what} must hold numbers, got dtype {arr.dtype}")
-    arr = np.asarray(arr, dtype=np.float64)
-    if arr.ndim == 2 and 1 in arr.shape:
-        arr = arr.reshape(-1)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be a 1-D vector, got shape {arr.shape}")
-    if width is not None and arr.shape[0] != width:
-        raise ValueError(f"{what} has {arr.shape[0]} values but the hook point is {width} wide")
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        raise ValueError(f"{what} holds {int(bad.sum())} NaN/Inf value(s) (first at index {int(np.argmax(bad))})")
-    return arr
-
-
-def load_vector_file(path: str | Path, width: int | None, what: str = "vector") -> np.ndarray:
-    """A per-feature vector from a .npy file (or .npz with one array); ValueError with the reason."""
-    path = Path(path)
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        raise ValueError(f"cannot read {path.name}: {e}") from None
-    if isinstance(data, np.lib.npyio.NpzFile):
-        keys = list(data.keys())
-        if len(keys) != 1:
-            raise ValueError(f"{path.name} holds {len(keys)} arrays; expected exactly one")
-        data = data[keys[0]]
-    return check_vector(data, width, f"{what} in {path.name}")
-
-
 @dataclass
 class InterventionRow:
     hook: str
@@ -85,14 +49,6 @@ class InterventionRow:
     bias: float | np.ndarray = 0.0
     source: str = ""  # where a vector came from (file name, steering recipe)
     problem: str = ""  # set when the row no longer fits the engine (e.g. hook gone after a restart)
-    uid: int = field(default_factory=lambda: InterventionRow._next_uid())
-
-    _counter = 0
-
-    @staticmethod
-    def _next_uid() -> int:
-        InterventionRow._counter += 1
-        return InterventionRow._counter
 
     # ---- display ----
     def value_text(self, which: str) -> str:

@@ -1,76 +1,18 @@
-"""Interventions as data, and the slot planner that maps each captured row to an affine.
+"""The slot planner: which composed affine each captured row of a forward gets.
 
-An intervention is ``value * scale + bias`` at one hook point, scoped to all requests, one request,
-and/or given positions. Each row of a forward belongs to a set of interventions; each distinct set
-gets a *slot*, a row in every hook's ``scale``/``bias`` table that holds the composed affine. The
+Each row of a forward belongs to a set of interventions; each distinct set gets a *slot*, a row in
+every hook's ``scale``/``bias`` table that holds the composed affine. The
 graph gathers the row's slot, so one mechanism covers every scope and a batch can mix clean and
 steered requests. Only plain numpy here: this runs between forwards, outside the graph.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from inspector.capture.interventions import Intervention
+
 MAX_ACTIVE = 62  # rows are keyed by a bit mask in an int64
-
-
-@dataclass(frozen=True)
-class Intervention:
-    hook: str
-    scale: float | tuple[float, ...] = 1.0
-    bias: float | tuple[float, ...] = 0.0
-    request_id: str | None = None  # None: every request
-    positions: tuple[int, ...] | None = None  # None: every position
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Intervention":
-        unknown = set(d) - {"hook", "scale", "bias", "request_id", "positions"}
-        if unknown:
-            raise ValueError(f"unknown intervention fields {sorted(unknown)}")
-        if "hook" not in d:
-            raise ValueError("an intervention needs a 'hook'")
-
-        def value(v):
-            arr = np.asarray(v, dtype=np.float64)
-            if arr.ndim > 1:
-                raise ValueError(f"scale and bias must be scalars or 1-D vectors, got shape {arr.shape}")
-            return float(arr) if arr.ndim == 0 else tuple(arr.tolist())
-
-        positions = d.get("positions")
-        if positions is not None:
-            positions = tuple(int(p) for p in np.asarray(positions).reshape(-1))
-        request_id = d.get("request_id")
-        return cls(str(d["hook"]), value(d.get("scale", 1.0)), value(d.get("bias", 0.0)),
-                   None if request_id is None else str(request_id), positions)
-
-    def vector(self, which: str, width: int) -> np.ndarray:
-        v = np.asarray(getattr(self, which), dtype=np.float64)
-        return np.full(width, float(v)) if v.ndim == 0 else v
-
-
-def validate(iv: Intervention, widths: dict[str, int], max_position: int, allow_positions: bool) -> None:
-    """Raise ValueError with the reason; nothing is changed in the engine when this fails."""
-    if iv.hook not in widths:
-        known = ", ".join(sorted(widths)[:8])
-        raise ValueError(f"intervention on {iv.hook!r}, which is not an installed hook point (installed: {known}…)")
-    width = widths[iv.hook]
-    for which in ("scale", "bias"):
-        v = np.asarray(getattr(iv, which), dtype=np.float64)
-        if v.ndim == 1 and v.shape[0] != width:
-            raise ValueError(f"{which} of the intervention on {iv.hook!r} has {v.shape[0]} values; "
-                             f"the hook point is {width} wide")
-        if not np.all(np.isfinite(v)):
-            raise ValueError(f"{which} of the intervention on {iv.hook!r} holds NaN or Inf")
-    if iv.positions is not None:
-        if not allow_positions:
-            raise ValueError("position interventions need the engine booted with enable_position_interventions=True")
-        if not iv.positions:
-            raise ValueError(f"the intervention on {iv.hook!r} names an empty position list")
-        bad = [p for p in iv.positions if not 0 <= p < max_position]
-        if bad:
-            raise ValueError(f"positions {bad[:5]} are out of range [0, {max_position})")
 
 
 class SlotPlanner:

@@ -1,6 +1,6 @@
 """Regenerate the screenshots in docs/screenshots/ with the real engine (offscreen).
 
-    python -m inspector.ui.screenshots [--model demo|tiny|PATH] [--out docs/screenshots]
+    packaging/dev run python tools/screenshots.py [--model demo|tiny|PATH] [--out docs/screenshots]
 
 Shots: booting.png (staged boot progress), generating.png (a batch mid-generation, heatmap
 growing), interventions.png (a steering vector and a scaled hook, their marks on the heatmap),
@@ -25,8 +25,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     os.environ.setdefault("INSPECTOR_SETTINGS_DIR", tempfile.mkdtemp(prefix="inspector-shots-"))
-    from .app import create_app, gui_environment
-    from .settings import configure_storage
+    from inspector.cli import engine_session
+    from inspector.ui.app import create_app, gui_environment
+    from inspector.ui.settings import configure_storage
 
     gui_environment()
     configure_storage()
@@ -34,17 +35,17 @@ def main(argv=None) -> int:
     import pyqtgraph as pg
 
     pg.setConfigOptions(antialias=False)
-    from .main_window import MainWindow
+    from inspector.ui.main_window import MainWindow
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model == "tiny":
-        from inspector.tinymodels import tiny_model
+        from inspector.testing.tinymodels import tiny_model
 
         model = str(tiny_model("llama"))
     w, h = (int(x) for x in args.size.split("x"))
-    win = MainWindow()
+    win = MainWindow(engine_session)
     win.resize(w, h)
     win.show()
 
@@ -64,31 +65,32 @@ def main(argv=None) -> int:
 
     hooks = ["blocks.*.hook_resid_post", "blocks.*.hook_mlp_out"]
     win.open_model(model, mode="compiled", hooks=hooks)
-    pump(lambda: win._stage == "compiling" or win.state != "booting", 300)
+    pump(lambda: win.controller.boot_stage == "compiling" or win.state.value != "booting", 300)
     pump(lambda: False, 1.5)
     shot("booting.png")
-    pump(lambda: win.state != "booting")
-    if win.state != "ready":
+    pump(lambda: win.state.value != "booting")
+    if win.state.value != "ready":
         print("boot failed:", win.last_dialog.text() if win.last_dialog else win.state, file=sys.stderr)
         return 1
     win.prompt.prompts.setPlainText("def fibonacci(n):\nclass Stack:\nimport os\nfor i in range(")
     win.prompt.max_tokens.setValue(160)
     win.prompt.ignore_eos.setChecked(True)
     win.generate()
-    pump(lambda: win._gen_tokens >= 150 or win.state != "generating")
+    pump(lambda: win.controller.generation.tokens >= 150 or win.state.value != "generating")
     win.lower_tabs.setCurrentWidget(win.strip)
     shot("generating.png")
-    pump(lambda: win.state != "generating")
-    rid = win.live.request_ids()[0]
+    pump(lambda: win.state.value != "generating")
+    live = win.controller.live
+    rid = live.request_ids()[0]
     win.select_request(rid)
-    hook = next(h.name for h in win.session_info.catalogue if h.alias == "blocks.1.hook_resid_post")
+    hook = next(h.name for h in win.controller.info.catalogue if h.alias == "blocks.1.hook_resid_post")
     win.select_hook(hook)
-    n = len(win.live.request(rid).prompt_token_ids)
-    vec, _, _ = win.live.steering_vector(hook, [(rid, tuple(range(n, n + 8)))], [(rid, tuple(range(0, n)))])
+    n = len(live.request(rid).prompt_token_ids)
+    vec, _, _ = live.steering_vector(hook, [(rid, tuple(range(n, n + 8)))], [(rid, tuple(range(0, n)))])
     panel = win.interventions
     row = panel.add_row(hook)
     panel.set_vector(row, "bias", 4 * vec, f"steer 4×(mean {rid}[{n}-{n + 7}] − mean {rid}[0-{n - 1}])")
-    mlp = next(h.name for h in win.session_info.catalogue if h.alias == "blocks.0.hook_mlp_out")
+    mlp = next(h.name for h in win.controller.info.catalogue if h.alias == "blocks.0.hook_mlp_out")
     row2 = panel.add_row(mlp, scale="0.5")
     panel.edit(row2, "Positions", "12-40")
     panel.edit(row2, "Scope", "positions")
@@ -96,13 +98,13 @@ def main(argv=None) -> int:
     win.prompt.prompts.setPlainText("def fibonacci(n):")
     win.prompt.max_tokens.setValue(10)
     win.generate()
-    pump(lambda: win._gen_tokens >= 4)
+    pump(lambda: win.controller.generation.tokens >= 4)
     panel.edit(row2, "Scale", "0.25")  # an edit mid-generation: applies from the next forward
-    pump(lambda: win.state != "generating")
+    pump(lambda: win.state.value != "generating")
     win.prompt.max_tokens.setValue(60)
     win.generate()
-    pump(lambda: win.state != "generating")
-    win.select_request(win.live.request_ids()[-1])
+    pump(lambda: win.state.value != "generating")
+    win.select_request(live.request_ids()[-1])
     win.select_hook(hook)
     win.strip.select_range(n, n + 3)
     win.select_position(n + 2)
@@ -112,15 +114,15 @@ def main(argv=None) -> int:
     win.tabs.setCurrentWidget(win.heatmap)
     path = Path(tempfile.mkdtemp()) / "capture.h5"
     win.export(str(path))
-    pump(lambda: win.export_thread is None, 120)
+    pump(lambda: not win.controller.exporting, 120)
     win.close()
 
-    win = MainWindow()  # a fresh window with no engine: File > Open Capture
+    win = MainWindow(engine_session)  # a fresh window with no engine: File > Open Capture
     win.resize(w, h)
     win.show()
     win.open_capture(str(path))
-    win.select_request(win.vm.request_ids()[1])
-    win.select_hook(next(h.name for h in win.vm.hooks_for(None) if h.kind == "mlp_out"))
+    win.select_request(win.shown.request_ids()[1])
+    win.select_hook(next(h.name for h in win.shown.hooks_for(None) if h.kind == "mlp_out"))
     win.strip.select_position(5)
     win.select_position(5)
     shot("reopened-capture.png")

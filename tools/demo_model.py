@@ -4,12 +4,11 @@ Random weights show noise; a trained model shows structure. The corpus is text e
 installation has: the standard library's top-level modules (sources and docstrings), split by file
 into a training set (9 files in 10) and a held-out set (every 10th file, in sorted order).
 
-    python -m inspector.demo train --out resources/demo-model [--threads N] [--steps N]
-    python -m inspector.demo eval  [--model resources/demo-model]      # writes EVAL.md + eval.json
+    packaging/dev run python tools/demo_model.py train [--out resources/demo-model] [--threads N] [--steps N]
+    packaging/dev run python tools/demo_model.py eval  [--model resources/demo-model]  # writes EVAL.md + eval.json
 
 Training is seeded and runs on one CPU thread by default (``--threads`` raises it; results then differ
-in the last bits). ``demo_model_path()`` finds the shipped directory in a source checkout
-(``<repo>/resources/demo-model``) and in an installed wheel (``inspector/resources/demo-model``).
+in the last bits). A development tool: the installed package ships the trained model, not this.
 """
 
 from __future__ import annotations
@@ -17,16 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import tinymodels
+from inspector.capture.resources import DEMO_DIRNAME
+from inspector.testing import tinymodels
 
-DEMO_DIRNAME = "demo-model"
 EVAL_PROMPTS = ("def ", "import ", "class ", "for i in ", "return ")
 EVAL_MAX_NEW_TOKENS = 24
 
@@ -51,32 +49,6 @@ class Recipe:
     grad_clip: float = 1.0
     heldout_every: int = 10  # file i is held out when i % heldout_every == heldout_every - 1
     seed: int = 0
-
-
-# ---------------------------------------------------------------------------------------------- paths
-
-def resources_dir() -> Path:
-    """The app's resources: ``inspector/resources`` in a wheel, ``<repo>/resources`` in a checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "resources", here.parent / "resources"):
-        if (candidate / DEMO_DIRNAME).is_dir() or (candidate / "icons").is_dir():
-            return candidate.resolve()
-    raise FileNotFoundError(f"no resources directory (with {DEMO_DIRNAME}/ or icons/) next to {here} "
-                            "(is the package installed from a wheel built with resources/?)")
-
-
-def demo_model_path() -> Path:
-    """Directory of the shipped demo model (a Hugging Face directory vLLM can load); $INSPECTOR_DEMO_MODEL overrides."""
-    override = os.environ.get("INSPECTOR_DEMO_MODEL")
-    if override:
-        return Path(override)
-    return resources_dir() / DEMO_DIRNAME
-
-
-def icon_path(size: int = 256) -> Path:
-    """The app icon: ``activation-inspector.svg`` for size 0, else the PNG of that size."""
-    icons = resources_dir() / "icons"
-    return icons / ("activation-inspector.svg" if size == 0 else f"activation-inspector-{size}.png")
 
 
 # --------------------------------------------------------------------------------------------- corpus
@@ -380,7 +352,7 @@ def write_eval(model_dir: Path, result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     default_dir = Path(__file__).resolve().parent.parent / "resources" / DEMO_DIRNAME
-    parser = argparse.ArgumentParser(prog="python -m inspector.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tools/demo_model.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train the demo model (seeded; ~10 min on one CPU thread)")
     p_train.add_argument("--out", type=Path, default=default_dir)
@@ -392,12 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p_eval = sub.add_parser("eval", help="evaluate a trained model and write EVAL.md + eval.json next to it")
     p_eval.add_argument("--model", type=Path, default=default_dir)
     p_eval.add_argument("--threads", type=int, default=1)
-    sub.add_parser("path", help="print the shipped demo model's directory")
     args = parser.parse_args(argv)
-
-    if args.command == "path":
-        print(demo_model_path())
-        return 0
     if args.command == "train":
         recipe = Recipe(steps=args.steps, batch=args.batch, seed=args.seed)
         train(args.out, recipe, threads=args.threads)

@@ -1,0 +1,48 @@
+"""Hook points as every layer sees them: the plugin's catalogue, the session, the app and the files."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass
+
+
+def matches_pattern(name: str, alias: str, pattern: str) -> bool:
+    """How a hook selection picks points, everywhere: a glob on the stable name or on the
+    TransformerLens-style alias."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(alias, pattern)
+
+
+@dataclass(frozen=True)
+class HookPoint:
+    """Where an activation can be read and replaced: ``name`` is stable (``<module path>.<kind>``),
+    ``alias`` is TransformerLens's name for it, ``layer`` is -1 outside the blocks and ``dtype`` is the
+    engine's dtype its rows are captured in."""
+
+    name: str
+    alias: str
+    module_path: str
+    kind: str
+    width: int
+    layer: int = -1
+    dtype: str = "float32"
+
+    def matches(self, pattern: str) -> bool:
+        return matches_pattern(self.name, self.alias, pattern)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HookPoint":
+        return cls(str(d["name"]), str(d["alias"]), str(d["module_path"]), str(d["kind"]), int(d["width"]),
+                   int(d.get("layer", -1)), str(d.get("dtype", "float32")))
+
+
+def installed_name(name_or_alias: str, installed: dict[str, HookPoint]) -> str:
+    """The installed hook a name or alias refers to (ValueError if none)."""
+    if name_or_alias in installed:
+        return name_or_alias
+    for name, info in installed.items():
+        if info.alias == name_or_alias:
+            return name
+    raise ValueError(f"{name_or_alias!r} is not an installed hook point")

@@ -1,0 +1,168 @@
+"""The session boundary: what a front end (the app, the CLI, a network client) may ask of whatever runs
+the engine, and the plain values that cross it.
+
+The in-process ``inspector.engine.session.Session`` implements ``SessionProtocol``; so does the test
+fake. Step events carry everything a front end shows (the requests' prompts when they start, new
+tokens, rows, intervention-log entries), so ``fold_event`` rebuilds the engine's ``Run`` from them
+alone: a front end never reads another thread's (or process's) run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+
+from .hooks import HookPoint, installed_name
+from .interventions import Intervention, validate
+from .run import HookRows, RequestCapture, Run, TopToken
+
+MODES = ("compiled", "eager")
+BOOT_STAGES = ("resolving", "loading", "compiling", "ready")
+
+
+class SessionError(RuntimeError):
+    """The engine could not boot, or failed while running; the message says why."""
+
+
+@dataclass(frozen=True)
+class BootProgress:
+    stage: str  # one of BOOT_STAGES
+    message: str
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    model: str = "demo"
+    mode: str = "compiled"
+    hooks: tuple[str, ...] = ("blocks.*.hook_resid_post",)  # names, aliases or glob patterns
+    dtype: str = "float32"
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 512
+    enable_position_interventions: bool = True
+    retain_rows: bool = True  # False: rows only reach the step events (the consumer keeps them)
+    engine_args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logprobs: int = 5
+    ignore_eos: bool = False
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], token ids [n], values [n, width] float32
+
+
+@dataclass(frozen=True)
+class RequestStart:
+    """A request as it is submitted: what a token strip needs before the first generated token."""
+
+    request_id: str
+    prompt: str
+    prompt_token_ids: tuple[int, ...]
+    prompt_texts: tuple[str, ...]
+    sampling: dict
+
+
+@dataclass(frozen=True)
+class RequestStep:
+    """What one engine step added to one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    new_texts: tuple[str, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[tuple[TopToken, ...], ...] = ()
+    rows: dict[str, Rows] = field(default_factory=dict)  # hook name -> rows
+    # log entries new with this step: (first position computed under the set, the set as dicts)
+    intervention_log: tuple[tuple[int, tuple[dict, ...]], ...] = ()
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One engine step. Every request appears in ``started`` of exactly one event, at or before its
+    first ``RequestStep``; a generation's last event finishes every request it started."""
+
+    step: int
+    requests: tuple[RequestStep, ...]
+    started: tuple[RequestStart, ...] = ()
+
+
+class SessionProtocol(Protocol):
+    """One booted engine. ``stop`` and ``set_interventions`` may be called from any thread (they take
+    effect between steps); everything else belongs to one thread at a time."""
+
+    options: SessionOptions
+    catalogue: list[HookPoint]  # every hook point the model offers
+    installed: dict[str, HookPoint]  # the ones captured now, by name
+    run: Run  # everything captured since the last new_run()
+    alive: bool  # False once closed or failed
+
+    def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]: ...
+
+    def stop(self) -> None: ...
+
+    def set_interventions(self, interventions: list[Intervention]) -> None:
+        """Validated at once (ValueError with the reason, nothing changed); applied before the next forward."""
+
+    def set_hooks(self, patterns: list[str]) -> bool:
+        """Change the hook set; True if that restarted the engine (compiled mode). The run is kept."""
+
+    def upcoming_request_ids(self, n: int) -> list[str]:
+        """The ids the next ``generate`` of ``n`` prompts will give its requests (to scope interventions)."""
+
+    def new_run(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+SessionFactory = Callable[[SessionOptions, Callable[[BootProgress], None]], SessionProtocol]
+
+
+def checked_interventions(interventions: list[Intervention], installed: dict[str, HookPoint],
+                          options: SessionOptions) -> list[Intervention]:
+    """``interventions`` with their hooks named as installed, each validated (ValueError with the
+    reason): what every session does before accepting a set."""
+    widths = {name: info.width for name, info in installed.items()}
+    checked = []
+    for iv in interventions:
+        iv = replace(iv, hook=installed_name(iv.hook, installed))
+        validate(iv, widths, options.max_model_len, options.enable_position_interventions)
+        checked.append(iv)
+    return checked
+
+
+def fold_event(run: Run, event: StepEvent, keep_rows: bool = True) -> set[str]:
+    """Add what ``event`` says to ``run``; returns the ids of the requests it changed."""
+    for start in event.started:
+        run.requests[start.request_id] = RequestCapture(
+            start.request_id, start.prompt, list(start.prompt_token_ids), dict(start.sampling),
+            token_texts=list(start.prompt_texts))
+    changed = {start.request_id for start in event.started}
+    for step in event.requests:
+        req = run.requests[step.request_id]
+        req.generated_token_ids += step.new_token_ids
+        req.token_texts += step.new_texts
+        req.logprobs += step.logprobs
+        req.top_logprobs += [list(top) for top in step.top_logprobs]
+        req.intervention_log += [(position, list(ivs)) for position, ivs in step.intervention_log]
+        if keep_rows:
+            for hook, rows in step.rows.items():
+                if hook not in req.hooks:
+                    req.hooks[hook] = HookRows(rows[2].shape[1])
+                req.hooks[hook].append(*rows)
+        if step.finished:
+            req.finish_reason = step.finish_reason
+        changed.add(step.request_id)
+    return changed

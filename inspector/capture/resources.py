@@ -1,0 +1,30 @@
+"""Files the app ships: the demo model and the icons, in a source checkout or an installed wheel."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEMO_DIRNAME = "demo-model"
+
+
+def resources_dir() -> Path:
+    """``inspector/resources`` in a wheel (a link to ``<repo>/resources`` in a checkout)."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "resources", package.parent / "resources"):
+        if (candidate / DEMO_DIRNAME).is_dir() or (candidate / "icons").is_dir():
+            return candidate.resolve()
+    raise FileNotFoundError(f"no resources directory (with {DEMO_DIRNAME}/ or icons/) next to {package} "
+                            "(is the package installed from a wheel built with resources/?)")
+
+
+def demo_model_path() -> Path:
+    """The shipped demo model (a Hugging Face directory vLLM can load); $INSPECTOR_DEMO_MODEL overrides."""
+    override = os.environ.get("INSPECTOR_DEMO_MODEL")
+    return Path(override) if override else resources_dir() / DEMO_DIRNAME
+
+
+def icon_path(size: int = 256) -> Path:
+    """The app icon: the SVG for size 0, else the PNG of that size."""
+    icons = resources_dir() / "icons"
+    return icons / ("activation-inspector.svg" if size == 0 else f"activation-inspector-{size}.png")

@@ -1,0 +1,197 @@
+"""The capture file format's names and small helpers: version, chunk sizes, errors, escaped names,
+text attributes and JSON. The layout itself is documented in ``docs/capture-format.md``."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno as _errno
+import json
+import os
+import re
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+
+FORMAT_NAME = "activation-inspector-capture"
+FORMAT_VERSION = 1
+
+# Chunks of ~256 KiB: [rows, cols] with cols = the width split in equal parts of <= 1024 and rows =
+# 256 KiB / (4 * cols), within [64, 4096]. HDF5 stores a partly filled chunk at full size (we do not
+# compress), so small chunks bound the padding: <= 1 chunk row per (request, hook); none for
+# requests that end up with fewer rows than a chunk (those get a chunk of exactly their size).
+CHUNK_COLS = 1024
+CHUNK_TARGET_BYTES = 1 << 18
+MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 64, 4096
+
+_TEXT_ESCAPED = "json_escaped_attrs"  # attr listing attrs stored JSON-encoded (strings HDF5 cannot hold)
+
+
+class CaptureFileError(OSError):
+    """A capture file could not be written or read; the message names the path and the reason."""
+
+    def __init__(self, message: str, path: str | os.PathLike, reason: str):
+        super().__init__(message)
+        self.path = os.fspath(path)
+        self.reason = reason
+
+    def __str__(self) -> str:  # OSError's own would add the errno
+        return self.args[0]
+
+
+_ERRNO_REASONS = {
+    _errno.ENOSPC: "no space left on device",
+    _errno.EFBIG: "file too large (the file-size limit was reached)",
+    _errno.EDQUOT: "disk quota exceeded",
+    _errno.EROFS: "read-only file system",
+    _errno.EACCES: "permission denied",
+    _errno.EPERM: "operation not permitted",
+    _errno.ENOTDIR: "a component of the path is not a directory",
+    _errno.ENOENT: "no such file or directory",
+    _errno.EISDIR: "is a directory",
+    _errno.EIO: "input/output error",
+}
+
+
+def os_reason(exc: BaseException) -> str:
+    """A short human reason for an OS/HDF5 error (HDF5 messages carry 'errno = N')."""
+    code = getattr(exc, "errno", None)
+    text = str(exc).strip()
+    if not code:
+        m = re.search(r"errno = (\d+)", text)
+        code = int(m.group(1)) if m else None
+    if code in _ERRNO_REASONS:
+        return _ERRNO_REASONS[code]
+    if code:
+        return os.strerror(code).lower()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def escape_name(name: str) -> str:
+    """Hook name -> HDF5 link name: '%' -> '%25', '/' -> '%2F', and a name of only dots gets '%2E'.
+
+    Dots are kept (``model.layers.0.resid_post`` stays readable); the mapping is reversible.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"hook names must be non-empty strings, got {name!r}")
+    out = name.replace("%", "%25").replace("/", "%2F")
+    if set(out) == {"."}:
+        out = out.replace(".", "%2E")
+    return out
+
+
+def unescape_name(escaped: str) -> str:
+    return re.sub(r"%(25|2F|2E)", lambda m: {"25": "%", "2F": "/", "2E": "."}[m.group(1)], escaped)
+
+
+def storable(s: str) -> bool:
+    """HDF5 variable-length strings end at NUL and must be valid UTF-8."""
+    if "\x00" in s:
+        return False
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def set_text(obj, key: str, value: str) -> None:
+    """A UTF-8 string attr; one HDF5 cannot hold (NUL, lone surrogates) is stored JSON-encoded and its
+    key listed in the ``json_escaped_attrs`` attr."""
+    value = str(value)
+    plain = storable(value)
+    obj.attrs[key] = value if plain else json.dumps(value)  # JSON: ASCII, no NUL
+    if plain and _TEXT_ESCAPED not in obj.attrs:
+        return
+    escaped = [k.decode() if isinstance(k, bytes) else str(k) for k in obj.attrs.get(_TEXT_ESCAPED, [])]
+    escaped = [k for k in escaped if k != key] + ([] if plain else [key])
+    if escaped:
+        obj.attrs[_TEXT_ESCAPED] = np.array(escaped, dtype=h5py.string_dtype())
+    else:
+        del obj.attrs[_TEXT_ESCAPED]
+
+
+def get_text(obj, key: str, default: str | None = None) -> str | None:
+    if key not in obj.attrs:
+        return default
+    value = obj.attrs[key]
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "surrogateescape")
+    elif isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+        value = value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
+    value = str(value)
+    escaped = {(k.decode() if isinstance(k, bytes) else str(k)) for k in obj.attrs.get(_TEXT_ESCAPED, [])}
+    return json.loads(value) if key in escaped else value
+
+
+def _json_default(o: Any):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    if isinstance(o, os.PathLike):
+        return os.fspath(o)
+    if isinstance(o, (_dt.datetime, _dt.date)):
+        return o.isoformat()
+    if is_dataclass(o) and not isinstance(o, type):
+        return asdict(o)
+    raise TypeError(f"a {type(o).__name__} cannot be stored as JSON")
+
+
+def to_json(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value, default=_json_default, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} cannot be stored in a capture file: {exc}") from exc
+
+
+def chunk_cols_for(width: int) -> int:
+    """Split the width into equal parts of at most CHUNK_COLS (edge chunks are stored full size)."""
+    parts = -(-width // CHUNK_COLS)
+    return -(-width // parts)
+
+
+def chunk_rows_for(width: int) -> int:
+    return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, CHUNK_TARGET_BYTES // (chunk_cols_for(width) * 4))))
+
+
+def compression_kwargs(compression) -> dict:
+    if compression is None:
+        return {}
+    if compression == "lzf":
+        return {"compression": "lzf", "shuffle": True}
+    if compression == "gzip" or (isinstance(compression, tuple) and compression[0] == "gzip"):
+        level = 1 if compression == "gzip" else int(compression[1])
+        return {"compression": "gzip", "compression_opts": level, "shuffle": True}
+    raise ValueError(f"compression must be None, 'lzf', 'gzip' or ('gzip', level), not {compression!r}")
+
+
+def write_texts(group, name: str, texts) -> None:
+    """A (1-D or 2-D) UTF-8 string dataset; strings HDF5 cannot hold are stored JSON-encoded and their
+    flat indices listed in the dataset's ``json_escaped`` attr."""
+    texts = np.asarray(texts, dtype=object)
+    stored = np.empty(texts.shape, dtype=object)
+    escaped = []
+    for i, text in enumerate(texts.reshape(-1)):
+        text = str(text)
+        if not storable(text):
+            escaped.append(i)
+            text = json.dumps(text)
+        stored.reshape(-1)[i] = text
+    d = group.create_dataset(name, data=stored, dtype=h5py.string_dtype())
+    if escaped:
+        d.attrs["json_escaped"] = np.array(escaped, dtype=np.int64)
+
+
+def read_texts(dataset) -> np.ndarray:
+    """The strings ``write_texts`` stored, as an object array of the dataset's shape."""
+    texts = dataset.asstr(errors="surrogateescape")[...]
+    texts = np.asarray(texts, dtype=object)
+    flat = texts.reshape(-1)
+    for i in dataset.attrs.get("json_escaped", []):
+        flat[int(i)] = json.loads(flat[int(i)])
+    return flat.reshape(texts.shape)

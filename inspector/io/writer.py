@@ -1,0 +1,517 @@
+"""Writing capture files: streamed as a run is generated (``CaptureWriter``) or a whole run at once
+(``write_run``), always through a hidden temp file renamed onto the target at the end, so that an
+abort, an error, a full disk or a crash never leaves a file under the target's name."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import h5py
+import numpy as np
+
+from inspector import __version__ as APP_VERSION
+from inspector.capture.arrays import GrowableArray
+from inspector.capture.hooks import HookPoint
+from inspector.capture.run import RequestCapture, Run, TopToken
+
+from .format import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, chunk_cols_for, chunk_rows_for,
+                     compression_kwargs, escape_name, os_reason, set_text, to_json, write_texts)
+from .latching_file import LatchingFile
+
+INDEX_CHUNK = 4096  # chunk length of the 1-D positions/token_ids datasets
+WRITE_PIECE_BYTES = 32 << 20  # write_run hands arrays over in pieces of about this size (progress)
+REQUEST_DATASETS = ("token_ids", "positions", "is_prompt", "token_texts", "logprobs", "top_logprob_ids",
+                    "top_logprob_values", "top_logprob_texts", "top_logprob_counts")
+
+
+def _cannot_create(path: Path, reason: str) -> CaptureFileError:
+    return CaptureFileError(f"cannot create capture file {path}: {reason}", path, reason)
+
+
+def check_target(path: str | os.PathLike) -> None:
+    """Raise CaptureFileError if a capture file cannot be created at ``path`` (checked before a long
+    generation, so that it is not lost for a typo)."""
+    final = Path(os.path.abspath(os.fspath(path)))
+    parent = final.parent
+    if final.is_dir():
+        raise _cannot_create(final, "a directory of that name exists")
+    if not parent.exists():
+        raise _cannot_create(final, f"the directory {parent} does not exist")
+    if not parent.is_dir():
+        raise _cannot_create(final, f"{parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise _cannot_create(final, f"the directory {parent} is not writable")
+
+
+class _HookBuffer:
+    """One (request, hook): values not yet written (< one chunk, written chunk-aligned) and all its
+    positions/token ids (16 bytes a row, kept in memory and written when the request finishes)."""
+
+    __slots__ = ("name", "width", "chunk_rows", "chunk_cols", "pending", "rows_written", "positions",
+                 "token_ids", "idx_written", "d_values", "d_positions", "d_token_ids")
+
+    def __init__(self, name: str, width: int):
+        self.name, self.width = name, width
+        self.chunk_rows, self.chunk_cols = chunk_rows_for(width), chunk_cols_for(width)
+        self.pending = self.new_pending()
+        self.rows_written = 0
+        self.positions, self.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
+        self.idx_written = 0
+        self.d_values = self.d_positions = self.d_token_ids = None
+
+    def new_pending(self) -> GrowableArray:
+        return GrowableArray(np.float32, (self.width,), capacity=0, max_capacity=self.chunk_rows)
+
+    def gap(self) -> int:
+        """Rows from what is written to the next chunk boundary, in 1..chunk_rows."""
+        return self.chunk_rows - self.rows_written % self.chunk_rows
+
+
+class _Snapshot:
+    """What update_request last said about a request (copied, so later mutation does not leak in)."""
+
+    def __init__(self, req: RequestCapture):
+        self.request_id = str(req.request_id)
+        self.prompt = str(req.prompt)
+        self.prompt_token_ids = np.asarray(req.prompt_token_ids, dtype=np.int64).reshape(-1)
+        self.generated_token_ids = np.asarray(req.generated_token_ids, dtype=np.int64).reshape(-1)
+        self.token_texts = [str(t) for t in req.token_texts]
+        self.logprobs = np.asarray(req.logprobs, dtype=np.float64).reshape(-1)
+        self.top_logprobs = [[TopToken(int(t[0]), float(t[1]), str(t[2])) for t in top] for top in req.top_logprobs]
+        self.sampling = to_json(req.sampling, f"the sampling parameters of request {req.request_id!r}")
+        self.intervention_log = to_json([[int(p), list(ivs)] for p, ivs in req.intervention_log],
+                                         f"the intervention log of request {req.request_id!r}")
+        self.finish_reason = None if req.finish_reason is None else str(req.finish_reason)
+
+
+class _Request:
+    __slots__ = ("index", "group", "snapshot", "buffers")
+
+    def __init__(self, index: int, group, snapshot: _Snapshot):
+        self.index, self.group, self.snapshot = index, group, snapshot
+        self.buffers: dict[str, _HookBuffer] = {}
+
+
+class CaptureWriter:
+    """Streams a Run into an HDF5 capture file; see the module docstring."""
+
+    def __init__(self, path: str | os.PathLike, metadata: dict, hooks: dict[str, HookPoint], *,
+                 compression: str | tuple | None = None, fsync: bool = True, buffer_bytes: int = 128 << 20):
+        self._state = "init"
+        self._file = None
+        self._io: LatchingFile | None = None
+        self._tmp: Path | None = None
+        self.path = Path(os.path.abspath(os.fspath(path)))
+        self._hooks: dict[str, HookPoint] = dict(hooks)
+        for name, info in self._hooks.items():
+            escape_name(name)
+            if int(info.width) < 1:
+                raise ValueError(f"hook {name!r} has width {info.width}; it must be at least 1")
+        self._compression = compression_kwargs(compression)
+        self._fsync = fsync
+        self._budget = int(buffer_bytes)
+        self._buffered = 0
+        self._requests: dict[str, _Request] = {}
+        metadata = dict(metadata)
+        meta_json = to_json(metadata, "the run metadata")
+        model_config = metadata.get("model_config", {})
+        model_config = model_config if isinstance(model_config, str) else to_json(model_config, "model_config")
+
+        self._create_temp()
+        self._state = "open"
+        with self._guard("writing the header"):
+            f = self._file
+            f.attrs["format"] = FORMAT_NAME
+            f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+            created = metadata.get("created") or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+            for key, value in (("app_version", metadata.get("app_version") or APP_VERSION),
+                               ("vllm_version", metadata.get("vllm_version") or ""),
+                               ("model_path", metadata.get("model_path") or ""),
+                               ("model_config", model_config),
+                               ("dtype", metadata.get("dtype") or ""),
+                               ("engine_mode", metadata.get("engine_mode") or ""),
+                               ("created", created.isoformat() if hasattr(created, "isoformat") else created),
+                               ("metadata", meta_json)):
+                set_text(f, key, value)
+            hooks_group = f.create_group("hooks")
+            for index, (name, info) in enumerate(self._hooks.items()):
+                g = hooks_group.create_group(escape_name(name))
+                set_text(g, "name", name)
+                for key in ("alias", "module_path", "kind"):
+                    set_text(g, key, getattr(info, key))
+                g.attrs["width"] = np.int64(info.width)
+                g.attrs["layer"] = np.int64(info.layer)
+                set_text(g, "source_dtype", info.dtype)
+                g.attrs["index"] = np.int64(index)
+            f.create_group("requests")
+
+    # -- lifecycle
+
+    def _create_temp(self) -> None:
+        final, parent = self.path, self.path.parent
+
+        def fail(reason: str, exc: BaseException | None = None):
+            raise _cannot_create(final, reason) from exc
+
+        check_target(final)
+        tmp = parent / f".{final.name}.{secrets.token_hex(4)}.partial"
+        try:
+            self._io = LatchingFile(tmp)
+        except OSError as exc:
+            fail(os_reason(exc), exc)
+        self._tmp = tmp
+        try:
+            # no chunk cache: full chunks go straight to disk instead of piling up, dirty, per dataset
+            self._file = h5py.File(self._io, "w", rdcc_nbytes=0, libver=("v110", "v110"))
+            error = self._io.error
+        except Exception as exc:  # noqa: BLE001 - any failure here means "cannot create"
+            error = self._io.error or exc  # the latched OS error (e.g. disk full) says more than HDF5's
+        if error is not None:
+            self._discard()
+            fail(os_reason(error), error)
+
+    def _discard(self) -> None:
+        """Close and delete the temp file; safe after failed writes (see LatchingFile)."""
+        if self._io is not None:
+            self._io.discard()  # from now on HDF5 writes into memory: closing cannot fail
+        for req in self._requests.values():
+            for buf in req.buffers.values():
+                buf.d_values = buf.d_positions = buf.d_token_ids = None
+                buf.pending = None
+            req.group = None
+        if self._file is not None:
+            try:
+                self._file.close()
+            except Exception:  # noqa: BLE001 - already failing; the temp file goes anyway
+                pass
+            self._file = None
+        if self._io is not None:
+            self._io.close()
+            self._io = None
+        if self._tmp is not None:
+            try:
+                os.unlink(self._tmp)
+            except OSError:
+                pass
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            what = {"closed": "closed", "aborted": "aborted", "failed": "stopped after an earlier error"}
+            reason = f"the writer was {what.get(self._state, self._state)}"
+            raise CaptureFileError(f"cannot write {self.path}: {reason}", self.path, reason)
+
+    def _fail(self, error: BaseException, doing: str, cause: BaseException | None = None):
+        reason = os_reason(error)
+        if not re.search(r"space|too large|quota", reason):
+            try:
+                if shutil.disk_usage(self.path.parent).free == 0:
+                    reason = f"no space left on device ({reason})"
+            except OSError:
+                pass
+        self._discard()
+        self._state = "failed"
+        raise CaptureFileError(f"{reason} while writing {self.path} ({doing}); nothing was saved",
+                               self.path, reason) from (cause or error)
+
+    @contextmanager
+    def _guard(self, doing: str):
+        """Run file operations; any error (raised, or latched by the file object) removes the temp file."""
+        self._check_open()
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - any error leaves the file unusable: remove it
+            latched = self._io.error if self._io is not None else None
+            self._fail(latched or exc, doing, exc)
+        if self._io is not None and self._io.error is not None:
+            self._fail(self._io.error, doing)
+
+    def close(self) -> Path:
+        """Write what is buffered, finish the file and rename it onto ``path``. Idempotent."""
+        if self._state == "closed":
+            return self.path
+        with self._guard("finishing the file"):
+            for req in self._requests.values():
+                self._flush_request(req, final=True)
+                self._write_request_data(req)
+            self._file.close()
+            self._file = None
+            self._io.finish(fsync=self._fsync)
+        with self._guard("renaming the finished file"):
+            os.replace(self._tmp, self.path)
+            self._io = None
+            if self._fsync:
+                try:
+                    fd = os.open(self.path.parent, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                except OSError:
+                    pass  # some filesystems cannot fsync a directory
+        self._state = "closed"
+        return self.path
+
+    def abort(self) -> None:
+        """Drop everything: the temp file is removed, nothing appears at ``path``. Idempotent."""
+        if self._state in ("open", "init"):
+            self._discard()
+            self._state = "aborted"
+
+    def __enter__(self) -> "CaptureWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+    def __del__(self):
+        try:
+            if getattr(self, "_state", None) in ("open", "init"):
+                self.abort()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    # -- requests
+
+    def add_request(self, req: RequestCapture) -> None:
+        """Register a request (prompt, sampling, ...). Its rows come through ``append_rows``."""
+        self._check_open()
+        rid = str(req.request_id)
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} was already added")
+        snapshot = _Snapshot(req)
+        with self._guard(f"adding request {rid!r}"):
+            index = len(self._requests)
+            g = self._file["requests"].create_group(str(index))
+            set_text(g, "request_id", rid)
+            g.attrs["index"] = np.int64(index)
+            set_text(g, "prompt", snapshot.prompt)
+            g.create_group("hooks")
+        self._requests[rid] = _Request(index, g, snapshot)
+
+    def update_request(self, req: RequestCapture) -> None:
+        """Record the request's current tokens, texts, logprobs, interventions and finish reason.
+
+        Written at ``close()``; a finish reason also writes out the request's buffered rows now.
+        """
+        self._check_open()
+        self._request(req.request_id).snapshot = _Snapshot(req)
+        if req.finish_reason is not None:
+            self.release(req.request_id)
+
+    def append_rows(self, request_id: str, hook: str, positions, token_ids, values) -> None:
+        """Append ``values[n, width]`` (float32; other floats are converted) with their positions/token ids.
+
+        Called once per decode step per (request, hook), so it is kept lean (~10 us for one row).
+        """
+        if self._state != "open":
+            self._check_open()
+        req = self._requests.get(request_id)
+        if req is None:
+            req = self._request(request_id)
+        buf = req.buffers.get(hook)
+        if buf is None:
+            info = self._hooks.get(hook)
+            if info is None:
+                raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
+            buf = req.buffers[hook] = _HookBuffer(hook, int(info.width))
+        if type(values) is not np.ndarray or values.dtype != np.float32:
+            values = np.asarray(values).astype(np.float32, copy=False)
+        if type(positions) is not np.ndarray or positions.dtype != np.int64 or positions.ndim != 1:
+            positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if type(token_ids) is not np.ndarray or token_ids.dtype != np.int64 or token_ids.ndim != 1:
+            token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if values.ndim != 2 or values.shape[1] != buf.width:
+            raise ValueError(f"rows of shape {values.shape} do not fit hook {hook!r} of width {buf.width}")
+        n = len(values)
+        if not len(positions) == len(token_ids) == n:
+            raise ValueError(f"{n} rows but {len(positions)} positions and {len(token_ids)} token ids")
+        try:
+            buf.positions.append(positions)
+            buf.token_ids.append(token_ids)
+            if n and len(buf.pending) + n < buf.gap():  # the common decode step: just buffer it
+                buf.pending.append(values)
+                self._buffered += n * buf.width * 4
+            elif n:
+                self._push(req, buf, values)
+            if self._buffered > self._budget:
+                for r in self._requests.values():
+                    self._flush_request(r, final=False)
+        except Exception as exc:  # noqa: BLE001 - see _guard
+            self._fail(self._io.error or exc, f"appending rows of hook {hook!r}", exc)
+        if self._io.error is not None:
+            self._fail(self._io.error, f"appending rows of hook {hook!r}")
+
+    def release(self, request_id: str) -> None:
+        """Write a request's buffered rows now (as when it finishes), freeing its buffers: its rows
+        are complete."""
+        state = self._request(request_id)
+        with self._guard(f"writing the rows of request {state.snapshot.request_id!r}"):
+            self._flush_request(state, final=True)
+
+    def _request(self, request_id) -> _Request:
+        state = self._requests.get(str(request_id))
+        if state is None:
+            raise ValueError(f"unknown request {request_id!r}; call add_request() first")
+        return state
+
+    # -- rows
+
+    def _push(self, req: _Request, buf: _HookBuffer, v: np.ndarray) -> None:
+        n, i = len(v), 0
+        while i < n:
+            gap = buf.gap()
+            if not len(buf.pending) and n - i >= gap:  # chunk-aligned: write straight from the caller's array
+                k = gap + ((n - i - gap) // buf.chunk_rows) * buf.chunk_rows
+                self._write_values(req, buf, v[i: i + k], exact=False)
+                i += k
+                continue
+            take = min(gap - len(buf.pending), n - i)
+            buf.pending.append(v[i: i + take])
+            self._buffered += take * buf.width * 4
+            i += take
+            if len(buf.pending) == gap:
+                self._flush(req, buf, final=False)
+
+    def _flush(self, req: _Request, buf: _HookBuffer, final: bool) -> None:
+        c = len(buf.pending)
+        if c or (final and buf.d_values is None):
+            self._write_values(req, buf, buf.pending.view(), exact=final and buf.d_values is None)
+            self._buffered -= c * buf.width * 4
+            buf.pending.clear()
+        if final:
+            buf.pending = buf.new_pending()  # frees the chunk's memory
+            self._write_index(buf)
+
+    def _flush_request(self, req: _Request, final: bool) -> None:
+        for buf in req.buffers.values():
+            self._flush(req, buf, final)
+
+    def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool) -> None:
+        if buf.d_values is None:
+            if exact:  # everything this hook will get: chunks fit the data, no padding on disk
+                buf.chunk_rows = max(1, len(v))
+            link = escape_name(buf.name)
+            g = req.group["hooks"].create_group(link)
+            if link != buf.name:  # the hook's own name, where the link name had to be escaped
+                set_text(g, "name", buf.name)
+            buf.d_values = g.create_dataset("values", shape=(0, buf.width), maxshape=(None, buf.width),
+                                            dtype="<f4", chunks=(buf.chunk_rows, buf.chunk_cols),
+                                            **self._compression)
+        n = len(v)
+        if n == 0:
+            return
+        a, b, rows, cols, width = buf.rows_written, buf.rows_written + n, buf.chunk_rows, buf.chunk_cols, buf.width
+        d = buf.d_values
+        d.id.set_extent((b, width))
+        if not self._compression and a % rows == 0 and n % rows == 0 and v.dtype == np.dtype("<f4"):
+            # whole chunks: hand HDF5 the chunk bytes directly (no selection, no gather copy)
+            for r0 in range(0, n, rows):
+                block = v[r0: r0 + rows]
+                for c0 in range(0, width, cols):
+                    if c0 == 0 and cols == width:
+                        data = block if block.flags.c_contiguous else np.ascontiguousarray(block)
+                    elif c0 + cols <= width:
+                        data = np.ascontiguousarray(block[:, c0: c0 + cols])
+                    else:  # the last column chunk sticks out: pad it like HDF5 would
+                        data = np.zeros((rows, cols), np.float32)
+                        data[:, : width - c0] = block[:, c0:]
+                    d.id.write_direct_chunk((a + r0, c0), data)
+        else:
+            d[a:b] = v
+        buf.rows_written = b
+
+    def _write_index(self, buf: _HookBuffer) -> None:
+        """Write positions/token ids up to the rows appended so far (called when a request finishes)."""
+        n, have = len(buf.positions), buf.idx_written
+        if buf.d_positions is None:
+            g = buf.d_values.parent
+            chunk = (max(1, min(n, INDEX_CHUNK)),)
+            buf.d_positions = g.create_dataset("positions", shape=(0,), maxshape=(None,), dtype="<i8",
+                                               chunks=chunk, **self._compression)
+            buf.d_token_ids = g.create_dataset("token_ids", shape=(0,), maxshape=(None,), dtype="<i8",
+                                               chunks=chunk, **self._compression)
+        if n > have:
+            for d, data in ((buf.d_positions, buf.positions.view()), (buf.d_token_ids, buf.token_ids.view())):
+                d.resize(n, axis=0)
+                d[have:n] = data[have:n]
+            buf.idx_written = n
+
+    def _write_request_data(self, req: _Request) -> None:
+        g, s = req.group, req.snapshot
+        for name in REQUEST_DATASETS:
+            if name in g:
+                del g[name]
+        tokens = np.concatenate([s.prompt_token_ids, s.generated_token_ids])
+        n_prompt = len(s.prompt_token_ids)
+        g.create_dataset("token_ids", data=tokens)
+        g.create_dataset("positions", data=np.arange(len(tokens), dtype=np.int64))
+        is_prompt = np.zeros(len(tokens), dtype=np.uint8)
+        is_prompt[:n_prompt] = 1
+        g.create_dataset("is_prompt", data=is_prompt)
+        write_texts(g, "token_texts", s.token_texts)
+        g.create_dataset("logprobs", data=s.logprobs)
+        rows, k = len(s.top_logprobs), max((len(x) for x in s.top_logprobs), default=0)
+        ids = np.full((rows, k), -1, dtype=np.int64)
+        values = np.full((rows, k), np.nan, dtype=np.float64)
+        texts = np.full((rows, k), "", dtype=object)
+        counts = np.zeros(rows, dtype=np.int64)
+        for r, top in enumerate(s.top_logprobs):
+            counts[r] = len(top)
+            for c, (tid, lp, text) in enumerate(top):
+                ids[r, c], values[r, c], texts[r, c] = tid, lp, text
+        g.create_dataset("top_logprob_ids", data=ids)
+        g.create_dataset("top_logprob_values", data=values)
+        write_texts(g, "top_logprob_texts", texts)
+        g.create_dataset("top_logprob_counts", data=counts)
+        set_text(g, "request_id", s.request_id)
+        set_text(g, "prompt", s.prompt)
+        g.attrs["num_prompt_tokens"] = np.int64(n_prompt)
+        set_text(g, "sampling", s.sampling)
+        set_text(g, "intervention_log", s.intervention_log)
+        if s.finish_reason is not None:
+            set_text(g, "finish_reason", s.finish_reason)
+        elif "finish_reason" in g.attrs:
+            del g.attrs["finish_reason"]
+
+
+def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,
+              **writer_options) -> Path:
+    """Write a whole Run (in memory or lazily opened) to ``path``; returns the final path."""
+    total = sum(len(rows) * (rows.width * 4 + 16) for req in run.requests.values() for rows in req.hooks.values())
+    done = 0
+    if progress:
+        progress(0.0)
+    with CaptureWriter(path, run.metadata, run.hooks, **writer_options) as writer:
+        for req in run.requests.values():
+            writer.add_request(req)
+            for name, rows in req.hooks.items():
+                n = len(rows)
+                positions, token_ids, values = rows.positions, rows.token_ids, rows.values
+                chunk = chunk_rows_for(rows.width)
+                step = max(chunk, (WRITE_PIECE_BYTES // (rows.width * 4)) // chunk * chunk)
+                if n == 0:
+                    writer.append_rows(req.request_id, name, positions, token_ids,
+                                       np.zeros((0, rows.width), np.float32))
+                for a in range(0, n, step):
+                    b = min(n, a + step)
+                    writer.append_rows(req.request_id, name, positions[a:b], token_ids[a:b], np.asarray(values[a:b]))
+                    done += (b - a) * (rows.width * 4 + 16)
+                    if progress and total:
+                        progress(min(1.0, done / total))
+            writer.update_request(req)
+            if req.finish_reason is None:  # update_request wrote a finished one's rows already
+                writer.release(req.request_id)
+    if progress:
+        progress(1.0)
+    return Path(writer.path)

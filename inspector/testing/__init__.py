@@ -1,0 +1,1 @@
+"""Test support that ships with the package: tiny models built offline (tests, benchmarks, screenshots)."""

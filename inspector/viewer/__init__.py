@@ -1,0 +1,3 @@
+"""What the app shows and does, without Qt: the runs on show and their selections, the controller with
+its state and enablement table, the interventions table's rows, and the jobs that run off the GUI
+thread. ``inspector.ui`` draws it; tests drive it without a display."""

@@ -1,0 +1,472 @@
+"""The app's behaviour without Qt: which runs there are and which is shown, the engine's state and what
+each state allows, and every user action from opening a model to exporting a run.
+
+The window is a ``ControllerView``: it draws, asks and tells; the controller decides. Engine work runs
+as jobs (``inspector.viewer.jobs``) on an ``engine`` runner that keeps one thread for the engine;
+exports run on a ``files`` runner. Both runners deliver results on the GUI thread, so the controller
+never needs a lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import time
+import traceback
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable, Protocol
+
+from inspector.capture.interventions import Intervention
+from inspector.capture.models import DEMO, model_path_problem
+from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionFactory,
+                                        SessionOptions, SessionProtocol, StepEvent)
+
+from . import jobs
+from .jobs import Cancelled, GenerationResult, SessionInfo, TaskState
+from .labels import hook_sort_key
+from .run_view import RunSource, RunView
+
+DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
+
+
+class AppState(enum.Enum):
+    NO_MODEL = "no model"
+    BOOTING = "booting"
+    READY = "ready"
+    GENERATING = "generating"
+    RESTARTING = "restarting"
+    DEAD = "dead"  # the engine failed; its captures are kept
+
+
+class Action(enum.Enum):
+    OPEN_MODEL = "open a model"
+    RESTART = "restart the engine"
+    GENERATE = "generate"
+    STOP = "stop generating"
+    NEW_RUN = "start a new run"
+    EDIT_HOOKS = "change hook points"
+    CHANGE_MODE = "switch the engine mode"
+
+
+S = AppState
+ENABLED: dict[Action, frozenset[AppState]] = {
+    Action.OPEN_MODEL: frozenset({S.NO_MODEL, S.READY, S.GENERATING, S.DEAD}),
+    Action.RESTART: frozenset({S.NO_MODEL, S.READY, S.DEAD}),  # once a model was opened
+    Action.GENERATE: frozenset({S.READY}),
+    Action.STOP: frozenset({S.GENERATING}),
+    Action.NEW_RUN: frozenset({S.NO_MODEL, S.READY, S.DEAD}),
+    Action.EDIT_HOOKS: frozenset({S.READY}),
+    Action.CHANGE_MODE: frozenset({S.NO_MODEL, S.READY, S.DEAD}),
+}
+# What the Generate button says in each state, and what the plots say while the live run is empty.
+GENERATE_TIPS = {S.NO_MODEL: "Open a model first (File ▸ Open Model…)", S.BOOTING: "The engine is starting…",
+                 S.RESTARTING: "The engine is restarting…", S.DEAD: "The engine stopped: Engine ▸ Restart Engine",
+                 S.GENERATING: "Generating…", S.READY: "Generate (Ctrl+Enter)"}
+EMPTY_TEXT = {S.BOOTING: "The model is starting…", S.RESTARTING: "The engine is restarting…",
+              S.NO_MODEL: "No model: File ▸ Open Model…, or File ▸ Open Capture… to view a saved run",
+              S.DEAD: "The engine stopped: Engine ▸ Restart Engine",
+              S.READY: "Type a prompt below and press Generate", S.GENERATING: "Type a prompt below and press Generate"}
+
+
+class TaskRunner(Protocol):
+    def start(self, job: Callable, *args, on_done: Callable | None = None, on_partial: Callable | None = None,
+              on_progress: Callable | None = None, on_exception: Callable | None = None) -> TaskState:
+        """Run ``job(*args, state)`` off the GUI thread; the callbacks are called on the GUI thread."""
+
+
+class ControllerView(Protocol):
+    """What the controller needs from the window."""
+
+    def state_changed(self, state: AppState) -> None: ...
+
+    def boot_progress(self, progress: BootProgress) -> None: ...
+
+    def session_changed(self, info: SessionInfo | None, restarted: bool) -> None:
+        """A session is ready (``restarted`` False), its hooks changed, or it is gone (None)."""
+
+    def shown_changed(self) -> None:
+        """Another run is shown, or the list of runs changed."""
+
+    def hooks_refused(self, info: SessionInfo) -> None:
+        """A hook change failed: ``info`` has the hooks the engine still captures."""
+
+    def generation_finished(self, result: GenerationResult | None) -> None:
+        """None: it failed."""
+
+    def interventions_dropped(self, message: str) -> None: ...
+
+    def capture_opened(self, path: str) -> None: ...
+
+    def export_progress(self, fraction: float | None) -> None:
+        """0..1 while an export runs; None once it is over."""
+
+    def status(self, text: str, ms: int = 0) -> None: ...
+
+    def error(self, text: str, details: str = "", title: str = "Error") -> None: ...
+
+    def ask(self, title: str, text: str, on_yes: Callable[[], None], details: str = "") -> None: ...
+
+
+@dataclass
+class GenerationProgress:
+    started: float
+    tokens: int
+    total: int
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.started, 1e-6)
+
+
+def describe_exception(exc: BaseException, doing: str) -> str:
+    """One clear sentence for a dialog."""
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, MemoryError) or "out of memory" in text.lower():
+        return (f"Out of memory while {doing}: {text}. Try fewer hook points, fewer tokens, "
+                "a smaller max_model_len or the float16 dtype.")
+    if isinstance(exc, SessionError):
+        return text
+    return f"{type(exc).__name__} while {doing}: {text}"
+
+
+def details_of(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
+
+
+class Controller:
+    def __init__(self, session_factory: SessionFactory, engine: TaskRunner, files: TaskRunner,
+                 view: ControllerView):
+        self.factory, self.engine, self.files, self.view = session_factory, engine, files, view
+        self.state = AppState.NO_MODEL
+        self.session: SessionProtocol | None = None
+        self.info: SessionInfo | None = None  # of the session, as last described on the engine thread
+        self.options: SessionOptions | None = None  # of the model last opened (kept when it fails)
+        self.live = RunView.live({}, {})
+        self.shown = self.live
+        self.earlier: list[RunView] = []  # live runs of models opened before this one
+        self.run_file = None  # the open capture file behind a shown FILE run (inspector.io.RunFile)
+        self.interventions: list[Intervention] = []
+        self.boot_started, self.boot_stage = 0.0, ""
+        self.generation: GenerationProgress | None = None
+        self.last_result: GenerationResult | None = None
+        self.last_export: str | None = None
+        self._generate_task: TaskState | None = None
+        self._export_task: TaskState | None = None
+        self._select_new = False
+
+    # ================================================================== state
+    def enabled(self, action: Action) -> bool:
+        if action is Action.RESTART and self.options is None:
+            return False
+        return self.state in ENABLED[action]
+
+    def _set_state(self, state: AppState) -> None:
+        self.state = state
+        self.view.state_changed(state)
+
+    @property
+    def mode(self) -> str | None:
+        return self.options.mode if self.options else None
+
+    # ================================================================== opening a model
+    def open_model(self, model: str, mode: str, hooks=None, **options) -> bool:
+        """Boot ``model`` (a directory, a cached hub id or "demo"); ``options`` are SessionOptions fields.
+        A path that is plainly not a model directory is refused at once, keeping the current engine."""
+        if not self.enabled(Action.OPEN_MODEL):
+            self.view.error("The engine is starting: wait until it is ready.", title="Busy")
+            return False
+        if model != DEMO:
+            problem = model_path_problem(model)
+            if problem:
+                self.view.error(f"Cannot open the model: {problem}.", title="Open Model")
+                return False
+            path = Path(model).expanduser()
+            model = str(path.resolve()) if path.exists() else model
+        # rows reach the app in step events and live in its own run: the session need not keep a copy
+        options = {"retain_rows": False, **options}
+        self.options = SessionOptions(model=model, mode=mode, hooks=tuple(hooks or DEFAULT_HOOKS), **options)
+        self._stop_generation()
+        self._close_session()
+        self.boot_started, self.boot_stage = time.perf_counter(), "resolving"
+        self._set_state(AppState.BOOTING)
+        self.view.status(f"Opening {model} ({mode} mode)…")
+        self.engine.start(jobs.boot, self.factory, self.options, on_partial=self._boot_progress,
+                          on_done=self._booted, on_exception=self._boot_failed)
+        return True
+
+    def reopen(self, mode: str | None = None, hooks=None) -> None:
+        """Open the current model again (Engine ▸ Restart, a mode switch), keeping its other options."""
+        o = self.options
+        extra = {f.name: getattr(o, f.name) for f in fields(o) if f.name not in ("model", "mode", "hooks")}
+        self.open_model(o.model, mode or o.mode, hooks or o.hooks, **extra)
+
+    def _boot_progress(self, progress: BootProgress) -> None:
+        self.boot_stage = progress.stage
+        self.view.boot_progress(progress)
+
+    def _booted(self, result: tuple[SessionProtocol, SessionInfo]) -> None:
+        self.session, self.info = result
+        self.options = self.info.options
+        old_model = self.live.run.metadata.get("model_path")
+        if self.live.total_rows() and old_model != self.info.metadata.get("model_path"):
+            self._keep_live_as_earlier()  # another model: its captures stay viewable and exportable
+        self.live.learn_hooks(self.info.metadata, self.info.installed, list(self.info.catalogue))
+        self.boot_stage = "ready"
+        self._set_state(AppState.READY)
+        self.view.session_changed(self.info, restarted=False)
+        self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}",
+                         8000)
+        self._reapply_interventions("opening the model")
+
+    def _boot_failed(self, exc: BaseException) -> None:
+        self.session = self.info = None
+        self._set_state(AppState.NO_MODEL)
+        self.view.session_changed(None, restarted=False)
+        self.view.status("Opening the model failed; open another one (File ▸ Open Model…).")
+        self.view.error(f"Could not open the model.\n\n{describe_exception(exc, 'opening the model')}",
+                        details_of(exc), title="Open Model")
+
+    def _keep_live_as_earlier(self) -> None:
+        kept = self.live
+        kept.source = RunSource.EARLIER
+        kept.label = f"{Path(str(kept.run.metadata.get('model_path', 'model'))).name} (earlier run)"
+        self.earlier.append(kept)
+        self.live = RunView.live({}, {})
+        if self.shown is kept:
+            self.shown = self.live
+        self.view.shown_changed()
+        self.view.status(f"The run captured with {kept.label.removesuffix(' (earlier run)')} is kept under "
+                         "View ▸ Earlier Runs (export it to keep it on disk).", 10000)
+
+    def _close_session(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            self.engine.start(jobs.close, session, on_exception=self._close_failed)
+
+    def _close_failed(self, exc: BaseException) -> None:
+        self.view.error(describe_exception(exc, "closing the engine"), details_of(exc), title="Engine")
+
+    # ================================================================== generating
+    def generate(self, prompts: list[str], sampling: Sampling) -> bool:
+        if not self.enabled(Action.GENERATE):
+            self.view.status("Not ready: " + GENERATE_TIPS[self.state], 5000)
+            return False
+        if not prompts:
+            self.view.status("Type a prompt first (one per line).", 5000)
+            return False
+        if self.shown is not self.live:
+            self.show(self.live)
+        self.generation = GenerationProgress(time.perf_counter(), 0, sampling.max_tokens * len(prompts))
+        self._select_new = True
+        self._set_state(AppState.GENERATING)
+        self.view.status(f"Generating {sampling.max_tokens} tokens for {len(prompts)} prompt(s)…")
+        self._generate_task = self.engine.start(
+            jobs.generate, self.session, list(prompts), sampling, on_partial=functools.partial(self._event, self.live),
+            on_done=self._generated, on_exception=self._generation_failed)
+        return True
+
+    def stop(self) -> None:
+        """Works at any moment: before the first step, mid-generation; a no-op when idle."""
+        if self.enabled(Action.STOP):
+            self._stop_generation()
+            self.view.status("Stopping after the current step…")
+
+    def _stop_generation(self) -> None:
+        if self._generate_task is not None:
+            self._generate_task.cancel()
+
+    def _event(self, live: RunView, event: StepEvent) -> None:
+        live.apply(event)
+        if live is self.live and self.generation is not None:
+            self.generation.tokens += sum(len(step.new_token_ids) for step in event.requests)
+            if self._select_new and event.started:
+                self._select_new = False
+                live.select(request=event.started[0].request_id)
+
+    def _generation_over(self) -> bool:
+        """Whether the generation that just ended is the app's current one (not one a new boot cut short)."""
+        self._generate_task = None
+        return self.state is AppState.GENERATING
+
+    def _generated(self, result: GenerationResult) -> None:
+        self.last_result = result
+        if self._generation_over():
+            self._set_state(AppState.READY)
+            self.view.generation_finished(result)
+
+    def _generation_failed(self, exc: BaseException) -> None:
+        if not self._generation_over():
+            return
+        alive = self.session is not None and self.session.alive
+        self._set_state(AppState.READY if alive else AppState.DEAD)
+        self.view.generation_finished(None)
+        extra = "" if alive else "\n\nThe engine stopped. Engine ▸ Restart Engine boots it again."
+        self.view.error(f"Generation failed.\n\n{describe_exception(exc, 'generating')}\n\n"
+                        f"Everything captured so far is kept.{extra}", details_of(exc), title="Generation")
+
+    # ================================================================== hooks, mode, interventions
+    def apply_hooks(self, hooks: list[str]) -> None:
+        """Capture ``hooks``: live in eager mode; compiled mode asks first (the engine restarts)."""
+        if not self.enabled(Action.EDIT_HOOKS):
+            return
+        if self.mode == "compiled":
+            self.view.ask("Restart the engine?",
+                          f"Compiled mode bakes the hook points into the engine: capturing {len(hooks)} hook "
+                          "point(s) restarts it (about as long as opening the model). Everything captured so "
+                          "far is kept.", functools.partial(self._set_hooks, list(hooks)), details="\n".join(hooks))
+        else:
+            self._set_hooks(list(hooks))
+
+    def _set_hooks(self, hooks: list[str]) -> None:
+        self.boot_started = time.perf_counter()
+        if self.mode == "compiled":
+            self.boot_stage = "compiling"
+            self._set_state(AppState.RESTARTING)
+        else:
+            self.view.status(f"Applying {len(hooks)} hook points…", 3000)
+        self.engine.start(jobs.set_hooks, self.session, hooks, on_done=self._hooks_set,
+                          on_exception=self._hooks_failed)
+
+    def _hooks_set(self, result: tuple[bool, SessionInfo]) -> None:
+        restarted, self.info = result
+        self.options = self.info.options
+        self.live.learn_hooks(self.info.metadata, self.info.installed, list(self.info.catalogue))
+        self._set_state(AppState.READY)
+        self.view.session_changed(self.info, restarted)
+        how = "engine restarted" if restarted else "applied live"
+        self.view.status(f"{len(self.info.installed)} hook points captured ({how}).", 8000)
+        if restarted:
+            self._reapply_interventions("changing hook points")
+
+    def _hooks_failed(self, exc: BaseException) -> None:
+        alive = self.session is not None and self.session.alive
+        self._set_state(AppState.READY if alive else AppState.DEAD)
+        self.view.hooks_refused(self.info)
+        self.view.error(f"Changing hook points failed.\n\n{describe_exception(exc, 'changing hook points')}",
+                        details_of(exc), title="Hook points")
+
+    def change_mode(self, mode: str, hooks) -> None:
+        """Reopen the model in ``mode`` with ``hooks`` (after asking)."""
+        if not self.enabled(Action.CHANGE_MODE):
+            self.view.status("Wait for the engine to be idle before switching modes.", 5000)
+            return
+        self.view.ask("Switch engine mode?", f"Switching to {mode} mode restarts the engine with the checked "
+                      "hook points. Everything captured so far is kept.",
+                      functools.partial(self.reopen, mode, tuple(hooks)))
+
+    def set_interventions(self, interventions: list[Intervention]) -> None:
+        """ValueError with the reason if the engine refuses them (then the previous set stays)."""
+        if self.session is not None and self.state in (AppState.READY, AppState.GENERATING):
+            self.session.set_interventions(list(interventions))
+        self.interventions = list(interventions)
+        if interventions:
+            where = "from the next token" if self.state is AppState.GENERATING else "on the next generation"
+            self.view.status(f"{len(interventions)} intervention(s) set; they apply {where}.", 6000)
+
+    def _reapply_interventions(self, doing: str) -> None:
+        if not self.interventions:
+            return
+        try:
+            self.session.set_interventions(list(self.interventions))
+        except ValueError as exc:
+            self.interventions = []
+            self.view.interventions_dropped(f"Interventions were dropped after {doing}: {exc}")
+
+    # ================================================================== runs
+    def show(self, view: RunView) -> None:
+        self.shown = view
+        self.view.shown_changed()
+
+    def new_run(self) -> None:
+        if not self.enabled(Action.NEW_RUN):
+            return
+        if self.live.total_rows():
+            self.view.ask("Start a new run?", "The captures of the current run are dropped (export them first "
+                          "to keep them).", self._new_run)
+        else:
+            self._new_run()
+
+    def _new_run(self) -> None:
+        if self.session is not None:
+            self.engine.start(jobs.new_run, self.session)
+        info = self.info
+        self.live = RunView.live(info.metadata, info.installed, list(info.catalogue)) if info else RunView.live({}, {})
+        self.show(self.live)
+
+    def open_capture(self, path: str) -> bool:
+        """Reopen an .h5 capture without any model or engine; values stay on disk until viewed."""
+        from inspector.io import open_run
+
+        try:
+            run_file = open_run(path)
+        except Exception as exc:  # noqa: BLE001 - CaptureFileError and anything unexpected: a dialog
+            self.view.error(f"Cannot open the capture.\n\n{exc}", title="Open Capture")
+            return False
+        if self.run_file is not None:
+            self.run_file.close()
+        self.run_file = run_file
+        self.shown = RunView(run_file.run, RunSource.FILE, str(path),
+                             sorted(run_file.run.hooks.values(), key=hook_sort_key))
+        self.view.capture_opened(str(path))
+        self.view.shown_changed()
+        self.view.status(f"Opened {path}: {len(run_file.run.requests)} request(s), "
+                         f"{len(run_file.run.hooks)} hook point(s).", 8000)
+        return True
+
+    # ================================================================== export
+    def export(self, path: str) -> bool:
+        """Write the shown run to ``path`` off the GUI thread, with progress."""
+        if self._export_task is not None:
+            self.view.error("An export is already running.", title="Export")
+            return False
+        if not self.shown.run.requests:
+            self.view.error("Nothing to export yet: generate first (or open a capture).", title="Export")
+            return False
+        self._export_task = self.files.start(jobs.export, self.shown.snapshot(), path,
+                                             on_progress=self.view.export_progress, on_done=self._exported,
+                                             on_exception=self._export_failed)
+        self.view.export_progress(0.0)
+        return True
+
+    @property
+    def exporting(self) -> bool:
+        return self._export_task is not None
+
+    def cancel_export(self) -> None:
+        if self._export_task is not None:
+            self._export_task.cancel()
+
+    def _exported(self, path: Path) -> None:
+        self._export_task = None
+        self.last_export = str(path)
+        self.view.export_progress(None)
+        self.view.status(f"Exported to {path}", 10000)
+
+    def _export_failed(self, exc: BaseException) -> None:
+        self._export_task = None
+        self.view.export_progress(None)
+        if isinstance(exc, Cancelled):
+            self.view.status("Export cancelled; nothing was written.", 6000)
+        else:
+            self.view.error(f"Export failed; nothing was written.\n\n{exc}", title="Export")
+
+    # ================================================================== closing
+    def shutdown(self, wait: Callable[[], bool]) -> bool:
+        """Stop what runs, close the session on its thread; ``wait()`` waits for the runners."""
+        self.cancel_export()
+        self._stop_generation()
+        self._close_session()
+        done = wait()
+        if self.run_file is not None:
+            self.run_file.close()
+            self.run_file = None
+        return done
+
+
+def describe_generation(result: GenerationResult) -> str:
+    rate = result.tokens / result.seconds if result.seconds > 0 else 0.0
+    if result.stopped:
+        return f"Stopped after {result.tokens} tokens ({result.seconds:.1f} s)."
+    return f"Generated {result.tokens} tokens in {result.seconds:.1f} s ({rate:.0f} tokens/s)."
+

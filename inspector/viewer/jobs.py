@@ -1,0 +1,121 @@
+"""Work that runs off the GUI thread, written without Qt (Orange3's split).
+
+A job is a plain function ``job(*args, state)``: it reports partial results and progress through
+``state`` and checks ``state.cancelled`` between pieces of work. ``inspector.ui.tasks`` runs jobs on
+a thread of their own and hands their results back on the GUI thread; tests can call them directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from inspector.capture.hooks import HookPoint
+from inspector.capture.protocol import Sampling, SessionFactory, SessionOptions, SessionProtocol
+from inspector.capture.run import Run
+from inspector.io import write_run
+
+
+class Cancelled(Exception):
+    """A job stopped because it was asked to."""
+
+
+class TaskState:
+    """A running job's line to whoever started it; thread-safe."""
+
+    def __init__(self, on_partial: Callable[[object], None] = lambda value: None,
+                 on_progress: Callable[[float], None] = lambda fraction: None):
+        self._on_partial, self._on_progress = on_partial, on_progress
+        self._cancelled = threading.Event()
+
+    def set_partial_result(self, value) -> None:
+        self._on_partial(value)
+
+    def set_progress(self, fraction: float) -> None:
+        self._on_progress(fraction)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def raise_if_cancelled(self) -> None:
+        if self.cancelled:
+            raise Cancelled()
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What the app shows of a session, read on the thread that owns it."""
+
+    options: SessionOptions
+    catalogue: tuple[HookPoint, ...]
+    installed: dict[str, HookPoint]
+    metadata: dict
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    steps: int
+    tokens: int
+    stopped: bool
+    seconds: float
+
+
+def describe(session: SessionProtocol) -> SessionInfo:
+    return SessionInfo(session.options, tuple(session.catalogue), dict(session.installed),
+                       dict(session.run.metadata))
+
+
+def boot(factory: SessionFactory, options: SessionOptions, state: TaskState) -> tuple[SessionProtocol, SessionInfo]:
+    """Boot stages arrive as partial results. Cancelled meanwhile (the app is closing), the new session
+    is closed again."""
+    session = factory(options, state.set_partial_result)
+    if state.cancelled:
+        session.close()
+        raise Cancelled()
+    return session, describe(session)
+
+
+def generate(session: SessionProtocol, prompts: list[str], sampling: Sampling,
+             state: TaskState) -> GenerationResult:
+    """Step events arrive as partial results; cancelling stops the generation after the current step
+    (its final event still arrives)."""
+    t0, steps, tokens = time.perf_counter(), 0, 0
+    if state.cancelled:  # stopped before it started
+        return GenerationResult(0, 0, True, 0.0)
+    for event in session.generate(prompts, sampling):
+        state.set_partial_result(event)
+        steps += 1
+        tokens += sum(len(step.new_token_ids) for step in event.requests)
+        if state.cancelled:
+            session.stop()
+    return GenerationResult(steps, tokens, state.cancelled, time.perf_counter() - t0)
+
+
+def set_hooks(session: SessionProtocol, patterns: list[str], state: TaskState) -> tuple[bool, SessionInfo]:
+    """(whether the engine restarted, the session afterwards)."""
+    restarted = session.set_hooks(patterns)
+    return restarted, describe(session)
+
+
+def new_run(session: SessionProtocol, state: TaskState) -> None:
+    session.new_run()
+
+
+def close(session: SessionProtocol, state: TaskState) -> None:
+    session.close()
+
+
+def export(run: Run, path: str, state: TaskState) -> Path:
+    """Write ``run`` to ``path`` with progress; cancelling leaves nothing at ``path``."""
+    def progress(fraction: float) -> None:
+        state.raise_if_cancelled()
+        state.set_progress(fraction)
+
+    return write_run(run, path, progress=progress)

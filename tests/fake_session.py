@@ -1,0 +1,210 @@
+"""A ``SessionProtocol`` without vLLM, for driving the app quickly and deterministically.
+
+It keeps the real session's contract (``tests/test_session.py`` runs the same scenario against both):
+boot stages in order, request ids ``req<N>`` unique across sessions, every request announced in
+``started`` of its first event, an intervention log that starts with ``(0, [])``, a final event that
+ends every request when stopped, compiled hook changes that restart, failures as ``SessionError``
+that leave the session dead and its run intact, and the catalogue the plugin gives a Llama of the
+same shape. Activations are synthetic: ``fake_value(...) * scale + bias``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from inspector.capture.hooks import HookPoint
+from inspector.capture.interventions import Intervention
+from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError,
+                                        SessionOptions, StepEvent, checked_interventions, fold_event)
+from inspector.capture.run import Run, TopToken
+
+VOCAB = [" the", " cat", " sat", " on", " a", " mat", ".", "\n", " and", " then", " it", " ran"]
+
+
+def llama_catalogue(layers: int = 2, hidden: int = 128, intermediate: int = 256,
+                    dtype: str = "float32") -> list[HookPoint]:
+    """The hook points ``inspector.plugin.hookpoints`` finds in vLLM's Llama, in model order."""
+    def point(path, kind, alias, width=hidden, layer=-1):
+        return HookPoint(f"{path}.{kind}", alias, path, kind, width, layer, dtype)
+
+    cat = [point("model.embed_tokens", "embed", "hook_embed")]
+    for i in range(layers):
+        b, blk = f"model.layers.{i}", f"blocks.{i}"
+        cat += [point(b, "resid_pre", f"{blk}.hook_resid_pre", layer=i),
+                point(f"{b}.self_attn", "attn_out", f"{blk}.hook_attn_out", layer=i),
+                point(f"{b}.post_attention_layernorm", "resid_mid", f"{blk}.hook_resid_mid", layer=i),
+                point(f"{b}.mlp.down_proj", "mlp_post", f"{blk}.mlp.hook_post", intermediate, i),
+                point(f"{b}.mlp", "mlp_out", f"{blk}.hook_mlp_out", layer=i),
+                point(b, "resid_post", f"{blk}.hook_resid_post", layer=i)]
+    return cat + [point("model.norm", "normalized", "ln_final.hook_normalized")]
+
+
+def fake_value(hook_index: int, positions: np.ndarray, width: int) -> np.ndarray:
+    """Deterministic activations: distinct per hook, position and feature."""
+    p = np.asarray(positions, dtype=np.float32)[:, None]
+    f = np.arange(width, dtype=np.float32)[None, :]
+    return (np.sin(0.37 * p + 0.11 * f + hook_index) * (1 + 0.05 * f) + 0.01 * p).astype(np.float32)
+
+
+class FakeSession:
+    """Class attributes steer a test: delays, a failing boot, a crash at a given step."""
+
+    boot_delay = 0.0
+    step_delay = 0.0
+    fail_open: str | None = None
+    fail_at_step: int | None = None
+    _next_id = 0  # class-wide, like the real session's
+
+    def __init__(self, options: SessionOptions, layers: int = 2, hidden: int = 128, intermediate: int = 256):
+        self.options = options
+        self.catalogue = llama_catalogue(layers, hidden, intermediate, options.dtype)
+        self._index = {h.name: i for i, h in enumerate(self.catalogue)}
+        self.installed = self._resolve(options.hooks)
+        self.alive = True
+        self.threads: set[int] = {threading.get_ident()}  # threads that called in (tests check)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: list[Intervention] | None = None
+        self._interventions: list[Intervention] = []
+        self.new_run()
+
+    @classmethod
+    def open(cls, options: SessionOptions, progress=None) -> "FakeSession":
+        report = progress or (lambda p: None)
+        for stage in ("resolving", "loading", "compiling"):
+            report(BootProgress(stage, f"{stage} {options.model}"))
+            time.sleep(cls.boot_delay / 3)
+            if cls.fail_open and stage == "loading":
+                raise SessionError(cls.fail_open)
+        session = cls(options)
+        report(BootProgress("ready", "ready"))
+        return session
+
+    # ---- the protocol ----
+    def new_run(self) -> None:
+        self.threads.add(threading.get_ident())
+        self.run = Run(metadata={"model": self.options.model, "model_path": f"/fake/{self.options.model}",
+                                 "engine_mode": self.options.mode, "dtype": self.options.dtype},
+                       hooks=dict(self.installed))
+
+    def upcoming_request_ids(self, n: int) -> list[str]:
+        return [f"req{self._next_id + i}" for i in range(n)]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def interventions(self) -> list[Intervention]:
+        """The set last given (tests look; not part of the protocol)."""
+        with self._lock:
+            return list(self._pending if self._pending is not None else self._interventions)
+
+    def set_interventions(self, interventions: list[Intervention]) -> None:
+        checked = checked_interventions(interventions, self.installed, self.options)
+        with self._lock:
+            self._pending = checked
+
+    def set_hooks(self, patterns: list[str]) -> bool:
+        self._require_alive()
+        self.threads.add(threading.get_ident())
+        self.installed = self._resolve(patterns)
+        self.options = replace(self.options, hooks=tuple(patterns))
+        self.run.hooks.update(self.installed)
+        self._interventions = [iv for iv in self._interventions if iv.hook in self.installed]
+        if self.options.mode == "compiled":
+            time.sleep(self.boot_delay)
+            return True
+        return False
+
+    def close(self) -> None:
+        self.threads.add(threading.get_ident())
+        self.alive = False
+
+    def generate(self, prompts: list[str], sampling: Sampling = Sampling()):
+        self._require_alive()
+        if not prompts:
+            raise ValueError("nothing to generate: no prompts")
+        self.threads.add(threading.get_ident())
+        self._stop.clear()
+        ids = self.upcoming_request_ids(len(prompts))
+        type(self)._next_id += len(ids)
+        started = tuple(self._start(rid, prompt, sampling) for rid, prompt in zip(ids, prompts))
+        # per open request: positions of its next forward, its tokens, the interventions its log last noted
+        todo = {s.request_id: list(range(len(s.prompt_token_ids))) for s in started}
+        tokens = {s.request_id: list(s.prompt_token_ids) for s in started}
+        prompt_lens = {rid: len(t) for rid, t in tokens.items()}
+        noted: dict[str, tuple | None] = {rid: None for rid in todo}
+        for step in range(10 ** 9):
+            if self._stop.is_set():
+                yield self._event(step, started, [RequestStep(rid, finished=True, finish_reason="stopped")
+                                                  for rid in todo])
+                return
+            if self.fail_at_step is not None and step == self.fail_at_step:
+                self.alive = False
+                raise SessionError("the engine failed while generating: RuntimeError: engine core died (simulated "
+                                   "crash). Everything captured so far is kept; open a new session to go on.")
+            time.sleep(self.step_delay)
+            with self._lock:
+                if self._pending is not None:
+                    self._interventions, self._pending = self._pending, None
+            steps = [self._step(rid, todo, tokens[rid], prompt_lens[rid], noted, sampling) for rid in list(todo)]
+            yield self._event(step, started, steps)
+            started = ()
+            if not todo:
+                return
+
+    # ---- internals ----
+    def _require_alive(self) -> None:
+        if not self.alive:
+            raise SessionError("this session is closed or its engine failed; open a new session")
+
+    def _resolve(self, patterns) -> dict[str, HookPoint]:
+        out = {}
+        for pattern in patterns:
+            hits = [h for h in self.catalogue if h.matches(pattern)]
+            if not hits:
+                raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
+            out.update({h.name: h for h in hits})
+        return out
+
+    def _start(self, rid: str, prompt: str, sampling: Sampling) -> RequestStart:
+        texts = tuple(prompt[i:i + 3] for i in range(0, len(prompt), 3)) or (" ",)
+        return RequestStart(rid, prompt, tuple(sum(map(ord, t)) % 1000 for t in texts), texts, sampling.as_dict())
+
+    def _step(self, rid: str, todo: dict, tokens: list[int], prompt_len: int, noted: dict,
+              sampling: Sampling) -> RequestStep:
+        positions = np.array(todo[rid], dtype=np.int64)
+        token_ids = np.array([tokens[p] for p in positions], dtype=np.int64)
+        mine = tuple(iv for iv in self._interventions if iv.applies_to(rid))
+        log = ()
+        if noted[rid] is None or noted[rid] != mine:
+            noted[rid] = mine
+            log = ((int(positions[0]), tuple(iv.as_dict() for iv in mine)),)
+        rows = {}
+        for name, info in self.installed.items():
+            values = fake_value(self._index[name], positions, info.width)
+            for iv in mine:
+                if iv.hook == name:
+                    mask = np.ones(len(positions), bool) if iv.positions is None else np.isin(positions, iv.positions)
+                    values[mask] = values[mask] * iv.vector("scale", info.width) + iv.vector("bias", info.width)
+            rows[name] = (positions, token_ids, values)
+        n_generated = len(tokens) - prompt_len
+        text = VOCAB[(n_generated + len(rid)) % len(VOCAB)]
+        token, logprob = 500 + VOCAB.index(text), -0.1 - 0.05 * n_generated
+        top = (TopToken(token, logprob, text), TopToken(token + 1, logprob - 1.0, VOCAB[(VOCAB.index(text) + 1) % 12]))
+        finished = n_generated + 1 >= sampling.max_tokens
+        tokens.append(token)
+        todo[rid] = [len(tokens) - 1]
+        if finished:
+            del todo[rid]
+        return RequestStep(rid, (token,), (text,), (logprob,), (top,), rows, log, finished,
+                           "length" if finished else None)
+
+    def _event(self, step: int, started: tuple, steps: list[RequestStep]) -> StepEvent:
+        event = StepEvent(step, tuple(steps), started)
+        fold_event(self.run, event, keep_rows=self.options.retain_rows)
+        return event

@@ -1,0 +1,110 @@
+"""The shared value vocabulary (``inspector.capture``): positions, vectors, model names, growing arrays,
+and folding step events into a run."""
+
+import numpy as np
+import pytest
+
+from inspector.capture.arrays import GrowableArray
+from inspector.capture.models import ModelNotFound, model_path_problem, resolve_model
+from inspector.capture.positions import format_positions, parse_positions
+from inspector.capture.protocol import RequestStart, RequestStep, StepEvent, fold_event
+from inspector.capture.resources import demo_model_path
+from inspector.capture.run import HookRows, Run, TopToken
+from inspector.capture.vectors import check_vector, load_vector
+
+
+@pytest.mark.parametrize("text, positions", [
+    ("3-7, 10", (3, 4, 5, 6, 7, 10)),  # the app's way
+    ("3-5;8", (3, 4, 5, 8)),  # the command line's way (commas separate --intervene keys)
+    ("12 3..4 0:1", (0, 1, 3, 4, 12)),
+    ("5,5,5", (5,)),
+])
+def test_one_position_syntax_for_app_and_cli(text, positions):
+    assert parse_positions(text) == positions
+    assert parse_positions(format_positions(positions)) == positions
+
+
+def test_positions_format_collapses_runs():
+    assert format_positions([10, 3, 4, 5, 7]) == "3-5, 7, 10"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "no positions"), ("3-x", "not a position"), ("7-3", "runs backwards"), ("-1", "not a position"),
+    ("0-2000000", "too long"),
+])
+def test_bad_positions_say_why(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_positions(text)
+
+
+def test_vectors_are_checked_the_same_everywhere(tmp_path):
+    np.save(tmp_path / "v.npy", np.arange(4, dtype=np.float32).reshape(1, 4))
+    assert load_vector(tmp_path / "v.npy", width=4).tolist() == [0.0, 1.0, 2.0, 3.0]
+    np.savez(tmp_path / "one.npz", v=np.ones(4))
+    assert load_vector(tmp_path / "one.npz", width=4).tolist() == [1.0] * 4
+    np.savez(tmp_path / "two.npz", a=np.ones(4), b=np.ones(4))
+    np.save(tmp_path / "m.npy", np.zeros((2, 3)))
+    np.save(tmp_path / "n.npy", np.array([1.0, np.nan]))
+    (tmp_path / "t.npy").write_text("not numpy")
+    for name, width, message in (("v.npy", 8, "has 4 values but the hook point is 8 wide"),
+                                 ("two.npz", None, "holds 2 arrays"), ("m.npy", None, "1-D vector"),
+                                 ("n.npy", None, r"1 NaN/Inf value\(s\) \(first at index 1\)"),
+                                 ("t.npy", None, "cannot read a vector")):
+        with pytest.raises(ValueError, match=message):
+            load_vector(tmp_path / name, width=width)
+    with pytest.raises(ValueError, match="must hold numbers"):
+        check_vector(np.array(["a", "b"]), None)
+
+
+def test_model_names(tmp_path):
+    assert model_path_problem("demo") is None and resolve_model("demo") == demo_model_path()
+    assert model_path_problem("org/name") is None  # maybe in the hub cache: resolve_model says
+    assert "no model directory" in model_path_problem(str(tmp_path / "missing"))
+    (tmp_path / "f.txt").write_text("x")
+    assert "is a file" in model_path_problem(str(tmp_path / "f.txt"))
+    assert "no config.json" in model_path_problem(str(tmp_path))
+    with pytest.raises(ModelNotFound, match="no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_growable_array_views_stay_valid_and_snapshots_stay_frozen():
+    a = GrowableArray(np.float32, (2,), capacity=2)
+    a.append(np.ones((2, 2)))
+    early, frozen = a.view(), a.snapshot()
+    for k in range(50):
+        a.append(np.full((1, 2), k))
+    assert len(a) == 52 and early.tolist() == [[1, 1], [1, 1]] and len(frozen) == 2
+    frozen.append(np.zeros((1, 2)))  # a snapshot grows on its own, never into the original
+    assert a.view()[2].tolist() == [0, 0] and a.view()[3].tolist() == [1, 1]
+    capped = GrowableArray(np.int64, max_capacity=4)
+    capped.append(np.arange(3))
+    capped.append(np.arange(1))
+    assert capped.view().tolist() == [0, 1, 2, 0]
+
+
+def test_fold_event_rebuilds_a_run_from_events_alone():
+    run = Run(metadata={})
+    start = RequestStart("req0", "ab", (1, 2), ("a", "b"), {"max_tokens": 2})
+    rows = (np.array([0, 1]), np.array([1, 2]), np.ones((2, 3), np.float32))
+    top = (TopToken(7, -0.1, "c"), TopToken(8, -2.0, "d"))
+    first = StepEvent(0, (RequestStep("req0", (7,), ("c",), (-0.1,), (top,), {"h": rows},
+                                      ((0, ()),)),), (start,))
+    last = StepEvent(1, (RequestStep("req0", (9,), ("e",), (-0.5,), (top,), {"h": (np.array([2]), np.array([7]),
+                                                                                     np.zeros((1, 3), np.float32))},
+                                      ((2, ({"hook": "h"},)),), True, "length"),))
+    assert fold_event(run, first) == {"req0"} and fold_event(run, last) == {"req0"}
+    req = run.requests["req0"]
+    assert req.token_ids == [1, 2, 7, 9] and req.token_texts == ["a", "b", "c", "e"]
+    assert req.intervention_log == [(0, []), (2, [{"hook": "h"}])] and req.finish_reason == "length"
+    assert req.top_logprobs[0][0].text == "c" and req.hooks["h"].positions.tolist() == [0, 1, 2]
+    bare = Run(metadata={})
+    fold_event(bare, first, keep_rows=False)
+    assert bare.requests["req0"].hooks == {}
+
+
+def test_hook_rows_refuse_rows_that_do_not_fit():
+    rows = HookRows(3)
+    with pytest.raises(ValueError, match="do not fit a hook of width 3"):
+        rows.append(np.arange(2), np.arange(2), np.ones((2, 4)))
