@@ -1,17 +1,20 @@
 """Running Qt-free jobs (``inspector.viewer.jobs``) off the GUI thread, as superqt's workers do.
 
-A ``TaskRunner`` owns one thread that never expires: the engine's jobs (boot, generate, close) run one
-after another on the same thread, as an in-process vLLM engine wants. Partial results, progress and
-the outcome cross back to the GUI thread as queued signals of a relay object that lives there, in
-the order they were sent; the callbacks are plain Python.
+A ``TaskRunner`` owns one thread for good: the engine's jobs (boot, generate, close) run one after
+another on the same thread, as an in-process vLLM engine wants. It is a plain Python thread: a Qt
+thread pool running the same generation job halved the app's decode rate (the figures are in
+docs/performance-notes.md). Partial results, progress and the outcome cross back to the GUI thread
+as queued signals of a relay object that lives there, in the order they were sent; the callbacks are
+plain Python.
 """
 
 from __future__ import annotations
 
-import functools
+import queue
+import threading
 from typing import Callable
 
-from PySide6.QtCore import QObject, Qt, QThreadPool, Signal, Slot
+from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from inspector.viewer.jobs import TaskState
 
@@ -68,24 +71,30 @@ class TaskRunner(QObject):
     def __init__(self, name: str, parent: QObject | None = None):
         super().__init__(parent)
         self.setObjectName(name)
-        self._pool = QThreadPool(self)
-        self._pool.setMaxThreadCount(1)
-        self._pool.setExpiryTimeout(-1)  # one thread for good: engine state can be thread-bound
         self.running: set[_Relay] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            _run(*item)
 
     def start(self, job: Callable, *args, on_done: Callable | None = None, on_partial: Callable | None = None,
               on_progress: Callable | None = None, on_exception: Callable | None = None) -> TaskState:
         relay = _Relay(self, on_done, on_partial, on_progress, on_exception)
         state = relay.state = TaskState(relay.partial.emit, relay.progress.emit)
         self.running.add(relay)
-        self._pool.start(functools.partial(_run, job, args, state, relay))
+        self._queue.put((job, args, state, relay))
         return state
 
     def shutdown(self, timeout_ms: int) -> bool:
         """Cancel everything queued or running and wait for it; False if it did not end in time."""
         for relay in self.running:
             relay.state.cancel()
-        return self._pool.waitForDone(timeout_ms)
+        self._queue.put(None)
+        self._thread.join(timeout_ms / 1000)
+        return not self._thread.is_alive()
 
 
 def _run(job: Callable, args: tuple, state: TaskState, relay: _Relay) -> None:
