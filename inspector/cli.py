@@ -1,7 +1,8 @@
-"""The ``inspector`` command: the desktop app (the default), and the headless ``capture`` and ``hooks``.
+"""The ``inspector`` command: the desktop app (the default), the engine server (``serve``), and the
+headless ``capture`` and ``hooks``.
 
-This is where the pieces meet: the app gets the in-process engine session as its session factory,
-so ``inspector.ui`` itself never imports the engine.
+This is where the pieces meet: the app gets its session factory here (by default a server of its own
+in a child process; ``--connect URL`` a remote one), so ``inspector.ui`` never imports the engine.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from inspector.capture.positions import parse_positions
 from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol
 from inspector.capture.vectors import load_vector
 
-HEADLESS = ("capture", "hooks")
+COMMANDS = ("capture", "hooks", "serve")
+DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
 
 
 def versions() -> str:
@@ -35,13 +37,39 @@ def versions() -> str:
 
 
 def engine_session(options: SessionOptions, progress) -> SessionProtocol:
-    """The in-process engine: the session factory of the app and of the headless commands."""
+    """The engine in this process (the headless commands; the app with --in-process)."""
     from inspector.engine.environment import prepare_environment
 
     prepare_environment()
     from inspector.engine.session import Session
 
     return Session.open(options, progress)
+
+
+def client_keys(args):
+    """CurveZMQ keys from --client-key/--server-key (both or neither)."""
+    if bool(args.client_key) != bool(args.server_key):
+        raise ValueError("give both --client-key (your NAME.key_secret) and --server-key (the server's server.key)")
+    if not args.client_key:
+        return None
+    from inspector.net.keys import client_keys as load
+
+    return load(args.client_key, args.server_key)
+
+
+def open_session(args, progress, retain_rows: bool) -> SessionProtocol:
+    """On the server at --server, or an engine in this process."""
+    if args.server:
+        from inspector.client import connect
+
+        session = connect(args.server, progress, client_keys(args), retain_rows=retain_rows)
+        if args.hooks and set(session.installed) != {h.name for h in session.catalogue
+                                                     if any(h.matches(p) for p in args.hooks)}:
+            session.set_hooks(list(args.hooks))
+        return session
+    options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks or DEFAULT_HOOKS),
+                             dtype=args.dtype, max_model_len=args.max_model_len, retain_rows=retain_rows)
+    return engine_session(options, progress)
 
 
 def parse_intervention(text: str, prompts: int) -> dict:
@@ -101,11 +129,9 @@ def capture(args) -> int:
     out = Path(args.out)
     check_target(out)  # before the engine boots: a bad path costs no boot
     progress = TerminalProgress()
-    options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks), dtype=args.dtype,
-                             max_model_len=args.max_model_len, retain_rows=False)
     sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                         logprobs=args.logprobs)
-    session = engine_session(options, progress.stage)
+    session = open_session(args, progress.stage, retain_rows=False)
     try:
         ids = session.upcoming_request_ids(len(prompts))
         for iv in interventions:
@@ -128,7 +154,7 @@ def capture(args) -> int:
         summary = {
             "out": str(out.resolve()),
             "model": str(session.run.metadata["model_path"]),
-            "mode": args.mode,
+            "mode": session.options.mode,
             "hooks": list(session.installed),
             "requests": [{"id": r.request_id, "prompt": r.prompt,
                           "text": "".join(r.token_texts[len(r.prompt_token_ids):]),
@@ -147,8 +173,10 @@ def capture(args) -> int:
 
 
 def hooks(args) -> int:
-    # eager, no hooks installed: nothing to compile, so the catalogue comes fast
-    session = engine_session(SessionOptions(model=args.model, mode="eager", hooks=()), TerminalProgress().stage)
+    if args.server:
+        session = open_session(args, TerminalProgress().stage, retain_rows=False)
+    else:  # eager, no hooks installed: nothing to compile, so the catalogue comes fast
+        session = engine_session(SessionOptions(model=args.model, mode="eager", hooks=()), TerminalProgress().stage)
     try:
         catalogue = session.catalogue
     finally:
@@ -162,6 +190,45 @@ def hooks(args) -> int:
     return 0
 
 
+def serve(args) -> int:
+    from inspector.net.keys import keygen
+    from inspector.server.serve import serve as run
+
+    if args.keygen:
+        for path in keygen(args.keygen, args.client):
+            print(f"wrote {path}")
+        return 0
+    try:
+        engine_args = json.loads(args.engine_args)
+    except ValueError as e:
+        raise ValueError(f"--engine-args is not JSON: {e}") from None
+    if args.tensor_parallel_size > 1:
+        engine_args["tensor_parallel_size"] = args.tensor_parallel_size
+    options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks or DEFAULT_HOOKS),
+                             dtype=args.dtype, max_model_len=args.max_model_len,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             enable_position_interventions=not args.no_position_interventions,
+                             retain_rows=False, engine_args=engine_args)
+    return run(options, args.listen, args.keys, args.exit_when_idle, int(args.max_backlog_mib * 2**20),
+               log=lambda text: print(text, flush=True))
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="demo", help="'demo', a model directory, or a cached hub id")
+    parser.add_argument("--mode", choices=MODES, default="compiled")
+    parser.add_argument("--hooks", nargs="+", default=None,
+                        help=f"hook names, aliases or glob patterns (default: {' '.join(DEFAULT_HOOKS)}; "
+                             "with --server: what the server captures)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", help="use the engine of an inspector server (tcp://HOST:PORT or ipc://PATH)")
+    parser.add_argument("--client-key", help="with --server: your key pair (NAME.key_secret), for a server with keys")
+    parser.add_argument("--server-key", help="with --server: the server's public key (server.key)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inspector", description="Look inside an LLM while vLLM serves it.",
@@ -169,41 +236,60 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=versions())
     sub = parser.add_subparsers(dest="command")
 
+    srv = sub.add_parser("serve", help="serve an engine to clients (the app, capture, scripts) over ZeroMQ",
+                         description="Boot one engine and serve it until SIGINT/SIGTERM. Requests of all clients "
+                                     "run in one continuous batch; each client's interventions apply to its own "
+                                     "requests. See docs/protocol.md and the README's 'Use a GPU server'.")
+    add_engine_options(srv)
+    srv.add_argument("--listen", default="tcp://127.0.0.1:5557",
+                     help="tcp://HOST:PORT or ipc://PATH (default: loopback; any other address needs --keys)")
+    srv.add_argument("--keys", help="a key directory (made with --keygen): CurveZMQ, allow-listed clients only")
+    srv.add_argument("--keygen", metavar="DIR", help="write a server key pair (or, with --client, a client's) and exit")
+    srv.add_argument("--client", metavar="NAME", help="with --keygen: make a key pair for client NAME and allow it")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=512)
+    srv.add_argument("--tensor-parallel-size", type=int, default=1)
+    srv.add_argument("--engine-args", default="{}", help="more vLLM engine arguments, as JSON")
+    srv.add_argument("--no-position-interventions", action="store_true")
+    srv.add_argument("--max-backlog-mib", type=float, default=256,
+                     help="disconnect a client that stops reading once this much waits for it (default 256)")
+    srv.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
+                     help="exit once the last client has been gone this long (the app's own server does)")
+
     cap = sub.add_parser("capture", help="generate headless and write the captures to HDF5")
-    cap.add_argument("--model", default="demo", help="'demo', a model directory, or a cached hub id")
+    add_engine_options(cap)
+    add_server_options(cap)
     cap.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     cap.add_argument("--prompt-file", help="a file with one prompt per line")
-    cap.add_argument("--hooks", nargs="+", default=["blocks.*.hook_resid_post"],
-                     help="hook names, aliases or glob patterns")
     cap.add_argument("--max-tokens", type=int, default=32)
     cap.add_argument("--temperature", type=float, default=0.0)
     cap.add_argument("--seed", type=int, default=None)
     cap.add_argument("--logprobs", type=int, default=5, help="top-k logprobs kept per generated token")
     cap.add_argument("--out", required=True, help="the HDF5 file to write")
-    cap.add_argument("--mode", choices=MODES, default="compiled")
-    cap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    cap.add_argument("--max-model-len", type=int, default=1024)
     cap.add_argument("--intervene", action="append", metavar="HOOK:scale=…,bias=…",
                      help="an intervention; keys: scale, bias (number or .npy), positions (3-5;8), request (index)")
     cap.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
 
     hk = sub.add_parser("hooks", help="list the hook points of a model")
     hk.add_argument("--model", default="demo")
+    add_server_options(hk)
+    hk.add_argument("--hooks", nargs="+", default=None, help=argparse.SUPPRESS)
     hk.add_argument("--json", action="store_true")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in (*HEADLESS, "-h", "--help", "--version"):
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help", "--version"):
+        from inspector.client.local import start_local_server
         from inspector.ui.app import main as app_main
 
-        return app_main(argv[1:] if argv[:1] == ["app"] else argv, engine_session)
+        return app_main(argv[1:] if argv[:1] == ["app"] else argv, start_local_server, engine_session)
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the terminal shows our progress instead,
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # and stdout stays clean for --json
+    if args.command != "serve":
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the terminal shows our progress instead,
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # and stdout stays clean for --json
     try:
-        return {"capture": capture, "hooks": hooks}[args.command](args)
+        return {"capture": capture, "hooks": hooks, "serve": serve}[args.command](args)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"inspector {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -26,3 +26,13 @@ def tiny_models():
     from inspector.testing.tinymodels import ARCHITECTURES, tiny_model
 
     return {arch: tiny_model(arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def compiled_server(tiny_models):
+    """One compiled server on the tiny Llama, shared by the tests of the server and its clients:
+    (url, process)."""
+    from servers import running_server
+
+    with running_server(tiny_models["llama"]) as server:
+        yield server

@@ -15,28 +15,39 @@ def test_rows_get_slots_by_scope():
     planner = SlotPlanner(max_slots=8)
     planner.set([iv(scale=2.0), iv(bias=1.0, request_id="b"), iv(scale=0.0, positions=[1])])
     qsl = np.array([0, 3, 5])
-    masks = planner.row_masks(["a", "b"], qsl, np.array([0, 1, 2, 7, 8]))
-    assert masks.tolist() == [0b001, 0b101, 0b001, 0b011, 0b011]
-    slots, new = planner.assign(masks)
+    applies = planner.applies(["a", "b"], qsl, np.array([0, 1, 2, 7, 8]))
+    assert applies.astype(int).tolist() == [[1, 0, 0], [1, 0, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]]
+    slots, new = planner.assign(applies)
     assert slots[0] == slots[2] and slots[3] == slots[4] and len({slots[0], slots[1], slots[3]}) == 3
     assert sorted(s for s, _ in new) == [1, 2, 3] and 0 not in slots
     assert {s: len(ivs) for s, ivs in new} == {slots[0]: 1, slots[1]: 2, slots[3]: 2}
-    again, new_again = planner.assign(masks)  # slots persist; nothing to rewrite
+    again, new_again = planner.assign(applies)  # slots persist; nothing to rewrite
     assert again.tolist() == slots.tolist() and new_again == []
 
 
 def test_unaffected_rows_use_identity_slot_zero():
     planner = SlotPlanner(max_slots=4)
     planner.set([iv(scale=2.0, request_id="x")])
-    slots, new = planner.assign(planner.row_masks(["a"], np.array([0, 2]), np.array([0, 1])))
+    slots, new = planner.assign(planner.applies(["a"], np.array([0, 2]), np.array([0, 1])))
     assert slots.tolist() == [0, 0] and new == []
+
+
+def test_requests_steered_alike_share_a_slot_however_many_there_are():
+    """A server scopes one client's "all requests" to each of its requests: 500 interventions, 1 slot."""
+    planner = SlotPlanner(max_slots=4)
+    ids = [f"r{i}" for i in range(500)]
+    planner.set([iv(scale=3.0, request_id=rid) for rid in ids] + [iv(bias=1.0, request_id="r7", positions=[0])])
+    qsl = np.arange(501)
+    slots, new = planner.assign(planner.applies(ids, qsl, np.zeros(500, dtype=np.int64)))
+    assert len(set(slots.tolist())) == 2 and slots[7] != slots[8] and len(new) == 2
+    assert sorted(len(ivs) for _, ivs in new) == [1, 2]
 
 
 def test_too_many_combinations_is_a_clear_error():
     planner = SlotPlanner(max_slots=2)
     planner.set([iv(scale=2.0, request_id="a"), iv(scale=3.0, request_id="b")])
     with pytest.raises(RuntimeError, match="max_slots"):
-        planner.assign(planner.row_masks(["a", "b"], np.array([0, 1, 2]), np.array([0, 0])))
+        planner.assign(planner.applies(["a", "b"], np.array([0, 1, 2]), np.array([0, 0])))
 
 
 def test_compose_applies_in_order():

@@ -3,6 +3,8 @@ models, live hook changes, a failure (against the fake too: part of the session 
 model names resolve. One in-process engine at a time: each test closes what it opens."""
 
 import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from engines import ENGINE_ARGS
 from fake_session import FakeSession
 from inspector.capture.models import ModelNotFound, resolve_model
 from inspector.capture.protocol import Sampling, SessionError, SessionOptions
+from inspector.client.local import start_local_server
 from inspector.engine.session import Session
 from inspector.plugin import vllm_compat
 
@@ -53,10 +56,11 @@ def test_eager_hook_change_is_live_and_keeps_the_run(tiny_models):
         assert second.hooks["model.layers.1.mlp.down_proj.mlp_post"].values.shape[1] == 256
 
 
-@pytest.mark.parametrize("kind", ["real", "fake"])
+@pytest.mark.parametrize("kind", ["real", "fake", "remote"])
 def test_a_failure_is_a_session_error_that_keeps_the_run(tiny_models, kind, monkeypatch):
-    """A failed engine is dead, its run intact, and it says to open a new session."""
-    session = (Session.open if kind == "real" else FakeSession.open)(options(tiny_models["llama"]))
+    """A failed engine (or a killed server) is dead, its run intact, and it says to start again."""
+    opener = {"real": Session.open, "fake": FakeSession.open, "remote": start_local_server}[kind]
+    session = opener(options(tiny_models["llama"]))
     try:
         stream = session.generate(["def f(x):"], Sampling(max_tokens=20, ignore_eos=True))
         next(stream), next(stream)
@@ -66,18 +70,25 @@ def test_a_failure_is_a_session_error_that_keeps_the_run(tiny_models, kind, monk
                 layer.register_forward_hook(lambda *a: (_ for _ in ()).throw(MemoryError("simulated out of memory")))
 
             session._llm.collective_rpc(break_layer)
-        else:
+        elif kind == "fake":
             monkeypatch.setattr(FakeSession, "fail_at_step", 2)
-        with pytest.raises(SessionError, match="failed while generating.*kept"):
+        else:
+            session.process.send_signal(signal.SIGKILL)  # the server, mid-generation
+        failed_at = time.monotonic()
+        with pytest.raises(SessionError, match="kept") as failure:
             list(stream)
+        if kind == "remote":
+            assert time.monotonic() - failed_at < 2.0, "the client must say so within 2 s"
+            assert "exited with code -9" in str(failure.value)
         assert not session.alive
         req = next(iter(session.run.requests.values()))
-        # two events: two tokens here; with async scheduling (GPU) the first step may come back empty
-        assert 1 <= len(req.generated_token_ids) <= 2
-        # a row for every token fed so far; with async scheduling the forward that fed the last token
-        # may have finished before the fault, and then its rows are kept too
+        # with async scheduling (GPU), or a server, a few more tokens may have come before the fault
+        n_tokens = len(req.generated_token_ids)
+        assert (1 <= n_tokens <= 2) if kind != "remote" else 2 <= n_tokens < 20
+        # a row for every token fed so far; the forward that fed the last token may have finished
+        # before the fault, and then its rows are kept too
         assert len(req.token_ids) - 1 <= len(req.hooks["model.layers.0.resid_post"]) <= len(req.token_ids)
-        with pytest.raises(SessionError, match="open a new session"):
+        with pytest.raises(SessionError, match="open a new session|gone"):
             next(session.generate(["x"]))
     finally:
         session.close()

@@ -1,9 +1,10 @@
 """The in-process engine session: one model booted with the plugin, generation as a stream of step events.
 
 ``Session`` implements ``inspector.capture.protocol.SessionProtocol``. It drives vLLM step by step
-(``add_request``/``step``), drains the worker's captures after every step without waiting for copies
-still in flight (so the host's work of one step hides behind the next forward), and yields step
-events that it also folds into ``run``. ``stop()`` and ``set_interventions()`` may be called from
+(``submit``, ``step``, ``cancel``: requests join the running batch at any step, which is how a
+server serves many clients at once; ``generate`` is that loop for one caller), drains the worker's
+captures after every step without waiting for copies still in flight (so the host's work of one step
+hides behind the next forward), and makes step events that it also folds into ``run``. ``stop()`` and ``set_interventions()`` may be called from
 another thread: they take effect between steps, before the next forward.
 """
 
@@ -52,6 +53,9 @@ class Session:
         self._interventions: list[Intervention] = []
         self._computed: dict[str, int] = {}  # request id -> positions whose rows have been drained
         self._unsent_log: dict[str, list[tuple[int, tuple[dict, ...]]]] = {}  # for the next event
+        self._open: list[str] = []  # submitted, not finished
+        self._unstarted: list[RequestStart] = []  # submitted since the last event
+        self._steps = 0
         self.new_run()
 
     # --- opening and closing ---
@@ -95,52 +99,79 @@ class Session:
     def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]:
         """Submit ``prompts`` as one batch and yield an event per engine step until all finish or
         ``stop()`` is called (then the unfinished ones end with finish reason "stopped")."""
+        mine = [s.request_id for s in self.submit(prompts, sampling)]
+        self._stop.clear()
+        for number in itertools.count():
+            if self._stop.is_set():
+                yield replace(self.cancel(mine), step=number)
+                return
+            yield replace(self.step(), step=number)
+            mine = [rid for rid in mine if rid in self._open]
+            if not mine:
+                return
+
+    # --- the engine loop: generate() drives it for one caller, a server for many ---
+
+    def submit(self, prompts: list[str], sampling: Sampling, request_ids: list[str] | None = None
+               ) -> list[RequestStart]:
+        """Add requests to the running batch; they start with the next ``step()``. ``request_ids``:
+        the caller's own (unique) ids, else the next ``req<N>``. ValueError if vLLM refuses one (then
+        none is added)."""
         self._require_alive()
         if not prompts:
             raise ValueError("nothing to generate: no prompts")
         params = _sampling_params(sampling)
-        starts = [self._start(rid, prompt, sampling) for rid, prompt in
-                  zip(self.upcoming_request_ids(len(prompts)), prompts)]
-        ids = [s.request_id for s in starts]
+        ids = list(request_ids) if request_ids is not None else self.upcoming_request_ids(len(prompts))
+        if len(ids) != len(prompts) or len(set(ids)) != len(ids) or set(ids) & set(self._open):
+            raise ValueError(f"request ids must be new and one per prompt, got {ids}")
+        if request_ids is None:
+            type(self)._next_id += len(ids)
+        starts = [self._start(rid, prompt, sampling) for rid, prompt in zip(ids, prompts)]
         engine = self._llm.llm_engine
-        self._stop.clear()
-        type(self)._next_id += len(ids)
-        for start in starts:
+        for k, start in enumerate(starts):
             try:
                 engine.add_request(start.request_id, {"prompt_token_ids": list(start.prompt_token_ids),
                                                       "prompt": start.prompt}, params)
             except Exception as e:
-                engine.abort_request(ids)
+                engine.abort_request(ids[:k])
                 raise ValueError(f"request refused: {e}") from None
-            self._computed[start.request_id] = 0
-        self._apply_interventions(ids, force=True)
-        started, open_ids = tuple(starts), list(ids)
-        for step in itertools.count():
-            if self._stop.is_set():
-                leftover = self._abort(open_ids)
-                yield self._event(step, started, {rid: leftover.get(rid, {}) for rid in open_ids}, {},
-                                  finish={rid: "stopped" for rid in open_ids})
-                return
-            self._apply_interventions(open_ids)
-            try:
-                outputs = [out for out in engine.step() if out.request_id in open_ids]
-                # Rows still copying arrive with a later step, except a finishing request's: wait for those.
-                captures = self._drain(wait=any(out.finished for out in outputs))
-            except Exception as e:
-                self.alive = False
-                with contextlib.suppress(Exception):  # keep the finished forwards' rows, if the worker can
-                    self._event(step, started, self._drain(), {})
-                raise SessionError(f"the engine failed while generating: {type(e).__name__}: {e}. "
-                                   "Everything captured so far is kept; open a new session to go on.") from e
-            event = self._event(step, started, captures, {out.request_id: out for out in outputs},
-                                finish={out.request_id: str(out.outputs[0].finish_reason)
-                                        for out in outputs if out.finished})
-            started = ()
-            ended = {s.request_id for s in event.requests if s.finished}
-            open_ids = [rid for rid in open_ids if rid not in ended]
-            yield event
-            if not open_ids:
-                return
+        for rid in ids:
+            self._computed[rid] = 0
+        self._open += ids
+        self._unstarted += starts
+        self._apply_interventions(self._open, force=True)  # the new requests' log starts now
+        return starts
+
+    @property
+    def open_requests(self) -> list[str]:
+        return list(self._open)
+
+    def step(self) -> StepEvent:
+        """One engine step over every open request. SessionError if the engine fails (then the session
+        is dead; the rows of the forwards that finished are in ``run``)."""
+        self._require_alive()
+        self._apply_interventions(self._open)
+        try:
+            outputs = [out for out in self._llm.llm_engine.step() if out.request_id in self._open]
+            # Rows still copying arrive with a later step, except a finishing request's: wait for those.
+            captures = self._drain(wait=any(out.finished for out in outputs))
+        except Exception as e:
+            self.alive = False
+            with contextlib.suppress(Exception):  # keep the finished forwards' rows, if the worker can
+                self._event(self._drain(), {})
+            raise SessionError(f"the engine failed while generating: {type(e).__name__}: {e}. "
+                               "Everything captured so far is kept; open a new session to go on.") from e
+        return self._event(captures, {out.request_id: out for out in outputs},
+                           finish={out.request_id: str(out.outputs[0].finish_reason) for out in outputs
+                                   if out.finished})
+
+    def cancel(self, request_ids: list[str]) -> StepEvent:
+        """End open requests now (finish reason "stopped"); the event carries their last rows, and any
+        other request's rows that had not been drained yet."""
+        self._require_alive()
+        ids = [rid for rid in request_ids if rid in self._open]
+        self._llm.llm_engine.abort_request(ids)
+        return self._event(self._drain(), {}, finish={rid: "stopped" for rid in ids})
 
     def upcoming_request_ids(self, n: int) -> list[str]:
         return [f"req{self._next_id + i}" for i in range(n)]
@@ -219,22 +250,26 @@ class Session:
         """The worker's rows since the last drain; ``wait=False`` leaves those still copying."""
         return self._llm.collective_rpc("inspector_drain", kwargs={"wait": wait})[0]
 
-    def _event(self, step: int, started: tuple[RequestStart, ...], captures: dict, outputs: dict,
-               finish: dict[str, str] | None = None) -> StepEvent:
-        """One event for every request with news (rows, tokens, log entries or an end), folded into
-        ``run`` as it is made."""
+    def _event(self, captures: dict, outputs: dict, finish: dict[str, str] | None = None) -> StepEvent:
+        """One event for every request with news (a start, rows, tokens, log entries or an end), folded
+        into ``run`` as it is made."""
         finish = finish or {}
-        order = [s.request_id for s in started] + [rid for rid in (*captures, *outputs, *self._unsent_log, *finish)]
+        started, self._unstarted = tuple(self._unstarted), []
+        order = [s.request_id for s in started] + [*captures, *outputs, *self._unsent_log, *finish]
         steps = []
         for rid in dict.fromkeys(order):
             if rid not in self._computed:
                 continue
             rows = {hook: self._rows(rid, c) for hook, c in captures.get(rid, {}).items()}
-            step_kwargs = self._tokens(outputs[rid]) if rid in outputs else {}
+            tokens = self._tokens(outputs[rid]) if rid in outputs else {}
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,
-                                     finish_reason=finish.get(rid), **step_kwargs))
-        event = StepEvent(step, tuple(steps), started)
+                                     finish_reason=finish.get(rid), **tokens))
+        self._open = [rid for rid in self._open if rid not in finish]
+        for rid in finish:  # a long-lived session (a server's) forgets requests that are over
+            self._computed.pop(rid, None)
+        self._steps += 1
+        event = StepEvent(self._steps - 1, tuple(steps), started)
         fold_event(self.run, event, keep_rows=self.options.retain_rows)
         return event
 
@@ -254,11 +289,6 @@ class Session:
         return {"new_token_ids": new_ids, "new_texts": tuple(self._text(t) for t in new_ids),
                 "logprobs": tuple(chosen), "top_logprobs": tuple(tops)}
 
-    def _abort(self, ids: list[str]) -> dict:
-        """Abort requests; returns the rows still in the worker, per request."""
-        self._llm.llm_engine.abort_request(ids)
-        return self._drain()
-
     def _text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
@@ -271,8 +301,8 @@ class Session:
 
         return {
             "app_version": __version__,
-            "vllm_version": vllm.__version__,
-            "torch_version": torch.__version__,
+            "vllm_version": str(vllm.__version__),
+            "torch_version": str(torch.__version__),  # a str subclass
             "model": self.options.model,
             "model_path": str(self.model_path),
             "model_config": model_config(self.model_path),

@@ -228,8 +228,7 @@ class InspectorRuntime:
                 self.row_slot.zero_()
                 self._row_slot_dirty = False
             return
-        masks = self.planner.row_masks(step.req_ids, step.query_start_loc, step.positions)
-        slots, new = self.planner.assign(masks)
+        slots, new = self.planner.assign(self.planner.applies(step.req_ids, step.query_start_loc, step.positions))
         with torch.inference_mode():
             for slot, ivs in new:
                 for name, hook in self.active.items():

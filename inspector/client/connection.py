@@ -1,0 +1,144 @@
+"""A client's line to a server: calls that get a reply, calls that stream, and knowing the server is alive.
+
+The socket (a DEALER) lives on a thread of its own (``Endpoint``); any thread may call. The thread
+pings the server four times a second; a server that has not answered anything for ``DEAD_AFTER_S``
+is gone, and every call waiting on it ends with ``ServerGone``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from inspector.net.endpoint import Endpoint
+from inspector.net.keys import ClientKeys
+from inspector.net.wire import Message, WireError, decode, encode
+
+PING_EVERY_S = 0.25
+DEAD_AFTER_S = 1.5
+
+
+class ServerGone(ConnectionError):
+    """The server stopped answering, said goodbye, or was never there."""
+
+
+class Connection:
+    def __init__(self, url: str, keys: ClientKeys | None = None, on_message: Callable[[Message], None] = None):
+        """``on_message``: messages that answer no call (boot progress)."""
+        self.url = url
+        self._context = zmq.Context()
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            socket.curve_secretkey, socket.curve_publickey, socket.curve_serverkey = (
+                keys.secret, keys.public, keys.server_public)
+        socket.connect(url)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, queue.SimpleQueue] = {}
+        self._lock = threading.Lock()
+        self._on_message = on_message or (lambda message: None)
+        self._last_heard: float | None = None  # nothing yet: the server may not exist
+        self._last_ping = 0.0
+        self.lost: str | None = None  # why the server is gone, once it is
+        self._endpoint = Endpoint(socket, self._received, self._tick, routed=False, name="client-socket").start()
+
+    # ------------------------------------------------------------------ calls
+    def start(self, type_: str, body: dict | None = None) -> "Call":
+        """Send a message that expects answers (they carry its id); ServerGone if the server is gone."""
+        if self.lost is not None:
+            raise ServerGone(self.lost)
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            call = Call(self, next(self._ids), replies)
+            self._waiting[call.id] = replies
+        self.send(Message(type_, body or {}, call.id))
+        return call
+
+    def call(self, type_: str, body: dict | None = None, timeout_s: float | None = None) -> Message:
+        """Send and wait for the one reply; ServerGone, or TimeoutError after ``timeout_s``."""
+        with self.start(type_, body) as call:
+            return call.next(timeout_s)
+
+    def send(self, message: Message) -> None:
+        self._endpoint.send(encode(message))
+
+    def close(self, say_bye: bool = True) -> None:
+        if say_bye and self.lost is None:
+            self.send(Message("bye"))
+        self._lose("the connection was closed")
+        self._endpoint.stop(linger_s=0.2)
+        self._context.term()
+
+    # ------------------------------------------------------------------ the socket's thread
+    def _received(self, frames: list) -> None:
+        self._last_heard = time.monotonic()
+        try:
+            message = decode(frames)
+        except WireError:
+            return  # a server that speaks garbage is not one: it will time out
+        if message.type == "pong":
+            return
+        if message.type == "goodbye":
+            self._lose(f"the server said goodbye: {message.body.get('reason', '')}")
+            return
+        with self._lock:
+            replies = self._waiting.get(message.id)
+        if replies is not None:
+            replies.put(message)
+        else:
+            self._on_message(message)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self.lost is not None:
+            return
+        if now - self._last_ping >= PING_EVERY_S:
+            self._last_ping = now
+            self.send(Message("ping"))
+        if self._last_heard is not None and now - self._last_heard > DEAD_AFTER_S:
+            self._lose(f"the server at {self.url} stopped answering")
+
+    def _lose(self, reason: str) -> None:
+        if self.lost is not None:
+            return
+        self.lost = reason
+        with self._lock:
+            waiting = list(self._waiting.values())
+        for replies in waiting:
+            replies.put(ServerGone(reason))
+
+    @property
+    def heard_from(self) -> bool:
+        return self._last_heard is not None
+
+
+class Call:
+    """The answers to one message, in order."""
+
+    def __init__(self, connection: Connection, call_id: int, replies: queue.SimpleQueue):
+        self._connection, self.id, self._replies = connection, call_id, replies
+
+    def next(self, timeout_s: float | None = None) -> Message:
+        """The next answer; TimeoutError after ``timeout_s``, ServerGone if the server is gone."""
+        try:
+            message = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no answer from {self._connection.url} in {timeout_s:.1f} s") from None
+        if isinstance(message, ServerGone):
+            raise message
+        return message
+
+    def close(self) -> None:
+        with self._connection._lock:
+            self._connection._waiting.pop(self.id, None)
+
+    def __enter__(self) -> "Call":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

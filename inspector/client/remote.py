@@ -1,0 +1,193 @@
+"""A session on a server: ``connect(url)`` returns an object with the same protocol as the in-process
+``Session`` (``inspector.capture.protocol.SessionProtocol``), so the app and scripts cannot tell them
+apart. Step events arrive as the server makes them and are folded into ``run`` here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+from inspector.capture.hooks import HookPoint
+from inspector.capture.interventions import Intervention
+from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent,
+                                        checked_interventions, fold_event)
+from inspector.capture.run import Run
+from inspector.net.keys import ClientKeys
+from inspector.net.wire import (Message, WireError, convert, event_from_body, hooks_from_body, progress_from_body,
+                                to_builtins)
+
+from .connection import Connection, ServerGone
+
+CONNECT_TIMEOUT_S = 10.0  # for a first answer; once the server answers, a boot may take as long as it takes
+
+
+def connect(url: str, progress: Callable[[BootProgress], None] | None = None, keys: ClientKeys | None = None,
+            retain_rows: bool = True, timeout_s: float = CONNECT_TIMEOUT_S,
+            why_gone: Callable[[], str | None] = lambda: None, on_close: Callable[[], None] = lambda: None
+            ) -> "RemoteSession":
+    """A session on the server at ``url`` (boot progress arrives through ``progress`` while it starts).
+    ``why_gone()``: why the server can no longer answer (a child process that exited), or None;
+    ``on_close()``: called once the session is closed. SessionError if there is no server, it refuses
+    us, or it cannot boot."""
+    report = progress or (lambda p: None)
+
+    def on_message(message: Message) -> None:
+        if message.type == "progress":
+            try:
+                report(progress_from_body(message.body))
+            except WireError:
+                pass
+
+    connection = Connection(url, keys, on_message)
+    try:
+        welcome = _hello(connection, timeout_s, why_gone)
+    except BaseException:
+        connection.close(say_bye=False)
+        raise
+    return RemoteSession(connection, welcome, retain_rows, why_gone, on_close)
+
+
+def _hello(connection: Connection, timeout_s: float, why_gone: Callable[[], str | None]) -> Message:
+    started = time.monotonic()
+    with connection.start("hello", {"client": "inspector"}) as call:
+        while True:  # wait in short slices: a child server that died, or no server at all, is said at once
+            try:
+                reply = call.next(0.25)
+                break
+            except TimeoutError:
+                why = why_gone()
+                if why is not None:
+                    raise SessionError(why) from None
+                if not connection.heard_from and time.monotonic() - started > timeout_s:
+                    raise SessionError(
+                        f"no answer from {connection.url} in {timeout_s:.0f} s: no server is listening there, or "
+                        "it only accepts clients with keys (a wrong server key, or a client key not in its "
+                        "allow-list, gets no answer at all)") from None
+            except ServerGone as e:
+                raise SessionError(str(e)) from None
+    if reply.type == "error":
+        raise SessionError(reply.body.get("message", "the server refused the connection"))
+    return reply
+
+
+class RemoteSession:
+    """See ``SessionProtocol``; ``stop`` and ``set_interventions`` may be called from any thread."""
+
+    _next_id = 0  # class-wide, like the in-process session's: request ids stay unique in this process
+
+    def __init__(self, connection: Connection, welcome: Message, retain_rows: bool,
+                 why_gone: Callable[[], str | None] = lambda: None, on_close: Callable[[], None] = lambda: None):
+        self._conn = connection
+        self._why_gone, self._on_close = why_gone, on_close
+        self._learn(welcome.body)
+        self.options = convert({**welcome.body["options"], "retain_rows": retain_rows}, SessionOptions,
+                               "the server's options")
+        self.alive = True
+        self._active_call: int | None = None
+        self.process = None  # the server's process, when it is our child (inspector.client.local)
+        self._refused: str | None = None  # an intervention set the server refused, said on the next call
+        self.new_run()
+
+    def _learn(self, body: dict) -> None:
+        self.catalogue: list[HookPoint] = hooks_from_body(body["catalogue"])
+        self.installed: dict[str, HookPoint] = {h.name: h for h in hooks_from_body(list(body["installed"].values()))}
+        self.metadata: dict = dict(body["metadata"])
+
+    @property
+    def lost(self) -> str | None:
+        """Why the server is gone (it may be idle: nothing else would tell), or None while it answers."""
+        if self._conn is not None and self._conn.lost is not None:
+            self.alive = False
+            return self._why_gone() or self._conn.lost
+        return None
+
+    def new_run(self) -> None:
+        self.run = Run(metadata=dict(self.metadata), hooks=dict(self.installed))
+
+    def upcoming_request_ids(self, n: int) -> list[str]:
+        return [f"req{self._next_id + i}" for i in range(n)]
+
+    def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]:
+        self._require_alive()
+        if not prompts:
+            raise ValueError("nothing to generate: no prompts")
+        ids = self.upcoming_request_ids(len(prompts))
+        type(self)._next_id += len(ids)
+        body = {"prompts": list(prompts), "sampling": to_builtins(sampling), "request_ids": ids}
+        try:
+            with self._conn.start("generate", body) as call:
+                self._active_call = call.id
+                while (message := call.next()).type != "done":
+                    if message.type == "error":
+                        self._raise(message)
+                    event = event_from_body(message.body)
+                    fold_event(self.run, event, keep_rows=self.options.retain_rows)
+                    yield event
+        except (ServerGone, WireError) as e:
+            self.alive = False
+            raise SessionError(f"{self._why_gone() or e}. Everything received so far is kept; connect again (or "
+                               "restart the engine) to go on.") from None
+        except SessionError:
+            self.alive = False  # the server's engine failed
+            raise
+        finally:
+            self._active_call = None
+
+    def stop(self) -> None:
+        call = self._active_call
+        if call is not None:
+            self._conn.send(Message("stop", {"call": call}))
+
+    def set_interventions(self, interventions: list[Intervention]) -> None:
+        """Checked here at once (ValueError), and again by the server."""
+        self._require_alive()
+        checked_interventions(interventions, self.installed, self.options)
+        self._conn.send(Message("set_interventions", {"interventions": [iv.as_dict() for iv in interventions]}))
+
+    def set_hooks(self, patterns: list[str]) -> bool:
+        self._require_alive()
+        reply = self._call("set_hooks", {"patterns": list(patterns)})
+        self._learn(reply.body)
+        self.options = convert({**reply.body["options"], "retain_rows": self.options.retain_rows}, SessionOptions,
+                               "the server's options")
+        self.run.hooks.update(self.installed)
+        return bool(reply.body["restarted"])
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self.alive = False
+            connection, self._conn = self._conn, None
+            connection.close()
+            self._on_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _require_alive(self) -> None:
+        if self._conn is None:
+            raise SessionError("this session is closed; connect again")
+        if self._conn.lost is not None:
+            self.alive = False
+            raise SessionError(f"the server is gone ({self._why_gone() or self._conn.lost}); connect again")
+
+    def _call(self, type_: str, body: dict) -> Message:
+        try:
+            reply = self._conn.call(type_, body)
+        except ServerGone as e:
+            self.alive = False
+            raise SessionError(self._why_gone() or str(e)) from None
+        if reply.type == "error":
+            self._raise(reply)
+        return reply
+
+    @staticmethod
+    def _raise(message: Message):
+        kind, text = message.body.get("kind", "error"), message.body.get("message", "the server refused")
+        if kind in ("invalid", "refused", "unknown-type", "bad-message", "too-large"):
+            raise ValueError(text)
+        raise SessionError(text)

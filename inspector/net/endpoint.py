@@ -1,0 +1,127 @@
+"""A ZeroMQ socket owned by a thread of its own, as ZeroMQ wants; other threads send through it.
+
+The thread polls the socket and a wake-up pipe: a message from another thread goes into a queue and
+one byte into the pipe, so it leaves at once, not at the next poll. What the peer cannot take yet (its
+queue is full) waits in a backlog per peer, counted in bytes: a peer whose backlog passes the limit is
+reported (``on_stalled``) and its backlog dropped, so a client that stops reading cannot grow the
+sender's memory without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+POLL_S = 0.05
+RECEIVE_BATCH = 64
+
+
+class Endpoint:
+    def __init__(self, socket: zmq.Socket, on_message: Callable[[list], None], on_tick: Callable[[], None],
+                 routed: bool, backlog_limit: int = 256 << 20, on_stalled: Callable[[bytes], None] = lambda peer: None,
+                 name: str = "endpoint"):
+        """``routed``: a ROUTER socket, whose messages start with the peer's identity frame."""
+        self.socket = socket
+        self._on_message, self._on_tick, self._on_stalled = on_message, on_tick, on_stalled
+        self._routed, self.limit = routed, backlog_limit
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._backlog: dict[bytes | None, collections.deque] = {}
+        self._backlog_bytes: dict[bytes | None, int] = collections.Counter()
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> "Endpoint":
+        self._thread.start()
+        return self
+
+    def send(self, frames: list, peer: bytes | None = None) -> None:
+        """Thread-safe; ``peer`` for a routed socket."""
+        self._outbox.put((peer, frames))
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
+
+    def forget(self, peer: bytes) -> None:
+        """Drop what still waits for ``peer`` (it is gone)."""
+        self._outbox.put((peer, None))
+        os.write(self._wake_w, b"x")
+
+    def stop(self, linger_s: float = 1.0) -> None:
+        """Send what is queued (for up to ``linger_s``), then close the socket."""
+        self._running = False
+        self._linger_until = time.monotonic() + linger_s
+        os.write(self._wake_w, b"x")
+        self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while self._running or (self._pending() and time.monotonic() < self._linger_until):
+            ready = dict(poller.poll(0 if self.socket.get(zmq.EVENTS) & zmq.POLLIN else POLL_S * 1000))
+            if self._wake_r in ready:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            self._take_outbox()
+            self._flush()
+            for _ in range(RECEIVE_BATCH):  # then send again: a flood coming in must not starve what goes out
+                if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                self._on_message(self.socket.recv_multipart(copy=False))
+            self._on_tick()
+        self.socket.close(linger=0)
+
+    def _pending(self) -> bool:
+        return not self._outbox.empty() or any(self._backlog.values())
+
+    def _take_outbox(self) -> None:
+        while True:
+            try:
+                peer, frames = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if frames is None:
+                self._backlog.pop(peer, None)
+                self._backlog_bytes.pop(peer, None)
+                continue
+            self._backlog.setdefault(peer, collections.deque()).append(frames)
+            self._backlog_bytes[peer] += sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
+
+    def _flush(self) -> None:
+        for peer, waiting in list(self._backlog.items()):
+            while waiting:
+                frames = waiting[0]
+                try:
+                    self.socket.send_multipart([peer, *frames] if self._routed else frames, flags=zmq.NOBLOCK,
+                                               copy=False)
+                except zmq.Again:  # the peer's queue is full: keep the rest for later
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EHOSTUNREACH:
+                        raise
+                    waiting.clear()  # the peer is gone
+                    break
+                waiting.popleft()
+                self._backlog_bytes[peer] -= sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
+            if self._backlog_bytes[peer] > self.limit:
+                self._backlog.pop(peer)
+                self._backlog_bytes.pop(peer)
+                self._on_stalled(peer)
+            elif not waiting:
+                self._backlog.pop(peer)
+                self._backlog_bytes.pop(peer)

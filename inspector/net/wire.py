@@ -1,0 +1,189 @@
+"""The wire format between ``inspector serve`` and its clients (documented in docs/protocol.md).
+
+A message is a ZeroMQ multipart message: a header frame, MessagePack ``{"v": version, "t": type,
+"id": call id, "body": {...}}``, followed by raw frames holding numpy arrays. In the body an array is
+``{"__nd__": [frame index, dtype, shape]}``; it is read back without a copy. Nothing is pickled.
+
+Decoding never trusts the peer: every failure is a ``WireError`` with a kind and a message meant for
+the peer, and typed values are converted with their declared types (``msgspec.convert``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from inspector.capture.hooks import HookPoint
+from inspector.capture.protocol import BootProgress, RequestStart, RequestStep, StepEvent
+from inspector.capture.run import TopToken
+
+VERSION = 1
+MAX_FRAMES = 4096
+MAX_HEADER_BYTES = 16 << 20
+MAX_MESSAGE_BYTES = 64 << 20  # what a peer may send in one message (a clear error beyond)
+ARRAY_DTYPES = {"<f4", "<f8", "<f2", "<i8", "<i4", "|u1", "|b1"}
+_ND = "__nd__"
+
+
+class WireError(ValueError):
+    """A message that cannot be accepted; ``kind`` is the error kind sent back to the peer."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Message:
+    type: str
+    body: dict = field(default_factory=dict)
+    id: int = 0
+
+
+# ------------------------------------------------------------------------------------ frames
+
+def encode(message: Message) -> list:
+    """Header first, then the arrays of the body as raw frames (sent without a copy)."""
+    frames: list = []
+
+    def walk(value):
+        if isinstance(value, np.ndarray):
+            array = np.ascontiguousarray(value)
+            frames.append(array)
+            return {_ND: [len(frames), array.dtype.str, list(array.shape)]}
+        if isinstance(value, dict):
+            return {str(k): walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v) for v in value]
+        if isinstance(value, np.generic):
+            return value.item()
+        return value
+
+    header = {"v": VERSION, "t": message.type, "id": int(message.id), "body": walk(message.body)}
+    return [_ENCODER.encode(header), *frames]
+
+
+def _plain(value):
+    """What MessagePack has no type for: str subclasses (version objects), paths."""
+    if isinstance(value, str):
+        return str(value)
+    if hasattr(value, "__fspath__"):
+        return value.__fspath__()
+    raise TypeError(f"a {type(value).__name__} cannot be sent")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
+
+
+def decode(frames: list) -> Message:
+    """Frames (bytes, or zmq.Frame with a ``buffer``) back into a message; WireError if they are not one."""
+    if not frames:
+        raise WireError("bad-message", "an empty message")
+    if len(frames) > MAX_FRAMES:
+        raise WireError("too-large", f"a message may have at most {MAX_FRAMES} frames, this one has {len(frames)}")
+    buffers = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
+    size = sum(b.nbytes for b in buffers)
+    if size > MAX_MESSAGE_BYTES or buffers[0].nbytes > MAX_HEADER_BYTES:
+        raise WireError("too-large", f"a message may hold at most {MAX_MESSAGE_BYTES >> 20} MiB, this one holds "
+                        f"{size / 2**20:.1f} MiB")
+    try:
+        header = msgspec.msgpack.decode(buffers[0])
+    except msgspec.DecodeError as e:
+        raise WireError("bad-message", f"the header is not MessagePack: {e}") from None
+    if not isinstance(header, dict) or not {"v", "t"} <= set(header):
+        raise WireError("bad-message", "the header must be a map with 'v' (version) and 't' (type)")
+    version = header["v"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise WireError("bad-message", f"the version must be an integer, got {version!r}")
+    if version != VERSION:
+        raise WireError("bad-version", f"protocol version {version} is not spoken here (this side speaks {VERSION})")
+    kind, call, body = header["t"], header.get("id", 0), header.get("body", {})
+    if not isinstance(kind, str) or not isinstance(call, int) or isinstance(call, bool) or not isinstance(body, dict):
+        raise WireError("bad-message", "'t' must be a string, 'id' an integer and 'body' a map")
+
+    def walk(value):
+        if isinstance(value, dict):
+            if _ND in value:
+                return _array(value[_ND], buffers)
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return Message(kind, walk(body), call)
+
+
+def _array(ref, buffers: list[memoryview]) -> np.ndarray:
+    if not (isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], int) and isinstance(ref[1], str)
+            and isinstance(ref[2], list) and all(isinstance(n, int) and n >= 0 for n in ref[2])):
+        raise WireError("bad-message", f"an array reference must be [frame, dtype, shape], got {ref!r}")
+    index, dtype, shape = ref
+    if not 1 <= index < len(buffers):
+        raise WireError("bad-message", f"an array refers to frame {index}, which the message does not have")
+    if dtype not in ARRAY_DTYPES:
+        raise WireError("bad-message", f"arrays of dtype {dtype!r} are not accepted")
+    buffer = buffers[index]
+    if int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize != buffer.nbytes:
+        raise WireError("bad-message", f"frame {index} holds {buffer.nbytes} bytes, not an array {shape} of {dtype}")
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+# ------------------------------------------------------------------------------------ typed values
+
+def to_builtins(value) -> Any:
+    """Dataclasses (and tuples) as plain maps and lists; numpy arrays stay arrays (they travel as frames)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_builtins(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): to_builtins(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_builtins(v) for v in value]
+    return value
+
+
+def convert(value, kind: type, what: str):
+    """``value`` as a ``kind`` (a dataclass): its declared types, no unknown fields; WireError otherwise."""
+    if isinstance(value, dict) and dataclasses.is_dataclass(kind):
+        unknown = set(value) - {f.name for f in dataclasses.fields(kind)}
+        if unknown:
+            raise WireError("invalid", f"{what}: unknown fields {sorted(unknown)}")
+    try:
+        return msgspec.convert(value, kind)
+    except (msgspec.ValidationError, TypeError, ValueError) as e:
+        raise WireError("invalid", f"{what}: {e}") from None
+
+
+def event_to_body(event: StepEvent) -> dict:
+    return {"step": event.step, "started": to_builtins(event.started),
+            "requests": [{**to_builtins(dataclasses.replace(step, rows={})),
+                          "rows": {hook: list(rows) for hook, rows in step.rows.items()}}
+                         for step in event.requests]}
+
+
+def event_from_body(body: dict) -> StepEvent:
+    """The peer is the server here: its events are trusted to be well formed, and still checked."""
+    try:
+        return StepEvent(int(body["step"]), tuple(_request_step(s) for s in body["requests"]),
+                         tuple(convert(s, RequestStart, "a request start") for s in body["started"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise WireError("bad-message", f"a malformed step event: {e}") from None
+
+
+def _request_step(d: dict) -> RequestStep:
+    rows = {hook: tuple(parts) for hook, parts in d["rows"].items()}
+    top = tuple(tuple(TopToken(int(t), float(lp), str(text)) for t, lp, text in tops) for tops in d["top_logprobs"])
+    log = tuple((int(position), tuple(ivs)) for position, ivs in d["intervention_log"])
+    return RequestStep(str(d["request_id"]), tuple(d["new_token_ids"]), tuple(d["new_texts"]), tuple(d["logprobs"]),
+                       top, rows, log, bool(d["finished"]), d["finish_reason"])
+
+
+def hooks_from_body(points: list) -> list[HookPoint]:
+    return [convert(p, HookPoint, "a hook point") for p in points]
+
+
+def progress_from_body(body: dict) -> BootProgress:
+    return convert(body, BootProgress, "boot progress")

@@ -1,0 +1,288 @@
+"""The engine's side of a server: one session, many clients, one continuous batch.
+
+Every client's requests join the running batch at the next step. Each client has a namespace of its
+own (its request ``req3`` is ``c2/req3`` in the engine), interventions of its own (its "all requests"
+means all of *its* requests: the hub scopes them to each of them), and, in eager mode, hook points
+of its own (the engine captures the union; a client sees only its own). The hub runs on the engine's
+thread and never touches a socket: ``send(client, message)`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from inspector.capture.hooks import HookPoint, installed_name
+from inspector.capture.interventions import Intervention
+from inspector.capture.protocol import RequestStep, Sampling, SessionError, StepEvent, checked_interventions
+from inspector.net.wire import Message, WireError, convert, event_to_body, to_builtins
+
+SEPARATOR = "/"
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Call:
+    """One ``generate`` of a client: its requests (the client's ids) and how far it got."""
+
+    id: int
+    open: list[str]
+    steps: int = 0
+    stopped: bool = False
+    tokens: int = 0
+
+
+@dataclass
+class Client:
+    key: bytes  # the transport's name for it
+    tag: str  # its engine namespace
+    hooks: set[str] | None = None  # eager mode: the points it captures (None in compiled mode: all)
+    interventions: list[Intervention] = field(default_factory=list)  # as it gave them, its own ids
+    calls: dict[int, Call] = field(default_factory=dict)
+    owner: dict[str, int] = field(default_factory=dict)  # its open request -> the call it belongs to
+
+    def internal(self, rid: str) -> str:
+        return f"{self.tag}{SEPARATOR}{rid}"
+
+
+class Hub:
+    def __init__(self, session, send: Callable[[bytes, Message], None]):
+        self.session = session
+        self.send = send
+        self.clients: dict[bytes, Client] = {}
+        self._tags = itertools.count()
+        self._scoped_all: set[tuple] = set()  # engine interventions that scope a client's "all requests"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.session.open_requests)
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, key: bytes, message: Message) -> None:
+        """A client's message; anything wrong with it becomes an error reply, never an exception."""
+        handlers = {"hello": self._hello, "generate": self._generate, "stop": self._stop, "bye": self._bye,
+                    "set_interventions": self._set_interventions, "set_hooks": self._set_hooks}
+        if message.type not in handlers:
+            self.send(key, error(message, "unknown-type", f"unknown message type {message.type!r}"))
+            return
+        client = self.clients.get(key)
+        if client is None and message.type != "hello":
+            self.send(key, error(message, "no-session", "no session: say hello first (or again, after a "
+                                 "disconnect)"))
+            return
+        try:
+            handlers[message.type](key if message.type == "hello" else client, message)
+        except WireError as e:
+            self.send(key, error(message, e.kind, str(e)))
+        except ValueError as e:
+            self.send(key, error(message, "invalid", str(e)))
+        except SessionError:
+            raise  # the engine failed: the server's loop says so to everyone
+        except Exception as e:  # noqa: BLE001 - a message must never take the server down
+            logger.exception("while handling %s", message.type)
+            self.send(key, error(message, "internal", f"{type(e).__name__}: {e}"))
+
+    def client_gone(self, key: bytes) -> None:
+        """It said bye, stopped answering, or fell too far behind: its requests end, its settings go."""
+        client = self.clients.pop(key, None)
+        if client is None:
+            return
+        ids = [client.internal(rid) for rid in client.owner]
+        if ids:
+            self._route(self.session.cancel(ids))
+        if client.interventions:
+            self._push_interventions()
+        if client.hooks is not None:
+            self._push_hooks()
+
+    def step(self) -> None:
+        """One engine step for everyone; SessionError if the engine failed."""
+        self._route(self.session.step())
+        if not self.busy:
+            self.session.new_run()  # a long-lived server keeps no history of its own
+            self._scoped_all.clear()
+
+    def fail_everyone(self, reason: str) -> None:
+        for key, client in list(self.clients.items()):
+            for call in client.calls.values():
+                self.send(key, Message("error", {"kind": "engine-failed", "message": reason}, call.id))
+            self.send(key, Message("goodbye", {"reason": reason}))
+        self.clients.clear()
+
+    # ------------------------------------------------------------------ handlers
+    def _hello(self, key: bytes, message: Message) -> None:
+        client = self.clients.get(key)
+        if client is None:
+            eager = self.session.options.mode == "eager"
+            client = Client(key, f"c{next(self._tags)}", set(self.session.installed) if eager else None)
+            self.clients[key] = client
+        self.send(key, Message("welcome", self.describe(client), message.id))
+
+    def describe(self, client: Client) -> dict:
+        s = self.session
+        options = dataclasses.replace(s.options, engine_args={}, retain_rows=True)
+        return {"options": to_builtins(options), "catalogue": to_builtins(s.catalogue),
+                "installed": to_builtins(self.installed_for(client)), "metadata": s.run.metadata,
+                "clients": len(self.clients)}
+
+    def installed_for(self, client: Client) -> dict[str, HookPoint]:
+        installed = self.session.installed
+        if client.hooks is None:
+            return dict(installed)
+        return {name: point for name, point in installed.items() if name in client.hooks}
+
+    def _generate(self, client: Client, message: Message) -> None:
+        body = message.body
+        prompts, ids = body.get("prompts"), body.get("request_ids")
+        if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
+            raise WireError("invalid", "generate needs 'prompts', a non-empty list of strings")
+        if not (isinstance(ids, list) and len(ids) == len(prompts) and all(isinstance(r, str) and r for r in ids)):
+            raise WireError("invalid", "generate needs 'request_ids', one non-empty string per prompt")
+        if len(set(ids)) != len(ids) or set(ids) & set(client.owner) or any(SEPARATOR in r for r in ids):
+            raise WireError("invalid", f"request ids must be new, distinct and free of {SEPARATOR!r}: {ids}")
+        if message.id in client.calls:
+            raise WireError("invalid", f"call {message.id} is still running")
+        sampling = convert(body.get("sampling", {}), Sampling, "sampling")
+        call = client.calls[message.id] = Call(message.id, list(ids))
+        client.owner.update({rid: message.id for rid in ids})
+        self._push_interventions()  # scoped to the new requests too, before their first forward
+        try:
+            self.session.submit(prompts, sampling, [client.internal(rid) for rid in ids])
+        except ValueError:
+            del client.calls[call.id]
+            for rid in ids:
+                del client.owner[rid]
+            self._push_interventions()
+            raise
+
+    def _stop(self, client: Client, message: Message) -> None:
+        call_id = message.body.get("call")
+        if not isinstance(call_id, int):
+            raise WireError("invalid", "stop needs 'call', the id of a generate message")
+        call = client.calls.get(call_id)
+        if call is not None:
+            call.stopped = True
+            self._route(self.session.cancel([client.internal(rid) for rid in call.open]))
+
+    def _set_interventions(self, client: Client, message: Message) -> None:
+        given = message.body.get("interventions")
+        if not isinstance(given, list):
+            raise WireError("invalid", "set_interventions needs 'interventions', a list")
+        interventions = [convert(d, Intervention, "an intervention") for d in given]
+        checked_interventions(interventions, self.installed_for(client), self.session.options)  # ValueError
+        client.interventions = [dataclasses.replace(iv, hook=self._installed_name(client, iv.hook))
+                                for iv in interventions]
+        self._push_interventions()
+        self.send(client.key, Message("ok", {}, message.id))
+
+    def _installed_name(self, client: Client, name_or_alias: str) -> str:
+        return installed_name(name_or_alias, self.installed_for(client))
+
+    def _set_hooks(self, client: Client, message: Message) -> None:
+        patterns = message.body.get("patterns")
+        if not (isinstance(patterns, list) and all(isinstance(p, str) for p in patterns)):
+            raise WireError("invalid", "set_hooks needs 'patterns', a list of strings")
+        s = self.session
+        for pattern in patterns:
+            if not any(h.matches(pattern) for h in s.catalogue):
+                raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
+        restarted = False
+        if s.options.mode == "compiled":
+            others = len(self.clients) - 1
+            if others:
+                raise WireError("refused", f"the engine is shared with {others} other client(s): a hook change in "
+                                "compiled mode restarts it, which would cut them off. Use eager mode (live hook "
+                                "changes per client) or a server of your own.")
+            if client.owner:
+                raise WireError("refused", "hooks cannot change while this client is generating")
+            restarted = s.set_hooks(patterns)
+        else:
+            client.hooks = {h.name for h in s.catalogue if any(h.matches(p) for p in patterns)}
+            self._push_hooks()
+        client.interventions = [iv for iv in client.interventions if iv.hook in self.installed_for(client)]
+        self._push_interventions()
+        self.send(client.key, Message("ok", {"restarted": restarted, **self.describe(client)}, message.id))
+
+    def _bye(self, client: Client, message: Message) -> None:
+        self.client_gone(client.key)
+
+    # ------------------------------------------------------------------ the engine's settings
+    def _push_interventions(self) -> None:
+        """Every client's interventions, scoped to its requests, as one set for the engine."""
+        engine = []
+        for client in self.clients.values():
+            for iv in client.interventions:
+                rids = list(client.owner) if iv.request_id is None else [iv.request_id]
+                scoped = [dataclasses.replace(iv, request_id=client.internal(rid)) for rid in rids]
+                if iv.request_id is None:
+                    self._scoped_all.update(_key(c.as_dict()) for c in scoped)
+                engine += scoped
+        self.session.set_interventions(engine)
+
+    def _push_hooks(self) -> None:
+        """Eager mode: the engine captures what any client captures."""
+        wanted = set().union(*(c.hooks for c in self.clients.values() if c.hooks is not None))
+        if wanted and wanted != set(self.session.installed):
+            self.session.set_hooks(sorted(wanted))
+
+    # ------------------------------------------------------------------ events
+    def _route(self, event: StepEvent) -> None:
+        """Split a step's event by client and call, in each client's own names."""
+        parts: dict[tuple[bytes, int], tuple[list, list]] = {}
+        clients = {c.tag: c for c in self.clients.values()}
+        for start in event.started:
+            client, rid = self._owner(clients, start.request_id)
+            if client is not None and rid in client.owner:
+                parts.setdefault((client.key, client.owner[rid]), ([], []))[0].append(
+                    dataclasses.replace(start, request_id=rid))
+        for step in event.requests:
+            client, rid = self._owner(clients, step.request_id)
+            if client is None or rid not in client.owner:
+                continue
+            parts.setdefault((client.key, client.owner[rid]), ([], []))[1].append(self._translate(client, rid, step))
+        for (key, call_id), (started, steps) in parts.items():
+            client = self.clients[key]
+            call = client.calls[call_id]
+            self.send(key, Message("event", event_to_body(StepEvent(call.steps, tuple(steps), tuple(started))),
+                                   call_id))
+            call.steps += 1
+            call.tokens += sum(len(s.new_token_ids) for s in steps)
+            for s in steps:
+                if s.finished:
+                    call.open.remove(s.request_id)
+                    del client.owner[s.request_id]
+            if not call.open:
+                del client.calls[call_id]
+                self.send(key, Message("done", {"steps": call.steps, "tokens": call.tokens,
+                                                "stopped": call.stopped}, call_id))
+
+    @staticmethod
+    def _owner(clients: dict[str, Client], internal: str) -> tuple[Client | None, str]:
+        tag, _, rid = internal.partition(SEPARATOR)
+        return clients.get(tag), rid
+
+    def _translate(self, client: Client, rid: str, step: RequestStep) -> RequestStep:
+        rows = step.rows if client.hooks is None else {h: r for h, r in step.rows.items() if h in client.hooks}
+        log = tuple((position, tuple(self._own(client, d) for d in ivs)) for position, ivs in step.intervention_log)
+        return dataclasses.replace(step, request_id=rid, rows=rows, intervention_log=log)
+
+    def _own(self, client: Client, d: dict) -> dict:
+        """An engine log entry's intervention as the client gave it: its own request id, or none for one
+        that scoped its "all requests"."""
+        if _key(d) in self._scoped_all:
+            return {**d, "request_id": None}
+        return {**d, "request_id": d["request_id"].removeprefix(client.tag + SEPARATOR)}
+
+
+def _key(d: dict) -> tuple:
+    def frozen(v):
+        return tuple(v) if isinstance(v, list) else v
+
+    return tuple((k, frozen(v)) for k, v in sorted(d.items()))
+
+
+def error(message: Message, kind: str, text: str) -> Message:
+    return Message("error", {"kind": kind, "message": text}, message.id)

@@ -1,0 +1,47 @@
+"""``inspector serve`` in a child process, for the tests of the server and of its clients."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engines import ENGINE_ARGS
+
+HOOKS = ("blocks.*.hook_resid_post", "hook_embed")
+
+
+@contextlib.contextmanager
+def running_server(model_dir, mode: str = "compiled", hooks=HOOKS, listen: str | None = None, extra=()):
+    """Yields (url, process); the server's output is in ``process.log_path``. Stopped with SIGTERM, and
+    its exit code checked: a server that crashed fails the test that used it."""
+    home = Path(tempfile.mkdtemp(prefix="inspector-test-server-"))
+    url = listen or f"ipc://{home / 'engine.sock'}"
+    log_path = home / "server.log"
+    command = [sys.executable, "-m", "inspector.cli", "serve", "--model", str(model_dir), "--mode", mode,
+               "--hooks", *hooks, "--max-model-len", "256", "--max-num-batched-tokens", "64", "--listen", url,
+               "--engine-args", json.dumps(ENGINE_ARGS), *extra]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process.log_path = log_path
+    try:
+        deadline = time.monotonic() + 120
+        while "listening on" not in log_path.read_text(errors="replace"):  # bound, signals handled
+            assert process.poll() is None and time.monotonic() < deadline, tail(log_path)
+            time.sleep(0.1)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(120)
+    assert process.returncode in (0, -9), f"the server exited with {process.returncode}: {tail(log_path)}"
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
