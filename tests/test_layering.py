@@ -1,6 +1,6 @@
-"""Layers point one way: ui → viewer → capture/io, and engine → plugin → capture. Checked by importing
-every module of a layer in a fresh interpreter where the modules it must not use cannot be imported,
-and, for the app, by what a plain import of its window actually loads."""
+"""Layers point one way: ui → viewer → client → net → capture (and io); server → engine → plugin →
+capture. Checked by importing every module of a layer in a fresh interpreter where the modules it
+must not use cannot be imported, and, for the app, by what a plain import of its window loads."""
 
 import subprocess
 import sys
@@ -26,14 +26,22 @@ for mod in pkgutil.walk_packages([{path!r}], prefix={prefix!r}):
 
 QT = ["PySide6", "pyqtgraph", "shiboken6"]
 ENGINE = ["torch", "vllm", "transformers"]
+NET = ["zmq", "msgspec"]
+APP = ["inspector.viewer", "inspector.ui"]
 RULES = {
-    "capture": QT + ENGINE + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.viewer",
-                              "inspector.ui"],
-    "io": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.viewer", "inspector.ui"],
-    "plugin": QT + ["h5py", "inspector.engine", "inspector.io", "inspector.viewer", "inspector.ui"],
-    "engine": QT + ["inspector.io", "inspector.viewer", "inspector.ui"],
-    "viewer": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.ui"],
-    "ui": ENGINE + ["inspector.engine", "inspector.plugin"],
+    "capture": QT + ENGINE + NET + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.net",
+                                    "inspector.client", "inspector.server", *APP],
+    "io": QT + ENGINE + NET + ["inspector.engine", "inspector.plugin", "inspector.net", "inspector.client",
+                               "inspector.server", *APP],
+    "net": QT + ENGINE + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.client",
+                          "inspector.server", *APP],
+    "client": QT + ENGINE + ["h5py", "inspector.engine", "inspector.plugin", "inspector.server", *APP],
+    "plugin": QT + NET + ["h5py", "inspector.engine", "inspector.io", "inspector.net", "inspector.client",
+                          "inspector.server", *APP],
+    "engine": QT + ["inspector.io", "inspector.net", "inspector.client", "inspector.server", *APP],
+    "server": QT + ["inspector.client", *APP],
+    "viewer": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server", "inspector.ui"],
+    "ui": ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server"],
 }
 
 
@@ -68,7 +76,7 @@ def test_no_qt_outside_ui():
 
 
 def test_the_app_reaches_the_engine_only_through_its_session_factory():
-    """Not even a deferred import: the window is given a factory (inspector.cli passes the engine's)."""
-    offenders = [str(p) for p in (PACKAGE / "ui").rglob("*.py") for name in ("inspector.engine", "inspector.plugin")
-                 if name in p.read_text()]
+    """Not even a deferred import: the window is given a factory (inspector.cli passes the app's own server's)."""
+    offenders = [str(p) for layer in ("ui", "viewer", "client") for p in (PACKAGE / layer).rglob("*.py")
+                 for name in ("inspector.engine", "inspector.plugin", "inspector.server") if name in p.read_text()]
     assert not offenders

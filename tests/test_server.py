@@ -284,3 +284,17 @@ def test_keys_guard_a_server_that_faces_a_network(tiny_models, tmp_path):
         with connect(url, keys=alice) as session:  # and the server is none the worse
             assert len(run(session, PROMPTS[:1])) == 1
         assert process.poll() is None
+
+
+def test_sigterm_ends_what_runs_says_goodbye_and_exits_zero(tiny_models):
+    with running_server(tiny_models["llama"], mode="eager") as (url, process):
+        with connect(url) as session:
+            events = []
+            stream = session.generate(PROMPTS[:2], Sampling(max_tokens=200, ignore_eos=True))
+            events += [next(stream), next(stream)]
+            process.send_signal(signal.SIGTERM)
+            events += list(stream)  # the server's last events, then done: no error
+            assert process.wait(60) == 0
+        final = {s.request_id: s.finish_reason for s in events[-1].requests if s.finished}
+        assert final == {rid: "stopped" for rid in session.run.requests}
+        assert "[serve] stopped" in process.log_path.read_text()

@@ -1,4 +1,5 @@
-"""End to end: the window on the REAL engine (vLLM, compiled mode) with a tiny Llama.
+"""End to end: the window on the REAL engine (vLLM, compiled mode) with a tiny Llama, in a server of
+the app's own (a child process), as the app runs by default.
 
 One window boots once for the module (~40-60 s on a 2-core machine); the tests run in order on it.
 They check what the widget tests check with a fake engine, against real captures: hook points checked
@@ -45,13 +46,13 @@ def window(qapp, tmp_path_factory):
     settings_dir = tmp_path_factory.mktemp("settings")
     os.environ["INSPECTOR_SETTINGS_DIR"] = str(settings_dir)
     configure_storage(settings_dir)
-    from inspector.cli import engine_session
+    from inspector.client.local import start_local_server
 
     engine_threads = set()
 
-    def factory(options, progress):  # the app's own factory, recording the thread it runs on
+    def factory(options, progress):  # the app's own factory (a server of its own), recording its thread
         engine_threads.add(threading.get_ident())
-        return engine_session(options, progress)
+        return start_local_server(options, progress)
 
     w = MainWindow(factory)
     w.resize(1500, 950)
@@ -157,7 +158,8 @@ def test_intervention_mid_generation_changes_only_following_tokens(qapp, window,
     w.select_request(rid)
     w.select_hook(hook)
     marks = w.heatmap.track_marks
-    assert (marks[:marked[0]] == 0).all() and (marks[marked[0]:] == 2).all()
+    why = (req.intervention_log, live(w).request(rid).intervention_log, marks.tolist())
+    assert (marks[:marked[0]] == 0).all() and (marks[marked[0]:] == 2).all(), why
     w.interventions.clear()
     assert w.controller.interventions == []
 

@@ -4,7 +4,8 @@
 
 Shots: booting.png (staged boot progress), generating.png (a batch mid-generation, heatmap
 growing), interventions.png (a steering vector and a scaled hook, their marks on the heatmap),
-summary.png (layers x tokens), reopened-capture.png (an exported .h5 reopened without the engine).
+summary.png (layers x tokens), reopened-capture.png (an exported .h5 reopened without the engine),
+remote.png (the app on an ``inspector serve`` in another process, shared with a second client).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     os.environ.setdefault("INSPECTOR_SETTINGS_DIR", tempfile.mkdtemp(prefix="inspector-shots-"))
-    from inspector.cli import engine_session
+    from inspector.client.local import start_local_server
     from inspector.ui.app import create_app, gui_environment
     from inspector.ui.settings import configure_storage
 
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
 
         model = str(tiny_model("llama"))
     w, h = (int(x) for x in args.size.split("x"))
-    win = MainWindow(engine_session)
+    win = MainWindow(start_local_server)
     win.resize(w, h)
     win.show()
 
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
     pump(lambda: not win.controller.exporting, 120)
     win.close()
 
-    win = MainWindow(engine_session)  # a fresh window with no engine: File > Open Capture
+    win = MainWindow(start_local_server)  # a fresh window with no engine: File > Open Capture
     win.resize(w, h)
     win.show()
     win.open_capture(str(path))
@@ -127,7 +128,48 @@ def main(argv=None) -> int:
     win.select_position(5)
     shot("reopened-capture.png")
     win.close()
+    shoot_remote(model, out, w, h, pump, app)
     return 0
+
+
+def shoot_remote(model: str, out: Path, w: int, h: int, pump, app) -> None:
+    """The app connected to a server that another client uses at the same time."""
+    import subprocess
+    import threading
+
+    from inspector.capture.protocol import Sampling
+    from inspector.client import connect
+    from inspector.client.local import start_local_server
+    from inspector.ui.main_window import MainWindow
+
+    url = "tcp://127.0.0.1:5557"
+    server = subprocess.Popen([sys.executable, "-m", "inspector.cli", "serve", "--model", model, "--mode", "eager",
+                               "--hooks", "blocks.*.hook_resid_post", "--listen", url],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        win = MainWindow(start_local_server)
+        win.resize(w, h)
+        win.show()
+        win.connect(url)
+        pump(lambda: win.state.value != "booting", 300)
+        other = connect(url)
+        thread = threading.Thread(target=lambda: list(other.generate(["import os\n"] * 2, Sampling(max_tokens=200))))
+        thread.start()  # a second client, generating at the same time
+        win.prompt.prompts.setPlainText("def fibonacci(n):\nclass Stack:")
+        win.prompt.max_tokens.setValue(96)
+        win.generate()
+        pump(lambda: win.state.value != "generating")
+        thread.join()
+        other.close()
+        win.lower_tabs.setCurrentWidget(win.strip)
+        win._tick()
+        app.processEvents()
+        win.grab().save(str(out / "remote.png"))
+        print("wrote", out / "remote.png")
+        win.close()
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ class SessionProtocol(Protocol):
     catalogue: list[HookPoint]  # every hook point the model offers
     installed: dict[str, HookPoint]  # the ones captured now, by name
     run: Run  # everything captured since the last new_run()
-    alive: bool  # False once closed or failed
+    alive: bool  # False once closed or failed (a remote one also once its server stops answering)
 
     def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]: ...
 

@@ -83,8 +83,8 @@ class RemoteSession:
         self._learn(welcome.body)
         self.options = convert({**welcome.body["options"], "retain_rows": retain_rows}, SessionOptions,
                                "the server's options")
-        self.alive = True
         self._active_call: int | None = None
+        self._failed = False  # the server's engine failed
         self.process = None  # the server's process, when it is our child (inspector.client.local)
         self._refused: str | None = None  # an intervention set the server refused, said on the next call
         self.new_run()
@@ -95,10 +95,14 @@ class RemoteSession:
         self.metadata: dict = dict(body["metadata"])
 
     @property
+    def alive(self) -> bool:
+        """False once closed, or once the server stops answering (while idle, too)."""
+        return self._conn is not None and self._conn.lost is None and not self._failed
+
+    @property
     def lost(self) -> str | None:
-        """Why the server is gone (it may be idle: nothing else would tell), or None while it answers."""
+        """Why the server is gone, or None while it answers."""
         if self._conn is not None and self._conn.lost is not None:
-            self.alive = False
             return self._why_gone() or self._conn.lost
         return None
 
@@ -125,11 +129,10 @@ class RemoteSession:
                     fold_event(self.run, event, keep_rows=self.options.retain_rows)
                     yield event
         except (ServerGone, WireError) as e:
-            self.alive = False
             raise SessionError(f"{self._why_gone() or e}. Everything received so far is kept; connect again (or "
                                "restart the engine) to go on.") from None
         except SessionError:
-            self.alive = False  # the server's engine failed
+            self._failed = True  # the server's engine failed
             raise
         finally:
             self._active_call = None
@@ -156,7 +159,6 @@ class RemoteSession:
 
     def close(self) -> None:
         if self._conn is not None:
-            self.alive = False
             connection, self._conn = self._conn, None
             connection.close()
             self._on_close()
@@ -171,15 +173,14 @@ class RemoteSession:
     def _require_alive(self) -> None:
         if self._conn is None:
             raise SessionError("this session is closed; connect again")
-        if self._conn.lost is not None:
-            self.alive = False
-            raise SessionError(f"the server is gone ({self._why_gone() or self._conn.lost}); connect again")
+        if self._conn.lost is not None or self._failed:
+            raise SessionError(f"the server is gone or its engine failed ({self.lost or 'engine failed'}); "
+                               "connect again")
 
     def _call(self, type_: str, body: dict) -> Message:
         try:
             reply = self._conn.call(type_, body)
         except ServerGone as e:
-            self.alive = False
             raise SessionError(self._why_gone() or str(e)) from None
         if reply.type == "error":
             self._raise(reply)

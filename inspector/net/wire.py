@@ -11,6 +11,7 @@ the peer, and typed values are converted with their declared types (``msgspec.co
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,10 @@ VERSION = 1
 MAX_FRAMES = 4096
 MAX_HEADER_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 64 << 20  # what a peer may send in one message (a clear error beyond)
+JOIN_VIEW_BYTES = 1 << 20
 ARRAY_DTYPES = {"<f4", "<f8", "<f2", "<i8", "<i4", "|u1", "|b1"}
 _ND = "__nd__"
+_SCALARS = {int, float, str, bool, type(None), bytes}
 
 
 class WireError(ValueError):
@@ -50,15 +53,15 @@ def encode(message: Message) -> list:
     """Header first, then the arrays of the body as raw frames (sent without a copy)."""
     frames: list = []
 
-    def walk(value):
+    def walk(value):  # scalars are passed over without a call: bodies hold long lists of them
         if isinstance(value, np.ndarray):
             array = np.ascontiguousarray(value)
             frames.append(array)
             return {_ND: [len(frames), array.dtype.str, list(array.shape)]}
         if isinstance(value, dict):
-            return {str(k): walk(v) for k, v in value.items()}
+            return {str(k): v if type(v) in _SCALARS else walk(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [walk(v) for v in value]
+            return [v if type(v) in _SCALARS else walk(v) for v in value]
         if isinstance(value, np.generic):
             return value.item()
         return value
@@ -109,9 +112,9 @@ def decode(frames: list) -> Message:
         if isinstance(value, dict):
             if _ND in value:
                 return _array(value[_ND], buffers)
-            return {k: walk(v) for k, v in value.items()}
+            return {k: v if type(v) in _SCALARS else walk(v) for k, v in value.items()}
         if isinstance(value, list):
-            return [walk(v) for v in value]
+            return [v if type(v) in _SCALARS else walk(v) for v in value]
         return value
 
     return Message(kind, walk(body), call)
@@ -127,7 +130,7 @@ def _array(ref, buffers: list[memoryview]) -> np.ndarray:
     if dtype not in ARRAY_DTYPES:
         raise WireError("bad-message", f"arrays of dtype {dtype!r} are not accepted")
     buffer = buffers[index]
-    if int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize != buffer.nbytes:
+    if math.prod(shape) * np.dtype(dtype).itemsize != buffer.nbytes:
         raise WireError("bad-message", f"frame {index} holds {buffer.nbytes} bytes, not an array {shape} of {dtype}")
     return np.frombuffer(buffer, dtype=dtype).reshape(shape)
 
@@ -158,23 +161,60 @@ def convert(value, kind: type, what: str):
 
 
 def event_to_body(event: StepEvent) -> dict:
+    """Rows travel per hook, the requests' rows one after the other (a few large frames per step, not
+    three per request and hook); each request says how many rows of each hook are its own."""
+    by_hook: dict[str, list] = {}
+    for step in event.requests:
+        for hook, rows in step.rows.items():
+            by_hook.setdefault(hook, []).append(rows)
     return {"step": event.step, "started": to_builtins(event.started),
-            "requests": [{**to_builtins(dataclasses.replace(step, rows={})),
-                          "rows": {hook: list(rows) for hook, rows in step.rows.items()}}
-                         for step in event.requests]}
+            "requests": [_step_to_body(step) for step in event.requests],
+            "rows": {hook: [_join([r[k] for r in parts]) for k in range(3)] for hook, parts in by_hook.items()}}
+
+
+def _join(arrays: list[np.ndarray]) -> np.ndarray:
+    """One array of ``arrays`` one after the other. Small ones are copied (cheaper than looking); large
+    ones that already lie so in memory (the drain hands out consecutive slices of one block) are viewed."""
+    first = arrays[0]
+    if len(arrays) == 1:
+        return first
+    if sum(a.nbytes for a in arrays) >= JOIN_VIEW_BYTES and first.flags.c_contiguous:
+        starts = [a.__array_interface__["data"][0] for a in arrays]
+        if all(a.dtype == first.dtype and a.strides == first.strides and a.shape[1:] == first.shape[1:]
+               and start == previous + b.nbytes for a, b, start, previous in zip(arrays[1:], arrays, starts[1:],
+                                                                                 starts)):
+            return np.lib.stride_tricks.as_strided(first, shape=(sum(len(a) for a in arrays), *first.shape[1:]))
+    return np.concatenate(arrays)
+
+
+def _step_to_body(step: RequestStep) -> dict:
+    return {"request_id": step.request_id, "new_token_ids": list(step.new_token_ids),
+            "new_texts": list(step.new_texts), "logprobs": list(step.logprobs),
+            "top_logprobs": [[list(t) for t in tops] for tops in step.top_logprobs],
+            "intervention_log": [[position, list(ivs)] for position, ivs in step.intervention_log],
+            "finished": step.finished, "finish_reason": step.finish_reason,
+            "rows": {hook: len(rows[0]) for hook, rows in step.rows.items()}}
 
 
 def event_from_body(body: dict) -> StepEvent:
     """The peer is the server here: its events are trusted to be well formed, and still checked."""
     try:
-        return StepEvent(int(body["step"]), tuple(_request_step(s) for s in body["requests"]),
+        offsets = dict.fromkeys(body["rows"], 0)
+        steps = []
+        for d in body["requests"]:
+            rows = {}
+            for hook, n in d["rows"].items():
+                a = offsets[hook]
+                rows[hook] = tuple(part[a:a + n] for part in body["rows"][hook])
+                offsets[hook] = a + n
+            steps.append(_request_step(d, rows))
+        return StepEvent(int(body["step"]), tuple(steps),
                          tuple(convert(s, RequestStart, "a request start") for s in body["started"]))
     except (KeyError, TypeError, ValueError) as e:
         raise WireError("bad-message", f"a malformed step event: {e}") from None
 
 
-def _request_step(d: dict) -> RequestStep:
-    rows = {hook: tuple(parts) for hook, parts in d["rows"].items()}
+def _request_step(d: dict, rows: dict) -> RequestStep:
     top = tuple(tuple(TopToken(int(t), float(lp), str(text)) for t, lp, text in tops) for tops in d["top_logprobs"])
     log = tuple((int(position), tuple(ivs)) for position, ivs in d["intervention_log"])
     return RequestStep(str(d["request_id"]), tuple(d["new_token_ids"]), tuple(d["new_texts"]), tuple(d["logprobs"]),

@@ -87,12 +87,15 @@ class Hub:
 
     def client_gone(self, key: bytes) -> None:
         """It said bye, stopped answering, or fell too far behind: its requests end, its settings go."""
-        client = self.clients.pop(key, None)
+        client = self.clients.get(key)
         if client is None:
             return
         ids = [client.internal(rid) for rid in client.owner]
+        for call in client.calls.values():
+            call.stopped = True
         if ids:
-            self._route(self.session.cancel(ids))
+            self._route(self.session.cancel(ids))  # its last events, and done, in case it still listens
+        del self.clients[key]
         if client.interventions:
             self._push_interventions()
         if client.hooks is not None:
@@ -267,7 +270,8 @@ class Hub:
     def _translate(self, client: Client, rid: str, step: RequestStep) -> RequestStep:
         rows = step.rows if client.hooks is None else {h: r for h, r in step.rows.items() if h in client.hooks}
         log = tuple((position, tuple(self._own(client, d) for d in ivs)) for position, ivs in step.intervention_log)
-        return dataclasses.replace(step, request_id=rid, rows=rows, intervention_log=log)
+        return RequestStep(rid, step.new_token_ids, step.new_texts, step.logprobs, step.top_logprobs, rows, log,
+                           step.finished, step.finish_reason)
 
     def _own(self, client: Client, d: dict) -> dict:
         """An engine log entry's intervention as the client gave it: its own request id, or none for one

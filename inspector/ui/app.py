@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture", help="an .h5 capture to open")
     p.add_argument("--no-model", action="store_true", help="do not boot any model")
     p.add_argument("--settings-dir", help="keep settings in this directory (also $INSPECTOR_SETTINGS_DIR)")
+    p.add_argument("--connect", metavar="URL", help="use the engine of an inspector server instead of one of its own")
+    p.add_argument("--client-key", help="with --connect: your key pair (NAME.key_secret), for a server with keys")
+    p.add_argument("--server-key", help="with --connect: the server's public key (server.key)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the engine in the app's own process (for comparisons; the default is a child server)")
     return p
 
 
@@ -50,7 +55,8 @@ def _install_excepthook(window_getter) -> None:
 
 
 def gui_environment() -> None:
-    """Engine defaults for a process that also paints a GUI; the user's own settings win.
+    """Engine defaults for an engine next to a GUI (in this process, or the app's child server, which
+    inherits them); the user's own settings win.
 
     The CPU backend's OpenMP threads spin at barriers: with one per core, the GUI thread has to
     preempt one of them whenever it paints, and every engine step waits for it. So leave one core
@@ -79,9 +85,21 @@ def create_app(argv: list[str] | None = None):
     return app
 
 
-def main(argv: list[str], session_factory: SessionFactory) -> int:
-    """The app; ``argv`` excludes the program name."""
-    args = build_parser().parse_args(argv)
+def main(argv: list[str], session_factory: SessionFactory, in_process: SessionFactory | None = None) -> int:
+    """The app; ``argv`` excludes the program name. ``session_factory`` makes its engines (``in_process``
+    instead with --in-process)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    keys = None
+    if bool(args.client_key) != bool(args.server_key) or (args.client_key and not args.connect):
+        parser.error("--connect with both --client-key and --server-key, or without keys")
+    if args.client_key:
+        from inspector.net.keys import client_keys
+
+        try:
+            keys = client_keys(args.client_key, args.server_key)
+        except ValueError as e:
+            parser.error(str(e))
     from .settings import configure_storage
 
     if args.settings_dir:
@@ -94,7 +112,7 @@ def main(argv: list[str], session_factory: SessionFactory) -> int:
     pg.setConfigOptions(antialias=False, imageAxisOrder="col-major")
     from .main_window import MainWindow
 
-    window = MainWindow(session_factory)
+    window = MainWindow(in_process if args.in_process and in_process else session_factory)
     previous_hook = sys.excepthook
     _install_excepthook(lambda: window)
     window.show()
@@ -108,7 +126,9 @@ def main(argv: list[str], session_factory: SessionFactory) -> int:
     hooks = [h.strip() for h in args.hooks.split(",") if h.strip()] if args.hooks else None
     if capture:
         window.open_capture(capture)
-    if not args.no_model and not (capture and not model):
+    if args.connect:
+        window.connect(args.connect, keys)
+    elif not args.no_model and not (capture and not model):
         window.open_model(model or "demo", mode=args.mode, hooks=hooks)
     elif args.mode:
         window.tree.set_mode(args.mode)

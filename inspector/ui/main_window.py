@@ -25,6 +25,7 @@ from inspector.viewer.jobs import GenerationResult, SessionInfo
 from inspector.viewer.labels import display_token, short_hook_label
 from inspector.viewer.run_view import RunSource
 
+from .connect_dialog import ConnectDialog
 from .heatmap import HeatmapWidget
 from .interventions_dock import InterventionsPanel
 from .model_tree import ModelTreeWidget
@@ -141,6 +142,7 @@ class MainWindow(QMainWindow):
         m = self.menuBar().addMenu("&File")
         self.act_open_model = m.addAction("Open &Model…", self.open_model_dialog, QKeySequence("Ctrl+M"))
         self.act_demo = m.addAction("Open &Demo Model", self._open_demo)
+        self.act_connect = m.addAction("Co&nnect to Server…", self.connect_dialog)
         self.recent_models_menu = m.addMenu("Recent Models")
         self.recent_models_menu.triggered.connect(self._recent_model_triggered)
         m.addSeparator()
@@ -231,6 +233,21 @@ class MainWindow(QMainWindow):
                                                 str(Path(start).parent) if start else "")
         if path:
             self.open_model(path)
+
+    def connect_dialog(self) -> None:
+        dialog = ConnectDialog(self.settings.last_server, self)
+        dialog.accepted.connect(self._connect_accepted)
+        dialog.open()
+
+    def _connect_accepted(self) -> None:
+        dialog = self.sender()
+        self.connect(dialog.url.text().strip(), dialog.keys)
+
+    def connect(self, url: str, keys=None) -> bool:
+        if not self.controller.connect(url, keys):
+            return False
+        self.settings.last_server = url
+        return True
 
     def restart_engine(self) -> None:
         if self.controller.enabled(Action.RESTART):
@@ -332,7 +349,7 @@ class MainWindow(QMainWindow):
         self.act_stop.setEnabled(c.enabled(Action.STOP))
         self.act_restart.setEnabled(c.enabled(Action.RESTART))
         self.act_new_run.setEnabled(c.enabled(Action.NEW_RUN))
-        for action in (self.act_open_model, self.act_demo):
+        for action in (self.act_open_model, self.act_demo, self.act_connect):
             action.setEnabled(c.enabled(Action.OPEN_MODEL))
         self.recent_models_menu.setEnabled(c.enabled(Action.OPEN_MODEL) and bool(self.settings.recent_models))
         self.tree.set_busy(not c.enabled(Action.EDIT_HOOKS))
@@ -341,7 +358,7 @@ class MainWindow(QMainWindow):
         self.prompt.progress.setVisible(state is AppState.GENERATING)
         if state is AppState.BOOTING:
             self.boot_bar.setValue(0)
-            model = Path(c.options.model).name
+            model = c.options.model if c.server else Path(c.options.model).name
             self.stage_label.setText(f"{STAGE_TEXT['resolving']}: {model}…")
             if not self.tree.hook_names():
                 self.tree.summary.setText(f"Starting {model}…")
@@ -366,6 +383,7 @@ class MainWindow(QMainWindow):
             self.interventions.set_hooks({})
             return
         mode = info.options.mode
+        self._update_title()
         self.tree.set_mode(mode)
         if [h.name for h in info.catalogue] == self.tree.hook_names():
             self.tree.set_installed(info.installed)  # the same model: the tree stays as the user left it
@@ -373,8 +391,9 @@ class MainWindow(QMainWindow):
             self.tree.set_catalogue(list(info.catalogue), info.installed)
         self.interventions.set_hooks(info.installed)
         self.boot_bar.setValue(len(BOOT_STAGES))
-        self.stage_label.setText(f"Ready · {len(info.installed)} hook points · {mode}")
-        if info.options.model != "demo":
+        server = f" · {self.controller.server[0]}" if self.controller.server else ""
+        self.stage_label.setText(f"Ready · {len(info.installed)} hook points · {mode}{server}")
+        if info.options.model != "demo" and not self.controller.server:
             self.settings.add_recent_model(info.options.model)
             self._rebuild_recent_menus()
         self.settings.engine_mode = mode
@@ -481,12 +500,14 @@ class MainWindow(QMainWindow):
         if view.source is not RunSource.LIVE:
             self.setWindowTitle(Path(view.label).name)
         elif options is not None:
-            self.setWindowTitle(f"{Path(options.model).name} ({options.mode})")
+            where = f" on {self.controller.server[0]}" if self.controller.server else ""
+            self.setWindowTitle(f"{Path(options.model).name} ({options.mode}){where}")
         else:
             self.setWindowTitle("")
 
     def _update_clock(self) -> None:
         c = self.controller
+        c.check_engine()
         if self.state in (AppState.BOOTING, AppState.RESTARTING) and c.boot_stage:
             step = BOOT_STAGES.index(c.boot_stage) + 1 if c.boot_stage in BOOT_STAGES else "?"
             self.status(f"{STAGE_TEXT.get(c.boot_stage, c.boot_stage)} (step {step} of {len(BOOT_STAGES)}) · "

@@ -92,6 +92,14 @@ class Settings:
         self._q.setValue("captures/recent", [path, *recent][:MAX_RECENT])
 
     @property
+    def last_server(self) -> str:
+        return self._str("servers/last", "tcp://127.0.0.1:5557")
+
+    @last_server.setter
+    def last_server(self, url: str) -> None:
+        self._q.setValue("servers/last", url)
+
+    @property
     def last_dir(self) -> str:
         return self._str("files/last_dir", str(Path.home()))
 

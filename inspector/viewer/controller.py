@@ -17,10 +17,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Protocol
 
+from inspector import client
 from inspector.capture.interventions import Intervention
 from inspector.capture.models import DEMO, model_path_problem
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionFactory,
                                         SessionOptions, SessionProtocol, StepEvent)
+
+from inspector.net.keys import ClientKeys
 
 from . import jobs
 from .jobs import Cancelled, GenerationResult, SessionInfo, TaskState
@@ -138,6 +141,7 @@ class Controller:
     def __init__(self, session_factory: SessionFactory, engine: TaskRunner, files: TaskRunner,
                  view: ControllerView):
         self.factory, self.engine, self.files, self.view = session_factory, engine, files, view
+        self.server: tuple[str, ClientKeys | None] | None = None  # connected to a server: (url, keys)
         self.state = AppState.NO_MODEL
         self.session: SessionProtocol | None = None
         self.info: SessionInfo | None = None  # of the session, as last described on the engine thread
@@ -173,8 +177,7 @@ class Controller:
     def open_model(self, model: str, mode: str, hooks=None, **options) -> bool:
         """Boot ``model`` (a directory, a cached hub id or "demo"); ``options`` are SessionOptions fields.
         A path that is plainly not a model directory is refused at once, keeping the current engine."""
-        if not self.enabled(Action.OPEN_MODEL):
-            self.view.error("The engine is starting: wait until it is ready.", title="Busy")
+        if not self._may_start():
             return False
         if model != DEMO:
             problem = model_path_problem(model)
@@ -185,21 +188,56 @@ class Controller:
             model = str(path.resolve()) if path.exists() else model
         # rows reach the app in step events and live in its own run: the session need not keep a copy
         options = {"retain_rows": False, **options}
-        self.options = SessionOptions(model=model, mode=mode, hooks=tuple(hooks or DEFAULT_HOOKS), **options)
+        self.server = None
+        self._start(self.factory, SessionOptions(model=model, mode=mode, hooks=tuple(hooks or DEFAULT_HOOKS),
+                                                 **options), f"Opening {model} ({mode} mode)…")
+        return True
+
+    def connect(self, url: str, keys: ClientKeys | None = None) -> bool:
+        """Use the engine of the server at ``url`` (shared with its other clients)."""
+        if not self._may_start():
+            return False
+        self.server = (url, keys)
+
+        def remote(options: SessionOptions, progress) -> SessionProtocol:
+            return client.connect(url, progress, keys, retain_rows=False)
+
+        self._start(remote, SessionOptions(model=url, hooks=()), f"Connecting to {url}…")
+        return True
+
+    def reopen(self, mode: str | None = None, hooks=None) -> None:
+        """Open the current model again (Engine ▸ Restart, a mode switch), keeping its other options;
+        connected to a server, connect again."""
+        if self.server is not None:
+            self.connect(*self.server)
+            return
+        o = self.options
+        extra = {f.name: getattr(o, f.name) for f in fields(o) if f.name not in ("model", "mode", "hooks")}
+        self.open_model(o.model, mode or o.mode, hooks or o.hooks, **extra)
+
+    def _may_start(self) -> bool:
+        if self.enabled(Action.OPEN_MODEL):
+            return True
+        self.view.error("The engine is starting: wait until it is ready.", title="Busy")
+        return False
+
+    def _start(self, factory: SessionFactory, options: SessionOptions, status: str) -> None:
+        self.options = options
         self._stop_generation()
         self._close_session()
         self.boot_started, self.boot_stage = time.perf_counter(), "resolving"
         self._set_state(AppState.BOOTING)
-        self.view.status(f"Opening {model} ({mode} mode)…")
-        self.engine.start(jobs.boot, self.factory, self.options, on_partial=self._boot_progress,
-                          on_done=self._booted, on_exception=self._boot_failed)
-        return True
+        self.view.status(status)
+        self.engine.start(jobs.boot, factory, options, on_partial=self._boot_progress, on_done=self._booted,
+                          on_exception=self._boot_failed)
 
-    def reopen(self, mode: str | None = None, hooks=None) -> None:
-        """Open the current model again (Engine ▸ Restart, a mode switch), keeping its other options."""
-        o = self.options
-        extra = {f.name: getattr(o, f.name) for f in fields(o) if f.name not in ("model", "mode", "hooks")}
-        self.open_model(o.model, mode or o.mode, hooks or o.hooks, **extra)
+    def check_engine(self) -> None:
+        """Notice an engine that went away while idle (a server stopped, its process was killed)."""
+        if self.state is AppState.READY and self.session is not None and not self.session.alive:
+            self._set_state(AppState.DEAD)
+            reason = getattr(self.session, "lost", None) or "it stopped answering"
+            self.view.error(f"The engine is gone: {reason}.\n\nEverything captured so far is kept. "
+                            "Engine ▸ Restart Engine starts it again.", title="Engine")
 
     def _boot_progress(self, progress: BootProgress) -> None:
         self.boot_stage = progress.stage
@@ -350,6 +388,10 @@ class Controller:
         """Reopen the model in ``mode`` with ``hooks`` (after asking)."""
         if not self.enabled(Action.CHANGE_MODE):
             self.view.status("Wait for the engine to be idle before switching modes.", 5000)
+            return
+        if self.server is not None:
+            self.view.error("A server's engine mode is its own: start the server in eager mode for live hook "
+                            "changes of your own, or open a model to use an engine of your own.", title="Engine mode")
             return
         self.view.ask("Switch engine mode?", f"Switching to {mode} mode restarts the engine with the checked "
                       "hook points. Everything captured so far is kept.",
