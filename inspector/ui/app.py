@@ -18,6 +18,9 @@ from inspector.capture.protocol import SessionFactory
 from inspector.capture.resources import icon_path
 
 
+_collector = None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inspector [app]", description="The desktop app: look inside an LLM while "
                                 "vLLM serves it. (Headless: inspector capture|hooks --help.)")
@@ -69,9 +72,15 @@ def gui_environment() -> None:
 
 
 def create_app(argv: list[str] | None = None):
+    """The QApplication, with garbage collection moved to the GUI thread: a collection that runs on
+    another thread (the engine's, a socket's) and finds a Qt object in a cycle deletes it there, and Qt
+    crashes."""
+    global _collector
     from PySide6.QtWidgets import QApplication
+    from pyqtgraph.util.garbage_collector import GarbageCollector
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "inspector", *(argv or [])])
+    _collector = _collector or GarbageCollector(interval=1.0)
     app.setOrganizationName("ActivationInspector")
     app.setApplicationName("inspector")
     app.setApplicationDisplayName("Activation Inspector")
