@@ -87,7 +87,7 @@ def generate(app, w, prompts, max_tokens, wait_done=True):
     assert w.generate()
     if wait_done:
         wait(app, lambda: w.state.value != "generating")
-        w._tick()
+        w.refresh()
     return before
 
 
@@ -140,7 +140,7 @@ def test_intervention_mid_generation_changes_only_following_tokens(qapp, window,
     row = w.interventions.add_row(hook)
     assert w.interventions.edit(row, "Bias", "100")  # applied before the next forward
     wait(qapp, lambda: w.state.value != "generating")
-    w._tick()
+    w.refresh()
     rid = [r for r in live(w).request_ids() if r not in before][0]
     req = session(w).run.requests[rid]
     # the new row (scale 1, bias 0: no change) may reach the engine a step or more before its edit

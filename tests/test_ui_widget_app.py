@@ -58,7 +58,7 @@ def test_main_reopens_a_capture_without_a_model(qtbot, ui_settings, tmp_path):
     state = {}
 
     def inspect(w):
-        w._tick()
+        w.refresh()
         state["state"] = w.state.value
         state["requests"] = w.shown.request_ids()
         state["values"] = w.heatmap.displayed_data().copy()

@@ -71,7 +71,10 @@ def test_generate_streams_into_heatmap_strip_and_text(qtbot, ui_settings):
         assert window.strip.texts() == s.run.requests[rid].token_texts
         req = s.run.requests[rid]
         assert window.generated_text(rid) == "".join(req.token_texts[len(req.prompt_token_ids):])
+        window.lower_tabs.setCurrentWidget(window.text_view)  # the hidden tab catches up when shown
+        window.refresh()
         assert window.text_view.toPlainText().endswith(window.generated_text(rid))
+        window.lower_tabs.setCurrentWidget(window.strip)
     # engine code never ran on the GUI thread, and always on the same thread
     assert len(s.threads) == 1 and threading.get_ident() not in s.threads
     assert "Generated 20 tokens" in window.statusBar().currentMessage()
@@ -168,7 +171,7 @@ def test_export_then_reopen_shows_identical_arrays(qtbot, ui_settings, tmp_path)
     np.testing.assert_array_equal(window.heatmap.displayed_data(), live[("req1", "model.layers.0.self_attn.attn_out")])
     assert window.strip.texts() == texts["req1"]
     window.tabs.setCurrentWidget(window.summary)
-    window._tick()
+    window.refresh()
     assert window.summary.matrix().shape == (len(texts["req1"]) - 1, 2)
     # generating switches back to the live run
     generate(qtbot, window, "zz", max_tokens=2)
@@ -210,7 +213,7 @@ def test_open_capture_without_engine_and_unreadable_file(qtbot, ui_settings, tmp
     run = make_run(n_tokens=(10, 6), width=12)
     write_run(run, tmp_path / "ok.h5")
     assert window.open_capture(str(tmp_path / "ok.h5"))
-    window._tick()
+    window.refresh()
     hook = window.shown.selection.hook
     np.testing.assert_array_equal(window.heatmap.displayed_data(), run.requests["req0"].hooks[hook].values)
     assert window.strip.texts() == run.requests["req0"].token_texts
@@ -326,7 +329,7 @@ def test_opening_another_model_keeps_the_earlier_run(qtbot, ui_settings, tmp_pat
     earlier = window.controller.earlier[0]
     assert earlier.request_ids() == ["req0"] and window.earlier_menu.isEnabled()
     window.earlier_menu.actions()[0].trigger()
-    window._tick()
+    window.refresh()
     assert window.shown is earlier and window.heatmap.column_count() == len(earlier.request("req0").token_ids) - 1
     generate(qtbot, window, "xyz", max_tokens=2)  # back to the live run of the new model
     assert window.shown is live and len(live.request_ids()) == 1

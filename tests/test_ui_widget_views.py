@@ -197,6 +197,41 @@ def test_token_strip_lays_out_incrementally(qtbot, ui_settings):
     assert strip.position_at(strip.position_rect(2999).center()) == 2999
 
 
+def test_token_strip_reused_lines_show_the_current_state(qtbot, ui_settings):
+    """Lines drawn once and reused must still show new tokens, selections and marks: every state is
+    compared, pixel for pixel, with a strip that draws it from scratch."""
+    from PySide6.QtCore import Qt
+    from inspector.ui.token_strip import TokenStrip
+
+    def fresh(texts, marks, selected):
+        strip = TokenStrip()
+        keep(qtbot, strip)
+        strip.resize(360, 160)
+        strip.show()
+        strip.set_tokens(texts, list(range(len(texts))), 4, marks=marks)
+        strip.select_range(*selected) if selected else None
+        return strip
+
+    def same_picture(a, b):
+        qtbot.wait(5)
+        return a.viewport().grab().toImage() == b.viewport().grab().toImage()
+
+    texts = [f"t{i}" for i in range(40)]
+    live = fresh(texts[:10], None, None)
+    live.viewport().grab()  # draws and keeps the lines
+    live.set_tokens(texts, list(range(40)), 4)  # grows
+    assert same_picture(live, fresh(texts, None, None))
+    live.select_range(3, 12)
+    assert same_picture(live, fresh(texts, None, (3, 12)))
+    marks = np.zeros(40, np.int8)
+    marks[20:25] = 2
+    live.set_tokens(texts, list(range(40)), 4, marks=marks)  # same tokens, marks changed (another hook)
+    assert same_picture(live, fresh(texts, marks, (3, 12)))
+    qtbot.mouseClick(live.viewport(), Qt.MouseButton.LeftButton, pos=live.position_rect(30).center())
+    assert same_picture(live, fresh(texts, marks, (30, 30)))
+    assert not same_picture(live, fresh(texts, None, (30, 30)))  # the comparison does see marks
+
+
 def test_summary_view_layers_by_tokens(qtbot, ui_settings):
     from inspector.ui.summary_view import SummaryView
 

@@ -111,4 +111,4 @@ def keep(qtbot, widget):
 def wait_state(qtbot, window, state: str, timeout=10000):
     """Wait until the window's controller is in ``state`` (an AppState's value, e.g. "ready")."""
     qtbot.waitUntil(lambda: window.state.value == state, timeout=timeout)
-    window._tick()
+    window.refresh()

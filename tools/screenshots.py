@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         app.processEvents()
 
     def shot(name):
-        win._tick()
+        win.refresh()
         app.processEvents()
         path = out / name
         win.grab().save(str(path))
@@ -162,7 +162,7 @@ def shoot_remote(model: str, out: Path, w: int, h: int, pump, app) -> None:
         thread.join()
         other.close()
         win.lower_tabs.setCurrentWidget(win.strip)
-        win._tick()
+        win.refresh()
         app.processEvents()
         win.grab().save(str(out / "remote.png"))
         print("wrote", out / "remote.png")

@@ -74,13 +74,19 @@ def gui_environment() -> None:
 def create_app(argv: list[str] | None = None):
     """The QApplication, with garbage collection moved to the GUI thread: a collection that runs on
     another thread (the engine's, a socket's) and finds a Qt object in a cycle deletes it there, and Qt
-    crashes."""
+    crashes. What exists by then (modules, the Qt bindings, pyqtgraph) lives as long as the app, so it
+    is frozen out of the collector's scans: a full collection over it blocked the GUI for ~20 ms."""
     global _collector
+    import gc
+
+    import numpy.ma  # noqa: F401 - np.percentile imports it lazily: ~35 ms in the first live frame
+    import pyqtgraph  # noqa: F401 - imported before the freeze
     from PySide6.QtWidgets import QApplication
     from pyqtgraph.util.garbage_collector import GarbageCollector
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "inspector", *(argv or [])])
-    _collector = _collector or GarbageCollector(interval=1.0)
+    _collector = _collector or GarbageCollector(interval=0.1)  # often, so each collection is short
+    gc.freeze()
     app.setOrganizationName("ActivationInspector")
     app.setApplicationName("inspector")
     app.setApplicationDisplayName("Activation Inspector")

@@ -15,7 +15,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, QSignalBlocker, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QGraphicsItem, QHBoxLayout, QLabel,
                                QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from inspector.viewer.labels import display_token
@@ -59,6 +59,7 @@ class HeatmapWidget(QWidget):
         self._hook_label = ""
         self.last_readout = ""
         self._levels_time = 0.0
+        self._levels_stale = True  # new data: estimate the levels now
         self._shown_empty = None
         self.live = False  # rows are arriving: the followed range grows in steps, not per token
         self.paint_count = 0
@@ -154,6 +155,8 @@ class HeatmapWidget(QWidget):
         self.empty_text = pg.TextItem("No captured rows yet", color=(110, 110, 110), anchor=(0.5, 0.5))
         self.plot.addItem(self.empty_text)
 
+        quiet_axes(self.glw)
+
         self.readout = QLabel(" ")
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.readout.setMinimumHeight(self.readout.fontMetrics().height() + 4)
@@ -198,6 +201,7 @@ class HeatmapWidget(QWidget):
         if new_source:
             self._source_id = source_id
             self._pool.invalidate()
+            self._levels_stale = True
             self._selected_row_changed()
         if width != old_width or new_source:
             with QSignalBlocker(self.features_from), QSignalBlocker(self.features_to):
@@ -266,8 +270,9 @@ class HeatmapWidget(QWidget):
         self._frame = frame
         reset = self._pool.last_reset
         mode = self.levels_box.currentText()
-        if mode != "fixed":
-            self._auto_levels(frame.image, mode == "auto ±", force=reset)
+        if mode != "fixed":  # new bins of the same data (a zoom, a longer run) keep the levels' pace
+            self._auto_levels(frame.image, mode == "auto ±", force=self._levels_stale)
+            self._levels_stale = False
         self.img.set_frame(frame.image, QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height), reset,
                            self._levels)
         if tuple(self.cbar.levels()) != self._levels:
@@ -291,7 +296,8 @@ class HeatmapWidget(QWidget):
     def _render_marks(self, n: int) -> None:
         marks = self._marks
         if marks is None or not len(marks) or not marks.any():
-            self.track_img.clear()
+            if self.track_img.image is not None:  # clearing again still repaints both plots
+                self.track_img.clear()
             self.track_marks = np.zeros(0, dtype=np.uint8)
             return
         m = marks[self._p0:self._p0 + n].astype(np.uint8)
@@ -489,6 +495,19 @@ class HeatmapWidget(QWidget):
             position = int(self._positions[row]) if row < len(self._positions) else row + self._p0
             self.select_position(position)
             self.positionClicked.emit(position)
+
+
+def quiet_axes(view: pg.GraphicsView) -> None:
+    """Axes that cost the GUI thread little while rows stream in (each item below cost milliseconds
+    per frame): drawn once into pixmaps (a repaint of the image repainted every axis); ticks outside
+    (an axis reaching into the image repaints with it); two tick levels (a third, too fine to read,
+    took a third of each redraw); no automatic SI prefix (it re-laid-out the plot at every change of
+    the range, and the axes then drew twice)."""
+    for item in view.scene().items():
+        if isinstance(item, pg.AxisItem):
+            item.setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
+            item.setStyle(tickLength=5, maxTickLevel=1, maxTextLevel=1)
+            item.enableAutoSIPrefix(False)
 
 
 def stack_view(widget, bar, plot_area, readout) -> None:

@@ -2,8 +2,9 @@
 
 It draws what ``inspector.viewer.controller.Controller`` decides: user actions go to the controller,
 the controller's news come back through the ``ControllerView`` methods below. Step events only grow
-the shown run's data; a 30 Hz timer (``_tick``) repaints the views from it if anything changed, so
-painting never keeps pace with tokens one by one and a slow paint never slows generation. Dialogs
+the shown run's data; a timer (``_tick``) repaints the views from it if anything changed, the upper
+(heatmap) and lower (tokens) views on alternate ticks, each about 30 times a second: painting never
+keeps pace with tokens one by one, and no turn of the event loop paints everything at once. Dialogs
 are window-modal but non-blocking (``open()``): the event loop, and a running generation, never stop.
 """
 
@@ -37,7 +38,9 @@ from .token_strip import TokenStrip
 
 STAGE_TEXT = {"resolving": "Resolving model", "loading": "Loading weights", "compiling": "Compiling",
               "ready": "Ready"}
-PAINT_INTERVAL_MS = 33
+PAINT_INTERVAL_MS = 16  # alternately the upper and the lower views: each ~30 times a second
+UPPER, LOWER = "upper", "lower"  # the heatmap or summary; the token strip or text
+PROGRESS_INTERVAL_S = 0.1  # QProgressBar.setValue repaints synchronously (~1 ms): ten times a second is enough
 SHUTDOWN_TIMEOUT_MS = 180_000
 
 
@@ -50,9 +53,11 @@ class MainWindow(QMainWindow):
         self.last_dialog: QMessageBox | None = None
         self._answers: dict = {}  # open question boxes -> what "Yes" does
         self._export_dialog: QProgressDialog | None = None
-        self._last_paint_key = None
+        self._invalidate_views()
+        self._half = UPPER
         self._text_shown: tuple = (None, 0)
         self._strip_key = None
+        self._progress_shown = 0.0
         self.longest_tick_s = 0.0  # the slowest repaint so far (the bench reads it)
 
         self._build_views()
@@ -186,6 +191,7 @@ class MainWindow(QMainWindow):
             view.positionClicked.connect(self.select_position)
         self.summary.settingsChanged.connect(self._invalidate_views)
         self.tabs.currentChanged.connect(self._invalidate_views)
+        self.lower_tabs.currentChanged.connect(self._invalidate_views)
         self.heatmap.colormapChanged.connect(self._colormap_changed)
         self.tree.applyRequested.connect(self.controller.apply_hooks)
         self.tree.modeChangeRequested.connect(self.change_mode)
@@ -303,11 +309,11 @@ class MainWindow(QMainWindow):
 
     def select_request(self, rid: str) -> None:
         self.shown.select(request=rid)
-        self._tick()
+        self.refresh()
 
     def select_hook(self, hook: str) -> None:
         self.shown.select(hook=hook)
-        self._tick()
+        self.refresh()
 
     def select_position(self, position: int) -> None:
         """A token was clicked (strip, heatmap or summary): select it everywhere."""
@@ -342,7 +348,7 @@ class MainWindow(QMainWindow):
     # ================================================================== ControllerView
     def state_changed(self, state: AppState) -> None:
         c = self.controller
-        self._last_paint_key = None
+        self._invalidate_views()
         self.prompt.generate_button.setEnabled(c.enabled(Action.GENERATE))
         self.prompt.generate_button.setToolTip(GENERATE_TIPS[state])
         self.prompt.stop_button.setEnabled(c.enabled(Action.STOP))
@@ -529,60 +535,83 @@ class MainWindow(QMainWindow):
 
     # ================================================================== painting
     def _invalidate_views(self, *_) -> None:
-        self._last_paint_key = None
+        self._painted = {UPPER: None, LOWER: None}
 
     def _tick(self) -> None:
-        """Repaint from accumulated data; at most ~30 times a second, whatever the token rate."""
+        """Repaint from accumulated data, the upper and the lower views on alternate ticks: each view
+        ~30 times a second whatever the token rate, and no event-loop turn paints both."""
         t0 = time.perf_counter()
+        self._half = LOWER if self._half == UPPER else UPPER
         try:
-            self._repaint_views()
+            self._repaint_views((self._half,))
         finally:
             self.longest_tick_s = max(self.longest_tick_s, time.perf_counter() - t0)
 
-    def _repaint_views(self) -> None:
+    def refresh(self) -> None:
+        """Bring every view up to date now (a selection changed; tests and tools)."""
+        self._repaint_views((UPPER, LOWER))
+
+    def _repaint_views(self, halves) -> None:
         c, view = self.controller, self.shown
         generating = c.state is AppState.GENERATING
-        if generating and c.generation is not None:
-            self.prompt.progress.setValue(min(c.generation.tokens, c.generation.total))
-            self.tokens_label.setText(f"{c.generation.tokens} tokens · {c.generation.rate:.0f} tok/s")
         live = generating and view is c.live
         if live != self.heatmap.live:
             self.heatmap.live = live
-            self._last_paint_key = None
-        key = (id(view), view.revision, self.tabs.currentIndex())
-        if key == self._last_paint_key:
+            self._invalidate_views()
+        if LOWER in halves:
+            now = time.perf_counter()
+            if generating and c.generation is not None and now - self._progress_shown >= PROGRESS_INTERVAL_S:
+                self._progress_shown = now
+                self.prompt.progress.setValue(min(c.generation.tokens, c.generation.total))
+                self.tokens_label.setText(f"{c.generation.tokens} tokens · {c.generation.rate:.0f} tok/s")
+        keys = {UPPER: (id(view), view.revision, self.tabs.currentIndex()),
+                LOWER: (id(view), view.revision, self.lower_tabs.currentIndex())}
+        halves = [h for h in halves if keys[h] != self._painted[h]]
+        if not halves:
             return
-        self._last_paint_key = key
+        self._painted.update({h: keys[h] for h in halves})
         self._refresh_selectors()
         sel = view.selection
         rid, hook = sel.request, sel.hook
         texts = view.token_texts(rid)
-        info = view.hook_info(hook)
         marks = view.intervention_marks(rid, hook, len(texts))
+        req = view.request(rid)
+        if UPPER in halves:
+            self._refresh_upper(view, req, texts, marks)
+        if LOWER in halves:
+            self._refresh_lower(view, req, texts, marks)
+
+    def _refresh_upper(self, view, req, texts: list[str], marks) -> None:
+        c, sel = self.controller, view.selection
         empty = EMPTY_TEXT[c.state] if view is c.live and not view.request_ids() else None
         self.heatmap.set_placeholder(empty or "No rows captured at this hook point for this request")
         self.summary.empty_text.setText(empty or "No residual-stream hook points captured")
-        req = view.request(rid)
         if self.tabs.currentWidget() is self.heatmap:
-            rows = view.rows(rid, hook)
+            rows = view.rows(sel.request, sel.hook)
             if rows is None:
                 self.heatmap.clear()
             else:
-                source_id = (id(view), rid, hook, id(req.hooks.get(hook)))
+                info = view.hook_info(sel.hook)
+                source_id = (id(view), sel.request, sel.hook, id(req.hooks.get(sel.hook)))
                 self.heatmap.set_data(rows[0], rows[1], texts, source_id, marks,
                                       short_hook_label(info) if info else "")
         else:
             measure, feature = self.summary.measure()
-            self.summary.set_rows(view.summary_rows(rid, self.summary.kinds(), measure, feature), texts)
-        strip_key = (id(view), rid)
+            self.summary.set_rows(view.summary_rows(sel.request, self.summary.kinds(), measure, feature), texts)
+        self.heatmap.select_position(sel.position)  # None: no column highlighted
+
+    def _refresh_lower(self, view, req, texts: list[str], marks) -> None:
+        """Only the lower tab on show is kept current (a hidden one catches up when it is chosen)."""
+        if self.lower_tabs.currentWidget() is not self.strip:
+            self._refresh_text(req)
+            return
+        strip_key = (id(view), view.selection.request)
         if req is None:
             self.strip.set_tokens([], [], 0, reset=True)
         else:
-            self.strip.set_tokens(texts, req.token_ids, len(req.prompt_token_ids), req.logprobs, req.top_logprobs,
-                                  marks, reset=strip_key != self._strip_key)
+            self.strip.set_tokens(texts, req.token_ids, len(req.prompt_token_ids), req.logprobs,
+                                  req.top_logprobs, marks, reset=strip_key != self._strip_key)
         self._strip_key = strip_key
-        self._refresh_text(req)
-        self.heatmap.select_position(sel.position)  # None: no column highlighted
 
     def _refresh_selectors(self) -> None:
         view = self.shown

@@ -15,7 +15,7 @@ from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSpinBox, QWidget
 
 from inspector.viewer.labels import display_token
-from .heatmap import colormap, stack_view
+from .heatmap import colormap, quiet_axes, stack_view
 from .image_pool import robust_levels
 
 MEASURES = ("L2 norm", "feature value")
@@ -74,6 +74,7 @@ class SummaryView(QWidget):
                                       anchor=(0.5, 0.5))
         self.plot.addItem(self.empty_text)
         self.readout = QLabel(" ")
+        quiet_axes(self.glw)
         stack_view(self, bar, self.glw, self.readout)
 
         self.measure_box.currentTextChanged.connect(self._measure_changed)
