@@ -45,7 +45,20 @@ def model_dir(preset: str) -> tuple[str, dict]:
         return str(tiny_model(**spec)), {}
     path = Path(tempfile.mkdtemp(prefix="bench-model-"))
     (path / "config.json").write_text(json.dumps(spec))
+    word_tokenizer(spec["vocab_size"]).save_pretrained(path)
     return str(path), {"load_format": "dummy", "skip_tokenizer_init": True}
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer with one word per id of the whole vocabulary, so that a dummy-weight model's text
+    prompts and its every sampled id have text (nothing is downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", eos_token="w1")
 
 
 def _rss_mib() -> float:

@@ -47,7 +47,8 @@ def decode_bench(preset: str, reps: int) -> list[tuple]:
     options = SessionOptions(model=path, hooks=("blocks.*.hook_resid_post",), dtype=dtype, max_model_len=1024,
                              max_num_batched_tokens=max_batched, engine_args=engine_args)
     sessions = {"in-process": Session.open(options), "server": start_local_server(options)}
-    prompt = "def f(x):\n    return " * (prompt_len // 8)
+    prompt = ("def f(x):\n    return " * (prompt_len // 8) if preset == "cpu"
+              else " ".join(f"w{2 + i}" for i in range(prompt_len)))  # the dummy model's word tokenizer
     rows = []
     try:
         for batch, new in runs:
