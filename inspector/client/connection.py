@@ -78,9 +78,10 @@ class Connection:
     def _received(self, frames: list) -> None:
         self._last_heard = time.monotonic()
         try:
-            message = decode(frames)
-        except WireError:
-            return  # a server that speaks garbage is not one: it will time out
+            message = decode(frames, limited=False)
+        except WireError as e:  # a lost message would leave a stream with a hole: stop here, and say why
+            self._lose(f"the server at {self.url} sent a message this client cannot read ({e})")
+            return
         if message.type == "pong":
             return
         if message.type == "goodbye":

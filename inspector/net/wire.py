@@ -23,9 +23,11 @@ from inspector.capture.protocol import BootProgress, RequestStart, RequestStep, 
 from inspector.capture.run import TopToken
 
 VERSION = 1
+# What a client may send a server in one message (a clear error beyond). A server's messages to its
+# client carry the rows that client asked for, as many as a step has: they are not limited.
 MAX_FRAMES = 4096
 MAX_HEADER_BYTES = 16 << 20
-MAX_MESSAGE_BYTES = 64 << 20  # what a peer may send in one message (a clear error beyond)
+MAX_MESSAGE_BYTES = 64 << 20
 JOIN_VIEW_BYTES = 1 << 20
 ARRAY_DTYPES = {"<f4", "<f8", "<f2", "<i8", "<i4", "|u1", "|b1"}
 _ND = "__nd__"
@@ -82,15 +84,16 @@ def _plain(value):
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
 
 
-def decode(frames: list) -> Message:
-    """Frames (bytes, or zmq.Frame with a ``buffer``) back into a message; WireError if they are not one."""
+def decode(frames: list, limited: bool = True) -> Message:
+    """Frames (bytes, or zmq.Frame with a ``buffer``) back into a message; WireError if they are not one.
+    ``limited``: refuse messages beyond the client-to-server limits."""
     if not frames:
         raise WireError("bad-message", "an empty message")
-    if len(frames) > MAX_FRAMES:
+    if limited and len(frames) > MAX_FRAMES:
         raise WireError("too-large", f"a message may have at most {MAX_FRAMES} frames, this one has {len(frames)}")
     buffers = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
     size = sum(b.nbytes for b in buffers)
-    if size > MAX_MESSAGE_BYTES or buffers[0].nbytes > MAX_HEADER_BYTES:
+    if limited and (size > MAX_MESSAGE_BYTES or buffers[0].nbytes > MAX_HEADER_BYTES):
         raise WireError("too-large", f"a message may hold at most {MAX_MESSAGE_BYTES >> 20} MiB, this one holds "
                         f"{size / 2**20:.1f} MiB")
     try:
