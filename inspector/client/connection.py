@@ -1,8 +1,10 @@
 """A client's line to a server: calls that get a reply, calls that stream, and knowing the server is alive.
 
-The socket (a DEALER) lives on a thread of its own (``Endpoint``); any thread may call. The thread
-pings the server four times a second; a server that has not answered anything for ``DEAD_AFTER_S``
-is gone, and every call waiting on it ends with ``ServerGone``.
+The socket (a DEALER) lives on a thread of its own (``Endpoint``); any thread may call. A server is
+gone, and every call waiting on it ends with ``ServerGone``, once its connection closes (its process
+ended: noticed at once) or once it has answered nothing, not even the pings sent four times a second,
+for ``DEAD_AFTER_S`` (a hung host or network). That wait is long because a busy server may hold its
+GIL for seconds (a first forward that compiles kernels), which delays its answers but is no failure.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from inspector.net.keys import ClientKeys
 from inspector.net.wire import Message, WireError, decode, encode
 
 PING_EVERY_S = 0.25
-DEAD_AFTER_S = 1.5
+DEAD_AFTER_S = 15.0
 
 
 class ServerGone(ConnectionError):
@@ -45,7 +47,8 @@ class Connection:
         self._last_heard: float | None = None  # nothing yet: the server may not exist
         self._last_ping = 0.0
         self.lost: str | None = None  # why the server is gone, once it is
-        self._endpoint = Endpoint(socket, self._received, self._tick, routed=False, name="client-socket").start()
+        self._endpoint = Endpoint(socket, self._received, self._tick, routed=False, name="client-socket",
+                                  on_disconnected=self._disconnected).start()
 
     # ------------------------------------------------------------------ calls
     def start(self, type_: str, body: dict | None = None) -> "Call":
@@ -103,6 +106,10 @@ class Connection:
             self.send(Message("ping"))
         if self._last_heard is not None and now - self._last_heard > DEAD_AFTER_S:
             self._lose(f"the server at {self.url} stopped answering")
+
+    def _disconnected(self, fd: int) -> None:
+        if self._last_heard is not None:  # before that, a refused handshake (wrong keys) is waited out
+            self._lose(f"the server at {self.url} closed the connection")
 
     def _lose(self, reason: str) -> None:
         if self.lost is not None:

@@ -4,7 +4,9 @@ The thread polls the socket and a wake-up pipe: a message from another thread go
 one byte into the pipe, so it leaves at once, not at the next poll. What the peer cannot take yet (its
 queue is full) waits in a backlog per peer, counted in bytes: a peer whose backlog passes the limit is
 reported (``on_stalled``) and its backlog dropped, so a client that stops reading cannot grow the
-sender's memory without bound.
+sender's memory without bound. A connecting socket can also be told when its connection closes
+(``on_disconnected``, with the connection's file descriptor): a peer process that ends is noticed at
+once, without waiting for silence.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 POLL_S = 0.05
 RECEIVE_BATCH = 64
@@ -25,10 +28,11 @@ RECEIVE_BATCH = 64
 class Endpoint:
     def __init__(self, socket: zmq.Socket, on_message: Callable[[list], None], on_tick: Callable[[], None],
                  routed: bool, backlog_limit: int = 256 << 20, on_stalled: Callable[[bytes], None] = lambda peer: None,
-                 name: str = "endpoint"):
+                 name: str = "endpoint", on_disconnected: Callable[[int], None] | None = None):
         """``routed``: a ROUTER socket, whose messages start with the peer's identity frame."""
         self.socket = socket
         self._on_message, self._on_tick, self._on_stalled = on_message, on_tick, on_stalled
+        self._on_disconnected = on_disconnected
         self._routed, self.limit = routed, backlog_limit
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -69,8 +73,16 @@ class Endpoint:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        monitor = None
+        if self._on_disconnected is not None:  # made here: a socket belongs to the thread that uses it
+            monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            poller.register(monitor, zmq.POLLIN)
         while self._running or (self._pending() and time.monotonic() < self._linger_until):
             ready = dict(poller.poll(0 if self.socket.get(zmq.EVENTS) & zmq.POLLIN else POLL_S * 1000))
+            while monitor is not None and monitor.poll(0):  # before receiving: see the fd's reuse below
+                event = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._on_disconnected(event["value"])
             if self._wake_r in ready:
                 try:
                     while os.read(self._wake_r, 4096):
@@ -84,6 +96,9 @@ class Endpoint:
                     break
                 self._on_message(self.socket.recv_multipart(copy=False))
             self._on_tick()
+        if monitor is not None:
+            self.socket.disable_monitor()
+            monitor.close(linger=0)
         self.socket.close(linger=0)
 
     def _pending(self) -> bool:

@@ -7,6 +7,7 @@ reach the engine; the rest go to the engine's inbox in the order they came.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -17,7 +18,10 @@ import zmq
 from inspector.net.endpoint import Endpoint
 from inspector.net.wire import Message, WireError, decode, encode
 
-CLIENT_TIMEOUT_S = 3.0  # a client that sent nothing (not even a ping) for this long is gone
+# A client whose connection closes is gone at once (the socket monitor names the connection's file
+# descriptor, each message the descriptor it came by); one that sent nothing, not even a ping, for this
+# long is gone too (a hung host or network; a busy client process may be silent for seconds).
+CLIENT_TIMEOUT_S = 15.0
 GONE = "gone"  # the inbox's word for a client that went away
 
 
@@ -26,11 +30,13 @@ class ServerTransport:
                  log: Callable[[str], None] = lambda text: None):
         self.inbox, self._log = inbox, log
         self._seen: dict[bytes, float] = {}  # client -> when it last sent anything
+        self._fd: dict[bytes, int] = {}  # client -> its connection's file descriptor
+        self._stale_closes: collections.Counter = collections.Counter()  # fd -> closes still to come, of old owners
         self._greeted: set[bytes] = set()  # clients that said hello: they hear boot progress
         self._progress: list[Message] = []  # the boot so far, for clients that come later
         self._lock = threading.Lock()  # the greeted and the progress change together
         self.endpoint = Endpoint(socket, self._received, self._tick, routed=True, backlog_limit=backlog_limit,
-                                 on_stalled=self._stalled, name="server-socket")
+                                 on_stalled=self._stalled, name="server-socket", on_disconnected=self._closed)
 
     def start(self) -> "ServerTransport":
         self.endpoint.start()
@@ -57,7 +63,13 @@ class ServerTransport:
 
     # ------------------------------------------------------------------ the socket's thread
     def _received(self, frames: list) -> None:
-        key, frames = frames[0].bytes, frames[1:]
+        key, fd, frames = frames[0].bytes, frames[0].get(zmq.SRCFD), frames[1:]
+        if self._fd.get(key) != fd:
+            for other in [k for k, f in self._fd.items() if f == fd]:  # closed, and its fd reused already:
+                del self._fd[other]  # its close is still to be heard, and must not end this client
+                self._stale_closes[fd] += 1
+                self._gone(other)
+            self._fd[key] = fd
         self._seen[key] = time.monotonic()
         try:
             message = decode(frames)
@@ -81,6 +93,14 @@ class ServerTransport:
             if now - seen > CLIENT_TIMEOUT_S:
                 self._gone(key)
 
+    def _closed(self, fd: int) -> None:
+        if self._stale_closes[fd]:
+            self._stale_closes[fd] -= 1
+            return
+        for key in [k for k, f in self._fd.items() if f == fd]:
+            self._log("[serve] a client's connection closed: its requests are cancelled")
+            self._gone(key)
+
     def _stalled(self, key: bytes) -> None:
         """It stopped reading: what waits for it is dropped, and so is it (it hears why if it reads again)."""
         self._log(f"[serve] a client stopped reading ({self.endpoint.limit >> 20} MiB waited for it): disconnected")
@@ -90,6 +110,7 @@ class ServerTransport:
 
     def _gone(self, key: bytes) -> None:
         self._seen.pop(key, None)
+        self._fd.pop(key, None)
         with self._lock:
             self._greeted.discard(key)
         self.endpoint.forget(key)
