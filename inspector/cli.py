@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine-args", default="{}", help="more vLLM engine arguments, as JSON")
     srv.add_argument("--no-position-interventions", action="store_true")
     srv.add_argument("--max-backlog-mib", type=float, default=256,
-                     help="disconnect a client that stops reading once this much waits for it (default 256)")
+                     help="the engine waits for a client this far behind; one that stops reading for 5 s with this "
+                          "much waiting is disconnected (default 256)")
     srv.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                      help="exit once the last client has been gone this long (the app's own server does)")
 

@@ -192,6 +192,28 @@ def test_a_client_that_stops_reading_is_disconnected_and_the_others_keep_their_p
         context.term()
 
 
+def test_a_client_slower_than_the_engine_sets_its_pace_and_loses_nothing(eager_server):
+    """Back-pressure, not a disconnect: once ZeroMQ's 64 messages and 1 MiB more wait for a client, the
+    engine waits for it; a pause shorter than the stall time loses nothing."""
+    url, process = eager_server
+    sampling = Sampling(max_tokens=200, ignore_eos=True)
+    stalls = process.log_path.read_text().count("stopped reading")
+    with connect(url) as session:
+        expected = run(session, PROMPTS * 4, sampling)
+        session.new_run()
+        events = session.generate(PROMPTS * 4, sampling)
+        first = next(events)
+        time.sleep(3)  # not reading (less than the 5 s that makes a client "stopped")
+        slow = [first, *events]
+        assert session.alive and process.log_path.read_text().count("stopped reading") == stalls
+    received = sum(v.nbytes for e in slow for s in e.requests for _, _, v in s.rows.values())
+    assert len(slow) > 64 + 1 and received > 2 * 2**20  # more than ZeroMQ's queue and the backlog limit hold
+    for got, want in zip(session.run.requests.values(), expected):
+        assert_same(got, want, "rows lost or changed for a slow client")
+        assert want.hooks and all(rows.positions.tolist() == list(range(len(got.token_ids) - 1))
+                                  for rows in got.hooks.values())
+
+
 def _mutations(valid: list[list[bytes]], rng: random.Random):
     """Random bytes, random MessagePack, and valid messages damaged in every way a peer could."""
     kinds = ["hello", "generate", "stop", "set_interventions", "set_hooks", "bye", "ping", "nonsense", "", "x" * 300]

@@ -2,9 +2,11 @@
 
 The thread polls the socket and a wake-up pipe: a message from another thread goes into a queue and
 one byte into the pipe, so it leaves at once, not at the next poll. What the peer cannot take yet (its
-queue is full) waits in a backlog per peer, counted in bytes: a peer whose backlog passes the limit is
-reported (``on_stalled``) and its backlog dropped, so a client that stops reading cannot grow the
-sender's memory without bound. A connecting socket can also be told when its connection closes
+queue is full) waits in a backlog per peer, counted in bytes. A backlog past the limit is back-pressure
+(``behind``: the sender should pause until it shrinks) while the peer still takes messages; a peer
+that took nothing for ``STALL_S`` with its backlog past the limit has stopped reading: it is reported
+(``on_stalled``) and its backlog dropped. So a slow reader slows the sender, and one that stopped
+cannot grow the sender's memory without bound. A connecting socket can also be told when its connection closes
 (``on_disconnected``, with the connection's file descriptor): a peer process that ends is noticed at
 once, without waiting for silence.
 """
@@ -22,6 +24,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 POLL_S = 0.05
+STALL_S = 5.0
 RECEIVE_BATCH = 64
 
 
@@ -39,6 +42,7 @@ class Endpoint:
         os.set_blocking(self._wake_r, False)
         self._backlog: dict[bytes | None, collections.deque] = {}
         self._backlog_bytes: dict[bytes | None, int] = collections.Counter()
+        self._took_at: dict[bytes | None, float] = {}  # peer -> when it last took a message
         self._running = True
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -53,6 +57,11 @@ class Endpoint:
             os.write(self._wake_w, b"x")
         except BlockingIOError:  # the pipe is full of wake-ups already
             pass
+
+    @property
+    def behind(self) -> bool:
+        """Thread-safe: some peer's backlog is past the limit (pause what feeds it)."""
+        return any(n > self.limit for n in list(self._backlog_bytes.values()))
 
     def forget(self, peer: bytes) -> None:
         """Drop what still waits for ``peer`` (it is gone)."""
@@ -73,16 +82,13 @@ class Endpoint:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        monitor = None
+        self._monitor = None
         if self._on_disconnected is not None:  # made here: a socket belongs to the thread that uses it
-            monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            poller.register(monitor, zmq.POLLIN)
+            self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            poller.register(self._monitor, zmq.POLLIN)
         while self._running or (self._pending() and time.monotonic() < self._linger_until):
             ready = dict(poller.poll(0 if self.socket.get(zmq.EVENTS) & zmq.POLLIN else POLL_S * 1000))
-            while monitor is not None and monitor.poll(0):  # before receiving: see the fd's reuse below
-                event = recv_monitor_message(monitor)
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._on_disconnected(event["value"])
+            self.take_closes()
             if self._wake_r in ready:
                 try:
                     while os.read(self._wake_r, 4096):
@@ -96,10 +102,18 @@ class Endpoint:
                     break
                 self._on_message(self.socket.recv_multipart(copy=False))
             self._on_tick()
-        if monitor is not None:
+        if self._monitor is not None:
             self.socket.disable_monitor()
-            monitor.close(linger=0)
+            self._monitor.close(linger=0)
         self.socket.close(linger=0)
+
+    def take_closes(self) -> None:
+        """Report the connections closed so far (from ``on_message`` too: a connection's close is
+        reported before its file descriptor can come back with a new connection's first message)."""
+        while self._monitor is not None and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._on_disconnected(event["value"])
 
     def _pending(self) -> bool:
         return not self._outbox.empty() or any(self._backlog.values())
@@ -111,9 +125,10 @@ class Endpoint:
             except queue.Empty:
                 return
             if frames is None:
-                self._backlog.pop(peer, None)
-                self._backlog_bytes.pop(peer, None)
+                self._drop(peer)
                 continue
+            if peer not in self._backlog:
+                self._took_at[peer] = time.monotonic()  # a new backlog: its stall clock starts now
             self._backlog.setdefault(peer, collections.deque()).append(frames)
             self._backlog_bytes[peer] += sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
 
@@ -133,10 +148,14 @@ class Endpoint:
                     break
                 waiting.popleft()
                 self._backlog_bytes[peer] -= sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
-            if self._backlog_bytes[peer] > self.limit:
-                self._backlog.pop(peer)
-                self._backlog_bytes.pop(peer)
+                self._took_at[peer] = time.monotonic()
+            if not waiting:
+                self._drop(peer)
+            elif self._backlog_bytes[peer] > self.limit and time.monotonic() - self._took_at[peer] > STALL_S:
+                self._drop(peer)
                 self._on_stalled(peer)
-            elif not waiting:
-                self._backlog.pop(peer)
-                self._backlog_bytes.pop(peer)
+
+    def _drop(self, peer: bytes | None) -> None:
+        self._backlog.pop(peer, None)
+        self._backlog_bytes.pop(peer, None)
+        self._took_at.pop(peer, None)

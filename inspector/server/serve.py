@@ -28,6 +28,7 @@ from .hub import Hub
 from .transport import GONE, ServerTransport
 
 IDLE_POLL_S = 0.05
+BEHIND_WAIT_S = 0.002
 HARD_MESSAGE_LIMIT = 256 << 20  # beyond this, ZeroMQ drops the connection before the bytes reach us
 
 
@@ -110,7 +111,7 @@ def serve(options: SessionOptions, listen: str, keys_dir: str | None = None, exi
     if session is None:  # stopped while booting
         return _close(transport, context, auth, 0)
     hub = Hub(session, transport.send)
-    code = _run(hub, inbox, stopping, exit_when_idle_s, log)
+    code = _run(hub, transport, inbox, stopping, exit_when_idle_s, log)
     for key in list(hub.clients):
         hub.client_gone(key)  # their last events go out before the goodbye
         transport.send(key, Message("goodbye", {"reason": "the server is shutting down"}))
@@ -134,7 +135,8 @@ def _boot(options, progress, factory, stopping):
     return session
 
 
-def _run(hub: Hub, inbox: queue.Queue, stopping: threading.Event, exit_when_idle_s: float | None, log) -> int:
+def _run(hub: Hub, transport: ServerTransport, inbox: queue.Queue, stopping: threading.Event,
+         exit_when_idle_s: float | None, log) -> int:
     idle_since, served = time.monotonic(), False
     while not stopping.is_set():
         try:
@@ -147,7 +149,9 @@ def _run(hub: Hub, inbox: queue.Queue, stopping: threading.Event, exit_when_idle
                 key, message = inbox.get_nowait()
         except queue.Empty:
             pass
-        if hub.busy:
+        if hub.busy and transport.behind:  # a client reads slower than the engine makes rows: wait for it
+            time.sleep(BEHIND_WAIT_S)
+        elif hub.busy:
             try:
                 hub.step()
             except SessionError as e:

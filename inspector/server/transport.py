@@ -7,7 +7,6 @@ reach the engine; the rest go to the engine's inbox in the order they came.
 
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 import time
@@ -15,7 +14,7 @@ from typing import Callable
 
 import zmq
 
-from inspector.net.endpoint import Endpoint
+from inspector.net.endpoint import STALL_S, Endpoint
 from inspector.net.wire import Message, WireError, decode, encode
 
 # A client whose connection closes is gone at once (the socket monitor names the connection's file
@@ -31,7 +30,6 @@ class ServerTransport:
         self.inbox, self._log = inbox, log
         self._seen: dict[bytes, float] = {}  # client -> when it last sent anything
         self._fd: dict[bytes, int] = {}  # client -> its connection's file descriptor
-        self._stale_closes: collections.Counter = collections.Counter()  # fd -> closes still to come, of old owners
         self._greeted: set[bytes] = set()  # clients that said hello: they hear boot progress
         self._progress: list[Message] = []  # the boot so far, for clients that come later
         self._lock = threading.Lock()  # the greeted and the progress change together
@@ -58,17 +56,19 @@ class ServerTransport:
                 self.send(key, message)
 
     @property
+    def behind(self) -> bool:
+        """A client's backlog is past the limit: the engine should wait for it (thread-safe)."""
+        return self.endpoint.behind
+
+    @property
     def clients(self) -> int:
         return len(self._seen)
 
     # ------------------------------------------------------------------ the socket's thread
     def _received(self, frames: list) -> None:
         key, fd, frames = frames[0].bytes, frames[0].get(zmq.SRCFD), frames[1:]
-        if self._fd.get(key) != fd:
-            for other in [k for k, f in self._fd.items() if f == fd]:  # closed, and its fd reused already:
-                del self._fd[other]  # its close is still to be heard, and must not end this client
-                self._stale_closes[fd] += 1
-                self._gone(other)
+        if self._fd.get(key) != fd:  # a new connection, maybe on the fd of one that closed: hear that close first
+            self.endpoint.take_closes()
             self._fd[key] = fd
         self._seen[key] = time.monotonic()
         try:
@@ -94,16 +94,14 @@ class ServerTransport:
                 self._gone(key)
 
     def _closed(self, fd: int) -> None:
-        if self._stale_closes[fd]:
-            self._stale_closes[fd] -= 1
-            return
         for key in [k for k, f in self._fd.items() if f == fd]:
             self._log("[serve] a client's connection closed: its requests are cancelled")
             self._gone(key)
 
     def _stalled(self, key: bytes) -> None:
         """It stopped reading: what waits for it is dropped, and so is it (it hears why if it reads again)."""
-        self._log(f"[serve] a client stopped reading ({self.endpoint.limit >> 20} MiB waited for it): disconnected")
+        self._log(f"[serve] a client stopped reading ({self.endpoint.limit >> 20} MiB waited for it, and it took "
+                  f"nothing for {STALL_S:.0f} s): disconnected")
         self._gone(key)
         self.send(key, Message("goodbye", {"reason": "disconnected: this client stopped reading while the server "
                                            "had more than the allowed backlog for it; its requests were cancelled"}))
