@@ -1,6 +1,7 @@
 """The wire between a client and its server, on real ZeroMQ sockets (no engine): a client takes its
 server's messages whatever their size, and says so when it cannot read one instead of losing it."""
 
+import threading
 import time
 
 import numpy as np
@@ -9,7 +10,7 @@ import zmq
 
 from inspector.capture.protocol import RequestStart, RequestStep, StepEvent
 from inspector.client.connection import Connection, ServerGone
-from inspector.net.wire import MAX_FRAMES, MAX_MESSAGE_BYTES, Message, WireError, decode, encode, event_from_body, \
+from inspector.net.wire import MAX_MESSAGE_BYTES, Message, WireError, decode, encode, event_from_body, \
     event_to_body
 
 
@@ -35,18 +36,18 @@ def _first_call(server) -> tuple[bytes, Message]:
 
 
 def test_a_step_larger_than_what_a_client_may_send_reaches_the_client(server_and_client):
-    """A prefill at batch 32 of a 4,096-wide model is GiBs in thousands of frames: the client's limits
-    on what it sends must not apply to what it receives (a dropped first event lost every start)."""
+    """A prefill at batch 32 of a 4,096-wide model is GiBs: the client's limits on what it sends must
+    not apply to what it receives (a dropped first event lost every start)."""
     server, client = server_and_client
     call = client.start("generate", {})
     peer, message = _first_call(server)
-    hooks, n_rows = MAX_FRAMES // 3 + 1, 4  # three arrays per hook
+    hooks, n_rows = 64, 4
     width = MAX_MESSAGE_BYTES // (hooks * n_rows * 4) + 1
     positions, tokens = np.arange(n_rows), np.zeros(n_rows, dtype=np.int64)
     rows = {f"h{k}": (positions, tokens, np.full((n_rows, width), k, np.float32)) for k in range(hooks)}
     event = StepEvent(0, (RequestStep("req0", rows=rows),), (RequestStart("req0", "p", (1,), ("p",), {}),))
     frames = encode(Message("event", event_to_body(event), message.id))
-    assert len(frames) > MAX_FRAMES and sum(memoryview(f).nbytes for f in frames) > MAX_MESSAGE_BYTES
+    assert sum(memoryview(f).nbytes for f in frames) > MAX_MESSAGE_BYTES
     with pytest.raises(WireError, match="at most"):
         decode(frames)  # what a server would say to a client sending this
     server.send_multipart([peer, *frames])
@@ -67,3 +68,55 @@ def test_a_message_the_client_cannot_read_ends_the_connection_with_the_reason(se
     while client.lost is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert "cannot read" in client.lost
+
+
+def test_small_arrays_travel_in_the_header_and_large_ones_as_frames_and_both_come_back_equal():
+    small, large = np.arange(12, dtype="<f4").reshape(3, 4), np.ones((400, 200), dtype="<f4")[:, ::2]  # not C order
+    frames = encode(Message("t", {"small": small, "large": large, "flags": np.array([True, False])}, 1))
+    assert len(frames) == 2  # the header and the one large array
+    body = decode(frames).body
+    np.testing.assert_array_equal(body["small"], small)
+    np.testing.assert_array_equal(body["large"], large)
+    assert body["flags"].dtype == np.bool_ and body["large"].flags.c_contiguous
+
+
+def test_a_connection_closed_at_once_ends_cleanly_even_when_the_server_refuses_its_handshake():
+    """A client's socket thread pings on its first tick; a close right after connecting, to a server
+    that never completes the handshake, must not leave the socket (and so the process's exit) hanging."""
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    server.curve_server = True
+    server.curve_publickey, server.curve_secretkey = zmq.curve_keypair()
+    server.bind("tcp://127.0.0.1:*")
+    url = server.get(zmq.LAST_ENDPOINT).decode()
+    try:
+        for _ in range(20):
+            client = Connection(url)  # no keys: the CURVE server never answers it
+            closer = threading.Thread(target=client.close, kwargs={"say_bye": False}, daemon=True)
+            closer.start()
+            closer.join(10)
+            assert not closer.is_alive(), "closing the connection hung"
+            assert client.lost == "the connection was closed"
+    finally:
+        server.close(0)
+        context.term()
+
+
+@pytest.mark.parametrize("order", ["as in memory", "reversed"])
+def test_a_steps_rows_join_by_hook_as_a_view_when_they_lie_in_order_and_come_back_to_their_requests(order):
+    """The drain hands out consecutive slices of one block: sent as one frame, not copied; requests in
+    another order than memory must still get their own rows back."""
+    batch, width = 8, 4096
+    block = np.random.default_rng(0).standard_normal((2, batch, width), dtype=np.float32)
+    positions, tokens = np.arange(batch), np.arange(batch) + 100
+    indices = list(range(batch)) if order == "as in memory" else list(range(batch))[::-1]
+    steps = tuple(RequestStep(f"r{i}", rows={f"h{h}": (positions[i:i + 1], tokens[i:i + 1], block[h, i:i + 1])
+                                             for h in range(2)}) for i in indices)
+    body = event_to_body(StepEvent(0, steps))
+    assert np.shares_memory(body["rows"]["h1"][2], block) == (order == "as in memory")
+    got = event_from_body(decode(encode(Message("event", body, 1)), limited=False).body)
+    for step, i in zip(got.requests, indices):
+        assert step.request_id == f"r{i}"
+        for h in range(2):
+            p, t, v = step.rows[f"h{h}"]
+            assert p.tolist() == [i] and t.tolist() == [i + 100] and np.array_equal(v, block[h, i:i + 1])

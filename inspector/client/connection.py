@@ -48,7 +48,8 @@ class Connection:
         self._last_ping = 0.0
         self.lost: str | None = None  # why the server is gone, once it is
         self._endpoint = Endpoint(socket, self._received, self._tick, routed=False, name="client-socket",
-                                  on_disconnected=self._disconnected).start()
+                                  on_disconnected=self._disconnected)
+        self._endpoint.start()  # after the assignment: its first tick sends a ping through it
 
     # ------------------------------------------------------------------ calls
     def start(self, type_: str, body: dict | None = None) -> "Call":

@@ -86,26 +86,28 @@ class Endpoint:
         if self._on_disconnected is not None:  # made here: a socket belongs to the thread that uses it
             self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             poller.register(self._monitor, zmq.POLLIN)
-        while self._running or (self._pending() and time.monotonic() < self._linger_until):
-            ready = dict(poller.poll(0 if self.socket.get(zmq.EVENTS) & zmq.POLLIN else POLL_S * 1000))
-            self.take_closes()
-            if self._wake_r in ready:
-                try:
-                    while os.read(self._wake_r, 4096):
+        try:
+            while self._running or (self._pending() and time.monotonic() < self._linger_until):
+                ready = dict(poller.poll(0 if self.socket.get(zmq.EVENTS) & zmq.POLLIN else POLL_S * 1000))
+                self.take_closes()
+                if self._wake_r in ready:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
                         pass
-                except BlockingIOError:
-                    pass
-            self._take_outbox()
-            self._flush()
-            for _ in range(RECEIVE_BATCH):  # then send again: a flood coming in must not starve what goes out
-                if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
-                    break
-                self._on_message(self.socket.recv_multipart(copy=False))
-            self._on_tick()
-        if self._monitor is not None:
-            self.socket.disable_monitor()
-            self._monitor.close(linger=0)
-        self.socket.close(linger=0)
+                self._take_outbox()
+                self._flush()
+                for _ in range(RECEIVE_BATCH):  # then send again: a flood coming in must not starve what goes out
+                    if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    self._on_message(self.socket.recv_multipart(copy=False))
+                self._on_tick()
+        finally:  # a callback that raised must not leave the socket open: the context could never end
+            if self._monitor is not None:
+                self.socket.disable_monitor()
+                self._monitor.close(linger=0)
+            self.socket.close(linger=0)
 
     def take_closes(self) -> None:
         """Report the connections closed so far (from ``on_message`` too: a connection's close is
