@@ -70,14 +70,21 @@ def test_a_message_the_client_cannot_read_ends_the_connection_with_the_reason(se
     assert "cannot read" in client.lost
 
 
-def test_small_arrays_travel_in_the_header_and_large_ones_as_frames_and_both_come_back_equal():
-    small, large = np.arange(12, dtype="<f4").reshape(3, 4), np.ones((400, 200), dtype="<f4")[:, ::2]  # not C order
-    frames = encode(Message("t", {"small": small, "large": large, "flags": np.array([True, False])}, 1))
-    assert len(frames) == 2  # the header and the one large array
+def test_a_message_of_small_arrays_is_one_frame_and_one_with_a_large_array_sends_each_array_once_as_a_frame():
+    small, flags = np.arange(12, dtype="<f4").reshape(3, 4), np.array([True, False])
+    frames = encode(Message("t", {"small": small, "flags": flags}, 1))
+    assert len(frames) == 1
     body = decode(frames).body
     np.testing.assert_array_equal(body["small"], small)
-    np.testing.assert_array_equal(body["large"], large)
-    assert body["flags"].dtype == np.bool_ and body["large"].flags.c_contiguous
+    assert body["flags"].dtype == np.bool_
+    large = np.ones((400, 200), dtype="<f4")[:, ::2]  # 160 KB, not in C order
+    frames = encode(Message("t", {"a": [small, large], "b": small}, 1))
+    assert len(frames) == 3  # the header, then small (sent once for both places) and large
+    body = decode(frames).body
+    np.testing.assert_array_equal(body["a"][0], small)
+    np.testing.assert_array_equal(body["b"], small)
+    np.testing.assert_array_equal(body["a"][1], large)
+    assert body["a"][1].flags.c_contiguous
 
 
 def test_a_connection_closed_at_once_ends_cleanly_even_when_the_server_refuses_its_handshake():

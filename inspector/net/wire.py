@@ -29,8 +29,7 @@ VERSION = 1
 MAX_FRAMES = 4096
 MAX_HEADER_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 64 << 20
-# Arrays smaller than this travel inside the header: a frame costs a few microseconds of Python on both
-# sides, and a decode step at batch 1 has a hundred small arrays (0.4 ms a step as frames, 10% of an H200's).
+# A message whose arrays are all smaller than this travels as one frame (see ``encode``).
 INLINE_BYTES = 64 << 10
 JOIN_VIEW_BYTES = INLINE_BYTES  # a join smaller than this is copied (into the header, anyway)
 ARRAY_DTYPES = {"<f4", "<f8", "<f2", "<i8", "<i4", "|u1", "|b1"}
@@ -56,18 +55,33 @@ class Message:
 # ------------------------------------------------------------------------------------ frames
 
 def encode(message: Message) -> list:
-    """Header first, then the arrays of the body as raw frames (sent without a copy); small arrays are
-    copied into the header. MessagePack's encoder walks the body in C and hands us only what it has no
-    type for (a walk in Python cost a millisecond a step at batch 32)."""
+    """Header first, then the arrays of the body as raw frames (sent without a copy). A message whose
+    arrays are all small travels as the header alone, its arrays copied into it: a frame costs more than
+    the copy (a decode step at batch 1 has about a hundred small arrays). A message with a large array
+    sends every array as a frame: a header of tens of KiB followed by large frames halved the throughput
+    over TCP. MessagePack's encoder walks the body in C and hands us only what it has no type for."""
+    frames, inlined = _encode(message, inline=True)
+    if inlined and len(frames) > 1:
+        frames, _ = _encode(message, inline=False)
+    return frames
+
+
+def _encode(message: Message, inline: bool) -> tuple[list, bool]:
     frames: list = []
+    index: dict[int, int] = {}  # id(array) -> its frame: hooks share their requests' positions
+    inlined = False
 
     def other(value):
+        nonlocal inlined
         if isinstance(value, np.ndarray):
             array = value if value.flags.c_contiguous else np.ascontiguousarray(value)
-            if array.nbytes < INLINE_BYTES:
+            if inline and array.nbytes < INLINE_BYTES:
+                inlined = True
                 return {_ND: [memoryview(array).cast("B"), array.dtype.str, list(array.shape)]}
-            frames.append(array)
-            return {_ND: [len(frames), array.dtype.str, list(array.shape)]}
+            if id(value) not in index:
+                frames.append(array)
+                index[id(value)] = len(frames)
+            return {_ND: [index[id(value)], array.dtype.str, list(array.shape)]}
         if isinstance(value, np.generic):
             return value.item()
         if isinstance(value, str):  # a str subclass (version objects)
@@ -77,7 +91,7 @@ def encode(message: Message) -> list:
         raise TypeError(f"a {type(value).__name__} cannot be sent")
 
     header = {"v": VERSION, "t": message.type, "id": int(message.id), "body": message.body}
-    return [msgspec.msgpack.Encoder(enc_hook=other).encode(header), *frames]
+    return [msgspec.msgpack.Encoder(enc_hook=other).encode(header), *frames], inlined
 
 
 def decode(frames: list, limited: bool = True) -> Message:
@@ -107,16 +121,20 @@ def decode(frames: list, limited: bool = True) -> Message:
     if not isinstance(kind, str) or not isinstance(call, int) or isinstance(call, bool) or not isinstance(body, dict):
         raise WireError("bad-message", "'t' must be a string, 'id' an integer and 'body' a map")
 
-    def walk(value):
-        if isinstance(value, dict):
-            if _ND in value:
-                return _array(value[_ND], buffers)
-            return {k: v if type(v) in _SCALARS else walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [v if type(v) in _SCALARS else walk(v) for v in value]
-        return value
+    return Message(kind, _arrays_in(body, buffers), call)
 
-    return Message(kind, walk(body), call)
+
+def _arrays_in(value, buffers: list[memoryview]):
+    """``value`` with its array references made arrays. A function of its own, not a closure that calls
+    itself: such a closure is a reference cycle, and it held every message's frames until the garbage
+    collector ran (at 1 MiB a frame, the first GB/s over TCP halved)."""
+    if isinstance(value, dict):
+        if _ND in value:
+            return _array(value[_ND], buffers)
+        return {k: v if type(v) in _SCALARS else _arrays_in(v, buffers) for k, v in value.items()}
+    if isinstance(value, list):
+        return [v if type(v) in _SCALARS else _arrays_in(v, buffers) for v in value]
+    return value
 
 
 def _array(ref, buffers: list[memoryview]) -> np.ndarray:
