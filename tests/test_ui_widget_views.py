@@ -42,6 +42,22 @@ def test_heatmap_one_column_per_token_values_equal_data(heatmap):
     assert (rect.left(), rect.width(), rect.top(), rect.height()) == (0, 37, 0, 24)
 
 
+def test_heatmap_axes_label_tokens_and_features_as_they_are(heatmap):
+    """The axes once drew positions x1000: the SI prefix scale of the range they had when automatic
+    prefixes were switched off (0 to 0.5) stayed frozen in."""
+    from PySide6.QtGui import QImage, QPainter
+
+    show(heatmap, np.zeros((47, 256), np.float32))
+    image = QImage(400, 400, QImage.Format.Format_ARGB32)
+    painter = QPainter(image)
+    try:
+        for side, limit in (("bottom", 47), ("left", 256)):
+            texts = [float(t[2]) for t in heatmap.plot.getAxis(side).generateDrawSpecs(painter)[2]]
+            assert texts and 0 <= min(texts) and max(texts) <= limit, (side, texts)
+    finally:
+        painter.end()
+
+
 def test_heatmap_grows_incrementally(heatmap):
     rows = HookRows(8)
     rng = np.random.default_rng(1)

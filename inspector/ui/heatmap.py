@@ -502,11 +502,13 @@ def quiet_axes(view: pg.GraphicsView) -> None:
     per frame): drawn once into pixmaps (a repaint of the image repainted every axis); ticks outside
     (an axis reaching into the image repaints with it); two tick levels (a third, too fine to read,
     took a third of each redraw); no automatic SI prefix (it re-laid-out the plot at every change of
-    the range, and the axes then drew twice)."""
+    the range, and the axes then drew twice), and no prefix scale left behind: switching it off keeps
+    the scale of the range at that moment (0 to 0.5: ticks x1000), so no range may ask for one."""
     for item in view.scene().items():
         if isinstance(item, pg.AxisItem):
             item.setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
             item.setStyle(tickLength=5, maxTickLevel=1, maxTextLevel=1)
+            item.setSIPrefixEnableRanges(())
             item.enableAutoSIPrefix(False)
 
 
