@@ -108,3 +108,19 @@ def test_hook_rows_refuse_rows_that_do_not_fit():
     rows = HookRows(3)
     with pytest.raises(ValueError, match="do not fit a hook of width 3"):
         rows.append(np.arange(2), np.arange(2), np.ones((2, 4)))
+
+
+def test_a_requests_rows_are_copied_once_into_room_made_for_its_prompt_and_token_budget():
+    """Regrowing per-request arrays copied every row again and again (batch 32 of an 8B model: 16 MiB
+    a step); the room for the prompt and ``max_tokens`` is made when the first rows arrive."""
+    run, width = Run(metadata={}), 8
+    start = RequestStart("r", "p", (1, 2, 3), ("a", "b", "c"), {"max_tokens": 40})
+    prompt_rows = (np.arange(3), np.array([1, 2, 3]), np.ones((3, width), np.float32))
+    fold_event(run, StepEvent(0, (RequestStep("r", rows={"h": prompt_rows}),), (start,)))
+    first_buffer = run.requests["r"].hooks["h"].values.base
+    for position in range(3, 43):
+        row = (np.array([position]), np.array([7]), np.full((1, width), position, np.float32))
+        fold_event(run, StepEvent(position, (RequestStep("r", rows={"h": row}),)))
+    rows = run.requests["r"].hooks["h"]
+    assert rows.values.base is first_buffer and len(rows) == 43
+    assert rows.values[-1].tolist() == [42.0] * width and rows.positions.tolist() == list(range(43))

@@ -143,6 +143,9 @@ def checked_interventions(interventions: list[Intervention], installed: dict[str
     return checked
 
 
+MAX_EXPECTED_ROWS = 4096  # room made at once per request and hook; a longer request grows as it goes
+
+
 def fold_event(run: Run, event: StepEvent, keep_rows: bool = True) -> set[str]:
     """Add what ``event`` says to ``run``; returns the ids of the requests it changed."""
     for start in event.started:
@@ -160,7 +163,8 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True) -> set[str]:
         if keep_rows:
             for hook, rows in step.rows.items():
                 if hook not in req.hooks:
-                    req.hooks[hook] = HookRows(rows[2].shape[1])
+                    expected = len(req.prompt_token_ids) + int(req.sampling.get("max_tokens") or 0)
+                    req.hooks[hook] = HookRows(rows[2].shape[1], max(min(expected, MAX_EXPECTED_ROWS), len(rows[0])))
                 req.hooks[hook].append(*rows)
         if step.finished:
             req.finish_reason = step.finish_reason

@@ -27,11 +27,13 @@ class TopToken(NamedTuple):
 class HookRows:
     """Rows of one hook for one request, appended step by step."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, expected_rows: int = 16):
+        """``expected_rows``: room made at once (a request's prompt and token budget), so rows are
+        copied once instead of again at every regrowth; untouched room costs address space, not memory."""
         self.width = width
-        self._positions = GrowableArray(np.int64)
-        self._token_ids = GrowableArray(np.int64)
-        self._values = GrowableArray(np.float32, (width,))
+        self._positions = GrowableArray(np.int64, capacity=expected_rows)
+        self._token_ids = GrowableArray(np.int64, capacity=expected_rows)
+        self._values = GrowableArray(np.float32, (width,), capacity=expected_rows)
 
     def append(self, positions, token_ids, values) -> None:
         values = np.asarray(values)
