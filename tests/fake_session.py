@@ -18,10 +18,12 @@ import numpy as np
 
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
+from inspector.capture.lens import Lens, checked_lens_request
 from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError,
                                         SessionOptions, StepEvent, checked_interventions, fold_event)
 from inspector.capture.run import Run, TopToken
 
+FAKE_VOCAB_SIZE = 1024  # the fake's token ids stay below it
 VOCAB = [" the", " cat", " sat", " on", " a", " mat", ".", "\n", " and", " then", " it", " ran"]
 
 
@@ -119,6 +121,24 @@ class FakeSession:
             time.sleep(self.boot_delay)
             return True
         return False
+
+    def lens(self, values, k: int = 5, chosen=None) -> Lens:
+        """A fixed random unembedding of unit-normalised rows (the real one is tested against transformers)."""
+        self._require_alive()
+        self.threads.add(threading.get_ident())
+        width = next(h.width for h in self.catalogue if h.kind == "normalized")
+        values, chosen = checked_lens_request(values, k, chosen, width, FAKE_VOCAB_SIZE)
+        unit = values / np.maximum(np.linalg.norm(values, axis=1, keepdims=True), 1e-6)
+        logits = unit @ np.random.default_rng(7).standard_normal((width, FAKE_VOCAB_SIZE)).astype(np.float32)
+        shifted = logits - logits.max(1, keepdims=True)
+        logp = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
+        order = np.argsort(-logp, axis=1, kind="stable")[:, :k]
+        lens = Lens(order.astype(np.int64), np.take_along_axis(logp, order, 1).astype(np.float32))
+        if chosen is None:
+            return lens
+        picked = logp[np.arange(len(chosen)), chosen]
+        return replace(lens, chosen_logprobs=picked.astype(np.float32),
+                       chosen_ranks=(logp > picked[:, None]).sum(1).astype(np.int64))
 
     def close(self) -> None:
         self.threads.add(threading.get_ident())

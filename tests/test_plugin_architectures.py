@@ -1,6 +1,8 @@
 """Qwen2 and GPT-2 in both flavours: residual stream and greedy tokens match transformers."""
 
+import numpy as np
 import pytest
+import torch
 
 import hf_reference
 from engines import PARITY_TOL, assert_greedy_matches, booted, generate, rel_l2, rpc
@@ -33,3 +35,24 @@ def test_parity_with_transformers(engine, tiny_models):
             # neuron activations multiply two projections: their relative error is larger than the stream's
             assert rel_l2(by_alias[f"blocks.{layer}.mlp.hook_post"]["values"], ref["mlp_post"][layer]).max() < 3 * PARITY_TOL
         assert rel_l2(by_alias["ln_final.hook_normalized"]["values"], ref["final"]).max() < PARITY_TOL
+
+
+def test_the_lens_is_the_models_own_final_norm_and_head_and_a_capture_there_sees_nothing_of_it(engine, tiny_models):
+    """An RMSNorm (Qwen2) or a LayerNorm with tied embeddings (GPT-2): the lens is what transformers'
+    final norm and head make of its own hidden states, at every layer."""
+    arch, llm = engine
+    aliases = {p["name"]: p["alias"] for p in rpc(llm, "inspector_describe")["hook_points"]}
+    tokens, caps = generate(llm, PROMPTS[:1], max_tokens=4)
+    (rid, (prompt_ids, gen_ids)), = tokens.items()
+    ref = hf_reference.run(tiny_models[arch], (prompt_ids + gen_ids)[:-1])
+    model = hf_reference.load(str(tiny_models[arch]))
+    norm = model.model.norm if hasattr(model, "model") else model.transformer.ln_f
+    by_alias = {aliases[name]: rows for name, rows in caps[rid].items()}
+    for layer in range(ref["resid_post"].shape[0]):
+        got = rpc(llm, "inspector_lens", by_alias[f"blocks.{layer}.hook_resid_post"]["values"], 5, None)
+        with torch.no_grad():
+            expected = torch.log_softmax(model.lm_head(norm(torch.from_numpy(ref["resid_post"][layer]))), -1).numpy()
+        top = np.argsort(-expected, axis=1)[:, :5]
+        np.testing.assert_array_equal(got["top_ids"], top)
+        np.testing.assert_allclose(got["top_logprobs"], np.take_along_axis(expected, top, 1), rtol=1e-5)
+    assert rpc(llm, "inspector_drain") == {}  # the final norm's capture did not run for the lens

@@ -11,6 +11,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 import hf_reference
 from engines import ENGINE_ARGS, PARITY_TOL, rel_l2, rpc
@@ -148,6 +149,50 @@ def test_bad_interventions_are_refused_at_once(sessions, kind):
             session.set_interventions([bad])
     with pytest.raises(ValueError, match="no prompts"):
         next(session.generate([]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_lens_gives_top_tokens_and_the_chosen_tokens_rank_and_refuses_rows_that_do_not_fit(sessions, kind):
+    session, _ = sessions[kind]
+    collect(session, PROMPTS[:1], Sampling(max_tokens=3))
+    rows = list(session.run.requests.values())[-1].hooks["model.layers.1.resid_post"].values
+    lens = session.lens(rows, k=4)
+    assert lens.top_ids.shape == lens.top_logprobs.shape == (len(rows), 4) and lens.chosen_ranks is None
+    assert (np.diff(lens.top_logprobs, axis=1) <= 0).all() and (lens.top_logprobs <= 0).all()
+    second = session.lens(rows, k=2, chosen=lens.top_ids[:, 1])
+    assert second.chosen_ranks.tolist() == [1] * len(rows)
+    np.testing.assert_allclose(second.chosen_logprobs, lens.top_logprobs[:, 1], rtol=1e-6)
+    for bad, message in [(dict(values=rows[:, :5]), "residual-stream rows"), (dict(values=rows, k=0), "k must"),
+                         (dict(values=rows * np.nan), "finite"),
+                         (dict(values=rows, chosen=[10 ** 9] * len(rows)), "token ids must lie"),
+                         (dict(values=rows, chosen=[1]), "one token id per row")]:
+        with pytest.raises(ValueError, match=message):
+            session.lens(**bad)
+    assert session.lens(rows[:1], k=1).top_ids.shape == (1, 1)  # still serving
+
+
+@pytest.mark.parametrize("kind", ["real", "remote"])
+def test_the_lens_of_every_layer_is_transformers_final_norm_and_head_and_the_last_is_the_models_own(
+        tiny_models, sessions, kind):
+    session, _ = sessions[kind]
+    collect(session, PROMPTS[:1], Sampling(max_tokens=6, ignore_eos=True, logprobs=1))
+    req = list(session.run.requests.values())[-1]
+    prompt_len, positions = len(req.prompt_token_ids), req.hooks["model.layers.1.resid_post"].positions
+    model = hf_reference.load(str(tiny_models["llama"]))
+    hidden = hf_reference.run(tiny_models["llama"], req.token_ids[:-1])["resid_post"]
+    for layer in (0, 1):
+        rows = req.hooks[f"model.layers.{layer}.resid_post"].values
+        lens = session.lens(rows, k=5, chosen=np.array(req.token_ids[1:len(rows) + 1]))
+        with torch.no_grad():
+            ref = torch.log_softmax(model.lm_head(model.model.norm(torch.from_numpy(hidden[layer]))), -1).numpy()
+        ref_top = np.argsort(-ref, axis=1)[:, :5]
+        np.testing.assert_array_equal(lens.top_ids, ref_top)
+        np.testing.assert_allclose(lens.top_logprobs, np.take_along_axis(ref, ref_top, 1), rtol=1e-5)
+    # the last layer's lens at the position before each generated token is that token's logprob
+    own = np.array(req.logprobs)
+    at = [list(positions).index(p) for p in range(prompt_len - 1, prompt_len - 1 + len(own))]
+    np.testing.assert_allclose(lens.chosen_logprobs[at], own, atol=1e-4)
+    assert (lens.chosen_ranks[at] == 0).all()  # greedy
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -16,6 +16,7 @@ import numpy as np
 
 from .hooks import HookPoint, installed_name
 from .interventions import Intervention, validate
+from .lens import Lens
 from .run import HookRows, RequestCapture, Run, TopToken
 
 MODES = ("compiled", "eager")
@@ -121,6 +122,10 @@ class SessionProtocol(Protocol):
 
     def upcoming_request_ids(self, n: int) -> list[str]:
         """The ids the next ``generate`` of ``n`` prompts will give its requests (to scope interventions)."""
+
+    def lens(self, values, k: int = 5, chosen=None) -> Lens:
+        """The logit lens of residual-stream rows [rows, hidden] (see ``Lens``): the model's own final
+        norm and unembedding, on the engine's device. ValueError for rows or ids that do not fit."""
 
     def new_run(self) -> None: ...
 

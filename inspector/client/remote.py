@@ -8,8 +8,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator
 
+import numpy as np
+
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
+from inspector.capture.lens import Lens
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent,
                                         checked_interventions, fold_event)
 from inspector.capture.run import Run
@@ -156,6 +159,12 @@ class RemoteSession:
                                "the server's options")
         self.run.hooks.update(self.installed)
         return bool(reply.body["restarted"])
+
+    def lens(self, values, k: int = 5, chosen=None) -> Lens:
+        """Checked by the server (ValueError with its reason)."""
+        self._require_alive()
+        body = {"values": np.asarray(values), "k": k, **({} if chosen is None else {"chosen": np.asarray(chosen)})}
+        return Lens.from_arrays(self._call("lens", body).body)
 
     def close(self) -> None:
         if self._conn is not None:

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 from inspector import __version__
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
+from inspector.capture.lens import Lens, checked_lens_request
 from inspector.capture.models import model_config, resolve_model
 from inspector.capture.protocol import (MODES, BootProgress, RequestStart, RequestStep, Rows, Sampling,
                                         SessionError, SessionOptions, StepEvent, checked_interventions,
@@ -141,6 +142,13 @@ class Session:
         self._unstarted += starts
         self._apply_interventions(self._open, force=True)  # the new requests' log starts now
         return starts
+
+    def lens(self, values, k: int = 5, chosen=None) -> Lens:
+        self._require_alive()
+        width = next(h.width for h in self.catalogue if h.kind == "normalized")
+        vocab = self._llm.llm_engine.model_config.get_vocab_size()
+        values, chosen = checked_lens_request(values, k, chosen, width, vocab)
+        return Lens.from_arrays(self._llm.collective_rpc("inspector_lens", args=(values, k, chosen))[0])
 
     @property
     def open_requests(self) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from inspector.capture.interventions import Intervention
 
-from . import hookpoints, vllm_compat
+from . import hookpoints, lens, vllm_compat
 from .config import PluginConfig
 from .runtime import InspectorRuntime
 
@@ -79,6 +79,13 @@ class InspectorWorkerExtension:
 
     def inspector_remove_hooks(self, names: list[str]) -> None:
         self._eager_runtime("removed").remove(list(names))
+
+    def inspector_lens(self, values, k: int, chosen=None) -> dict:
+        """The logit lens of residual-stream rows (checked by the caller): top ``k`` and ``chosen``."""
+        runtime = self._inspector()
+        dtype = next(runtime.model.parameters()).dtype
+        return lens.lens(runtime.model, lens.final_norm(runtime.model, runtime.catalogue), values, int(k), chosen,
+                         runtime.device, dtype)
 
     def inspector_compilation_count(self) -> int:
         return vllm_compat.compilation_count()

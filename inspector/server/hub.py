@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from inspector.capture.hooks import HookPoint, installed_name
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import RequestStep, Sampling, SessionError, StepEvent, checked_interventions
@@ -64,7 +66,7 @@ class Hub:
     def handle(self, key: bytes, message: Message) -> None:
         """A client's message; anything wrong with it becomes an error reply, never an exception."""
         handlers = {"hello": self._hello, "generate": self._generate, "stop": self._stop, "bye": self._bye,
-                    "set_interventions": self._set_interventions, "set_hooks": self._set_hooks}
+                    "set_interventions": self._set_interventions, "set_hooks": self._set_hooks, "lens": self._lens}
         if message.type not in handlers:
             self.send(key, error(message, "unknown-type", f"unknown message type {message.type!r}"))
             return
@@ -208,6 +210,16 @@ class Hub:
         client.interventions = [iv for iv in client.interventions if iv.hook in self.installed_for(client)]
         self._push_interventions()
         self.send(client.key, Message("ok", {"restarted": restarted, **self.describe(client)}, message.id))
+
+    def _lens(self, client: Client, message: Message) -> None:
+        body = message.body
+        if not isinstance(body.get("values"), np.ndarray):
+            raise WireError("invalid", "lens needs 'values', an array of residual-stream rows")
+        chosen = body.get("chosen")
+        if chosen is not None and not isinstance(chosen, np.ndarray):
+            raise WireError("invalid", "lens's 'chosen' must be an array of token ids")
+        result = self.session.lens(body["values"], body.get("k", 5), chosen)  # ValueError: an error reply
+        self.send(client.key, Message("ok", result.as_arrays(), message.id))
 
     def _bye(self, client: Client, message: Message) -> None:
         self.client_gone(client.key)

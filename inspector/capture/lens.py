@@ -1,0 +1,50 @@
+"""What the logit lens returns, and what it accepts: the same checks for every kind of session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_K = 100
+
+
+@dataclass(frozen=True)
+class Lens:
+    """Per row of residual stream: the ``k`` most likely next tokens under the model's own final norm
+    and unembedding, best first; with ``chosen`` tokens, their logprob and rank (0 = the top)."""
+
+    top_ids: np.ndarray  # [rows, k] int64
+    top_logprobs: np.ndarray  # [rows, k] float32
+    chosen_logprobs: np.ndarray | None = None  # [rows] float32
+    chosen_ranks: np.ndarray | None = None  # [rows] int64
+
+    @classmethod
+    def from_arrays(cls, arrays: dict) -> "Lens":
+        return cls(arrays["top_ids"], arrays["top_logprobs"], arrays.get("chosen_logprobs"), arrays.get("chosen_ranks"))
+
+    def as_arrays(self) -> dict:
+        arrays = {"top_ids": self.top_ids, "top_logprobs": self.top_logprobs}
+        if self.chosen_logprobs is not None:
+            arrays.update(chosen_logprobs=self.chosen_logprobs, chosen_ranks=self.chosen_ranks)
+        return arrays
+
+
+def checked_lens_request(values, k: int, chosen, width: int, vocab: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """``values`` as float32 [rows, width] and ``chosen`` as int64 [rows] (or None); ValueError with
+    the reason for anything else."""
+    values = np.asarray(values)
+    if values.ndim != 2 or values.shape[1] != width or not len(values):
+        raise ValueError(f"the lens takes residual-stream rows [rows, {width}], got an array of shape {values.shape}")
+    if not np.issubdtype(values.dtype, np.floating) or not np.isfinite(values).all():
+        raise ValueError("the lens takes finite floating-point rows")
+    if not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= min(MAX_K, vocab)):
+        raise ValueError(f"k must be an integer from 1 to {min(MAX_K, vocab)}, got {k!r}")
+    if chosen is not None:
+        chosen = np.asarray(chosen)
+        if chosen.shape != (len(values),) or not np.issubdtype(chosen.dtype, np.integer):
+            raise ValueError(f"chosen must be one token id per row ({len(values)}), got shape {chosen.shape}")
+        if len(chosen) and (chosen.min() < 0 or chosen.max() >= vocab):
+            raise ValueError(f"chosen token ids must lie in 0..{vocab - 1}")
+        chosen = chosen.astype(np.int64)
+    return values.astype(np.float32, copy=False), chosen
