@@ -64,3 +64,11 @@ def assert_greedy_matches(ref_logits, prompt_len, gen_ids):
         best = int(row.argmax())
         assert token == best or row[best] - row[token] <= PARITY_TOL * np.abs(row).max(), (
             f"generated token {k}: {token}, reference argmax {best} (logit gap {row[best] - row[token]:.3g})")
+
+
+def assert_lens_matches(top_ids, top_logprobs, ref_logprobs):
+    """A lens's top tokens are the reference's (order may swap within the parity tolerance: near-ties
+    of random tiny models), with the reference's logprobs."""
+    ref = np.asarray(ref_logprobs, np.float64)
+    np.testing.assert_allclose(top_logprobs, -np.sort(-ref, axis=1)[:, :top_ids.shape[1]], rtol=PARITY_TOL)
+    np.testing.assert_allclose(np.take_along_axis(ref, top_ids, 1), top_logprobs, rtol=PARITY_TOL)

@@ -1,11 +1,10 @@
-"""Qwen2 and GPT-2 in both flavours: residual stream and greedy tokens match transformers."""
+"""Qwen2 and GPT-2 in both flavours: residual stream, greedy tokens and the logit lens match transformers."""
 
-import numpy as np
 import pytest
 import torch
 
 import hf_reference
-from engines import PARITY_TOL, assert_greedy_matches, booted, generate, rel_l2, rpc
+from engines import PARITY_TOL, assert_greedy_matches, assert_lens_matches, booted, generate, rel_l2, rpc
 
 PROMPTS = ["def fibonacci(n):", "for key, value in items.items():"]
 
@@ -52,7 +51,5 @@ def test_the_lens_is_the_models_own_final_norm_and_head_and_a_capture_there_sees
         got = rpc(llm, "inspector_lens", by_alias[f"blocks.{layer}.hook_resid_post"]["values"], 5, None)
         with torch.no_grad():
             expected = torch.log_softmax(model.lm_head(norm(torch.from_numpy(ref["resid_post"][layer]))), -1).numpy()
-        top = np.argsort(-expected, axis=1)[:, :5]
-        np.testing.assert_array_equal(got["top_ids"], top)
-        np.testing.assert_allclose(got["top_logprobs"], np.take_along_axis(expected, top, 1), rtol=1e-5)
+        assert_lens_matches(got["top_ids"], got["top_logprobs"], expected)
     assert rpc(llm, "inspector_drain") == {}  # the final norm's capture did not run for the lens
