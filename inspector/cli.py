@@ -14,8 +14,12 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
 from inspector import __version__
+from inspector.capture.hooks import RESIDUAL_KINDS
 from inspector.capture.interventions import Intervention
+from inspector.capture.lens import MAX_K
 from inspector.capture.positions import parse_positions
 from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol
 from inspector.capture.vectors import load_vector
@@ -126,6 +130,8 @@ def capture(args) -> int:
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompt-file")
     interventions = [parse_intervention(text, len(prompts)) for text in args.intervene or []]
+    if args.lens and not 1 <= args.lens <= MAX_K:
+        raise ValueError(f"--lens takes K from 1 to {MAX_K}, got {args.lens}")
     out = Path(args.out)
     check_target(out)  # before the engine boots: a bad path costs no boot
     progress = TerminalProgress()
@@ -138,6 +144,9 @@ def capture(args) -> int:
             if "request_id" in iv:
                 iv["request_id"] = ids[iv["request_id"]]
         session.set_interventions([Intervention.from_dict(iv) for iv in interventions])
+        lens_hooks = {name for name, p in session.installed.items() if p.kind in RESIDUAL_KINDS} if args.lens else set()
+        if args.lens and not lens_hooks:
+            raise ValueError("--lens reads the residual stream: capture a resid_pre, resid_mid or resid_post hook")
         with CaptureWriter(out, session.run.metadata, session.installed) as writer:
             total, done = args.max_tokens * len(prompts), 0
             progress.tokens(0, total)
@@ -150,6 +159,8 @@ def capture(args) -> int:
                     if step.finished:
                         writer.update_request(session.run.requests[step.request_id])
                     done += len(step.new_token_ids)
+                if lens_hooks:
+                    write_lens(session, writer, event, lens_hooks, args.lens)
                 progress.tokens(min(done, total), total)
         summary = {
             "out": str(out.resolve()),
@@ -170,6 +181,20 @@ def capture(args) -> int:
             print(f"{r['id']}: {r['prompt']!r} → {r['text']!r} ({r['finish_reason']})")
         print(f"wrote {summary['out']} ({len(summary['hooks'])} hooks)")
     return 0
+
+
+def write_lens(session, writer, event, hooks: set[str], k: int) -> None:
+    """The lens of an event's residual-stream rows, all of them in one call to the engine."""
+    parts = [(step.request_id, hook, rows) for step in event.requests for hook, rows in step.rows.items()
+             if hook in hooks and len(rows[0])]
+    if not parts:
+        return
+    lens = session.lens(np.concatenate([rows[2] for _, _, rows in parts]), k)
+    at = 0
+    for rid, hook, (positions, _, _) in parts:
+        n = len(positions)
+        writer.append_lens(rid, hook, positions, lens.top_ids[at:at + n], lens.top_logprobs[at:at + n])
+        at += n
 
 
 def hooks(args) -> int:
@@ -265,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--temperature", type=float, default=0.0)
     cap.add_argument("--seed", type=int, default=None)
     cap.add_argument("--logprobs", type=int, default=5, help="top-k logprobs kept per generated token")
+    cap.add_argument("--lens", type=int, default=0, metavar="K",
+                     help="also store the logit lens of every residual-stream hook captured (resid_pre/mid/post): "
+                          f"per row, the top K next tokens and their logprobs under the model's final norm and "
+                          f"unembedding (1-{MAX_K}; datasets /requests/<i>/lens/<hook>/…, docs/capture-format.md)")
     cap.add_argument("--out", required=True, help="the HDF5 file to write")
     cap.add_argument("--intervene", action="append", metavar="HOOK:scale=…,bias=…",
                      help="an intervention; keys: scale, bias (number or .npy), positions (3-5;8), request (index)")

@@ -6,7 +6,10 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
+import hf_reference
+from engines import assert_lens_matches
 from inspector.io import read_run
 
 
@@ -22,7 +25,8 @@ def test_capture_on_the_demo_model(tmp_path):
     out = tmp_path / "run.h5"
     result = inspector("capture", "--model", "demo", "--prompt", "def ", "--prompt", "import ",
                        "--hooks", "blocks.*.hook_resid_post", "blocks.0.mlp.hook_post", "--max-tokens", "6",
-                       "--intervene", "blocks.1.hook_resid_post:scale=0.5,request=1", "--out", str(out), "--json")
+                       "--intervene", "blocks.1.hook_resid_post:scale=0.5,request=1", "--lens", "3", "--out", str(out),
+                       "--json")
     summary = json.loads(result.stdout)
     assert "[compiling]" in result.stderr and "[ready]" in result.stderr
     assert "[generating] 12/12 tokens" in result.stderr  # progress on stderr: stdout is only the JSON
@@ -40,6 +44,17 @@ def test_capture_on_the_demo_model(tmp_path):
     first, second = run.requests.values()
     assert first.intervention_log == [(0, [])]
     assert second.intervention_log[0][1][0]["scale"] == 0.5
+    # the lens of every residual-stream row: transformers' final norm and head applied to the stored rows
+    model = hf_reference.load(run.metadata["model_path"])
+    norm = model.model.norm if hasattr(model, "model") else model.transformer.ln_f
+    for req in run.requests.values():
+        assert set(req.lens) == {h for h, info in run.hooks.items() if info.kind == "resid_post"}
+        for hook, lens in req.lens.items():
+            rows = req.hooks[hook]
+            assert lens.positions.tolist() == rows.positions.tolist() and lens.top_ids.shape == (len(rows), 3)
+            with torch.no_grad():
+                ref = torch.log_softmax(model.lm_head(norm(torch.from_numpy(np.asarray(rows.values)))), -1).numpy()
+            assert_lens_matches(lens.top_ids, lens.top_logprobs, ref)
 
 
 def test_bad_input_exits_with_a_clear_message(tmp_path):
@@ -52,6 +67,9 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     result = inspector("capture", "--prompt", "x", "--intervene", "blocks.0.hook_resid_post:positions=4-2",
                        "--out", str(tmp_path / "r.h5"), check=False)
     assert result.returncode == 1 and "runs backwards" in result.stderr
+    result = inspector("capture", "--prompt", "x", "--lens", "101", "--out", str(tmp_path / "r.h5"), check=False)
+    assert result.returncode == 1 and "--lens takes K from 1 to 100" in result.stderr
+    assert "[resolving]" not in result.stderr
     assert not (tmp_path / "r.h5").exists()
 
 

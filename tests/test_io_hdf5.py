@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from inspector.capture.hooks import HookPoint
-from inspector.capture.run import HookRows, RequestCapture, Run, TopToken
+from inspector.capture.run import HookRows, LensRows, RequestCapture, Run, TopToken
 from inspector.io import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, CaptureWriter, H5Array, LazyHookRows,
                           open_run, read_run, write_run)
 from inspector.io.format import chunk_cols_for, chunk_rows_for, escape_name, unescape_name
@@ -75,6 +75,9 @@ def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3)) -> Run:
             if n:
                 hr.append(np.arange(n, dtype=np.int64), rng.integers(0, 50_000, n), special_values(rng, n, width))
             req.hooks[name] = hr
+            if n and name in ("model.layers.0.resid_post", "odd/name%with.slash"):  # a lens, escaped name too
+                lens = req.lens[name] = LensRows(3)
+                lens.append(np.arange(n), rng.integers(0, 50_000, (n, 3)), -rng.random((n, 3)).astype(np.float32))
         run.requests[req.request_id] = req
     return run
 
@@ -100,6 +103,11 @@ def assert_runs_equal(a: Run, b: Run) -> None:
             assert ha.width == hb.width and len(ha) == len(hb)
             assert np.array_equal(ha.positions, hb.positions) and np.array_equal(ha.token_ids, hb.token_ids)
             assert np.array_equal(bits(ha.values), bits(hb.values)), (rid, name)
+        assert list(ra.lens) == list(rb.lens)
+        for name, la in ra.lens.items():
+            lb = rb.lens[name]
+            assert np.array_equal(la.positions, lb.positions) and np.array_equal(la.top_ids, lb.top_ids)
+            assert np.array_equal(bits(la.top_logprobs), bits(lb.top_logprobs)), (rid, name)
 
 
 def listing(d: Path) -> list[str]:
@@ -156,6 +164,10 @@ def stream(run: Run, path: Path, seed: int, **options) -> None:
         for req in run.requests.values():
             w.add_request(RequestCapture(req.request_id, req.prompt, list(req.prompt_token_ids), req.sampling))
         for req in run.requests.values():
+            for name, lens in req.lens.items():
+                for a in range(len(lens)):  # a row per step
+                    w.append_lens(req.request_id, name, lens.positions[a:a + 1], lens.top_ids[a:a + 1],
+                                  lens.top_logprobs[a:a + 1])
             for name, rows in req.hooks.items():
                 n = len(rows)
                 cuts = [0, min(n, int(rng.integers(0, 40)))]  # prefill

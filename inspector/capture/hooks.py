@@ -12,6 +12,9 @@ def matches_pattern(name: str, alias: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(alias, pattern)
 
 
+RESIDUAL_KINDS = ("resid_pre", "resid_mid", "resid_post")  # the residual stream: what the logit lens reads
+
+
 @dataclass(frozen=True)
 class HookPoint:
     """Where an activation can be read and replaced: ``name`` is stable (``<module path>.<kind>``),

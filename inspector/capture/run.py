@@ -68,6 +68,41 @@ class HookRows:
         return len(self._positions)
 
 
+class LensRows:
+    """The logit lens of one hook's rows for one request: per position, the top ``k`` next tokens."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self._positions = GrowableArray(np.int64)
+        self._top_ids = GrowableArray(np.int64, (k,))
+        self._top_logprobs = GrowableArray(np.float32, (k,))
+
+    def append(self, positions, top_ids, top_logprobs) -> None:
+        positions, top_ids = np.asarray(positions, np.int64).reshape(-1), np.asarray(top_ids, np.int64)
+        top_logprobs = np.asarray(top_logprobs, np.float32)
+        if top_ids.shape != (len(positions), self.k) or top_logprobs.shape != top_ids.shape:
+            raise ValueError(f"a lens of {len(positions)} positions and k = {self.k} takes top ids and logprobs of "
+                             f"shape {(len(positions), self.k)}, not {top_ids.shape} and {top_logprobs.shape}")
+        self._positions.append(positions)
+        self._top_ids.append(top_ids)
+        self._top_logprobs.append(top_logprobs)
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._positions.view()
+
+    @property
+    def top_ids(self) -> np.ndarray:
+        return self._top_ids.view()
+
+    @property
+    def top_logprobs(self) -> np.ndarray:
+        return self._top_logprobs.view()
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+
 @dataclass
 class RequestCapture:
     request_id: str
@@ -82,6 +117,7 @@ class RequestCapture:
     # (first position computed under this set, the interventions active for this request then, as dicts)
     intervention_log: list[tuple[int, list[dict]]] = field(default_factory=list)
     hooks: dict[str, HookRows] = field(default_factory=dict)
+    lens: dict[str, LensRows] = field(default_factory=dict)  # by hook: the logit lens of its rows, if asked for
     finish_reason: str | None = None
 
     @property

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 
 from inspector.capture.hooks import HookPoint
-from inspector.capture.run import HookRows, RequestCapture, Run, TopToken
+from inspector.capture.run import HookRows, LensRows, RequestCapture, Run, TopToken
 
 from .format import FORMAT_NAME, FORMAT_VERSION, CaptureFileError, get_text, os_reason, read_texts, unescape_name
 
@@ -271,6 +271,21 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
         except ValueError as exc:
             raise damaged(f"the {key!r} attribute of {obj.name} is not valid JSON: {exc}") from exc
 
+    def read_lens(request_group) -> dict[str, LensRows]:
+        """The request's logit lens by hook (absent in files written without one)."""
+        lens = {}
+        for link, hg in (group(request_group, "lens").items() if "lens" in request_group else ()):
+            name = get_text(hg, "name") or unescape_name(link)
+            if name not in hooks:
+                raise damaged(f"{hg.name} holds a lens of hook {name!r}, which /hooks does not describe")
+            ids, logprobs, positions = dataset(hg, "top_ids"), dataset(hg, "top_logprobs"), dataset(hg, "positions")
+            if ids.ndim != 2 or logprobs.shape != ids.shape or positions.shape != (len(ids),):
+                raise damaged(f"the lens datasets of {hg.name} have shapes {positions.shape}, {ids.shape}, "
+                              f"{logprobs.shape}")
+            lens[name] = LensRows(ids.shape[1])
+            lens[name].append(positions, ids, logprobs)
+        return lens
+
     meta_text = get_text(f, "metadata")
     if meta_text is not None:
         metadata = json_attr(f, "metadata", {})
@@ -349,6 +364,7 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
             hook_rows.append((order[name], name, LazyHookRows(hg, hooks[name].width, owner)))
         hook_rows.sort(key=lambda x: x[0])
         req.hooks = {name: rows for _, name, rows in hook_rows}
+        req.lens = read_lens(g)
         requests[rid] = req
     return Run(metadata=metadata, hooks=hooks, requests=requests)
 

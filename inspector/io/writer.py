@@ -19,7 +19,7 @@ import numpy as np
 from inspector import __version__ as APP_VERSION
 from inspector.capture.arrays import GrowableArray
 from inspector.capture.hooks import HookPoint
-from inspector.capture.run import RequestCapture, Run, TopToken
+from inspector.capture.run import LensRows, RequestCapture, Run, TopToken
 
 from .format import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, chunk_cols_for, chunk_rows_for,
                      compression_kwargs, escape_name, os_reason, set_text, to_json, write_texts)
@@ -92,11 +92,12 @@ class _Snapshot:
 
 
 class _Request:
-    __slots__ = ("index", "group", "snapshot", "buffers")
+    __slots__ = ("index", "group", "snapshot", "buffers", "lens")
 
     def __init__(self, index: int, group, snapshot: _Snapshot):
         self.index, self.group, self.snapshot = index, group, snapshot
         self.buffers: dict[str, _HookBuffer] = {}
+        self.lens: dict[str, LensRows] = {}  # small (k ids and logprobs a row): written with the request's data
 
 
 class CaptureWriter:
@@ -352,6 +353,17 @@ class CaptureWriter:
         if self._io.error is not None:
             self._fail(self._io.error, f"appending rows of hook {hook!r}")
 
+    def append_lens(self, request_id: str, hook: str, positions, top_ids, top_logprobs) -> None:
+        """Append the logit lens of rows of ``hook``: per position, the top k token ids and logprobs."""
+        self._check_open()
+        req = self._request(request_id)
+        if hook not in self._hooks:
+            raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
+        rows = req.lens.get(hook)
+        if rows is None:
+            rows = req.lens[hook] = LensRows(np.shape(top_ids)[1] if np.ndim(top_ids) == 2 else 0)
+        rows.append(positions, top_ids, top_logprobs)
+
     def release(self, request_id: str) -> None:
         """Write a request's buffered rows now (as when it finishes), freeing its buffers: its rows
         are complete."""
@@ -483,6 +495,18 @@ class CaptureWriter:
             set_text(g, "finish_reason", s.finish_reason)
         elif "finish_reason" in g.attrs:
             del g.attrs["finish_reason"]
+        if "lens" in g:
+            del g["lens"]
+        if req.lens:
+            lens_group = g.create_group("lens")
+            for name, rows in req.lens.items():
+                link = escape_name(name)
+                hg = lens_group.create_group(link)
+                if link != name:
+                    set_text(hg, "name", name)
+                hg.create_dataset("positions", data=rows.positions)
+                hg.create_dataset("top_ids", data=rows.top_ids)
+                hg.create_dataset("top_logprobs", data=rows.top_logprobs)
 
 
 def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,
@@ -509,6 +533,8 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
                     done += (b - a) * (rows.width * 4 + 16)
                     if progress and total:
                         progress(min(1.0, done / total))
+            for name, lens in req.lens.items():
+                writer.append_lens(req.request_id, name, lens.positions, lens.top_ids, lens.top_logprobs)
             writer.update_request(req)
             if req.finish_reason is None:  # update_request wrote a finished one's rows already
                 writer.release(req.request_id)
