@@ -184,16 +184,28 @@ def capture(args) -> int:
 
 
 def write_lens(session, writer, event, hooks: set[str], k: int) -> None:
-    """The lens of an event's residual-stream rows, all of them in one call to the engine."""
+    """The lens of an event's residual-stream rows, all of them in one call to the engine, with the
+    token that came next at each row (known by now: this step sampled it), -1 where none did."""
     parts = [(step.request_id, hook, rows) for step in event.requests for hook, rows in step.rows.items()
              if hook in hooks and len(rows[0])]
     if not parts:
         return
-    lens = session.lens(np.concatenate([rows[2] for _, _, rows in parts]), k)
+    following = []
+    for rid, _, (positions, _, _) in parts:
+        tokens = session.run.requests[rid].token_ids
+        following.append([tokens[p + 1] if p + 1 < len(tokens) else -1 for p in positions.tolist()])
+    chosen = np.concatenate(following).astype(np.int64)
+    known = chosen >= 0
+    lens = session.lens(np.concatenate([rows[2] for _, _, rows in parts]), k, chosen=np.where(known, chosen, 0))
+    chosen_logprobs = np.where(known, lens.chosen_logprobs, np.nan).astype(np.float32)
+    chosen_ranks = np.where(known, lens.chosen_ranks, -1)
     at = 0
     for rid, hook, (positions, _, _) in parts:
         n = len(positions)
-        writer.append_lens(rid, hook, positions, lens.top_ids[at:at + n], lens.top_logprobs[at:at + n])
+        piece = slice(at, at + n)
+        writer.append_lens(rid, hook, {"positions": positions, "top_ids": lens.top_ids[piece],
+                                       "top_logprobs": lens.top_logprobs[piece], "chosen_ids": chosen[piece],
+                                       "chosen_logprobs": chosen_logprobs[piece], "chosen_ranks": chosen_ranks[piece]})
         at += n
 
 

@@ -47,14 +47,22 @@ def test_capture_on_the_demo_model(tmp_path):
     # the lens of every residual-stream row: transformers' final norm and head applied to the stored rows
     model = hf_reference.load(run.metadata["model_path"])
     norm = model.model.norm if hasattr(model, "model") else model.transformer.ln_f
+    last = f"model.layers.{layers - 1}.resid_post"
     for req in run.requests.values():
         assert set(req.lens) == {h for h, info in run.hooks.items() if info.kind == "resid_post"}
         for hook, lens in req.lens.items():
             rows = req.hooks[hook]
-            assert lens.positions.tolist() == rows.positions.tolist() and lens.top_ids.shape == (len(rows), 3)
+            assert lens.column("positions").tolist() == rows.positions.tolist()
+            assert lens.column("top_ids").shape == (len(rows), 3)
+            assert lens.column("chosen_ids").tolist() == req.token_ids[1:len(rows) + 1]  # what came next
             with torch.no_grad():
                 ref = torch.log_softmax(model.lm_head(norm(torch.from_numpy(np.asarray(rows.values)))), -1).numpy()
-            assert_lens_matches(lens.top_ids, lens.top_logprobs, ref)
+            assert_lens_matches(lens.column("top_ids"), lens.column("top_logprobs"), ref)
+            chosen_ref = ref[np.arange(len(rows)), lens.column("chosen_ids")]
+            np.testing.assert_allclose(lens.column("chosen_logprobs"), chosen_ref, rtol=1e-4)
+        # the last block's lens at each generated token is the engine's own logprob of it
+        generated = slice(len(req.prompt_token_ids) - 1, None)
+        np.testing.assert_allclose(req.lens[last].column("chosen_logprobs")[generated], req.logprobs, atol=1e-4)
 
 
 def test_bad_input_exits_with_a_clear_message(tmp_path):

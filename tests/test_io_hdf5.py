@@ -77,7 +77,9 @@ def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3)) -> Run:
             req.hooks[name] = hr
             if n and name in ("model.layers.0.resid_post", "odd/name%with.slash"):  # a lens, escaped name too
                 lens = req.lens[name] = LensRows(3)
-                lens.append(np.arange(n), rng.integers(0, 50_000, (n, 3)), -rng.random((n, 3)).astype(np.float32))
+                chosen = rng.integers(-1, 50_000, n)  # -1: the next token is unknown (the last row)
+                lens.append(np.arange(n), rng.integers(0, 50_000, (n, 3)), -rng.random((n, 3)).astype(np.float32),
+                            chosen, np.where(chosen >= 0, -rng.random(n), np.nan), np.where(chosen >= 0, 2, -1))
         run.requests[req.request_id] = req
     return run
 
@@ -105,9 +107,9 @@ def assert_runs_equal(a: Run, b: Run) -> None:
             assert np.array_equal(bits(ha.values), bits(hb.values)), (rid, name)
         assert list(ra.lens) == list(rb.lens)
         for name, la in ra.lens.items():
-            lb = rb.lens[name]
-            assert np.array_equal(la.positions, lb.positions) and np.array_equal(la.top_ids, lb.top_ids)
-            assert np.array_equal(bits(la.top_logprobs), bits(lb.top_logprobs)), (rid, name)
+            for column in LensRows.COLUMNS:
+                x, y = la.column(column), rb.lens[name].column(column)
+                assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), (rid, name, column)
 
 
 def listing(d: Path) -> list[str]:
@@ -166,8 +168,7 @@ def stream(run: Run, path: Path, seed: int, **options) -> None:
         for req in run.requests.values():
             for name, lens in req.lens.items():
                 for a in range(len(lens)):  # a row per step
-                    w.append_lens(req.request_id, name, lens.positions[a:a + 1], lens.top_ids[a:a + 1],
-                                  lens.top_logprobs[a:a + 1])
+                    w.append_lens(req.request_id, name, {c: lens.column(c)[a:a + 1] for c in LensRows.COLUMNS})
             for name, rows in req.hooks.items():
                 n = len(rows)
                 cuts = [0, min(n, int(rng.integers(0, 40)))]  # prefill

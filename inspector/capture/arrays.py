@@ -34,6 +34,14 @@ class GrowableArray:
         self._a[self._n: need] = rows
         self._n = need
 
+    @property
+    def dtype(self) -> np.dtype:
+        return self._a.dtype
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self._a.shape[1:]
+
     def view(self) -> np.ndarray:
         return self._a[: self._n]
 

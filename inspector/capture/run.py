@@ -69,38 +69,34 @@ class HookRows:
 
 
 class LensRows:
-    """The logit lens of one hook's rows for one request: per position, the top ``k`` next tokens."""
+    """The logit lens of one hook's rows for one request: per position, the top ``k`` next tokens, and
+    the token that did come next (its id, logprob and rank, 0 = the top; -1, NaN, -1 where unknown)."""
+
+    COLUMNS = ("positions", "top_ids", "top_logprobs", "chosen_ids", "chosen_logprobs", "chosen_ranks")
 
     def __init__(self, k: int):
         self.k = k
-        self._positions = GrowableArray(np.int64)
-        self._top_ids = GrowableArray(np.int64, (k,))
-        self._top_logprobs = GrowableArray(np.float32, (k,))
+        self._columns = {"positions": GrowableArray(np.int64), "top_ids": GrowableArray(np.int64, (k,)),
+                         "top_logprobs": GrowableArray(np.float32, (k,)), "chosen_ids": GrowableArray(np.int64),
+                         "chosen_logprobs": GrowableArray(np.float32), "chosen_ranks": GrowableArray(np.int64)}
 
-    def append(self, positions, top_ids, top_logprobs) -> None:
-        positions, top_ids = np.asarray(positions, np.int64).reshape(-1), np.asarray(top_ids, np.int64)
-        top_logprobs = np.asarray(top_logprobs, np.float32)
-        if top_ids.shape != (len(positions), self.k) or top_logprobs.shape != top_ids.shape:
-            raise ValueError(f"a lens of {len(positions)} positions and k = {self.k} takes top ids and logprobs of "
-                             f"shape {(len(positions), self.k)}, not {top_ids.shape} and {top_logprobs.shape}")
-        self._positions.append(positions)
-        self._top_ids.append(top_ids)
-        self._top_logprobs.append(top_logprobs)
+    def append(self, positions, top_ids, top_logprobs, chosen_ids, chosen_logprobs, chosen_ranks) -> None:
+        given = dict(zip(self.COLUMNS, (positions, top_ids, top_logprobs, chosen_ids, chosen_logprobs, chosen_ranks)))
+        arrays = {name: np.asarray(given[name], self._columns[name].dtype) for name in self.COLUMNS}
+        n = len(arrays["positions"])
+        for name, a in arrays.items():
+            if a.shape != (n, *self._columns[name].row_shape):
+                raise ValueError(f"a lens of {n} positions and k = {self.k} takes {name} of shape "
+                                 f"{(n, *self._columns[name].row_shape)}, not {a.shape}")
+        for name, a in arrays.items():
+            self._columns[name].append(a)
 
-    @property
-    def positions(self) -> np.ndarray:
-        return self._positions.view()
-
-    @property
-    def top_ids(self) -> np.ndarray:
-        return self._top_ids.view()
-
-    @property
-    def top_logprobs(self) -> np.ndarray:
-        return self._top_logprobs.view()
+    def column(self, name: str) -> np.ndarray:
+        """One of ``COLUMNS``, a row per position."""
+        return self._columns[name].view()
 
     def __len__(self) -> int:
-        return len(self._positions)
+        return len(self._columns["positions"])
 
 
 @dataclass

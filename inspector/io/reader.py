@@ -278,12 +278,13 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
             name = get_text(hg, "name") or unescape_name(link)
             if name not in hooks:
                 raise damaged(f"{hg.name} holds a lens of hook {name!r}, which /hooks does not describe")
-            ids, logprobs, positions = dataset(hg, "top_ids"), dataset(hg, "top_logprobs"), dataset(hg, "positions")
-            if ids.ndim != 2 or logprobs.shape != ids.shape or positions.shape != (len(ids),):
-                raise damaged(f"the lens datasets of {hg.name} have shapes {positions.shape}, {ids.shape}, "
-                              f"{logprobs.shape}")
+            columns = {column: dataset(hg, column) for column in LensRows.COLUMNS}
+            n, ids = len(columns["positions"]), columns["top_ids"]
+            if ids.ndim != 2 or any(len(a) != n for a in columns.values()):
+                raise damaged(f"the lens datasets of {hg.name} have shapes "
+                              f"{ {c: a.shape for c, a in columns.items()} }")
             lens[name] = LensRows(ids.shape[1])
-            lens[name].append(positions, ids, logprobs)
+            lens[name].append(*columns.values())
         return lens
 
     meta_text = get_text(f, "metadata")

@@ -353,16 +353,17 @@ class CaptureWriter:
         if self._io.error is not None:
             self._fail(self._io.error, f"appending rows of hook {hook!r}")
 
-    def append_lens(self, request_id: str, hook: str, positions, top_ids, top_logprobs) -> None:
-        """Append the logit lens of rows of ``hook``: per position, the top k token ids and logprobs."""
+    def append_lens(self, request_id: str, hook: str, columns: dict) -> None:
+        """Append the logit lens of rows of ``hook``: ``columns`` as ``LensRows.COLUMNS`` name them."""
         self._check_open()
         req = self._request(request_id)
         if hook not in self._hooks:
             raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
         rows = req.lens.get(hook)
         if rows is None:
+            top_ids = columns["top_ids"]
             rows = req.lens[hook] = LensRows(np.shape(top_ids)[1] if np.ndim(top_ids) == 2 else 0)
-        rows.append(positions, top_ids, top_logprobs)
+        rows.append(*(columns[name] for name in LensRows.COLUMNS))
 
     def release(self, request_id: str) -> None:
         """Write a request's buffered rows now (as when it finishes), freeing its buffers: its rows
@@ -504,9 +505,8 @@ class CaptureWriter:
                 hg = lens_group.create_group(link)
                 if link != name:
                     set_text(hg, "name", name)
-                hg.create_dataset("positions", data=rows.positions)
-                hg.create_dataset("top_ids", data=rows.top_ids)
-                hg.create_dataset("top_logprobs", data=rows.top_logprobs)
+                for column in LensRows.COLUMNS:
+                    hg.create_dataset(column, data=rows.column(column))
 
 
 def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,
@@ -534,7 +534,7 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
                     if progress and total:
                         progress(min(1.0, done / total))
             for name, lens in req.lens.items():
-                writer.append_lens(req.request_id, name, lens.positions, lens.top_ids, lens.top_logprobs)
+                writer.append_lens(req.request_id, name, {c: lens.column(c) for c in LensRows.COLUMNS})
             writer.update_request(req)
             if req.finish_reason is None:  # update_request wrote a finished one's rows already
                 writer.release(req.request_id)
