@@ -190,10 +190,9 @@ def write_lens(session, writer, event, hooks: set[str], k: int) -> None:
              if hook in hooks and len(rows[0])]
     if not parts:
         return
-    following = []
-    for rid, _, (positions, _, _) in parts:
-        tokens = session.run.requests[rid].token_ids
-        following.append([tokens[p + 1] if p + 1 < len(tokens) else -1 for p in positions.tolist()])
+    tokens = {rid: session.run.requests[rid].token_ids for rid, _, _ in parts}  # a request's hooks share them
+    following = [[tokens[rid][p + 1] if p + 1 < len(tokens[rid]) else -1 for p in positions.tolist()]
+                 for rid, _, (positions, _, _) in parts]
     chosen = np.concatenate(following).astype(np.int64)
     known = chosen >= 0
     lens = session.lens(np.concatenate([rows[2] for _, _, rows in parts]), k, chosen=np.where(known, chosen, 0))

@@ -60,23 +60,26 @@ def encode(message: Message) -> list:
     the copy (a decode step at batch 1 has about a hundred small arrays). A message with a large array
     sends every array as a frame: a header of tens of KiB followed by large frames halved the throughput
     over TCP. MessagePack's encoder walks the body in C and hands us only what it has no type for."""
-    frames, inlined = _encode(message, inline=True)
-    if inlined and len(frames) > 1:
-        frames, _ = _encode(message, inline=False)
-    return frames
+    try:
+        return _encode(message, inline=True)
+    except _LargeArray:  # met at the first large array: the inlining pass stops there
+        return _encode(message, inline=False)
 
 
-def _encode(message: Message, inline: bool) -> tuple[list, bool]:
+class _LargeArray(Exception):
+    pass
+
+
+def _encode(message: Message, inline: bool) -> list:
     frames: list = []
     index: dict[int, int] = {}  # id(array) -> its frame: hooks share their requests' positions
-    inlined = False
 
     def other(value):
-        nonlocal inlined
         if isinstance(value, np.ndarray):
             array = value if value.flags.c_contiguous else np.ascontiguousarray(value)
-            if inline and array.nbytes < INLINE_BYTES:
-                inlined = True
+            if inline:
+                if array.nbytes >= INLINE_BYTES:
+                    raise _LargeArray
                 return {_ND: [memoryview(array).cast("B"), array.dtype.str, list(array.shape)]}
             if id(value) not in index:
                 frames.append(array)
@@ -91,7 +94,7 @@ def _encode(message: Message, inline: bool) -> tuple[list, bool]:
         raise TypeError(f"a {type(value).__name__} cannot be sent")
 
     header = {"v": VERSION, "t": message.type, "id": int(message.id), "body": message.body}
-    return [msgspec.msgpack.Encoder(enc_hook=other).encode(header), *frames], inlined
+    return [msgspec.msgpack.Encoder(enc_hook=other).encode(header), *frames]
 
 
 def decode(frames: list, limited: bool = True) -> Message:

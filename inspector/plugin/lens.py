@@ -1,6 +1,6 @@
 """The logit lens, where the weights are: residual-stream rows through the model's own final norm and
-unembedding (``compute_logits``: tied embeddings, logit scale, soft-capping and a vocab-parallel head
-are the model's business), of which only the top k and the chosen tokens' logprobs and ranks leave.
+unembedding (``vllm_compat.logits``: tied embeddings, logit scale, soft-capping and a vocab-parallel
+head are the model's business), of which only the top k and the chosen tokens' logprobs and ranks leave.
 
 The norm is called through ``forward``, not the module's ``__call__``: a hook installed on it (a capture
 of ``ln_final.hook_normalized``, an intervention there) must neither see nor change lens rows.
@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from inspector.capture.hooks import HookPoint
+
+from . import vllm_compat
 
 CHUNK_ROWS = 256  # rows per unembedding call: a vocabulary of 128k float32 logits is 128 MiB per 256
 
@@ -35,7 +37,7 @@ def lens(model: nn.Module, norm: nn.Module, values: np.ndarray, k: int, chosen: 
         x = torch.from_numpy(np.ascontiguousarray(values[start:start + CHUNK_ROWS])).to(device, dtype)
         normed = norm.forward(x)
         normed = normed[0] if isinstance(normed, tuple) else normed
-        logits = model.compute_logits(normed)
+        logits = vllm_compat.logits(model, normed)
         if logits is None:  # a tensor-parallel rank other than the first: the logits were gathered there
             return {}
         logp = torch.log_softmax(logits.float(), dim=-1)

@@ -90,6 +90,12 @@ def model_sizes(worker) -> tuple[int, int, int, int]:
     return hidden, intermediate, model_config.max_model_len, worker.model_runner.max_num_tokens
 
 
+def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The model's own unembedding of final-norm outputs (``compute_logits``: tied embeddings, logit
+    scale, soft-capping; a vocab-parallel head gathers to the first rank, None on the others)."""
+    return model.compute_logits(hidden)
+
+
 def external_request_id(internal: str) -> str:
     """vLLM appends ``-<8 random chars>`` to each request id inside the engine; undo it."""
     return internal.rsplit("-", 1)[0]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from inspector.capture.hooks import RESIDUAL_KINDS, HookPoint  # noqa: F401 - RESIDUAL_KINDS for the views
+from inspector.capture.hooks import HookPoint
+
 _KIND_ORDER = {"embed": 0, "pos_embed": 1, "resid_pre": 2, "attn_out": 3, "resid_mid": 4, "mlp_post": 5,
                "mlp_out": 6, "resid_post": 7, "normalized": 8}
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from inspector.capture.arrays import GrowableArray
-from inspector.capture.hooks import HookPoint
+from inspector.capture.hooks import RESIDUAL_KINDS, HookPoint
 from inspector.capture.protocol import StepEvent, fold_event
 from inspector.capture.run import HookRows, RequestCapture, Run
 
-from .labels import RESIDUAL_KINDS, hook_sort_key, short_hook_label
+from .labels import hook_sort_key, short_hook_label
 
 
 class RunSource(enum.Enum):
