@@ -8,11 +8,16 @@ import os
 
 import numpy as np
 
+import hf_reference
+from inspector.capture.attention import attention_weights
+from inspector.capture.hooks import HookPoint
 from inspector.engine.boot import boot_llm, shutdown_llm
 
 
 # Parity tolerance (relative L2 per token): float32 on CPU reaches ~5e-7; CUDA kernels differ more.
 PARITY_TOL = float(os.environ.get("INSPECTOR_PARITY_TOL", "1e-5"))
+PATTERN_TOL = 1e-5  # attention weights: max absolute difference (the issue's bound)
+QK = ("blocks.*.attn.hook_q", "blocks.*.attn.hook_k")
 # Extra engine arguments for the machine the tests run on (e.g. gpu_memory_utilization on a GPU).
 ENGINE_ARGS = json.loads(os.environ.get("INSPECTOR_TEST_ENGINE_ARGS", "{}"))
 
@@ -72,3 +77,30 @@ def assert_lens_matches(top_ids, top_logprobs, ref_logprobs):
     ref = np.asarray(ref_logprobs, np.float64)
     np.testing.assert_allclose(top_logprobs, -np.sort(-ref, axis=1)[:, :top_ids.shape[1]], rtol=PARITY_TOL)
     np.testing.assert_allclose(np.take_along_axis(ref, top_ids, 1), top_logprobs, rtol=PARITY_TOL)
+
+
+def captured_patterns(llm, prompts, max_tokens=6):
+    """Per request: (its token ids, every layer's recomputed weights [heads, T, T]) and the catalogue."""
+    points = {p["name"]: HookPoint.from_dict(p) for p in rpc(llm, "inspector_describe")["hook_points"]}
+    tokens, caps = generate(llm, prompts, max_tokens=max_tokens)
+    patterns = {}
+    for rid, (prompt_ids, gen_ids) in tokens.items():
+        rows = {points[name].alias: r for name, r in caps[rid].items()}
+        layers = sorted({p.layer for p in points.values() if p.kind == "q"})
+        per_layer = []
+        for layer in layers:
+            q, k = rows[f"blocks.{layer}.attn.hook_q"], rows[f"blocks.{layer}.attn.hook_k"]
+            geometry = next(p.attention for p in points.values() if p.kind == "q" and p.layer == layer)
+            per_layer.append(attention_weights(q["values"], q["positions"], k["values"], k["positions"], geometry))
+        patterns[rid] = ((prompt_ids + gen_ids)[:-1], per_layer)
+    return patterns, points
+
+
+def assert_patterns_match_transformers(model_dir, patterns):
+    """Every head of every layer against transformers' eager attention on the same tokens."""
+    for seq, per_layer in patterns.values():
+        reference = hf_reference.attention_patterns(model_dir, seq)
+        assert len(per_layer) == len(reference)
+        for got, expected in zip(per_layer, reference):
+            assert got.shape == expected.shape == (expected.shape[0], len(seq), len(seq))
+            np.testing.assert_allclose(got, expected, atol=PATTERN_TOL, rtol=0)

@@ -39,3 +39,14 @@ def run(model_dir, token_ids: list[int]) -> dict[str, np.ndarray]:
     return {"resid_post": torch.stack(resid).numpy(), "mlp_post": torch.stack(mlp_post).numpy(),
             "embed_resid": out.hidden_states[0][0].numpy(), "final": out.hidden_states[-1][0].numpy(),
             "logits": out.logits[0].numpy()}
+
+
+@torch.no_grad()
+def attention_patterns(model_dir, token_ids: list[int]) -> list[np.ndarray]:
+    """Every layer's attention weights [heads, tokens, tokens] from transformers' eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    out = model(torch.tensor([token_ids]), output_attentions=True)
+    return [a[0].numpy() for a in out.attentions]

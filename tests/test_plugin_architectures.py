@@ -1,10 +1,12 @@
-"""Qwen2 and GPT-2 in both flavours: residual stream, greedy tokens and the logit lens match transformers."""
+"""Qwen2 and GPT-2 in both flavours: residual stream, greedy tokens, the logit lens and attention patterns
+match transformers."""
 
 import pytest
 import torch
 
 import hf_reference
-from engines import PARITY_TOL, assert_greedy_matches, assert_lens_matches, booted, generate, rel_l2, rpc
+from engines import (PARITY_TOL, QK, assert_greedy_matches, assert_lens_matches, assert_patterns_match_transformers,
+                     booted, captured_patterns, generate, rel_l2, rpc)
 
 PROMPTS = ["def fibonacci(n):", "for key, value in items.items():"]
 
@@ -14,7 +16,7 @@ PROMPTS = ["def fibonacci(n):", "for key, value in items.items():"]
 def engine(request, tiny_models):
     arch, mode = request.param
     with booted(tiny_models[arch], mode=mode, hook_patterns=("blocks.*.hook_resid_post", "blocks.*.mlp.hook_post",
-                                                             "ln_final.hook_normalized")) as llm:
+                                                             "ln_final.hook_normalized", *QK)) as llm:
         yield arch, llm
 
 
@@ -53,3 +55,9 @@ def test_the_lens_is_the_models_own_final_norm_and_head_and_a_capture_there_sees
             expected = torch.log_softmax(model.lm_head(norm(torch.from_numpy(ref["resid_post"][layer]))), -1).numpy()
         assert_lens_matches(got["top_ids"], got["top_logprobs"], expected)
     assert rpc(llm, "inspector_drain") == {}  # the final norm's capture did not run for the lens
+
+
+def test_attention_patterns_equal_transformers_eager_attention(engine, tiny_models):
+    arch, llm = engine
+    patterns, _ = captured_patterns(llm, PROMPTS, max_tokens=4)
+    assert_patterns_match_transformers(tiny_models[arch], patterns)

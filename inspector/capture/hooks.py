@@ -5,6 +5,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import asdict, dataclass
 
+from .attention import AttentionGeometry
+
 
 def matches_pattern(name: str, alias: str, pattern: str) -> bool:
     """How a hook selection picks points, everywhere: a glob on the stable name or on the
@@ -13,13 +15,15 @@ def matches_pattern(name: str, alias: str, pattern: str) -> bool:
 
 
 RESIDUAL_KINDS = ("resid_pre", "resid_mid", "resid_post")  # the residual stream: what the logit lens reads
+ATTENTION_KINDS = ("q", "k")  # what the attention kernel receives: patterns are recomputed from them
 
 
 @dataclass(frozen=True)
 class HookPoint:
     """Where an activation can be read and replaced: ``name`` is stable (``<module path>.<kind>``),
     ``alias`` is TransformerLens's name for it, ``layer`` is -1 outside the blocks and ``dtype`` is the
-    engine's dtype its rows are captured in."""
+    engine's dtype its rows are captured in; ``attention`` is the layer's geometry on the queries and keys
+    (``q``/``k`` kinds), which attention patterns are recomputed from."""
 
     name: str
     alias: str
@@ -28,6 +32,7 @@ class HookPoint:
     width: int
     layer: int = -1
     dtype: str = "float32"
+    attention: AttentionGeometry | None = None
 
     def matches(self, pattern: str) -> bool:
         return matches_pattern(self.name, self.alias, pattern)
@@ -37,8 +42,10 @@ class HookPoint:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HookPoint":
+        attention = d.get("attention")
         return cls(str(d["name"]), str(d["alias"]), str(d["module_path"]), str(d["kind"]), int(d["width"]),
-                   int(d.get("layer", -1)), str(d.get("dtype", "float32")))
+                   int(d.get("layer", -1)), str(d.get("dtype", "float32")),
+                   AttentionGeometry(**attention) if attention else None)
 
 
 def installed_name(name_or_alias: str, installed: dict[str, HookPoint]) -> str:

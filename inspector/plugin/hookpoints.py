@@ -9,9 +9,11 @@ A hook point is a module plus a *site*, the rule that turns that module's call i
   their sum, and replacing it with R means returning ``(R - residual, residual)``.
 - ``input_pair_sum``: a forward pre-hook on ``(hidden, residual)`` arguments starting at
   ``arg_index`` (a fused layer's input is resid_pre; the post-attention norm's is resid_mid).
-- ``input``: a pre-hook on the first argument (GPT-2 blocks take the plain residual stream; MLP
-  neuron activations are the down projection's input, since activation modules can be shared
-  between layers: vLLM caches one ``gelu_new`` instance for all of them).
+- ``input``: a pre-hook on the argument at ``arg_index`` (GPT-2 blocks take the plain residual stream;
+  MLP neuron activations are the down projection's input, since activation modules can be shared
+  between layers: vLLM caches one ``gelu_new`` instance for all of them; queries and keys are the
+  first two arguments of vLLM's attention layer, after rotary embedding and any q/k norm, flattened
+  to ``[tokens, heads × head_size]`` where a model passes them per head).
 
 Replacement is written as a delta, ``h' = h * S + (r * (S - 1) + B)``, so that the residual stream
 becomes ``(h + r) * S + B`` while an identity (S = 1, B = 0) leaves every value bit-identical.
@@ -66,9 +68,22 @@ def catalogue(model: nn.Module, hidden: int, intermediate: int, dtype: str) -> l
         return ".".join(p for p in (stem, *parts) if p)
 
     def point(module_path: str, kind: str, alias: str, how: str, width: int = hidden, arg_index: int = 0,
-              layer: int = -1) -> tuple[HookPoint, Site]:
-        return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width, layer, dtype),
+              layer: int = -1, attention=None) -> tuple[HookPoint, Site]:
+        return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width, layer, dtype, attention),
                 Site(how, arg_index))
+
+    def attention_points(block: str, b: str, i: int) -> list[tuple[HookPoint, Site]]:
+        from . import vllm_compat  # imports the runtime, which imports this module
+
+        layers = vllm_compat.attention_layers(model.get_submodule(block))
+        if len(layers) != 1:
+            return []
+        rel, layer = layers[0]
+        geometry = vllm_compat.attention_geometry(layer)
+        found = [point(f"{block}.{rel}", "q", f"{b}.attn.hook_q", "input", geometry.q_width, 0, i, geometry)]
+        if getattr(layer, "kv_sharing_target_layer_name", None) is None:  # else the layer gets no keys
+            found.append(point(f"{block}.{rel}", "k", f"{b}.attn.hook_k", "input", geometry.k_width, 1, i, geometry))
+        return found
 
     points = []
     if fused:
@@ -83,6 +98,7 @@ def catalogue(model: nn.Module, hidden: int, intermediate: int, dtype: str) -> l
         if fused:
             points += [
                 point(block, "resid_pre", f"{b}.hook_resid_pre", "input_pair_sum", arg_index=1, layer=i),
+                *attention_points(block, b, i),
                 point(f"{block}.self_attn", "attn_out", f"{b}.hook_attn_out", "output", layer=i),
                 point(f"{block}.post_attention_layernorm", "resid_mid", f"{b}.hook_resid_mid",
                       "input_pair_sum", arg_index=0, layer=i),
@@ -93,6 +109,7 @@ def catalogue(model: nn.Module, hidden: int, intermediate: int, dtype: str) -> l
         else:
             points += [
                 point(block, "resid_pre", f"{b}.hook_resid_pre", "input", layer=i),
+                *attention_points(block, b, i),
                 point(f"{block}.attn", "attn_out", f"{b}.hook_attn_out", "output", layer=i),
                 point(f"{block}.mlp.c_proj", "mlp_post", f"{b}.mlp.hook_post", "input", intermediate, layer=i),
                 point(f"{block}.mlp", "mlp_out", f"{b}.hook_mlp_out", "output", layer=i),
@@ -138,12 +155,16 @@ def _pair_args(site, arg_index, args):
 
 def read_input(site, arg_index, args):
     h, r = _pair_args(site, arg_index, args)
-    return h if r is None else h + r
+    return h.flatten(1) if r is None else h + r
 
 
 def replace_input(site, arg_index, args, scale, bias):
     """Apply the affine at an input site; returns (new args, the value that now flows on)."""
     h, r = _pair_args(site, arg_index, args)
-    h2 = _affine_delta(h, r, scale, bias)
-    new_args = (*args[:arg_index], h2, *args[arg_index + 1:])
-    return new_args, (h2 if r is None else h2 + r)
+    if r is None:
+        flowing = _affine_delta(h.flatten(1), None, scale, bias)
+        h2 = flowing.view(h.shape)
+    else:
+        h2 = _affine_delta(h, r, scale, bias)
+        flowing = h2 + r
+    return (*args[:arg_index], h2, *args[arg_index + 1:]), flowing

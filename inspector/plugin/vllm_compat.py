@@ -13,6 +13,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from inspector.capture.attention import AttentionGeometry
+
 from .runtime import StepInfo
 
 _PATCHED_FLAG = "_inspector_patched"
@@ -94,6 +96,35 @@ def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     """The model's own unembedding of final-norm outputs (``compute_logits``: tied embeddings, logit
     scale, soft-capping; a vocab-parallel head gathers to the first rank, None on the others)."""
     return model.compute_logits(hidden)
+
+
+def attention_layers(block: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path within ``block``, module) of the vLLM attention layers in a decoder block: the modules that
+    receive the final queries and keys and call the kernel."""
+    try:
+        from vllm.model_executor.layers.attention import Attention
+    except ImportError:  # vLLM before 0.30
+        from vllm.attention.layer import Attention
+    return [(path, m) for path, m in block.named_modules() if type(m) is Attention]
+
+
+def attention_geometry(layer: torch.nn.Module) -> AttentionGeometry:
+    """What the kernel of an attention layer does with q and k, read from the layer and its backend's
+    implementation (the scale and soft-capping the kernel is given); ``unsupported`` names what the
+    recomputed pattern would not reproduce."""
+    impl, attn_type = layer.impl, getattr(layer.attn_type, "value", layer.attn_type)
+    unsupported = [why for why, present in (
+        ("ALiBi position biases", getattr(impl, "alibi_slopes", None) is not None),
+        ("attention sinks", getattr(layer, "has_sink", False)),
+        (f"{attn_type} attention (not causal decoder attention)", attn_type != "decoder"),
+        ("keys shared with another layer", getattr(layer, "kv_sharing_target_layer_name", None) is not None),
+        (f"a {layer.kv_cache_dtype} KV cache (the kernel reads rounded keys)", layer.kv_cache_dtype != "auto"),
+        ("quantized queries", getattr(layer, "query_quant", None) is not None),
+        ("bidirectional attention over a multimodal prefix", getattr(layer, "use_mm_prefix", False)),
+    ) if present]
+    return AttentionGeometry(int(layer.num_heads), int(layer.num_kv_heads), int(layer.head_size),
+                             float(impl.scale), int(layer.sliding_window or 0),
+                             float(getattr(impl, "logits_soft_cap", None) or 0.0), "; ".join(unsupported))
 
 
 def external_request_id(internal: str) -> str:

@@ -18,7 +18,12 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2")
+# Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
+ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}}
+# Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
+# so a pattern recomputed with a wrong scale, window or soft cap is visibly wrong.
+PEAKED_ATTENTION = {"mistral": 0.15, "gemma2": 0.15}
 BUILD_FORMAT = 1  # bump when the build recipe changes, so caches are rebuilt
 
 
@@ -79,11 +84,20 @@ def hf_config(spec: TinySpec, tokenizer):
         return transformers.GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads,
                                        n_inner=spec.intermediate, n_positions=spec.max_positions,
                                        activation_function="gelu_new", **common)
+    shape = dict(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                 num_key_value_heads=spec.kv_heads, intermediate_size=spec.intermediate,
+                 max_position_embeddings=spec.max_positions, **common)
+    if spec.arch in PEAKED_ATTENTION:
+        shape["initializer_range"] = PEAKED_ATTENTION[spec.arch]
+    if spec.arch == "gemma2":  # tied embeddings, a query scale that is not 1/sqrt(head size), soft caps,
+        # and sliding-window layers (every other one) alternating with global ones
+        return transformers.Gemma2Config(head_dim=spec.hidden // spec.heads, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=3.0, final_logit_softcapping=8.0,
+                                         sliding_window=6, hidden_activation="gelu_pytorch_tanh", **shape)
+    if spec.arch == "mistral":
+        return transformers.MistralConfig(sliding_window=8, hidden_act="silu", tie_word_embeddings=False, **shape)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec.arch]
-    return cls(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-               num_key_value_heads=spec.kv_heads, intermediate_size=spec.intermediate,
-               max_position_embeddings=spec.max_positions, hidden_act="silu", tie_word_embeddings=False,
-               **common)
+    return cls(hidden_act="silu", tie_word_embeddings=False, **shape)
 
 
 def build_tiny_model(spec: TinySpec, out_dir: Path, tokenizer=None) -> Path:
@@ -106,7 +120,7 @@ def build_tiny_model(spec: TinySpec, out_dir: Path, tokenizer=None) -> Path:
 
 def tiny_model(arch: str = "llama", **overrides) -> Path:
     """Path of a cached tiny model of ``arch``, building it (atomically) on first use."""
-    spec = replace(TinySpec(arch=arch), **overrides)
+    spec = replace(TinySpec(arch=arch), **{**ARCH_DEFAULTS.get(arch, {}), **overrides})
     final = cache_root() / "tiny-models" / spec.cache_key()
     if (final / "config.json").exists():
         return final
