@@ -79,6 +79,14 @@ def assert_lens_matches(top_ids, top_logprobs, ref_logprobs):
     np.testing.assert_allclose(np.take_along_axis(ref, top_ids, 1), top_logprobs, rtol=PARITY_TOL)
 
 
+def assert_attribution_matches(top_ids, top_logits, reference):
+    """An attribution's top tokens are the reference's (ties may swap), with the reference's logits."""
+    ref = np.asarray(reference, np.float64)
+    tol = PARITY_TOL * np.abs(ref).max()
+    np.testing.assert_allclose(top_logits, -np.sort(-ref, axis=1)[:, :top_ids.shape[1]], atol=tol, rtol=0)
+    np.testing.assert_allclose(np.take_along_axis(ref, top_ids, 1), top_logits, atol=tol, rtol=0)
+
+
 def captured_patterns(llm, prompts, max_tokens=6):
     """Per request: (its token ids, every layer's recomputed weights [heads, T, T]) and the catalogue."""
     points = {p["name"]: HookPoint.from_dict(p) for p in rpc(llm, "inspector_describe")["hook_points"]}

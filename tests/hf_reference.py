@@ -12,7 +12,9 @@ import torch
 def load(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    # eager attention: the reference computes what the config says (sdpa would drop Gemma 2's soft cap)
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
+                                                attn_implementation="eager").eval()
 
 
 def _blocks(model):
@@ -44,9 +46,21 @@ def run(model_dir, token_ids: list[int]) -> dict[str, np.ndarray]:
 @torch.no_grad()
 def attention_patterns(model_dir, token_ids: list[int]) -> list[np.ndarray]:
     """Every layer's attention weights [heads, tokens, tokens] from transformers' eager attention."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    out = model(torch.tensor([token_ids]), output_attentions=True)
+    out = load(str(model_dir))(torch.tensor([token_ids]), output_attentions=True)
     return [a[0].numpy() for a in out.attentions]
+
+
+@torch.no_grad()
+def direct_logit_attribution(model_dir, components: np.ndarray, final_residual: np.ndarray) -> np.ndarray:
+    """TransformerLens's convention, written out: a component's rows, centred if the final norm is a
+    LayerNorm, times the norm's weight, divided by the final residual's norm scale, through lm_head's
+    weight (no bias). [rows, vocab]. For Llama/Qwen2 (RMSNorm) and GPT-2 (LayerNorm) final norms."""
+    model = load(str(model_dir))
+    norm = model.model.norm if hasattr(model, "model") else model.transformer.ln_f
+    c, r = torch.from_numpy(components).double(), torch.from_numpy(final_residual).double()
+    centred = isinstance(norm, torch.nn.LayerNorm)
+    eps = norm.eps if centred else norm.variance_epsilon
+    if centred:
+        c, r = c - c.mean(-1, keepdim=True), r - r.mean(-1, keepdim=True)
+    scale = torch.sqrt(r.pow(2).mean(-1, keepdim=True) + eps)
+    return ((c * norm.weight.double() / scale) @ model.lm_head.weight.double().T).numpy()

@@ -9,7 +9,11 @@ wrong scale, cap or window shows. Qwen2 and GPT-2 are checked in test_plugin_arc
 import numpy as np
 import pytest
 
-from engines import QK, assert_patterns_match_transformers, booted, captured_patterns, rpc
+import torch
+
+import hf_reference
+from engines import (PARITY_TOL, QK, assert_lens_matches, assert_patterns_match_transformers, booted, captured_patterns,
+                     generate, rel_l2, rpc)
 from inspector.capture import attention
 from inspector.capture.attention import AttentionGeometry, attention_weights
 from inspector.capture.hooks import HookPoint
@@ -20,7 +24,7 @@ PROMPTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)", "im
 @pytest.fixture(scope="module", params=[("gemma2", "compiled"), ("mistral", "eager")], ids=lambda p: "-".join(p))
 def engine(request, tiny_models):
     arch, mode = request.param
-    with booted(tiny_models[arch], mode=mode, hook_patterns=QK) as llm:
+    with booted(tiny_models[arch], mode=mode, hook_patterns=(*QK, "blocks.*.hook_resid_post")) as llm:
         yield arch, llm
 
 
@@ -48,6 +52,30 @@ def test_queries_and_keys_are_captured_at_the_kernels_widths(engine):
             heads = p.attention.heads if p.kind == "q" else p.attention.kv_heads
             assert p.width == heads * p.attention.head_size
             assert p.alias == f"blocks.{p.layer}.attn.hook_{p.kind}"
+
+
+def test_the_stream_and_the_lens_match_transformers_with_gemma2s_final_soft_cap(engine, tiny_models):
+    """The lens calls the model's own head: Gemma 2's final soft cap (and tied embeddings) included."""
+    arch, llm = engine
+    aliases = {p["name"]: p["alias"] for p in rpc(llm, "inspector_describe")["hook_points"]}
+    tokens, caps = generate(llm, PROMPTS[:1], max_tokens=4)
+    (rid, (prompt_ids, gen_ids)), = tokens.items()
+    seq = prompt_ids + gen_ids
+    rows = {aliases[name]: r for name, r in caps[rid].items()}
+    ref = hf_reference.run(tiny_models[arch], seq[:-1])
+    model = hf_reference.load(str(tiny_models[arch]))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    for layer in range(ref["resid_post"].shape[0]):
+        got = rows[f"blocks.{layer}.hook_resid_post"]["values"]
+        assert rel_l2(got, ref["resid_post"][layer]).max() < PARITY_TOL
+        lens = rpc(llm, "inspector_lens", got, 5, np.array(seq[1:len(got) + 1]))
+        with torch.no_grad():
+            logits = model.lm_head(model.model.norm(torch.from_numpy(ref["resid_post"][layer])))
+            expected = torch.log_softmax(torch.tanh(logits / cap) * cap if cap else logits, -1).numpy()
+        assert_lens_matches(lens["top_ids"], lens["top_logprobs"], expected)
+    last = np.take_along_axis(expected, np.array(seq[1:len(got) + 1])[:, None], 1)[:, 0]
+    np.testing.assert_allclose(lens["chosen_logprobs"], last, atol=1e-4)  # the model's own next-token logprobs
+    assert (lens["chosen_ranks"][len(prompt_ids) - 1:] == 0).all()  # greedy: generated tokens are the top
 
 
 # --- the recomputation itself, against a plain loop ---

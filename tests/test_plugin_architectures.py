@@ -1,11 +1,12 @@
 """Qwen2 and GPT-2 in both flavours: residual stream, greedy tokens, the logit lens and attention patterns
 match transformers."""
 
+import numpy as np
 import pytest
 import torch
 
 import hf_reference
-from engines import (PARITY_TOL, QK, assert_greedy_matches, assert_lens_matches, assert_patterns_match_transformers,
+from engines import (PARITY_TOL, QK, assert_attribution_matches, assert_greedy_matches, assert_lens_matches, assert_patterns_match_transformers,
                      booted, captured_patterns, generate, rel_l2, rpc)
 
 PROMPTS = ["def fibonacci(n):", "for key, value in items.items():"]
@@ -16,7 +17,8 @@ PROMPTS = ["def fibonacci(n):", "for key, value in items.items():"]
 def engine(request, tiny_models):
     arch, mode = request.param
     with booted(tiny_models[arch], mode=mode, hook_patterns=("blocks.*.hook_resid_post", "blocks.*.mlp.hook_post",
-                                                             "ln_final.hook_normalized", *QK)) as llm:
+                                                             "ln_final.hook_normalized", *QK, "hook_*embed",
+                                                             "blocks.*.hook_attn_out", "blocks.*.hook_mlp_out")) as llm:
         yield arch, llm
 
 
@@ -61,3 +63,32 @@ def test_attention_patterns_equal_transformers_eager_attention(engine, tiny_mode
     arch, llm = engine
     patterns, _ = captured_patterns(llm, PROMPTS, max_tokens=4)
     assert_patterns_match_transformers(tiny_models[arch], patterns)
+
+
+def test_direct_logit_attribution_is_transformer_lens_convention_and_the_parts_add_up_to_the_logits(engine, tiny_models):
+    """RMSNorm (Qwen2) and a centring LayerNorm with tied embeddings and a bias-free head (GPT-2): each
+    component through the final norm frozen at the final residual and the unembedding; over all the
+    components of the residual stream (embeddings, every attn_out and mlp_out) they sum to the logits
+    of the final norm's output less its constant part (the norm's bias)."""
+    arch, llm = engine
+    aliases = {p["name"]: p["alias"] for p in rpc(llm, "inspector_describe")["hook_points"]}
+    tokens, caps = generate(llm, PROMPTS[:1], max_tokens=4)
+    (rid, (prompt_ids, gen_ids)), = tokens.items()
+    rows = {aliases[name]: r["values"] for name, r in caps[rid].items()}
+    layers = sum(a.endswith("hook_resid_post") for a in rows)
+    final = rows[f"blocks.{layers - 1}.hook_resid_post"]
+    parts = [a for a in rows if a.endswith(("embed", "attn_out", "mlp_out"))]
+    assert len(parts) == 2 * layers + (2 if arch == "gpt2" else 1)
+    chosen = np.array((prompt_ids + gen_ids)[1:len(final) + 1])
+    total = 0
+    for part in parts:
+        got = rpc(llm, "inspector_attribution", rows[part], final, 5, chosen)
+        assert_attribution_matches(got["top_ids"], got["top_logits"],
+                                   hf_reference.direct_logit_attribution(tiny_models[arch], rows[part], final))
+        total = total + got["chosen_logits"]
+    model = hf_reference.load(str(tiny_models[arch]))
+    norm = model.model.norm if hasattr(model, "model") else model.transformer.ln_f
+    with torch.no_grad():
+        f = torch.from_numpy(final)
+        logits = model.lm_head(norm(f) - norm(torch.zeros_like(f[:1]))).numpy()
+    np.testing.assert_allclose(total, logits[np.arange(len(chosen)), chosen], atol=PARITY_TOL * np.abs(logits).max())

@@ -127,6 +127,17 @@ def attention_geometry(layer: torch.nn.Module) -> AttentionGeometry:
                              float(getattr(impl, "logits_soft_cap", None) or 0.0), "; ".join(unsupported))
 
 
+def unembedding(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The linear part of ``logits``: the head's weights (tied or not; gathered from a vocab-parallel
+    head to the first rank, None on the others) and the logit scale, without the head's bias and
+    soft-capping, which do not add up over parts of the residual stream."""
+    processor, head = getattr(model, "logits_processor", None), getattr(model, "lm_head", None)
+    if processor is None or head is None:
+        raise ValueError(f"{type(model).__name__}: no unembedding (lm_head and logits_processor) found")
+    logits = processor._get_logits(hidden, head, None)
+    return logits if logits is None or processor.scale == 1.0 else logits * processor.scale
+
+
 def external_request_id(internal: str) -> str:
     """vLLM appends ``-<8 random chars>`` to each request id inside the engine; undo it."""
     return internal.rsplit("-", 1)[0]

@@ -87,6 +87,13 @@ class InspectorWorkerExtension:
         return lens.lens(runtime.model, lens.final_norm(runtime.model, runtime.catalogue), values, int(k), chosen,
                          runtime.device, dtype)
 
+    def inspector_attribution(self, values, residual, k: int, chosen=None) -> dict:
+        """Direct logit attribution of component rows (checked by the caller): top ``k`` and ``chosen``."""
+        runtime = self._inspector()
+        dtype = next(runtime.model.parameters()).dtype
+        return lens.attribution(runtime.model, lens.final_norm(runtime.model, runtime.catalogue), values, residual,
+                                int(k), chosen, runtime.device, dtype)
+
     def inspector_compilation_count(self) -> int:
         return vllm_compat.compilation_count()
 
