@@ -1,5 +1,5 @@
-"""The ``inspector`` command: the desktop app (the default), the engine server (``serve``), and the
-headless ``capture`` and ``hooks``.
+"""The ``inspector`` command: the desktop app (the default), the engine server (``serve``), the
+headless ``capture`` and ``hooks``, and ``attention`` (patterns from a capture file, no engine).
 
 This is where the pieces meet: the app gets its session factory here (by default a server of its own
 in a child process; ``--connect URL`` a remote one), so ``inspector.ui`` never imports the engine.
@@ -24,7 +24,7 @@ from inspector.capture.positions import parse_positions
 from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol
 from inspector.capture.vectors import load_vector
 
-COMMANDS = ("capture", "hooks", "serve")
+COMMANDS = ("attention", "capture", "hooks", "serve")
 DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
 
 
@@ -148,6 +148,7 @@ def capture(args) -> int:
         if args.lens and not lens_hooks:
             raise ValueError("--lens reads the residual stream: capture a resid_pre, resid_mid or resid_post hook")
         with CaptureWriter(out, session.run.metadata, session.installed) as writer:
+            named: set[int] = set()  # token ids whose texts the file holds (the lens names them)
             total, done = args.max_tokens * len(prompts), 0
             progress.tokens(0, total)
             for event in session.generate(prompts, sampling):
@@ -160,7 +161,7 @@ def capture(args) -> int:
                         writer.update_request(session.run.requests[step.request_id])
                     done += len(step.new_token_ids)
                 if lens_hooks:
-                    write_lens(session, writer, event, lens_hooks, args.lens)
+                    write_lens(session, writer, event, lens_hooks, args.lens, named)
                 progress.tokens(min(done, total), total)
         summary = {
             "out": str(out.resolve()),
@@ -183,9 +184,10 @@ def capture(args) -> int:
     return 0
 
 
-def write_lens(session, writer, event, hooks: set[str], k: int) -> None:
+def write_lens(session, writer, event, hooks: set[str], k: int, named: set[int]) -> None:
     """The lens of an event's residual-stream rows, all of them in one call to the engine, with the
-    token that came next at each row (known by now: this step sampled it), -1 where none did."""
+    token that came next at each row (known by now: this step sampled it), -1 where none did; and the
+    texts of top tokens not ``named`` in the file yet (a reader without the model shows them)."""
     parts = [(step.request_id, hook, rows) for step in event.requests for hook, rows in step.rows.items()
              if hook in hooks and len(rows[0])]
     if not parts:
@@ -198,6 +200,10 @@ def write_lens(session, writer, event, hooks: set[str], k: int) -> None:
     lens = session.lens(np.concatenate([rows[2] for _, _, rows in parts]), k, chosen=np.where(known, chosen, 0))
     chosen_logprobs = np.where(known, lens.chosen_logprobs, np.nan).astype(np.float32)
     chosen_ranks = np.where(known, lens.chosen_ranks, -1)
+    new_ids = sorted(set(np.unique(lens.top_ids).tolist()) - named)
+    if new_ids:
+        writer.add_vocabulary(dict(zip(new_ids, session.token_texts(new_ids))))
+        named.update(new_ids)
     at = 0
     for rid, hook, (positions, _, _) in parts:
         n = len(positions)
@@ -223,6 +229,51 @@ def hooks(args) -> int:
     print(f"{'name':48s} {'alias':28s} {'kind':11s} {'width':>6s}")
     for h in catalogue:
         print(f"{h.name:48s} {h.alias:28s} {h.kind:11s} {h.width:6d}")
+    return 0
+
+
+def attention(args) -> int:
+    """Attention patterns recomputed from the queries and keys a capture file holds."""
+    from inspector.capture.attention import attention_weights
+    from inspector.io import read_run
+
+    run = read_run(args.file)
+    requests = list(run.requests.values())
+    if not 0 <= args.request < len(requests):
+        raise ValueError(f"--request {args.request}: the file holds requests 0-{len(requests) - 1}")
+    req = requests[args.request]
+    points = {(p.layer, p.kind): name for name, p in run.hooks.items() if p.kind in ("q", "k") and name in req.hooks}
+    layers = sorted(layer for layer, kind in points if kind == "q" and (layer, "k") in points)
+    if not layers:
+        raise ValueError("this request has no queries and keys: capture with --hooks 'blocks.*.attn.hook_*'")
+    layer = layers[-1] if args.layer is None else args.layer
+    if layer not in layers:
+        raise ValueError(f"--layer {layer}: queries and keys are captured for layers {layers}")
+    q, k = req.hooks[points[layer, "q"]], req.hooks[points[layer, "k"]]
+    geometry = run.hooks[points[layer, "q"]].attention
+    heads = list(range(geometry.heads)) if args.head is None else [args.head]
+    if not all(0 <= h < geometry.heads for h in heads):
+        raise ValueError(f"--head {args.head}: layer {layer} has heads 0-{geometry.heads - 1}")
+    weights = attention_weights(q.values, q.positions, k.values, k.positions, geometry, heads)
+    if args.out:
+        np.save(args.out, weights)
+    positions = q.positions.tolist()
+    position = positions[-1] if args.position is None else args.position
+    if position not in positions:
+        raise ValueError(f"--position {position}: the captured positions are {positions[0]}-{positions[-1]}")
+    at, texts, keys = positions.index(position), req.token_texts, k.positions.tolist()
+    top = {head: [(keys[j], texts[keys[j]], float(w[at, j])) for j in np.argsort(-w[at], kind="stable")[:args.top]]
+           for head, w in zip(heads, weights)}
+    if args.json:
+        print(json.dumps({"request": req.request_id, "layer": layer, "position": position, "out": args.out,
+                          "top": {str(h): [{"position": p, "token": t, "weight": w} for p, t, w in ranked]
+                                  for h, ranked in top.items()}}, indent=2))
+        return 0
+    print(f"{req.request_id}, layer {layer}: what position {position} ({texts[position]!r}) attends to")
+    for head, ranked in top.items():
+        print(f"  head {head:2d}: " + ", ".join(f"{p}:{t!r} {w:.2f}" for p, t, w in ranked))
+    if args.out:
+        print(f"wrote {args.out} ([heads, queries, keys] = {list(weights.shape)})")
     return 0
 
 
@@ -310,6 +361,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an intervention; keys: scale, bias (number or .npy), positions (3-5;8), request (index)")
     cap.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
 
+    att = sub.add_parser("attention", help="attention patterns from the queries and keys in a capture file",
+                         description="Recompute attention patterns from the attn.hook_q / attn.hook_k rows of a "
+                                     "capture file (capture them with --hooks 'blocks.*.attn.hook_*'), with the "
+                                     "layer's geometry stored in the file; no engine needed. Prints what one "
+                                     "position attends to, per head; --out saves the whole [heads, T, T] pattern.")
+    att.add_argument("file", help="a capture file (.h5)")
+    att.add_argument("--request", type=int, default=0, help="the request's index in the file (default 0)")
+    att.add_argument("--layer", type=int, default=None, help="default: the last layer with queries and keys")
+    att.add_argument("--head", type=int, default=None, help="default: every head")
+    att.add_argument("--position", type=int, default=None, help="the query position shown (default: the last)")
+    att.add_argument("--top", type=int, default=3, help="how many attended tokens to show per head")
+    att.add_argument("--out", help="save the weights [heads, queries, keys] as .npy")
+    att.add_argument("--json", action="store_true")
+
     hk = sub.add_parser("hooks", help="list the hook points of a model")
     hk.add_argument("--model", default="demo")
     add_server_options(hk)
@@ -330,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the terminal shows our progress instead,
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # and stdout stays clean for --json
     try:
-        return {"capture": capture, "hooks": hooks, "serve": serve}[args.command](args)
+        return {"attention": attention, "capture": capture, "hooks": hooks, "serve": serve}[args.command](args)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"inspector {args.command}: error: {e}", file=sys.stderr)
         return 1

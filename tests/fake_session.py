@@ -16,9 +16,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from inspector.capture.attention import AttentionGeometry
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
-from inspector.capture.lens import Lens, checked_lens_request
+from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
+                                    checked_token_ids)
 from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError,
                                         SessionOptions, StepEvent, checked_interventions, fold_event)
 from inspector.capture.run import Run, TopToken
@@ -30,19 +32,37 @@ VOCAB = [" the", " cat", " sat", " on", " a", " mat", ".", "\n", " and", " then"
 def llama_catalogue(layers: int = 2, hidden: int = 128, intermediate: int = 256,
                     dtype: str = "float32") -> list[HookPoint]:
     """The hook points ``inspector.plugin.hookpoints`` finds in vLLM's Llama, in model order."""
-    def point(path, kind, alias, width=hidden, layer=-1):
-        return HookPoint(f"{path}.{kind}", alias, path, kind, width, layer, dtype)
+    def point(path, kind, alias, width=hidden, layer=-1, attention=None):
+        return HookPoint(f"{path}.{kind}", alias, path, kind, width, layer, dtype, attention)
 
+    geometry = AttentionGeometry(heads=hidden // 64, kv_heads=hidden // 64, head_size=64, scale=64 ** -0.5)
     cat = [point("model.embed_tokens", "embed", "hook_embed")]
     for i in range(layers):
         b, blk = f"model.layers.{i}", f"blocks.{i}"
         cat += [point(b, "resid_pre", f"{blk}.hook_resid_pre", layer=i),
+                point(f"{b}.self_attn.attn", "q", f"{blk}.attn.hook_q", layer=i, attention=geometry),
+                point(f"{b}.self_attn.attn", "k", f"{blk}.attn.hook_k", layer=i, attention=geometry),
                 point(f"{b}.self_attn", "attn_out", f"{blk}.hook_attn_out", layer=i),
                 point(f"{b}.post_attention_layernorm", "resid_mid", f"{blk}.hook_resid_mid", layer=i),
                 point(f"{b}.mlp.down_proj", "mlp_post", f"{blk}.mlp.hook_post", intermediate, i),
                 point(f"{b}.mlp", "mlp_out", f"{blk}.hook_mlp_out", layer=i),
                 point(b, "resid_post", f"{blk}.hook_resid_post", layer=i)]
     return cat + [point("model.norm", "normalized", "ln_final.hook_normalized")]
+
+
+def fake_unembedding(rows: np.ndarray) -> np.ndarray:
+    """Logits of rows under a fixed random unembedding."""
+    return rows @ np.random.default_rng(7).standard_normal((rows.shape[1], FAKE_VOCAB_SIZE)).astype(np.float32)
+
+
+def top_scores(scores: np.ndarray, k: int, chosen) -> tuple:
+    """(top ids, their scores, the chosen tokens' scores, their ranks) as the engine returns them."""
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k].astype(np.int64)
+    top = np.take_along_axis(scores, order, 1).astype(np.float32)
+    if chosen is None:
+        return order, top, None, None
+    picked = scores[np.arange(len(chosen)), chosen]
+    return order, top, picked.astype(np.float32), (scores > picked[:, None]).sum(1).astype(np.int64)
 
 
 def fake_value(hook_index: int, positions: np.ndarray, width: int) -> np.ndarray:
@@ -128,17 +148,27 @@ class FakeSession:
         self.threads.add(threading.get_ident())
         width = next(h.width for h in self.catalogue if h.kind == "normalized")
         values, chosen = checked_lens_request(values, k, chosen, width, FAKE_VOCAB_SIZE)
-        unit = values / np.maximum(np.linalg.norm(values, axis=1, keepdims=True), 1e-6)
-        logits = unit @ np.random.default_rng(7).standard_normal((width, FAKE_VOCAB_SIZE)).astype(np.float32)
+        logits = fake_unembedding(values / np.maximum(np.linalg.norm(values, axis=1, keepdims=True), 1e-6))
         shifted = logits - logits.max(1, keepdims=True)
-        logp = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
-        order = np.argsort(-logp, axis=1, kind="stable")[:, :k]
-        lens = Lens(order.astype(np.int64), np.take_along_axis(logp, order, 1).astype(np.float32))
-        if chosen is None:
-            return lens
-        picked = logp[np.arange(len(chosen)), chosen]
-        return replace(lens, chosen_logprobs=picked.astype(np.float32),
-                       chosen_ranks=(logp > picked[:, None]).sum(1).astype(np.int64))
+        arrays = top_scores(shifted - np.log(np.exp(shifted).sum(1, keepdims=True)), k, chosen)
+        return Lens(*arrays)
+
+    def attribution(self, values, final_residual, k: int = 5, chosen=None) -> Attribution:
+        """The fake unembedding of rows scaled by their final residual's norm (the real one is tested
+        against transformers)."""
+        self._require_alive()
+        self.threads.add(threading.get_ident())
+        width = next(h.width for h in self.catalogue if h.kind == "normalized")
+        values, residual, chosen = checked_attribution_request(values, final_residual, k, chosen, width, FAKE_VOCAB_SIZE)
+        scale = np.maximum(np.linalg.norm(residual, axis=1, keepdims=True), 1e-6)
+        return Attribution(*top_scores(fake_unembedding(values / scale), k, chosen))
+
+    def token_texts(self, ids) -> list[str]:
+        """Generated tokens as they were given (``VOCAB``); any other id as ``<id>``."""
+        self._require_alive()
+        self.threads.add(threading.get_ident())
+        ids = checked_token_ids(ids, FAKE_VOCAB_SIZE)
+        return [VOCAB[i - 500] if 0 <= i - 500 < len(VOCAB) else f"<{i}>" for i in ids.tolist()]
 
     def close(self) -> None:
         self.threads.add(threading.get_ident())

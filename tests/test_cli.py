@@ -24,7 +24,8 @@ def inspector(*args, check=True):
 def test_capture_on_the_demo_model(tmp_path):
     out = tmp_path / "run.h5"
     result = inspector("capture", "--model", "demo", "--prompt", "def ", "--prompt", "import ",
-                       "--hooks", "blocks.*.hook_resid_post", "blocks.0.mlp.hook_post", "--max-tokens", "6",
+                       "--hooks", "blocks.*.hook_resid_post", "blocks.0.mlp.hook_post", "blocks.*.attn.hook_*",
+                       "--max-tokens", "6",
                        "--intervene", "blocks.1.hook_resid_post:scale=0.5,request=1", "--lens", "3", "--out", str(out),
                        "--json")
     summary = json.loads(result.stdout)
@@ -34,7 +35,7 @@ def test_capture_on_the_demo_model(tmp_path):
     assert summary["out"] == str(out) and len(summary["requests"]) == 2
     assert run.metadata["engine_mode"] == "compiled"
     layers = run.metadata["model_config"]["num_hidden_layers"]
-    assert len(run.hooks) == layers + 1
+    assert len(run.hooks) == 3 * layers + 1
     for info, req in zip(summary["requests"], run.requests.values()):
         assert req.prompt == info["prompt"] and len(req.generated_token_ids) == 6
         assert "".join(req.token_texts[len(req.prompt_token_ids):]) == info["text"]
@@ -63,6 +64,28 @@ def test_capture_on_the_demo_model(tmp_path):
         # the last block's lens at each generated token is the engine's own logprob of it
         generated = slice(len(req.prompt_token_ids) - 1, None)
         np.testing.assert_allclose(req.lens[last].column("chosen_logprobs")[generated], req.logprobs, atol=1e-4)
+        # the file names every top token's text; greedy, the last block's top token is the one generated
+        named = np.unique(np.concatenate([lens.column("top_ids") for lens in req.lens.values()]))
+        assert set(named.tolist()) <= set(run.vocabulary)
+        tops = req.lens[last].column("top_ids")[generated, 0].tolist()
+        assert [run.vocabulary[t] for t in tops] == req.token_texts[len(req.prompt_token_ids):]
+    # attention patterns from the file alone: every head of every layer is transformers' eager attention
+    # (the second request's intervention at block 1's output changes blocks 2 and up: not compared there)
+    for index, req in enumerate(run.requests.values()):
+        reference = hf_reference.attention_patterns(run.metadata["model_path"], req.token_ids[:-1])
+        for layer in range(layers if index == 0 else 2):
+            npy = tmp_path / f"{index}-{layer}.npy"
+            shown = json.loads(inspector("attention", str(out), "--request", str(index), "--layer", str(layer),
+                                         "--out", str(npy), "--json").stdout)
+            np.testing.assert_allclose(np.load(npy), reference[layer], atol=1e-5, rtol=0)
+            last = len(req.token_ids) - 2
+            assert shown["position"] == last and set(shown["top"]) == {str(h) for h in range(len(reference[layer]))}
+            for head, ranked in shown["top"].items():
+                assert [r["position"] for r in ranked] == np.argsort(-reference[layer][int(head), last],
+                                                                     kind="stable")[:3].tolist()
+                assert ranked[0]["token"] == req.token_texts[ranked[0]["position"]]
+    refused = inspector("attention", str(out), "--layer", "99", check=False)
+    assert refused.returncode == 1 and "queries and keys are captured for layers [0, 1, 2, 3]" in refused.stderr
 
 
 def test_bad_input_exits_with_a_clear_message(tmp_path):

@@ -81,6 +81,7 @@ def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3)) -> Run:
                 lens.append(np.arange(n), rng.integers(0, 50_000, (n, 3)), -rng.random((n, 3)).astype(np.float32),
                             chosen, np.where(chosen >= 0, -rng.random(n), np.nan), np.where(chosen >= 0, 2, -1))
         run.requests[req.request_id] = req
+    run.vocabulary = {int(i): TEXTS[j % len(TEXTS)] for j, i in enumerate(rng.integers(0, 50_000, 20))}
     return run
 
 
@@ -91,7 +92,7 @@ def bits(a) -> np.ndarray:
 
 
 def assert_runs_equal(a: Run, b: Run) -> None:
-    assert a.metadata == b.metadata
+    assert a.metadata == b.metadata and a.vocabulary == b.vocabulary
     assert list(a.hooks.items()) == list(b.hooks.items())
     assert list(a.requests) == list(b.requests)
     for rid, ra in a.requests.items():
@@ -146,6 +147,7 @@ def test_round_trip_bit_for_bit(tmp_path):
         assert g["top_logprob_ids"].shape[0] == 40 and g["is_prompt"][:5].all()
         assert json.loads(g.attrs["intervention_log"])[1][1][0]["scale"] == 2.0
         assert f["requests/1/hooks/model.layers.0.resid_post/values"].chunks == (1, 48)  # 1 row: no padding
+        assert f["vocabulary/ids"].shape == f["vocabulary/texts"].shape == (len(run.vocabulary),)
 
 
 def test_escape_names():
@@ -184,6 +186,8 @@ def stream(run: Run, path: Path, seed: int, **options) -> None:
                 w.update_request(partial)  # later calls win
         for req in run.requests.values():
             w.update_request(req)
+        w.add_vocabulary(dict(list(run.vocabulary.items())[:5]))  # in pieces, as the lens names them
+        w.add_vocabulary(run.vocabulary)
 
 
 def test_streaming_equals_one_shot(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hf_reference
-from engines import ENGINE_ARGS, PARITY_TOL, assert_lens_matches, rel_l2, rpc
+from engines import ENGINE_ARGS, PARITY_TOL, assert_attribution_matches, assert_lens_matches, rel_l2, rpc
 from fake_session import FakeSession
 from servers import HOOKS  # the server fixture boots with the same
 from inspector.capture.interventions import Intervention
@@ -169,6 +169,51 @@ def test_the_lens_gives_top_tokens_and_the_chosen_tokens_rank_and_refuses_rows_t
         with pytest.raises(ValueError, match=message):
             session.lens(**bad)
     assert session.lens(rows[:1], k=1).top_ids.shape == (1, 1)  # still serving
+    req = list(session.run.requests.values())[-1]  # the lens names tokens by id: their texts, as events give them
+    assert session.token_texts(req.generated_token_ids) == req.token_texts[len(req.prompt_token_ids):]
+    with pytest.raises(ValueError, match="token ids must lie"):
+        session.token_texts([10 ** 9])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attribution_gives_each_components_top_tokens_and_refuses_rows_that_do_not_pair(sessions, kind):
+    session, _ = sessions[kind]
+    collect(session, PROMPTS[:1], Sampling(max_tokens=3))
+    req = list(session.run.requests.values())[-1]
+    embed, final = req.hooks["model.embed_tokens.embed"].values, req.hooks["model.layers.1.resid_post"].values
+    first = session.attribution(embed, final, k=3)
+    assert first.top_ids.shape == first.top_logits.shape == (len(embed), 3) and first.chosen_ranks is None
+    assert (np.diff(first.top_logits, axis=1) <= 0).all()
+    second = session.attribution(embed, final, k=1, chosen=first.top_ids[:, 2])
+    assert second.chosen_ranks.tolist() == [2] * len(embed)
+    np.testing.assert_allclose(second.chosen_logits, first.top_logits[:, 2], rtol=1e-6)
+    for bad, message in [(dict(final_residual=final[:1]), "must pair"), (dict(values=embed[:, :5]), r"\[rows, 128\]"),
+                         (dict(chosen=[-1] * len(embed)), "token ids must lie")]:
+        with pytest.raises(ValueError, match=message):
+            session.attribution(**{"values": embed, "final_residual": final, **bad})
+
+
+@pytest.mark.parametrize("kind", ["real", "remote"])
+def test_attribution_follows_transformer_lens_convention_and_the_stream_adds_up_to_the_logits(tiny_models, sessions,
+                                                                                              kind):
+    """The embedding, block 0's contribution and block 1's (differences of the captured stream: sums
+    of components are components too) add up to the model's own logits."""
+    session, _ = sessions[kind]
+    collect(session, PROMPTS[1:2], Sampling(max_tokens=4, ignore_eos=True))
+    req = list(session.run.requests.values())[-1]
+    embed = req.hooks["model.embed_tokens.embed"].values
+    resid = [req.hooks[f"model.layers.{i}.resid_post"].values for i in (0, 1)]
+    chosen = np.array(req.token_ids[1:len(embed) + 1])
+    total = 0
+    for part in (embed, resid[0] - embed, resid[1] - resid[0]):
+        got = session.attribution(part, resid[1], k=5, chosen=chosen)
+        assert_attribution_matches(got.top_ids, got.top_logits,
+                                   hf_reference.direct_logit_attribution(tiny_models["llama"], part, resid[1]))
+        total = total + got.chosen_logits
+    model = hf_reference.load(str(tiny_models["llama"]))
+    with torch.no_grad():
+        logits = model.lm_head(model.model.norm(torch.from_numpy(resid[1]))).numpy()
+    np.testing.assert_allclose(total, logits[np.arange(len(chosen)), chosen], atol=PARITY_TOL * np.abs(logits).max())
 
 
 @pytest.mark.parametrize("kind", ["real", "remote"])

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from PySide6.QtWidgets import QMessageBox
 
+from inspector.viewer.labels import display_token
 from ui_fixtures import fail_on_qt_warnings, ui_settings  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -125,6 +126,22 @@ def test_generate_heatmap_equals_captures_and_strip_equals_text(qapp, window, fa
         assert w.strip.texts() == req.token_texts
         assert w.generated_text(rid) == "".join(req.token_texts[len(req.prompt_token_ids):])
     assert len(w.factory_threads) == 1 and threading.get_ident() not in w.factory_threads
+
+
+def test_the_lens_tab_fills_with_the_engines_own_lens(qapp, window, fail_on_qt_warnings):
+    w = window
+    rid = live(w).request_ids()[-1]
+    w.select_request(rid)
+    w.tabs.setCurrentWidget(w.lens_view)
+    cells = w.lens_view.cells
+    wait(qapp, lambda: w.refresh() or (cells.grid is not None and cells.grid.shape[1] > 0
+                                       and (cells.grid.top_ids[:, :, 0] >= 0).all()), timeout=60)
+    rows = session(w).run.requests[rid].hooks[name_of(w, H_RESID0)].values
+    top = session(w).lens(rows, k=1).top_ids[:, 0]
+    assert cells.grid.labels == ["L0 resid_post"] and cells.grid.shape == (1, len(rows))
+    assert [cells.grid.cell_text(cells.mode, 0, c) for c in range(len(rows))] == \
+           [display_token(t) for t in session(w).token_texts(top)]
+    w.tabs.setCurrentWidget(w.heatmap)
 
 
 def test_intervention_mid_generation_changes_only_following_tokens(qapp, window, fail_on_qt_warnings):

@@ -1,11 +1,14 @@
 """Regenerate the screenshots in docs/screenshots/ with the real engine (offscreen).
 
     packaging/dev run python tools/screenshots.py [--model demo|tiny|PATH] [--out docs/screenshots]
+                                                  [--only main remote lens attention]
 
 Shots: booting.png (staged boot progress), generating.png (a batch mid-generation, heatmap
 growing), interventions.png (a steering vector and a scaled hook, their marks on the heatmap),
-summary.png (layers x tokens), reopened-capture.png (an exported .h5 reopened without the engine),
-remote.png (the app on an ``inspector serve`` in another process, shared with a second client).
+summary.png (layers x tokens), reopened-capture.png (an exported .h5 reopened without the engine):
+the "main" group; remote.png (the app on an ``inspector serve`` in another process, shared with a
+second client): "remote"; lens.png (the logit lens of every residual-stream point): "lens";
+attention.png (a head's pattern and one token's row of every head, from captured q and k): "attention".
 """
 
 from __future__ import annotations
@@ -17,16 +20,18 @@ import tempfile
 import time
 from pathlib import Path
 
+GROUPS = ["main", "remote", "lens", "attention"]
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="demo")
     p.add_argument("--out", default="docs/screenshots")
     p.add_argument("--size", default="1500x940")
+    p.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS, help="make only these groups of shots")
     args = p.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     os.environ.setdefault("INSPECTOR_SETTINGS_DIR", tempfile.mkdtemp(prefix="inspector-shots-"))
-    from inspector.client.local import start_local_server
     from inspector.ui.app import create_app, gui_environment
     from inspector.ui.settings import configure_storage
 
@@ -36,8 +41,6 @@ def main(argv=None) -> int:
     import pyqtgraph as pg
 
     pg.setConfigOptions(antialias=False)
-    from inspector.ui.main_window import MainWindow
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
@@ -46,9 +49,6 @@ def main(argv=None) -> int:
 
         model = str(tiny_model("llama"))
     w, h = (int(x) for x in args.size.split("x"))
-    win = MainWindow(start_local_server)
-    win.resize(w, h)
-    win.show()
 
     def pump(pred, timeout=600.0):
         t = time.perf_counter()
@@ -56,6 +56,26 @@ def main(argv=None) -> int:
             app.processEvents()
             time.sleep(0.005)
         app.processEvents()
+
+    if "main" in args.only and shoot_main(model, out, w, h, pump, app):
+        return 1
+    if "remote" in args.only:
+        shoot_remote(model, out, w, h, pump, app)
+    if "lens" in args.only:
+        shoot_lens(model, out, w, h, pump, app)
+    if "attention" in args.only:
+        shoot_attention(model, out, w, h, pump, app)
+    return 0
+
+
+def shoot_main(model: str, out: Path, w: int, h: int, pump, app) -> int:
+    """Boot, generate, intervene, the summary, and a capture reopened without the engine; 1 if the boot failed."""
+    from inspector.client.local import start_local_server
+    from inspector.ui.main_window import MainWindow
+
+    win = MainWindow(start_local_server)
+    win.resize(w, h)
+    win.show()
 
     def shot(name):
         win.refresh()
@@ -128,7 +148,6 @@ def main(argv=None) -> int:
     win.select_position(5)
     shot("reopened-capture.png")
     win.close()
-    shoot_remote(model, out, w, h, pump, app)
     return 0
 
 
@@ -170,6 +189,88 @@ def shoot_remote(model: str, out: Path, w: int, h: int, pump, app) -> None:
     finally:
         server.terminate()
         server.wait(60)
+
+
+def shoot_lens(model: str, out: Path, w: int, h: int, pump, app) -> None:
+    """The Lens tab on every residual-stream point of a short Python prompt, with a cell clicked where
+    the token that came next climbs to the top over the layers."""
+    import numpy as np
+
+    from inspector.client.local import start_local_server
+    from inspector.ui.main_window import MainWindow
+    from inspector.viewer.lens import ALL_RESIDUAL
+
+    win = MainWindow(start_local_server)
+    win.resize(w, h)
+    win.show()
+    win.interventions_dock.hide()  # room for more tokens
+    win.open_model(model, mode="compiled", hooks=["blocks.*.hook_resid_pre", "blocks.*.hook_resid_mid",
+                                                  "blocks.*.hook_resid_post"])
+    pump(lambda: win.state.value != "booting", 300)
+    win.tabs.setCurrentWidget(win.lens_view)
+    win.prompt.prompts.setPlainText("for i in range(")
+    win.prompt.max_tokens.setValue(12)
+    win.prompt.ignore_eos.setChecked(True)
+    win.generate()
+    pump(lambda: win.state.value != "generating")
+    win.lens_view.kind_box.setCurrentText(ALL_RESIDUAL)
+    cells = win.lens_view.cells
+
+    def lensed():
+        win.refresh()
+        return cells.grid is not None and cells.grid.shape[1] and (cells.grid.top_ids[:, :, 0] >= 0).all()
+
+    pump(lensed, 120)
+    ranks = cells.grid.chosen_ranks
+    last = len(ranks) - 1
+    climb = np.where(ranks[last] == 0, ranks[0] - ranks[last], -1)  # the next token: far down at first, the top at last
+    cells.horizontalScrollBar().setValue(0)
+    win.lens_view.click_cell(last, int(np.argmax(climb)))
+    win.refresh()
+    app.processEvents()
+    win.grab().save(str(out / "lens.png"))
+    print("wrote", out / "lens.png")
+    win.interventions_dock.show()  # the settings keep the window's layout
+    win.close()
+
+
+def shoot_attention(model: str, out: Path, w: int, h: int, pump, app) -> None:
+    """The Attention tab on a Python prompt. On the demo model, layer 2's head 2 sends most of each
+    token's attention to the newline that starts its line (found by printing, per head, where each
+    token's largest weight falls): a staircase under the diagonal, one step per line."""
+    from inspector.client.local import start_local_server
+    from inspector.ui.main_window import MainWindow
+
+    win = MainWindow(start_local_server)
+    win.resize(w, h)
+    win.show()
+    for dock in (win.interventions_dock, win.prompt_dock):  # room for the tokens: rows tall enough for their text
+        dock.hide()
+    win.tabs.parentWidget().setSizes([800, 90])
+    win.open_model(model, mode="compiled", hooks=["blocks.*.attn.hook_q", "blocks.*.attn.hook_k"])
+    pump(lambda: win.state.value != "booting", 300)
+    win.tabs.setCurrentWidget(win.attention_view)
+    win.prompt.prompts.setPlainText("for i in range(")
+    win.prompt.max_tokens.setValue(32)
+    win.prompt.ignore_eos.setChecked(True)
+    win.generate()
+    pump(lambda: win.state.value != "generating")
+    view = win.attention_view
+    view.layer_box.setCurrentIndex(view.layer_box.findData(2))
+    view.select_head(2)
+    texts = win.shown.token_texts(win.shown.selection.request)
+    query = max(i for i, text in enumerate(texts[:-1]) if "close" in text)  # the last token has no row
+    win.select_position(query)
+    win.refresh()
+    shown = view.shown
+    key = max(range(query + 1), key=lambda k: shown.weight(shown.head, query, k))
+    view.hover(view.pattern_plot, key, query)
+    app.processEvents()
+    win.grab().save(str(out / "attention.png"))
+    print("wrote", out / "attention.png")
+    for dock in (win.interventions_dock, win.prompt_dock):
+        dock.show()  # the settings keep the window's layout
+    win.close()
 
 
 if __name__ == "__main__":

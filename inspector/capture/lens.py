@@ -30,6 +30,40 @@ class Lens:
         return arrays
 
 
+@dataclass(frozen=True)
+class Attribution:
+    """Direct logit attribution, per row of a component's output (attn_out, mlp_out, embed): what it adds
+    to each token's logit through the final norm, with the norm's scale frozen at the final residual
+    stream of the same position, and the unembedding (without bias or soft cap, so that the parts of
+    the residual stream add up to the logits less those constants). The ``k`` largest, best first;
+    with ``chosen`` tokens, their logit and rank (0 = the top)."""
+
+    top_ids: np.ndarray  # [rows, k] int64
+    top_logits: np.ndarray  # [rows, k] float32
+    chosen_logits: np.ndarray | None = None  # [rows] float32
+    chosen_ranks: np.ndarray | None = None  # [rows] int64
+
+    @classmethod
+    def from_arrays(cls, arrays: dict) -> "Attribution":
+        return cls(arrays["top_ids"], arrays["top_logits"], arrays.get("chosen_logits"), arrays.get("chosen_ranks"))
+
+    def as_arrays(self) -> dict:
+        arrays = {"top_ids": self.top_ids, "top_logits": self.top_logits}
+        if self.chosen_logits is not None:
+            arrays.update(chosen_logits=self.chosen_logits, chosen_ranks=self.chosen_ranks)
+        return arrays
+
+
+def checked_attribution_request(values, final_residual, k: int, chosen, width: int, vocab: int):
+    """(values, final_residual, chosen) checked as ``checked_lens_request`` checks a lens's; the final
+    residual rows must pair one to one with the component rows."""
+    values, chosen = checked_lens_request(values, k, chosen, width, vocab)
+    final_residual, _ = checked_lens_request(final_residual, k, None, width, vocab)
+    if final_residual.shape != values.shape:
+        raise ValueError(f"the final residual rows {final_residual.shape} must pair with the component rows {values.shape}")
+    return values, final_residual, chosen
+
+
 def checked_lens_request(values, k: int, chosen, width: int, vocab: int) -> tuple[np.ndarray, np.ndarray | None]:
     """``values`` as float32 [rows, width] and ``chosen`` as int64 [rows] (or None); ValueError with
     the reason for anything else."""
@@ -48,3 +82,13 @@ def checked_lens_request(values, k: int, chosen, width: int, vocab: int) -> tupl
             raise ValueError(f"chosen token ids must lie in 0..{vocab - 1}")
         chosen = chosen.astype(np.int64)
     return values.astype(np.float32, copy=False), chosen
+
+
+def checked_token_ids(ids, vocab: int) -> np.ndarray:
+    """``ids`` as int64 [n]; ValueError unless each is a token id of a vocabulary of ``vocab``."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or (len(ids) and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"token ids must be a list of integers, got an array of shape {ids.shape}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"token ids must lie in 0..{vocab - 1}")
+    return ids.astype(np.int64)

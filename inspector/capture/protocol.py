@@ -16,7 +16,7 @@ import numpy as np
 
 from .hooks import HookPoint, installed_name
 from .interventions import Intervention, validate
-from .lens import Lens
+from .lens import Attribution, Lens
 from .run import HookRows, RequestCapture, Run, TopToken
 
 MODES = ("compiled", "eager")
@@ -126,6 +126,15 @@ class SessionProtocol(Protocol):
     def lens(self, values, k: int = 5, chosen=None) -> Lens:
         """The logit lens of residual-stream rows [rows, hidden] (see ``Lens``): the model's own final
         norm and unembedding, on the engine's device. ValueError for rows or ids that do not fit."""
+
+    def attribution(self, values, final_residual, k: int = 5, chosen=None) -> Attribution:
+        """Direct logit attribution of component rows [rows, hidden] (see ``Attribution``), the final
+        norm's scale frozen at ``final_residual`` (the rows entering the final norm at the same
+        positions). ValueError for rows or ids that do not fit."""
+
+    def token_texts(self, ids) -> list[str]:
+        """The text of each token id, as step events give tokens (the lens gives only ids).
+        ValueError for an id outside the vocabulary."""
 
     def new_run(self) -> None: ...
 

@@ -128,3 +128,4 @@ class Run:
     metadata: dict  # app/vLLM versions, model path and config, dtype, engine mode, created time
     hooks: dict[str, HookPoint] = field(default_factory=dict)
     requests: dict[str, RequestCapture] = field(default_factory=dict)
+    vocabulary: dict[int, str] = field(default_factory=dict)  # texts of other token ids it names (the lens's)

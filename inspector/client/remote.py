@@ -12,7 +12,7 @@ import numpy as np
 
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
-from inspector.capture.lens import Lens
+from inspector.capture.lens import Attribution, Lens
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent,
                                         checked_interventions, fold_event)
 from inspector.capture.run import Run
@@ -165,6 +165,18 @@ class RemoteSession:
         self._require_alive()
         body = {"values": np.asarray(values), "k": k, **({} if chosen is None else {"chosen": np.asarray(chosen)})}
         return Lens.from_arrays(self._call("lens", body).body)
+
+    def attribution(self, values, final_residual, k: int = 5, chosen=None) -> Attribution:
+        """Checked by the server (ValueError with its reason)."""
+        self._require_alive()
+        body = {"values": np.asarray(values), "final_residual": np.asarray(final_residual), "k": k,
+                **({} if chosen is None else {"chosen": np.asarray(chosen)})}
+        return Attribution.from_arrays(self._call("attribution", body).body)
+
+    def token_texts(self, ids) -> list[str]:
+        """Checked by the server (ValueError with its reason)."""
+        self._require_alive()
+        return list(self._call("token_texts", {"ids": np.asarray(ids, dtype=np.int64)}).body["texts"])
 
     def close(self) -> None:
         if self._conn is not None:

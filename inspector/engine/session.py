@@ -20,7 +20,8 @@ from typing import Callable, Iterator
 from inspector import __version__
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
-from inspector.capture.lens import Lens, checked_lens_request
+from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
+                                    checked_token_ids)
 from inspector.capture.models import model_config, resolve_model
 from inspector.capture.protocol import (MODES, BootProgress, RequestStart, RequestStep, Rows, Sampling,
                                         SessionError, SessionOptions, StepEvent, checked_interventions,
@@ -149,6 +150,19 @@ class Session:
         vocab = self._llm.llm_engine.model_config.get_vocab_size()
         values, chosen = checked_lens_request(values, k, chosen, width, vocab)
         return Lens.from_arrays(self._llm.collective_rpc("inspector_lens", args=(values, k, chosen))[0])
+
+    def attribution(self, values, final_residual, k: int = 5, chosen=None) -> Attribution:
+        self._require_alive()
+        width = next(h.width for h in self.catalogue if h.kind == "normalized")
+        vocab = self._llm.llm_engine.model_config.get_vocab_size()
+        values, final_residual, chosen = checked_attribution_request(values, final_residual, k, chosen, width, vocab)
+        return Attribution.from_arrays(self._llm.collective_rpc("inspector_attribution",
+                                                                args=(values, final_residual, k, chosen))[0])
+
+    def token_texts(self, ids) -> list[str]:
+        self._require_alive()
+        ids = checked_token_ids(ids, self._llm.llm_engine.model_config.get_vocab_size())
+        return [self._text(i) for i in ids.tolist()]
 
     @property
     def open_requests(self) -> list[str]:

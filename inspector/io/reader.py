@@ -11,6 +11,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from inspector.capture.attention import AttentionGeometry
 from inspector.capture.hooks import HookPoint
 from inspector.capture.run import HookRows, LensRows, RequestCapture, Run, TopToken
 
@@ -304,8 +305,14 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
         if "width" not in g.attrs:
             raise damaged(f"{g.name} has no 'width' attribute")
         name = get_text(g, "name") or unescape_name(link)
+        attention = json_attr(g, "attention", None)
+        try:
+            attention = AttentionGeometry(**attention) if attention is not None else None
+        except TypeError as exc:
+            raise damaged(f"the 'attention' attribute of {g.name} is not an attention geometry: {exc}") from exc
         info = HookPoint(name, get_text(g, "alias", name), get_text(g, "module_path", ""), get_text(g, "kind", ""),
-                        int(g.attrs["width"]), int(g.attrs.get("layer", -1)), get_text(g, "source_dtype", "float32"))
+                        int(g.attrs["width"]), int(g.attrs.get("layer", -1)), get_text(g, "source_dtype", "float32"),
+                        attention)
         infos.append((int(g.attrs.get("index", len(infos))), name, info))
     infos.sort(key=lambda x: x[0])
     hooks = {name: info for _, name, info in infos}
@@ -367,7 +374,14 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
         req.hooks = {name: rows for _, name, rows in hook_rows}
         req.lens = read_lens(g)
         requests[rid] = req
-    return Run(metadata=metadata, hooks=hooks, requests=requests)
+    vocabulary = {}
+    if "vocabulary" in f:  # absent in files without a lens
+        vg = group(f, "vocabulary")
+        ids, vd = dataset(vg, "ids"), vg.get("texts")
+        if not isinstance(vd, h5py.Dataset) or vd.shape != ids.shape:
+            raise damaged(f"{vg.name} needs a 'texts' dataset of the shape of 'ids' {ids.shape}")
+        vocabulary = dict(zip(ids.tolist(), read_texts(vd).tolist()))
+    return Run(metadata=metadata, hooks=hooks, requests=requests, vocabulary=vocabulary)
 
 
 def open_run(path: str | os.PathLike) -> RunFile:
@@ -381,4 +395,4 @@ def read_run(path: str | os.PathLike) -> Run:
         run = rf.run
         for req in run.requests.values():
             req.hooks = {name: rows.load() for name, rows in req.hooks.items()}
-        return Run(metadata=run.metadata, hooks=run.hooks, requests=run.requests)
+        return Run(metadata=run.metadata, hooks=run.hooks, requests=run.requests, vocabulary=run.vocabulary)

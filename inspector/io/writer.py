@@ -5,11 +5,13 @@ abort, an error, a full disk or a crash never leaves a file under the target's n
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import re
 import secrets
 import shutil
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -120,6 +122,7 @@ class CaptureWriter:
         self._budget = int(buffer_bytes)
         self._buffered = 0
         self._requests: dict[str, _Request] = {}
+        self._vocabulary: dict[int, str] = {}  # small (a text per token id the lens names): written at the end
         metadata = dict(metadata)
         meta_json = to_json(metadata, "the run metadata")
         model_config = metadata.get("model_config", {})
@@ -150,6 +153,8 @@ class CaptureWriter:
                 g.attrs["width"] = np.int64(info.width)
                 g.attrs["layer"] = np.int64(info.layer)
                 set_text(g, "source_dtype", info.dtype)
+                if info.attention is not None:
+                    set_text(g, "attention", json.dumps(asdict(info.attention)))
                 g.attrs["index"] = np.int64(index)
             f.create_group("requests")
 
@@ -241,6 +246,10 @@ class CaptureWriter:
             for req in self._requests.values():
                 self._flush_request(req, final=True)
                 self._write_request_data(req)
+            if self._vocabulary:
+                g = self._file.create_group("vocabulary")
+                g.create_dataset("ids", data=np.fromiter(self._vocabulary, np.int64, len(self._vocabulary)))
+                write_texts(g, "texts", list(self._vocabulary.values()))
             self._file.close()
             self._file = None
             self._io.finish(fsync=self._fsync)
@@ -364,6 +373,12 @@ class CaptureWriter:
             top_ids = columns["top_ids"]
             rows = req.lens[hook] = LensRows(np.shape(top_ids)[1] if np.ndim(top_ids) == 2 else 0)
         rows.append(*(columns[name] for name in LensRows.COLUMNS))
+
+    def add_vocabulary(self, texts: dict[int, str]) -> None:
+        """Texts of token ids the file names beyond its tokens (the lens's top tokens), so a reader
+        without the model can show them."""
+        self._check_open()
+        self._vocabulary.update((int(i), str(t)) for i, t in texts.items())
 
     def release(self, request_id: str) -> None:
         """Write a request's buffered rows now (as when it finishes), freeing its buffers: its rows
@@ -517,6 +532,7 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
     if progress:
         progress(0.0)
     with CaptureWriter(path, run.metadata, run.hooks, **writer_options) as writer:
+        writer.add_vocabulary(run.vocabulary)
         for req in run.requests.values():
             writer.add_request(req)
             for name, rows in req.hooks.items():

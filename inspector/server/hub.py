@@ -66,7 +66,9 @@ class Hub:
     def handle(self, key: bytes, message: Message) -> None:
         """A client's message; anything wrong with it becomes an error reply, never an exception."""
         handlers = {"hello": self._hello, "generate": self._generate, "stop": self._stop, "bye": self._bye,
-                    "set_interventions": self._set_interventions, "set_hooks": self._set_hooks, "lens": self._lens}
+                    "set_interventions": self._set_interventions, "set_hooks": self._set_hooks, "lens": self._lens,
+                    "attribution": self._attribution,
+                    "token_texts": self._token_texts}
         if message.type not in handlers:
             self.send(key, error(message, "unknown-type", f"unknown message type {message.type!r}"))
             return
@@ -212,14 +214,21 @@ class Hub:
         self.send(client.key, Message("ok", {"restarted": restarted, **self.describe(client)}, message.id))
 
     def _lens(self, client: Client, message: Message) -> None:
-        body = message.body
-        if not isinstance(body.get("values"), np.ndarray):
-            raise WireError("invalid", "lens needs 'values', an array of residual-stream rows")
-        chosen = body.get("chosen")
-        if chosen is not None and not isinstance(chosen, np.ndarray):
-            raise WireError("invalid", "lens's 'chosen' must be an array of token ids")
-        result = self.session.lens(body["values"], body.get("k", 5), chosen)  # ValueError: an error reply
+        values, chosen = _rows_and_chosen(message, "values", "an array of residual-stream rows")
+        result = self.session.lens(values, message.body.get("k", 5), chosen)  # ValueError: an error reply
         self.send(client.key, Message("ok", result.as_arrays(), message.id))
+
+    def _attribution(self, client: Client, message: Message) -> None:
+        values, chosen = _rows_and_chosen(message, "values", "an array of component rows")
+        residual, _ = _rows_and_chosen(message, "final_residual", "the rows entering the final norm")
+        result = self.session.attribution(values, residual, message.body.get("k", 5), chosen)
+        self.send(client.key, Message("ok", result.as_arrays(), message.id))
+
+    def _token_texts(self, client: Client, message: Message) -> None:
+        ids = message.body.get("ids")
+        if not isinstance(ids, np.ndarray):
+            raise WireError("invalid", "token_texts needs 'ids', an array of token ids")
+        self.send(client.key, Message("ok", {"texts": self.session.token_texts(ids)}, message.id))
 
     def _bye(self, client: Client, message: Message) -> None:
         self.client_gone(client.key)
@@ -302,3 +311,13 @@ def _key(d: dict) -> tuple:
 
 def error(message: Message, kind: str, text: str) -> Message:
     return Message("error", {"kind": kind, "message": text}, message.id)
+
+
+def _rows_and_chosen(message: Message, name: str, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The array ``name`` of a lens-like request and its optional ``chosen`` token ids (WireError if not arrays)."""
+    rows, chosen = message.body.get(name), message.body.get("chosen")
+    if not isinstance(rows, np.ndarray):
+        raise WireError("invalid", f"{message.type} needs {name!r}, {what}")
+    if chosen is not None and not isinstance(chosen, np.ndarray):
+        raise WireError("invalid", f"{message.type}'s 'chosen' must be an array of token ids")
+    return rows, chosen

@@ -22,13 +22,17 @@ from PySide6.QtWidgets import (QComboBox, QDockWidget, QFileDialog, QHBoxLayout,
 from inspector.capture.protocol import BOOT_STAGES, BootProgress, SessionFactory
 from inspector.viewer.controller import (EMPTY_TEXT, GENERATE_TIPS, Action, AppState, Controller,
                                          describe_generation)
+from inspector.viewer.attention import AttentionPatterns, AttentionShown, attention_layers
 from inspector.viewer.jobs import GenerationResult, SessionInfo
 from inspector.viewer.labels import display_token, short_hook_label
+from inspector.viewer.lens import lens_hooks, lens_kinds
 from inspector.viewer.run_view import RunSource
 
+from .attention_view import AttentionView
 from .connect_dialog import ConnectDialog
 from .heatmap import HeatmapWidget
 from .interventions_dock import InterventionsPanel
+from .lens_view import LensView
 from .model_tree import ModelTreeWidget
 from .prompt_panel import PromptPanel
 from .settings import Settings
@@ -103,9 +107,14 @@ class MainWindow(QMainWindow):
 
         self.heatmap = HeatmapWidget()
         self.summary = SummaryView()
+        self.lens_view = LensView()
+        self.attention_view = AttentionView()
+        self.attention_patterns = AttentionPatterns()  # kept between repaints: only new rows are computed
         self.tabs = QTabWidget()
         self.tabs.addTab(self.heatmap, "Tokens × features")
         self.tabs.addTab(self.summary, "Layers × tokens")
+        self.tabs.addTab(self.lens_view, "Lens")
+        self.tabs.addTab(self.attention_view, "Attention")
         self.strip = TokenStrip()
         self.text_view = QPlainTextEdit(readOnly=True)
         self.text_view.setPlaceholderText("Generated text streams in here.")
@@ -187,9 +196,12 @@ class MainWindow(QMainWindow):
         self.prompt.stopRequested.connect(self.controller.stop)
         self.request_box.currentIndexChanged.connect(self._request_chosen)
         self.hook_box.currentIndexChanged.connect(self._hook_chosen)
-        for view in (self.strip, self.heatmap, self.summary):
+        for view in (self.strip, self.heatmap, self.summary, self.lens_view, self.attention_view):
             view.positionClicked.connect(self.select_position)
         self.summary.settingsChanged.connect(self._invalidate_views)
+        self.lens_view.settingsChanged.connect(self._invalidate_views)
+        self.attention_view.settingsChanged.connect(self._invalidate_views)
+        self.attention_view.captureRequested.connect(self._capture_attention)
         self.tabs.currentChanged.connect(self._invalidate_views)
         self.lower_tabs.currentChanged.connect(self._invalidate_views)
         self.heatmap.colormapChanged.connect(self._colormap_changed)
@@ -343,6 +355,8 @@ class MainWindow(QMainWindow):
 
     def _colormap_changed(self, name: str) -> None:
         self.summary.set_colormap(name)
+        self.lens_view.set_colormap(name)
+        self.attention_view.set_colormap(name)
         self.settings.colormap = name
 
     # ================================================================== ControllerView
@@ -564,7 +578,8 @@ class MainWindow(QMainWindow):
                 self._progress_shown = now
                 self.prompt.progress.setValue(min(c.generation.tokens, c.generation.total))
                 self.tokens_label.setText(f"{c.generation.tokens} tokens · {c.generation.rate:.0f} tok/s")
-        keys = {UPPER: (id(view), view.revision, self.tabs.currentIndex()),
+        keys = {UPPER: (id(view), view.revision, view.lens.revision, c.lens_problem, self.tabs.currentIndex(),
+                        view.selection.position),
                 LOWER: (id(view), view.revision, self.lower_tabs.currentIndex())}
         halves = [h for h in halves if keys[h] != self._painted[h]]
         if not halves:
@@ -595,10 +610,39 @@ class MainWindow(QMainWindow):
                 source_id = (id(view), sel.request, sel.hook, id(req.hooks.get(sel.hook)))
                 self.heatmap.set_data(rows[0], rows[1], texts, source_id, marks,
                                       short_hook_label(info) if info else "")
-        else:
+        elif self.tabs.currentWidget() is self.summary:
             measure, feature = self.summary.measure()
             self.summary.set_rows(view.summary_rows(sel.request, self.summary.kinds(), measure, feature), texts)
+        elif self.tabs.currentWidget() is self.lens_view:
+            self._refresh_lens(view, sel.request, empty)
+        else:
+            self._refresh_attention(view, sel.request, empty)
         self.heatmap.select_position(sel.position)  # None: no column highlighted
+
+    def _refresh_lens(self, view, rid: str | None, empty: str | None) -> None:
+        """Only while the Lens tab is on show: ask for the lens of the rows not lensed yet, draw what there is."""
+        captured = view.hooks_for(rid)
+        hooks = lens_hooks(captured, self.lens_view.set_kinds(lens_kinds(captured)))
+        self.controller.follow_lens(view, rid, hooks)
+        message = empty or self.controller.lens_message(view, rid, hooks)
+        self.lens_view.set_grid(None if message else view.lens.grid(view.run, rid, hooks), message)
+
+    def _refresh_attention(self, view, rid: str | None, empty: str | None) -> None:
+        """Only while the Attention tab is on show: the chosen layer and head, and the selected token's
+        weights (the newest token's while none is selected)."""
+        c = self.controller
+        layer = self.attention_view.set_layers(attention_layers(view.hooks_for(rid)))
+        capturing = c.info.installed if c.info is not None and view is c.live else ()
+        shown = AttentionShown(empty) if empty else self.attention_patterns.show(
+            view, rid, layer, self.attention_view.head(), view.selection.position, capturing)
+        self.attention_view.show_attention(shown, view is c.live and c.enabled(Action.EDIT_HOOKS), self.heatmap.live)
+
+    def _capture_attention(self, hooks: list) -> None:
+        """The Attention tab's button: tick ``hooks`` in the model tree and apply them as Apply would
+        (eager mode applies ticks on its own)."""
+        self.tree.set_checked(set(self.tree.checked()) | set(hooks))
+        if self.tree.mode() == "compiled":
+            self.tree.request_apply()
 
     def _refresh_lower(self, view, req, texts: list[str], marks) -> None:
         """Only the lower tab on show is kept current (a hidden one catches up when it is chosen)."""

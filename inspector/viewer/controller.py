@@ -26,8 +26,9 @@ from inspector.capture.protocol import (BootProgress, Sampling, SessionError, Se
 from inspector.net.keys import ClientKeys
 
 from . import jobs
-from .jobs import Cancelled, GenerationResult, SessionInfo, TaskState
+from .jobs import Cancelled, GenerationResult, LensBox, SessionInfo, TaskState
 from .labels import hook_sort_key
+from .lens import LensResult
 from .run_view import RunSource, RunView
 
 DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
@@ -158,6 +159,9 @@ class Controller:
         self._generate_task: TaskState | None = None
         self._export_task: TaskState | None = None
         self._select_new = False
+        self._lens_box = LensBox()  # a lens batch for the generation to compute between steps
+        self._lens_out = False  # a lens batch is being computed: the next waits, and takes all that is new
+        self.lens_problem: str | None = None  # the lens failed with this session: why
 
     # ================================================================== state
     def enabled(self, action: Action) -> bool:
@@ -251,6 +255,7 @@ class Controller:
             self._keep_live_as_earlier()  # another model: its captures stay viewable and exportable
         self.live.learn_hooks(self.info.metadata, self.info.installed, list(self.info.catalogue))
         self.boot_stage = "ready"
+        self.lens_problem = None
         self._set_state(AppState.READY)
         self.view.session_changed(self.info, restarted=False)
         self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}",
@@ -300,8 +305,9 @@ class Controller:
         self._set_state(AppState.GENERATING)
         self.view.status(f"Generating {sampling.max_tokens} tokens for {len(prompts)} prompt(s)…")
         self._generate_task = self.engine.start(
-            jobs.generate, self.session, list(prompts), sampling, on_partial=functools.partial(self._event, self.live),
-            on_done=self._generated, on_exception=self._generation_failed)
+            jobs.generate, self.session, list(prompts), sampling, self._lens_box,
+            on_partial=functools.partial(self._generation_news, self.live), on_done=self._generated,
+            on_exception=self._generation_failed)
         return True
 
     def stop(self) -> None:
@@ -314,6 +320,12 @@ class Controller:
         if self._generate_task is not None:
             self._generate_task.cancel()
 
+    def _generation_news(self, live: RunView, news: StepEvent | LensResult) -> None:
+        if isinstance(news, LensResult):
+            self._lensed(news)
+        else:
+            self._event(live, news)
+
     def _event(self, live: RunView, event: StepEvent) -> None:
         live.apply(event)
         if live is self.live and self.generation is not None:
@@ -325,6 +337,8 @@ class Controller:
     def _generation_over(self) -> bool:
         """Whether the generation that just ended is the app's current one (not one a new boot cut short)."""
         self._generate_task = None
+        if self._lens_box.take() is not None:  # it ended before computing it: the next paint asks again
+            self._lens_out = False
         return self.state is AppState.GENERATING
 
     def _generated(self, result: GenerationResult) -> None:
@@ -414,6 +428,52 @@ class Controller:
         except ValueError as exc:
             self.interventions = []
             self.view.interventions_dropped(f"Interventions were dropped after {doing}: {exc}")
+
+    # ================================================================== the logit lens
+    def can_lens(self, view: RunView) -> bool:
+        """Whether the engine can lens ``view``'s rows: it runs the model they were captured with."""
+        return (self.session is not None and self.state in (AppState.READY, AppState.GENERATING)
+                and self.lens_problem is None
+                and view.run.metadata.get("model_path") == self.info.metadata.get("model_path"))
+
+    def follow_lens(self, view: RunView, rid: str | None, hooks: list) -> None:
+        """The Lens tab shows ``hooks`` of request ``rid``: lens their rows not lensed yet, all in one
+        engine call (between two steps while generating). None while another is out: when it is back,
+        the next takes everything that came meanwhile."""
+        if self._lens_out or not self.can_lens(view):
+            return
+        batch = view.lens.pending(view.run, rid, hooks)
+        if batch is None:
+            return
+        self._lens_out = True
+        if self.state is AppState.GENERATING:
+            self._lens_box.put(batch)
+        else:
+            self.engine.start(jobs.lens, self.session, batch, on_done=self._lensed)
+
+    def _lensed(self, result: LensResult) -> None:
+        self._lens_out = False
+        if result.error is None:
+            result.batch.target.add(result)
+            return
+        self.lens_problem = describe_exception(result.error, "computing the logit lens")
+        self.view.error(f"The logit lens failed; no more is computed until the engine restarts.\n\n"
+                        f"{self.lens_problem}", details_of(result.error), title="Lens")
+
+    def lens_message(self, view: RunView, rid: str | None, hooks: list) -> str | None:
+        """Why the Lens tab shows no cells for ``hooks`` of ``rid`` and will not, or None."""
+        if view.request(rid) is None:
+            return "No request to show"
+        if not hooks:
+            return ("No residual-stream hook point captured: select a resid_post hook point (Model tree) "
+                    "to see the lens")
+        if self.lens_problem is not None and not view.lens.has_any(rid, hooks):
+            return f"The logit lens failed: {self.lens_problem}"
+        if self.can_lens(view) or view.lens.has_any(rid, hooks):
+            return None
+        if view.source is RunSource.FILE:
+            return "No lens stored in this file: capture with --lens K, or open its model, to see it"
+        return "The lens needs the model this run was captured with, running: open it again to see it"
 
     # ================================================================== runs
     def show(self, view: RunView) -> None:

@@ -13,10 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from inspector.capture.hooks import HookPoint
 from inspector.capture.protocol import Sampling, SessionFactory, SessionOptions, SessionProtocol
 from inspector.capture.run import Run
 from inspector.io import write_run
+
+from .lens import LENS_K, LensBatch, LensResult
 
 
 class Cancelled(Exception):
@@ -82,9 +86,28 @@ def boot(factory: SessionFactory, options: SessionOptions, state: TaskState) -> 
     return session, describe(session)
 
 
-def generate(session: SessionProtocol, prompts: list[str], sampling: Sampling,
+class LensBox:
+    """A lens batch handed from the GUI thread to a generation, which computes it between two steps:
+    the engine thread is busy generating, and only it may call the engine meanwhile."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._batch: LensBatch | None = None
+
+    def put(self, batch: LensBatch) -> None:
+        with self._lock:
+            self._batch = batch
+
+    def take(self) -> LensBatch | None:
+        with self._lock:
+            batch, self._batch = self._batch, None
+        return batch
+
+
+def generate(session: SessionProtocol, prompts: list[str], sampling: Sampling, lens_box: LensBox,
              state: TaskState) -> GenerationResult:
-    """Step events arrive as partial results; cancelling stops the generation after the current step
+    """Step events arrive as partial results, and so does the lens of a batch put in ``lens_box``
+    (a ``LensResult``, after the next step); cancelling stops the generation after the current step
     (its final event still arrives)."""
     t0, steps, tokens = time.perf_counter(), 0, 0
     if state.cancelled:  # stopped before it started
@@ -95,7 +118,24 @@ def generate(session: SessionProtocol, prompts: list[str], sampling: Sampling,
         tokens += sum(len(step.new_token_ids) for step in event.requests)
         if state.cancelled:
             session.stop()
+        batch = lens_box.take()
+        if batch is not None:
+            state.set_partial_result(lens(session, batch, state))
     return GenerationResult(steps, tokens, state.cancelled, time.perf_counter() - t0)
+
+
+def lens(session: SessionProtocol, batch: LensBatch, state: TaskState) -> LensResult:
+    """The top ``LENS_K`` tokens of each row and the rank of the token that came next (where known),
+    with the texts of the tokens named that the run does not know yet (its ``texts`` change only on
+    the GUI thread, and only once this result is back). A failure is part of the result: a
+    generation that lenses between its steps goes on."""
+    try:
+        # a next token not known yet (-1) asks about token 0 instead: RunLens.add drops its rank
+        result = session.lens(batch.values, LENS_K, chosen=np.maximum(batch.chosen, 0))
+        new = [i for i in np.unique(result.top_ids).tolist() if i not in batch.target.texts]
+        return LensResult(batch, result, dict(zip(new, session.token_texts(new))) if new else {})
+    except Exception as exc:  # noqa: BLE001 - shown by the GUI thread
+        return LensResult(batch, error=exc)
 
 
 def set_hooks(session: SessionProtocol, patterns: list[str], state: TaskState) -> tuple[bool, SessionInfo]:

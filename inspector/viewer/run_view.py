@@ -22,6 +22,7 @@ from inspector.capture.protocol import StepEvent, fold_event
 from inspector.capture.run import HookRows, RequestCapture, Run
 
 from .labels import hook_sort_key, short_hook_label
+from .lens import RunLens
 
 
 class RunSource(enum.Enum):
@@ -47,6 +48,7 @@ class RunView:
         self.catalogue = {h.name: h for h in catalogue} or dict(run.hooks)
         self.selection = Selection()
         self.revision = 0  # bumped on every change a view must repaint for
+        self.lens = RunLens(run)  # the logit lens of its residual-stream rows, as far as it is known
         self._norms: dict[tuple[str, str], GrowableArray] = {}  # live: per-row L2 norms, grown with the rows
         self._file_norms: dict[tuple[str, str], np.ndarray] = {}
         self._loaded: OrderedDict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = OrderedDict()
@@ -245,8 +247,9 @@ class RunView:
                 top_logprobs=[list(t) for t in req.top_logprobs],
                 intervention_log=[(p, [dict(d) for d in ivs]) for p, ivs in req.intervention_log],
                 hooks={h: rows.snapshot() if type(rows) is HookRows else rows for h, rows in req.hooks.items()},
-                finish_reason=req.finish_reason)
-        return Run(metadata=copy.deepcopy(run.metadata), hooks=dict(run.hooks), requests=requests)
+                lens=dict(req.lens), finish_reason=req.finish_reason)  # a reopened file's lens: read, never grown
+        return Run(metadata=copy.deepcopy(run.metadata), hooks=dict(run.hooks), requests=requests,
+                   vocabulary=dict(run.vocabulary))
 
     def total_rows(self) -> int:
         return sum(len(rows) for req in self.run.requests.values() for rows in req.hooks.values())
