@@ -292,7 +292,8 @@ def test_eager_mode_switch_and_live_hooks(qtbot, ui_settings):
     assert session(window).options.mode == "eager" and window.tree.mode() == "eager"
     window.tree.set_hook_checked("model.layers.0.mlp.mlp_out", True)  # no dialog: applies by itself
     qtbot.waitUntil(lambda: "model.layers.0.mlp.mlp_out" in session(window).installed, timeout=5000)
-    assert "applied live" in window.statusBar().currentMessage()
+    # the GUI thread says so once the engine thread's job has reported back
+    qtbot.waitUntil(lambda: "applied live" in window.statusBar().currentMessage(), timeout=5000)
     assert window.settings.engine_mode == "eager"
 
 
