@@ -228,7 +228,10 @@ def hooks(args) -> int:
         return 0
     print(f"{'name':48s} {'alias':28s} {'kind':11s} {'width':>6s}")
     for h in catalogue:
-        print(f"{h.name:48s} {h.alias:28s} {h.kind:11s} {h.width:6d}")
+        print(f"{h.name:48s} {h.alias:28s} {h.kind:11s} {h.width:6d}" + ("  WITHDRAWN" if h.withdrawn else ""))
+    for h in catalogue:
+        if h.withdrawn:
+            print(f"withdrawn {h.alias}: {h.withdrawn}")
     return 0
 
 

@@ -19,7 +19,61 @@ def load(model_dir: str):
 
 def _blocks(model):
     inner = getattr(model, "model", None) or model.transformer
+    inner = getattr(inner, "decoder", inner)  # OPT
     return list(getattr(inner, "layers", None) or inner.h)
+
+
+_LLAMA_STYLE = {"attn_out": ("self_attn", "out"), "resid_mid": ("post_attention_layernorm", "in"),
+                "mlp_post": ("mlp.down_proj", "in"), "mlp_out": ("mlp", "out")}
+# Each kind of hook point as transformers' modules give it (TransformerLens's definitions): module, in/out.
+KINDS = {
+    **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe")},
+    "gemma2": {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_layernorm", "out"),
+               "resid_mid": ("pre_feedforward_layernorm", "in"), "mlp_post": ("mlp.down_proj", "in"),
+               "mlp_raw": ("mlp", "out"), "mlp_out": ("post_feedforward_layernorm", "out")},
+    "gpt2": {"attn_out": ("attn", "out"), "resid_mid": ("ln_2", "in"), "mlp_post": ("mlp.c_proj", "in"),
+             "mlp_out": ("mlp", "out")},
+    "gptj": {"attn_out": ("attn", "out"), "mlp_post": ("mlp.fc_out", "in"), "mlp_out": ("mlp", "out")},
+    "opt": {"attn_out": ("self_attn", "out"), "resid_mid": ("final_layer_norm", "in"), "mlp_post": ("fc2", "in"),
+            "mlp_out": ("fc2", "out")},
+}
+
+
+@torch.no_grad()
+def block_points(model_dir, arch: str, token_ids: list[int]) -> dict[tuple[int, str], np.ndarray]:
+    """{(layer, kind): [tokens, width]} for resid_pre, resid_post and ``KINDS[arch]``, read with forward
+    hooks on transformers' modules; a module a layer lacks (an MoE layer's down projection) is skipped."""
+    model = load(str(model_dir))
+    found, handles = {}, []
+
+    def first(x):  # [tokens, width] of a batch of one (some modules see it flattened already)
+        x = x[0] if isinstance(x, tuple) else x
+        return x.reshape(-1, x.shape[-1]).clone()
+
+    for layer, block in enumerate(_blocks(model)):
+        handles.append(block.register_forward_pre_hook(
+            lambda m, a, kw, layer=layer: found.__setitem__((layer, "resid_pre"), first(a or (kw["hidden_states"],))),
+            with_kwargs=True))
+        handles.append(block.register_forward_hook(
+            lambda m, a, out, layer=layer: found.__setitem__((layer, "resid_post"), first(out))))
+        for kind, (path, side) in KINDS[arch].items():
+            try:
+                module = block.get_submodule(path)
+            except AttributeError:
+                continue
+            if side == "in":
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, kw, key=(layer, kind): found.__setitem__(key, first(a or (kw["hidden_states"],))),
+                    with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(
+                    lambda m, a, out, key=(layer, kind): found.__setitem__(key, first(out))))
+    try:
+        model(torch.tensor([token_ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return {key: value.numpy() for key, value in found.items()}
 
 
 @torch.no_grad()
@@ -64,3 +118,8 @@ def direct_logit_attribution(model_dir, components: np.ndarray, final_residual: 
         c, r = c - c.mean(-1, keepdim=True), r - r.mean(-1, keepdim=True)
     scale = torch.sqrt(r.pow(2).mean(-1, keepdim=True) + eps)
     return ((c * norm.weight.double() / scale) @ model.lm_head.weight.double().T).numpy()
+
+
+@torch.no_grad()
+def logits(model_dir, token_ids: list[int]) -> np.ndarray:
+    return load(str(model_dir))(torch.tensor([token_ids])).logits[0].numpy()

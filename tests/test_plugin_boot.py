@@ -103,3 +103,17 @@ def test_boot_after_failures_captures(tiny_models):
         tokens, caps = generate(llm, ["def f():"], max_tokens=2)
         assert caps["r0"]["x"]["values"].shape == (len(tokens["r0"][0]) + 1, 128)
         assert json.dumps(rpc(llm, "inspector_describe")["installed"]) == '{"x": "model.layers.0.resid_post"}'
+
+
+@pytest.mark.parametrize("argument", ["enable_prefix_caching", "enforce_eager", "worker_extension_cls"])
+def test_engine_arguments_the_inspector_sets_are_refused_clearly_before_booting(tiny_models, argument):
+    from inspector.engine.boot import boot_llm
+
+    with pytest.raises(ValueError, match=f"{argument} are set by the inspector"):
+        boot_llm(str(tiny_models["llama"]), **{argument: True})
+
+
+def test_engines_load_only_the_inspectors_vllm_plugin():
+    """Another plugin (vllm-lens forces enforce_eager on every engine) must not change our engines;
+    a user who wants it sets VLLM_PLUGINS."""
+    assert os.environ["VLLM_PLUGINS"] == "activation_inspector"

@@ -216,3 +216,26 @@ def test_steering_dialog_computes_mean_difference(panel, qtbot):
     dialog.set_selection("B", "req0", "1")
     assert not dialog.compute() and "never fed back" in dialog.info.text()
     dialog.reject()
+
+
+def test_a_withdrawn_point_is_greyed_out_with_its_reason_and_cannot_be_checked(qtbot, ui_settings):
+    from dataclasses import replace
+
+    from inspector.ui.model_tree import ModelTreeWidget
+
+    w = ModelTreeWidget()
+    keep(qtbot, w)
+    reason = "blocks.0: resid_pre + attn_out = resid_mid does not hold in the boot probe (relative error 0.98)"
+    cat = [replace(p, withdrawn=reason) if p.alias == "blocks.0.hook_resid_mid" else p
+           for p in llama_catalogue(layers=1, hidden=16, intermediate=32)]
+    w.set_catalogue(cat, set())
+    name = "model.layers.0.post_attention_layernorm.resid_mid"
+    assert name not in w._leaves
+    layer = w._leaves["model.layers.0.resid_post"].parent()
+    norm = next(layer.child(r, 0) for r in range(layer.rowCount()) if layer.child(r, 0).text() == "post_attention_layernorm")
+    leaf = norm.child(0, 0)
+    assert leaf.text() == "◆ resid_mid (withdrawn)" and not leaf.isEnabled() and not leaf.isCheckable()
+    assert reason in leaf.toolTip()
+    layer.setCheckState(Qt.CheckState.Checked)  # a block's node: everything in it that can be captured
+    assert name not in w.checked() and "model.layers.0.resid_post" in w.checked()
+    assert layer.checkState() == Qt.CheckState.Checked

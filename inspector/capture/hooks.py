@@ -23,7 +23,8 @@ class HookPoint:
     """Where an activation can be read and replaced: ``name`` is stable (``<module path>.<kind>``),
     ``alias`` is TransformerLens's name for it, ``layer`` is -1 outside the blocks and ``dtype`` is the
     engine's dtype its rows are captured in; ``attention`` is the layer's geometry on the queries and keys
-    (``q``/``k`` kinds), which attention patterns are recomputed from."""
+    (``q``/``k`` kinds), which attention patterns are recomputed from; a ``withdrawn`` point failed the
+    boot probe's identities and cannot be installed."""
 
     name: str
     alias: str
@@ -33,6 +34,7 @@ class HookPoint:
     layer: int = -1
     dtype: str = "float32"
     attention: AttentionGeometry | None = None
+    withdrawn: str = ""  # why the boot probe found this point not to mean what its kind says ("" = it does)
 
     def matches(self, pattern: str) -> bool:
         return matches_pattern(self.name, self.alias, pattern)
@@ -45,7 +47,7 @@ class HookPoint:
         attention = d.get("attention")
         return cls(str(d["name"]), str(d["alias"]), str(d["module_path"]), str(d["kind"]), int(d["width"]),
                    int(d.get("layer", -1)), str(d.get("dtype", "float32")),
-                   AttentionGeometry(**attention) if attention else None)
+                   AttentionGeometry(**attention) if attention else None, str(d.get("withdrawn", "")))
 
 
 def installed_name(name_or_alias: str, installed: dict[str, HookPoint]) -> str:

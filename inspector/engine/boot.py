@@ -7,6 +7,9 @@ from inspector.capture.protocol import MODES
 from .environment import prepare_environment
 
 
+INSPECTOR_ENGINE_ARGS = {"enforce_eager", "enable_prefix_caching", "worker_extension_cls"}
+
+
 def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",
              dtype: str = "float32", max_num_batched_tokens: int = 512, max_model_len: int = 1024,
              enable_position_interventions: bool = False, hook_patterns: tuple[str, ...] = (), **engine_args):
@@ -17,6 +20,11 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    ours = sorted(set(engine_args) & INSPECTOR_ENGINE_ARGS)
+    if ours:
+        raise ValueError(f"engine argument(s) {', '.join(ours)} are set by the inspector and cannot be "
+                         "given: prefix caching would skip prompt rows and leak intervened K/V into clean "
+                         "runs, enforce_eager follows the mode, the worker extension is the plugin's")
     prepare_environment()
     import torch
     from vllm import LLM

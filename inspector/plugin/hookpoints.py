@@ -27,6 +27,8 @@ from torch import nn
 
 from inspector.capture.hooks import HookPoint
 
+from . import families
+
 
 @dataclass(frozen=True)
 class Site:
@@ -40,34 +42,17 @@ class Site:
         return self.how.startswith("input")
 
 
-def _has(module: nn.Module, *names: str) -> bool:
-    return all(hasattr(module, n) for n in names)
-
-
-def _find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and (
-            _has(module[0], "input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
-            or _has(module[0], "ln_1", "attn", "ln_2", "mlp")
-        ):
-            return path, module
-    return None
-
-
-def catalogue(model: nn.Module, hidden: int, intermediate: int, dtype: str) -> list[tuple[HookPoint, Site]]:
-    """Hook points of a Llama/Qwen-style (fused residual) or GPT-2-style model, in model order."""
-    found = _find_block_list(model)
-    if found is None:
-        raise ValueError(f"{type(model).__name__}: no decoder block list found; "
-                         "supported are Llama/Qwen/Mistral-style and GPT-2-style models")
-    blocks_path, blocks = found
-    stem = blocks_path.rsplit(".", 1)[0] if "." in blocks_path else ""
-    fused = hasattr(blocks[0], "input_layernorm")
+def catalogue(model: nn.Module, hidden: int, dtype: str) -> tuple[families.Family, list[tuple[HookPoint, Site]]]:
+    """The family of a model's decoder blocks (``families``) and its hook points, in model order:
+    embeddings, each block's points with its queries and keys, the final norm's output."""
+    blocks_path, blocks, family = families.find_blocks(model)
+    stem, _, last = blocks_path.rpartition(".")
+    modules = dict(model.named_modules())
 
     def path(*parts: str) -> str:
         return ".".join(p for p in (stem, *parts) if p)
 
-    def point(module_path: str, kind: str, alias: str, how: str, width: int = hidden, arg_index: int = 0,
+    def point(module_path: str, kind: str, alias: str, how: str = "output", width: int = hidden, arg_index: int = 0,
               layer: int = -1, attention=None) -> tuple[HookPoint, Site]:
         return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width, layer, dtype, attention),
                 Site(how, arg_index))
@@ -75,7 +60,7 @@ def catalogue(model: nn.Module, hidden: int, intermediate: int, dtype: str) -> l
     def attention_points(block: str, b: str, i: int) -> list[tuple[HookPoint, Site]]:
         from . import vllm_compat  # imports the runtime, which imports this module
 
-        layers = vllm_compat.attention_layers(model.get_submodule(block))
+        layers = vllm_compat.attention_layers(modules[block])
         if len(layers) != 1:
             return []
         rel, layer = layers[0]
@@ -85,39 +70,25 @@ def catalogue(model: nn.Module, hidden: int, intermediate: int, dtype: str) -> l
             found.append(point(f"{block}.{rel}", "k", f"{b}.attn.hook_k", "input", geometry.k_width, 1, i, geometry))
         return found
 
-    points = []
-    if fused:
-        points.append(point(path("embed_tokens"), "embed", "hook_embed", "output"))
-    else:
-        points.append(point(path("wte"), "embed", "hook_embed", "output"))
-        points.append(point(path("wpe"), "pos_embed", "hook_pos_embed", "output"))
-    last = blocks_path.rsplit(".", 1)[-1]
+    points = [point(path(module), kind, f"hook_{kind}") for kind, module in family.embeds]
     for i in range(len(blocks)):
-        block = path(last, str(i))
-        b = f"blocks.{i}"
-        if fused:
-            points += [
-                point(block, "resid_pre", f"{b}.hook_resid_pre", "input_pair_sum", arg_index=1, layer=i),
-                *attention_points(block, b, i),
-                point(f"{block}.self_attn", "attn_out", f"{b}.hook_attn_out", "output", layer=i),
-                point(f"{block}.post_attention_layernorm", "resid_mid", f"{b}.hook_resid_mid",
-                      "input_pair_sum", arg_index=0, layer=i),
-                point(f"{block}.mlp.down_proj", "mlp_post", f"{b}.mlp.hook_post", "input", intermediate, layer=i),
-                point(f"{block}.mlp", "mlp_out", f"{b}.hook_mlp_out", "output", layer=i),
-                point(block, "resid_post", f"{b}.hook_resid_post", "output_pair_sum", layer=i),
-            ]
-        else:
-            points += [
-                point(block, "resid_pre", f"{b}.hook_resid_pre", "input", layer=i),
-                *attention_points(block, b, i),
-                point(f"{block}.attn", "attn_out", f"{b}.hook_attn_out", "output", layer=i),
-                point(f"{block}.mlp.c_proj", "mlp_post", f"{b}.mlp.hook_post", "input", intermediate, layer=i),
-                point(f"{block}.mlp", "mlp_out", f"{b}.hook_mlp_out", "output", layer=i),
-                point(block, "resid_post", f"{b}.hook_resid_post", "output", layer=i),
-            ]
-    points.append(point(path("norm" if fused else "ln_f"), "normalized", "ln_final.hook_normalized", "output"))
-    modules = dict(model.named_modules())
-    return [(p, site) for p, site in points if p.module_path in modules]
+        block, b = path(last, str(i)), f"blocks.{i}"
+        for spec in family.points:
+            module_path = ".".join(p for p in (block, spec.module) if p)
+            if module_path not in modules:  # e.g. no down projection in a mixture-of-experts layer
+                continue
+            width = _input_width(modules[module_path]) if spec.mlp_wide else hidden
+            points.append(point(module_path, spec.kind, f"{b}.{families.ALIASES[spec.kind]}", spec.how, width,
+                                spec.arg_index, i))
+            if spec.kind == "resid_pre":
+                points += attention_points(block, b, i)
+    points.append(point(path(family.final_norm), "normalized", "ln_final.hook_normalized"))
+    return family, [(p, site) for p, site in points if p.module_path in modules]
+
+
+def _input_width(module: nn.Module) -> int:
+    """Features a linear layer takes on this rank (vLLM's parallel linears, or torch's)."""
+    return int(getattr(module, "input_size_per_partition", None) or module.in_features)
 
 
 # --- reading and replacing at a site (traced into the compiled graph: no value-dependent Python) ---

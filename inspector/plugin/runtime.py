@@ -114,6 +114,8 @@ class InspectorRuntime:
                 raise ValueError(f"hook {name!r}: unknown module path {module_path!r}")
             raise ValueError(f"hook {name!r}: module {module_path!r} ({type(modules[module_path]).__name__}) "
                              "is not a hook point; see the catalogue for the points this model offers")
+        if point.withdrawn:
+            raise ValueError(f"hook {name!r} ({point.alias}) is withdrawn: {point.withdrawn}")
         if point.module_path != module_path:
             raise ValueError(f"hook {name!r} is {point.name} at module {point.module_path!r}, "
                              f"but the spec says {module_path!r}")
@@ -129,6 +131,9 @@ class InspectorRuntime:
             hits = [p for p in self.catalogue.values() if p.matches(pattern)]
             if not hits:
                 raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
+            if all(p.withdrawn for p in hits):
+                raise ValueError(f"hook pattern {pattern!r} matches only withdrawn points: {hits[0].withdrawn}")
+            hits = [p for p in hits if not p.withdrawn]
             specs.update({p.name: (p.module_path, p.width) for p in hits})
         return specs
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 from typing import Callable
 
 import numpy as np
@@ -83,13 +84,11 @@ def is_eager(worker) -> bool:
     return bool(worker.vllm_config.model_config.enforce_eager)
 
 
-def model_sizes(worker) -> tuple[int, int, int, int]:
-    """(hidden width, MLP width, max model length, max tokens in one forward)."""
+def model_sizes(worker) -> tuple[int, int, int]:
+    """(hidden width, max model length, max tokens in one forward)."""
     model_config = worker.vllm_config.model_config
-    text = model_config.hf_config.get_text_config()
-    hidden = text.hidden_size
-    intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
-    return hidden, intermediate, model_config.max_model_len, worker.model_runner.max_num_tokens
+    return (model_config.hf_config.get_text_config().hidden_size, model_config.max_model_len,
+            worker.model_runner.max_num_tokens)
 
 
 def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -136,6 +135,28 @@ def unembedding(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | 
         raise ValueError(f"{type(model).__name__}: no unembedding (lm_head and logits_processor) found")
     logits = processor._get_logits(hidden, head, None)
     return logits if logits is None or processor.scale == 1.0 else logits * processor.scale
+
+
+def probe_forward(worker, num_tokens: int) -> None:
+    """One eager forward of ``num_tokens`` dummy tokens before the KV cache exists (vLLM's own dummy
+    run): compilation is bypassed for it and attention layers return zeros (without a KV cache their
+    output is uninitialised memory)."""
+    model = model_of(worker)
+    compiled = [m for m in model.modules() if hasattr(m, "do_not_compile")]
+    flags = [m.do_not_compile for m in compiled]
+    zeroed = [layer.register_forward_hook(lambda m, args, out: torch.zeros_like(out))
+              for _, layer in attention_layers(model)]
+    runner = worker.model_runner
+    extra = {"randomize_inputs": True} if "randomize_inputs" in inspect.signature(runner._dummy_run).parameters else {}
+    try:
+        for m in compiled:
+            m.do_not_compile = True
+        runner._dummy_run(num_tokens, **extra)
+    finally:
+        for m, flag in zip(compiled, flags):
+            m.do_not_compile = flag
+        for handle in zeroed:
+            handle.remove()
 
 
 def external_request_id(internal: str) -> str:

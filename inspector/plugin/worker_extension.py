@@ -6,13 +6,20 @@ numpy, so no insecure serialization is needed across processes.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from dataclasses import replace
+
 from inspector.capture.interventions import Intervention
 
-from . import hookpoints, lens, vllm_compat
+from . import hookpoints, lens, probe, vllm_compat
 from .config import PluginConfig
 from .runtime import InspectorRuntime
 
 _ATTR = "_inspector_runtime"
+PROBE_TOKENS = 8  # the boot probe's forward (probe.py)
+logger = logging.getLogger(__name__)
 
 # Called (in-process engines only) once weights are loaded and hooks installed, just before vLLM
 # compiles: the driver uses it to report a "compiling" boot stage.
@@ -25,11 +32,21 @@ def install_runtime(worker) -> None:
     if config is None:
         return
     if config.eager != vllm_compat.is_eager(worker):
-        raise ValueError("the eager flavour (enable_batching=True) needs enforce_eager=True, "
-                         "and the compiled flavour needs enforce_eager=False")
+        raise ValueError(f"this engine was asked for the {'eager' if config.eager else 'compiled'} flavour, "
+                         f"but vLLM's enforce_eager is {vllm_compat.is_eager(worker)}: something other than the "
+                         "inspector changed that setting (another vLLM plugin may have: VLLM_PLUGINS="
+                         f"{os.environ.get('VLLM_PLUGINS', '(all installed)')})")
     model = vllm_compat.model_of(worker)
-    hidden, intermediate, max_model_len, max_tokens = vllm_compat.model_sizes(worker)
-    points = hookpoints.catalogue(model, hidden, intermediate, config.dtype)
+    hidden, max_model_len, max_tokens = vllm_compat.model_sizes(worker)
+    family, points = hookpoints.catalogue(model, hidden, config.dtype)
+    started = time.perf_counter()
+    withdrawn = probe.verify(model, points, family.residual, config.dtype,
+                             lambda: vllm_compat.probe_forward(worker, PROBE_TOKENS))
+    logger.info("boot probe (%s): %d hook points, %d withdrawn, %.2f s", family.name, len(points), len(withdrawn),
+                time.perf_counter() - started)
+    for name, why in withdrawn.items():
+        logger.warning("hook point %s withdrawn: %s", name, why)
+    points = [(replace(p, withdrawn=withdrawn.get(p.name, "")), site) for p, site in points]
     runtime = InspectorRuntime(model, points, config, vllm_compat.device_of(worker),
                                max(max_tokens, config.max_num_batched_tokens), max_model_len)
     explicit = {runtime.resolve(name, *spec).name for name, spec in config.capture_specs.items()}

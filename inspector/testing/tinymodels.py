@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe")
 # Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
 ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}}
 # Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
@@ -84,6 +84,15 @@ def hf_config(spec: TinySpec, tokenizer):
         return transformers.GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads,
                                        n_inner=spec.intermediate, n_positions=spec.max_positions,
                                        activation_function="gelu_new", **common)
+    if spec.arch == "gptj":  # parallel attention and MLP, partial rotary
+        return transformers.GPTJConfig(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads,
+                                       n_inner=spec.intermediate, n_positions=spec.max_positions, rotary_dim=32,
+                                       activation_function="gelu_new", tie_word_embeddings=False, **common)
+    if spec.arch == "opt":  # learned positions, pre-norm (do_layer_norm_before), fc1/fc2 without an MLP module
+        return transformers.OPTConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers, ffn_dim=spec.intermediate,
+                                      num_attention_heads=spec.heads, max_position_embeddings=spec.max_positions,
+                                      word_embed_proj_dim=spec.hidden, do_layer_norm_before=True,
+                                      pad_token_id=tokenizer.eos_token_id, **common)
     shape = dict(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                  num_key_value_heads=spec.kv_heads, intermediate_size=spec.intermediate,
                  max_position_embeddings=spec.max_positions, **common)
@@ -94,6 +103,17 @@ def hf_config(spec: TinySpec, tokenizer):
         return transformers.Gemma2Config(head_dim=spec.hidden // spec.heads, query_pre_attn_scalar=24,
                                          attn_logit_softcapping=3.0, final_logit_softcapping=8.0,
                                          sliding_window=6, hidden_activation="gelu_pytorch_tanh", **shape)
+    if spec.arch == "qwen3":  # q/k norms
+        return transformers.Qwen3Config(head_dim=spec.hidden // spec.heads, hidden_act="silu",
+                                        tie_word_embeddings=False, **shape)
+    if spec.arch == "phi3":  # fused qkv and gate/up projections
+        return transformers.Phi3Config(hidden_act="silu", tie_word_embeddings=False, pad_token_id=tokenizer.eos_token_id,
+                                       **shape)
+    if spec.arch == "qwen3_moe":  # block 0 a dense MLP, the others 4 experts, 2 per token
+        return transformers.Qwen3MoeConfig(head_dim=spec.hidden // spec.heads, moe_intermediate_size=64, num_experts=4,
+                                           num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
+                                           norm_topk_prob=True, hidden_act="silu", tie_word_embeddings=False,
+                                           **shape)
     if spec.arch == "mistral":
         return transformers.MistralConfig(sliding_window=8, hidden_act="silu", tie_word_embeddings=False, **shape)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec.arch]

@@ -147,13 +147,18 @@ class ModelTreeWidget(QWidget):
                         parent.appendRow(cells)
                         nodes[path] = node
                     parent = node
-                leaf = QStandardItem(f"◆ {info.kind}")
+                leaf = QStandardItem(f"◆ {info.kind}" + (" (withdrawn)" if info.withdrawn else ""))
                 leaf.setData(info.name, NAME_ROLE)
-                leaf.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
-                              | Qt.ItemFlag.ItemIsUserCheckable)
-                leaf.setCheckState(Qt.CheckState.Unchecked)
-                leaf.setToolTip(f"{info.name}\nalias {info.alias}\nmodule {info.module_path}\n"
-                                f"kind {info.kind}, width {info.width}, dtype {info.dtype}")
+                tip = (f"{info.name}\nalias {info.alias}\nmodule {info.module_path}\n"
+                       f"kind {info.kind}, width {info.width}, dtype {info.dtype}")
+                if info.withdrawn:  # greyed out, with the reason: it cannot be captured
+                    leaf.setFlags(Qt.ItemFlag.ItemIsSelectable)
+                    leaf.setToolTip(f"{tip}\nwithdrawn: {info.withdrawn}")
+                else:
+                    leaf.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
+                                  | Qt.ItemFlag.ItemIsUserCheckable)
+                    leaf.setCheckState(Qt.CheckState.Unchecked)
+                    leaf.setToolTip(tip)
                 width = QStandardItem(str(info.width))
                 width.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 alias = QStandardItem(info.alias)
@@ -162,7 +167,8 @@ class ModelTreeWidget(QWidget):
                     c.setData(info.name, NAME_ROLE)
                     c.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable)
                 parent.appendRow([leaf, width, alias])
-                self._leaves[info.name] = leaf
+                if not info.withdrawn:
+                    self._leaves[info.name] = leaf
         self.model.layoutChanged.emit()
         self._installed = set(installed)
         self.set_checked(self._installed)
@@ -278,9 +284,11 @@ class ModelTreeWidget(QWidget):
 
     def _sync_parents(self) -> None:
         def visit(item: QStandardItem):
-            if not item.hasChildren():
-                return item.checkState()
-            states = [visit(item.child(r, 0)) for r in range(item.rowCount())]
+            if not item.hasChildren():  # a leaf; None: withdrawn, it has no state
+                return item.checkState() if item.isCheckable() else None
+            states = [s for s in (visit(item.child(r, 0)) for r in range(item.rowCount())) if s is not None]
+            if not states:
+                return None
             if all(s == Qt.CheckState.Checked for s in states):
                 s = Qt.CheckState.Checked
             elif all(s == Qt.CheckState.Unchecked for s in states):

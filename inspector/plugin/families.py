@@ -1,0 +1,108 @@
+"""Decoder block families: which module of a block is what, in TransformerLens's terms.
+
+For block i, ``resid_pre`` enters the block; ``attn_out`` and ``mlp_out`` are exactly what the
+attention and MLP branches add to the residual stream (after any post-branch norm); for sequential
+blocks ``resid_mid = resid_pre + attn_out`` and ``resid_post = resid_mid + mlp_out``; for parallel ones
+``resid_post = resid_pre + attn_out + mlp_out`` and there is no ``resid_mid``; ``mlp_post`` is the input
+of the MLP's output projection. Where a module's own output means something else (Gemma's branch
+output before its post-norm) it is a point of its own (``attn_raw``, ``mlp_raw``).
+
+A family is matched by its block class's exact name (and, where a class has variants, by attribute
+values): a block that merely looks alike is refused rather than described wrongly. Adding a family
+is adding a description here and a tiny model to the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+ALIASES = {"resid_pre": "hook_resid_pre", "attn_raw": "hook_attn_raw", "attn_out": "hook_attn_out",
+           "resid_mid": "hook_resid_mid", "mlp_post": "mlp.hook_post", "mlp_raw": "hook_mlp_raw",
+           "mlp_out": "hook_mlp_out", "resid_post": "hook_resid_post"}
+
+
+@dataclass(frozen=True)
+class Point:
+    """A block's hook point: ``kind`` at ``module`` (a path within the block, "" = the block), read at
+    ``how``/``arg_index`` (see ``hookpoints.Site``); ``mlp_wide`` points are as wide as the module's input
+    (the MLP's neurons), the others as the residual stream."""
+
+    kind: str
+    module: str = ""
+    how: str = "output"
+    arg_index: int = 0
+    mlp_wide: bool = False
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    examples: str
+    layer_classes: tuple[str, ...]
+    residual: str  # fused (vLLM's (hidden, residual) pairs), sequential or parallel
+    points: tuple[Point, ...]
+    embeds: tuple[tuple[str, str], ...]  # (kind, module path beside the block list)
+    final_norm: str  # module path beside the block list
+    requires: tuple[tuple[str, object], ...] = ()  # (block attribute, the value it must have; None = absent)
+
+    def describes(self, block: nn.Module) -> bool:
+        return type(block).__name__ in self.layer_classes and all(
+            getattr(block, name, None) == value for name, value in self.requires)
+
+
+# vLLM's Llama-style blocks: (positions, hidden, residual) in, (hidden, residual) out, the stream their sum.
+FUSED = (Point("resid_pre", how="input_pair_sum", arg_index=1), Point("attn_out", "self_attn"),
+         Point("resid_mid", "post_attention_layernorm", "input_pair_sum"),
+         Point("mlp_post", "mlp.down_proj", "input", mlp_wide=True), Point("mlp_out", "mlp"),
+         Point("resid_post", how="output_pair_sum"))
+
+FAMILIES = (
+    Family("Llama-style", "Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE",
+           ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+            "Qwen3MoeDecoderLayer"), "fused", FUSED, (("embed", "embed_tokens"),), "norm",
+           requires=(("ada_rms_norm_t_cond", None),)),  # Mistral's time-conditioned norm variant
+    Family("Gemma 2/3 (sandwich norms)", "Gemma 2, Gemma 3 (text)", ("Gemma2DecoderLayer", "Gemma3DecoderLayer"),
+           "fused", (Point("resid_pre", how="input_pair_sum", arg_index=1), Point("attn_raw", "self_attn"),
+                     Point("attn_out", "post_attention_layernorm"),
+                     Point("resid_mid", "pre_feedforward_layernorm", "input_pair_sum"),
+                     Point("mlp_post", "mlp.down_proj", "input", mlp_wide=True), Point("mlp_raw", "mlp"),
+                     Point("mlp_out", "post_feedforward_layernorm"), Point("resid_post", how="output_pair_sum")),
+           (("embed", "embed_tokens"),), "norm"),
+    Family("GPT-2", "GPT-2", ("GPT2Block",), "sequential",
+           (Point("resid_pre", how="input"), Point("attn_out", "attn"), Point("resid_mid", "ln_2", "input"),
+            Point("mlp_post", "mlp.c_proj", "input", mlp_wide=True), Point("mlp_out", "mlp"), Point("resid_post")),
+           (("embed", "wte"), ("pos_embed", "wpe")), "ln_f"),
+    Family("GPT-J (parallel)", "GPT-J", ("GPTJBlock",), "parallel",
+           (Point("resid_pre", how="input", arg_index=1), Point("attn_out", "attn"),
+            Point("mlp_post", "mlp.fc_out", "input", mlp_wide=True), Point("mlp_out", "mlp"), Point("resid_post")),
+           (("embed", "wte"),), "ln_f"),
+    Family("OPT (pre-norm)", "OPT 125m, 1.3b and up", ("OPTDecoderLayer",), "sequential",
+           (Point("resid_pre", how="input"), Point("attn_out", "self_attn"),
+            Point("resid_mid", "final_layer_norm", "input"), Point("mlp_post", "fc2", "input", mlp_wide=True),
+            Point("mlp_out", "fc2"), Point("resid_post")),
+           (("embed", "embed_tokens"), ("pos_embed", "embed_positions")), "final_layer_norm",
+           requires=(("do_layer_norm_before", True),)),
+)
+
+
+def family_of(block: nn.Module) -> Family | None:
+    return next((f for f in FAMILIES if f.describes(block)), None)
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList, Family]:
+    """The decoder block list and its family; ValueError naming the model, its top modules and the
+    block classes it has when no family describes them."""
+    candidates = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            family = family_of(module[0])
+            if family is not None and all(family.describes(b) for b in module):
+                return path, module, family
+            candidates.append(f"{path} ({type(module[0]).__name__})")
+    top = ", ".join(f"{name} ({type(m).__name__})" for name, m in model.named_children())
+    known = "; ".join(f"{f.name}: {', '.join(f.layer_classes)}" for f in FAMILIES)
+    raise ValueError(f"{type(model).__name__}: no block family describes its decoder blocks "
+                     f"(module lists: {', '.join(candidates) or 'none'}; top modules: {top}). "
+                     f"Known families: {known}. Hook a module by path instead (inspector hooks lists them)")

@@ -1,0 +1,104 @@
+"""Self-verification at boot: one short forward checks that the catalogue's points tie together as
+TransformerLens defines them, so a family nobody tested cannot show silently wrong numbers.
+
+The probe runs before our hooks are installed and before vLLM compiles: plain read-only hooks on every
+point, the model called eagerly on a few random tokens (``vllm_compat.probe_forward``, attention
+outputs zeroed since there is no KV cache yet; the stream's bookkeeping is what is checked). For block
+i: ``resid_mid = resid_pre + attn_out``, ``resid_post = resid_mid + mlp_out`` (sequential) or
+``resid_pre + attn_out + mlp_out`` (parallel), ``resid_post(i) = resid_pre(i+1)``, and the final norm of
+the last ``resid_post`` is ``normalized``. Every point of a failed identity is withdrawn, naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from inspector.capture.hooks import HookPoint
+
+from . import hookpoints as hp
+
+FLOAT32_TOLERANCE, HALF_TOLERANCE = 1e-4, 3e-2  # relative L2 per row; half precision rounds each sum
+
+
+@torch.inference_mode()
+def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: str, dtype: str,
+           forward: Callable[[], None]) -> dict[str, str]:
+    """{point name: the identity it failed} after one probe ``forward``."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    for point, site in points:
+        module = model.get_submodule(point.module_path)
+        if site.is_pre_hook:
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, p=point, s=site: seen.__setitem__(p.name, _copy(hp.read_input(s.how, s.arg_index, args)))))
+        else:
+            handles.append(module.register_forward_hook(
+                lambda m, args, out, p=point, s=site: seen.__setitem__(p.name, _copy(hp.read_output(s.how, out)))))
+    try:
+        forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_kind = {(p.layer, p.kind): p.name for p, _ in points}
+    tolerance = FLOAT32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE
+    results: list[tuple[str, list[str], float, bool]] = []  # identity, its points, relative error, may fail
+
+    def check(identity: str, left: list[tuple[int, str]], right: list[tuple[int, str]], may_fail=False) -> None:
+        names = [by_kind.get(key) for key in left + right]
+        if None in names or any(n not in seen for n in names):
+            return
+        total = sum(seen[by_kind[key]] for key in left)
+        expected = sum(seen[by_kind[key]] for key in right)
+        error = (total - expected).norm(dim=-1) / expected.norm(dim=-1).clamp_min(1e-30)
+        worst = float(error.max()) if bool(torch.isfinite(error).all()) else float("inf")
+        results.append((identity, names, worst, may_fail))
+
+    layers = sorted({layer for layer, _ in by_kind if layer >= 0})
+    check("embeddings = blocks.0.resid_pre", [(-1, k) for k in ("embed", "pos_embed") if (-1, k) in by_kind],
+          [(0, "resid_pre")], may_fail=True)  # Gemma scales its embeddings: this only vouches
+    for i in layers:
+        if residual == "parallel":
+            check(f"blocks.{i}: resid_pre + attn_out + mlp_out = resid_post",
+                  [(i, "resid_pre"), (i, "attn_out"), (i, "mlp_out")], [(i, "resid_post")])
+        else:
+            check(f"blocks.{i}: resid_pre + attn_out = resid_mid", [(i, "resid_pre"), (i, "attn_out")],
+                  [(i, "resid_mid")])
+            check(f"blocks.{i}: resid_mid + mlp_out = resid_post", [(i, "resid_mid"), (i, "mlp_out")],
+                  [(i, "resid_post")])
+        if i + 1 in layers:
+            check(f"blocks.{i}.resid_post = blocks.{i + 1}.resid_pre", [(i, "resid_post")], [(i + 1, "resid_pre")])
+    final = by_kind.get((-1, "normalized"))
+    last = by_kind.get((layers[-1], "resid_post")) if layers else None
+    if final in seen and last in seen:
+        norm = model.get_submodule(next(p.module_path for p, _ in points if p.name == final))
+        normed = norm.forward(seen[last].to(next(model.parameters()).dtype))
+        seen[last + FINAL_NORM] = _copy(normed[0] if isinstance(normed, tuple) else normed)
+        by_kind[(-1, FINAL_NORM)] = last + FINAL_NORM
+        check(f"the final norm of blocks.{layers[-1]}.resid_post = normalized", [(-1, FINAL_NORM)],
+              [(-1, "normalized")])
+    return _blame(results, tolerance)
+
+
+FINAL_NORM = " (through the final norm)"  # a point's name + this: its rows normed, standing for the point
+
+
+def _blame(results: list[tuple[str, list[str], float, bool]], tolerance: float) -> dict[str, str]:
+    """The points to withdraw: of each failed identity, those no identity that held vouches for (all of
+    them when every one is vouched for)."""
+    results = [(identity, [n.removesuffix(FINAL_NORM) for n in names], error, may_fail)
+               for identity, names, error, may_fail in results]
+    trusted = {name for _, names, error, _ in results if error <= tolerance for name in names}
+    failed: dict[str, str] = {}
+    for identity, names, error, may_fail in results:
+        if error > tolerance and not may_fail:
+            for name in [n for n in names if n not in trusted] or names:
+                failed.setdefault(name, f"{identity} does not hold in the boot probe (relative error {error:.2g})")
+    return failed
+
+
+def _copy(value: torch.Tensor) -> torch.Tensor:
+    """A float32 copy: fused norms update their residual argument in place after the hook has run."""
+    return value.to(torch.float32, copy=True)

@@ -1,0 +1,76 @@
+"""Every block family's hook points mean what TransformerLens means (inspector/plugin/families.py).
+
+One compiled engine per family (a tiny model each), every hook point installed: the identities that
+tie the points together hold, each kind equals transformers' modules read with forward hooks on the
+same definitions, and greedy tokens agree. Llama and Qwen2 are checked in test_plugin_compiled.py and
+test_plugin_architectures.py; attention patterns in test_attention_patterns.py.
+"""
+
+import numpy as np
+import pytest
+
+import hf_reference
+from engines import PARITY_TOL, assert_greedy_matches, booted, generate, rel_l2, rpc
+from inspector.capture.hooks import HookPoint
+from inspector.plugin.families import FAMILIES
+
+PROMPTS = ["def fibonacci(n):\n    return n", "import os\nimport sys"]
+FAMILY_OF = {"gpt2": "GPT-2", "gemma2": "Gemma 2/3 (sandwich norms)", "qwen3": "Llama-style", "phi3": "Llama-style",
+             "gptj": "GPT-J (parallel)", "opt": "OPT (pre-norm)", "qwen3_moe": "Llama-style"}
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_OF))
+def engine(request, tiny_models):
+    with booted(tiny_models[request.param], hook_patterns=("*",)) as llm:
+        yield request.param, llm
+
+
+def captured(llm):
+    """{rid: {(layer, kind): values}}, the catalogue, and the generated tokens."""
+    points = {p["name"]: HookPoint.from_dict(p) for p in rpc(llm, "inspector_describe")["hook_points"]}
+    tokens, caps = generate(llm, PROMPTS, max_tokens=4)
+    rows = {rid: {(points[name].layer, points[name].kind): r["values"] for name, r in hooks.items()}
+            for rid, hooks in caps.items()}
+    return rows, points, tokens
+
+
+def close(a, b, tol=PARITY_TOL):
+    return rel_l2(a, b).max() < tol
+
+
+def test_the_points_tie_together_as_transformer_lens_defines_them(engine):
+    arch, llm = engine
+    family = next(f for f in FAMILIES if f.name == FAMILY_OF[arch])
+    rows, points, _ = captured(llm)
+    assert not [p.alias for p in points.values() if p.withdrawn]  # the boot probe found every identity to hold
+    layers = 1 + max(p.layer for p in points.values())
+    kinds = {p.kind for p in points.values()}
+    assert ("resid_mid" in kinds) == (family.residual != "parallel")
+    for got in rows.values():
+        for i in range(layers):
+            pre, post = got[i, "resid_pre"], got[i, "resid_post"]
+            if family.residual == "parallel":
+                assert close(pre + got[i, "attn_out"] + got[i, "mlp_out"], post)
+            else:
+                assert close(pre + got[i, "attn_out"], got[i, "resid_mid"])
+                assert close(got[i, "resid_mid"] + got[i, "mlp_out"], post)
+            if i + 1 < layers:
+                assert close(post, got[i + 1, "resid_pre"])
+
+
+def test_each_kind_equals_transformers_on_the_same_definition(engine, tiny_models):
+    arch, llm = engine
+    rows, points, tokens = captured(llm)
+    for rid, (prompt_ids, gen_ids) in tokens.items():
+        seq = (prompt_ids + gen_ids)[:-1]
+        reference = hf_reference.block_points(tiny_models[arch], arch, seq)
+        compared = set()
+        for key, expected in reference.items():
+            if key not in rows[rid]:
+                continue
+            tol = 3 * PARITY_TOL if key[1] == "mlp_post" else PARITY_TOL  # a product of two projections
+            assert close(rows[rid][key], expected, tol), f"{arch} {key}: {rel_l2(rows[rid][key], expected).max():.3g}"
+            compared.add(key[1])
+        expected_kinds = {"resid_pre", "resid_post", *hf_reference.KINDS[arch]}
+        assert compared == expected_kinds, f"not compared: {expected_kinds - compared}"
+        assert_greedy_matches(hf_reference.logits(tiny_models[arch], seq), len(prompt_ids), gen_ids)

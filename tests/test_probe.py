@@ -1,0 +1,27 @@
+"""The boot probe withdraws a hook point whose description is wrong, naming the identity it broke."""
+
+import dataclasses
+
+import pytest
+
+from engines import booted, rpc
+from inspector.plugin import families
+from inspector.plugin.families import FAMILIES, Point
+
+
+def test_a_wrongly_described_point_is_withdrawn_with_the_identity_it_broke(tiny_models, monkeypatch):
+    llama = FAMILIES[0]
+    wrong = tuple(Point("resid_mid", "mlp", "input") if p.kind == "resid_mid" else p for p in llama.points)
+    monkeypatch.setattr(families, "FAMILIES", (dataclasses.replace(llama, points=wrong), *FAMILIES[1:]))
+    with booted(tiny_models["llama"], mode="eager", hook_patterns=("blocks.*.hook_resid_*",)) as llm:
+        info = rpc(llm, "inspector_describe")
+        withdrawn = {p["alias"]: p["withdrawn"] for p in info["hook_points"] if p["withdrawn"]}
+        assert set(withdrawn) >= {"blocks.0.hook_resid_mid", "blocks.1.hook_resid_mid"}
+        assert "blocks.1: resid_pre + attn_out = resid_mid does not hold" in withdrawn["blocks.1.hook_resid_mid"]
+        # what other identities vouch for stays: the stream between blocks, and into the final norm
+        assert not {"blocks.0.hook_resid_post", "blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"} & set(withdrawn)
+        installed = {info["hook_points"][i]["alias"] for i in range(len(info["hook_points"]))
+                     if info["hook_points"][i]["name"] in info["installed"].values()}
+        assert not installed & set(withdrawn)  # the glob skipped them
+        with pytest.raises(Exception, match="is withdrawn: blocks.0: resid_pre"):
+            rpc(llm, "inspector_add_hooks", {"blocks.0.hook_resid_mid": ("model.layers.0.mlp", 128)})
