@@ -25,12 +25,13 @@ def _blocks(model):
 
 _LLAMA_STYLE = {"attn_out": ("self_attn", "out"), "resid_mid": ("post_attention_layernorm", "in"),
                 "mlp_post": ("mlp.down_proj", "in"), "mlp_out": ("mlp", "out")}
+_GEMMA_STYLE = {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_layernorm", "out"),
+                "resid_mid": ("pre_feedforward_layernorm", "in"), "mlp_post": ("mlp.down_proj", "in"),
+                "mlp_raw": ("mlp", "out"), "mlp_out": ("post_feedforward_layernorm", "out")}
 # Each kind of hook point as transformers' modules give it (TransformerLens's definitions): module, in/out.
 KINDS = {
     **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe")},
-    "gemma2": {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_layernorm", "out"),
-               "resid_mid": ("pre_feedforward_layernorm", "in"), "mlp_post": ("mlp.down_proj", "in"),
-               "mlp_raw": ("mlp", "out"), "mlp_out": ("post_feedforward_layernorm", "out")},
+    "gemma2": _GEMMA_STYLE, "gemma3": _GEMMA_STYLE,
     "gpt2": {"attn_out": ("attn", "out"), "resid_mid": ("ln_2", "in"), "mlp_post": ("mlp.c_proj", "in"),
              "mlp_out": ("mlp", "out")},
     "gptj": {"attn_out": ("attn", "out"), "mlp_post": ("mlp.fc_out", "in"), "mlp_out": ("mlp", "out")},

@@ -2,21 +2,24 @@
 
 One compiled engine per family (a tiny model each), every hook point installed: the identities that
 tie the points together hold, each kind equals transformers' modules read with forward hooks on the
-same definitions, and greedy tokens agree. Llama and Qwen2 are checked in test_plugin_compiled.py and
-test_plugin_architectures.py; attention patterns in test_attention_patterns.py.
+same definitions, greedy tokens agree, and attention patterns recomputed from the captured queries and
+keys equal transformers' eager attention. Llama and Qwen2 are checked in test_plugin_compiled.py and
+test_plugin_architectures.py.
 """
 
 import numpy as np
 import pytest
 
 import hf_reference
-from engines import PARITY_TOL, assert_greedy_matches, booted, generate, rel_l2, rpc
+from engines import (PARITY_TOL, assert_greedy_matches, assert_patterns_match_transformers, booted, captured_patterns,
+                     generate, rel_l2, rpc)
 from inspector.capture.hooks import HookPoint
 from inspector.plugin.families import FAMILIES
 
 PROMPTS = ["def fibonacci(n):\n    return n", "import os\nimport sys"]
 FAMILY_OF = {"gpt2": "GPT-2", "gemma2": "Gemma 2/3 (sandwich norms)", "qwen3": "Llama-style", "phi3": "Llama-style",
-             "gptj": "GPT-J (parallel)", "opt": "OPT (pre-norm)", "qwen3_moe": "Llama-style"}
+             "gptj": "GPT-J (parallel)", "opt": "OPT (pre-norm)", "qwen3_moe": "Llama-style",
+             "gemma3": "Gemma 2/3 (sandwich norms)"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_OF))
@@ -74,3 +77,9 @@ def test_each_kind_equals_transformers_on_the_same_definition(engine, tiny_model
         expected_kinds = {"resid_pre", "resid_post", *hf_reference.KINDS[arch]}
         assert compared == expected_kinds, f"not compared: {expected_kinds - compared}"
         assert_greedy_matches(hf_reference.logits(tiny_models[arch], seq), len(prompt_ids), gen_ids)
+
+
+def test_attention_patterns_equal_transformers_eager_attention(engine, tiny_models):
+    arch, llm = engine
+    patterns, _ = captured_patterns(llm, PROMPTS[:1], max_tokens=4)
+    assert_patterns_match_transformers(tiny_models[arch], patterns)

@@ -18,12 +18,12 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3")
 # Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
-ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}}
+ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}, "gemma3": {"kv_heads": 1}}
 # Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
 # so a pattern recomputed with a wrong scale, window or soft cap is visibly wrong.
-PEAKED_ATTENTION = {"mistral": 0.15, "gemma2": 0.15}
+PEAKED_ATTENTION = {"mistral": 0.15, "gemma2": 0.15, "gemma3": 0.15}
 BUILD_FORMAT = 1  # bump when the build recipe changes, so caches are rebuilt
 
 
@@ -114,6 +114,10 @@ def hf_config(spec: TinySpec, tokenizer):
                                            num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
                                            norm_topk_prob=True, hidden_act="silu", tie_word_embeddings=False,
                                            **shape)
+    if spec.arch == "gemma3":  # Gemma 2's sandwich norms, plus q/k norms and local/global rope bases
+        return transformers.Gemma3TextConfig(head_dim=spec.hidden // spec.heads, query_pre_attn_scalar=48,
+                                             sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                             hidden_activation="gelu_pytorch_tanh", **shape)
     if spec.arch == "mistral":
         return transformers.MistralConfig(sliding_window=8, hidden_act="silu", tie_word_embeddings=False, **shape)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec.arch]
