@@ -48,3 +48,56 @@ def test_every_family_names_its_points_with_transformer_lens_kinds():
         kinds = [p.kind for p in family.points]
         assert kinds[0] == "resid_pre" and kinds[-1] == "resid_post" and "attn_out" in kinds and "mlp_out" in kinds
         assert ("resid_mid" in kinds) == (family.residual != "parallel")
+
+
+# --- the boot probe's judgement, on a toy model (the real boot probe runs in every engine test) ---
+
+class Block(nn.Module):
+    """A sequential block: resid_mid = x + attn(x), resid_post = resid_mid + mlp(ln_2(resid_mid))."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.ln_2, self.mlp, self.batched = nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4), nn.Identity()
+
+    def forward(self, x):
+        self.batched(x[None])  # a module that sees [1, tokens, width], as transformers' layers do
+        mid = x + self.attn(x)
+        return mid + self.mlp(self.ln_2(mid))
+
+
+def toy_points(resid_mid_at=("ln_2", "input")):
+    from inspector.capture.hooks import HookPoint
+    from inspector.plugin.hookpoints import Site
+
+    def point(i, kind, module, how):
+        path = f"blocks.{i}" + (f".{module}" if module else "")
+        return HookPoint(f"{path}.{kind}", f"blocks.{i}.hook_{kind}", path, kind, 4, i), Site(how)
+
+    return [p for i in range(2) for p in (point(i, "resid_pre", "", "input"), point(i, "attn_out", "attn", "output"),
+                                          point(i, "resid_mid", *resid_mid_at), point(i, "mlp_out", "mlp", "output"),
+                                          point(i, "resid_post", "", "output"), point(i, "odd", "batched", "output"))]
+
+
+def probe(points):
+    import torch
+
+    from inspector.plugin.probe import verify
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.Sequential(Block(), Block())
+    return verify(model, points, "sequential", "float32", lambda: model.blocks(torch.randn(8, 4)))
+
+
+def test_the_probe_passes_true_identities_and_withdraws_rows_of_the_wrong_shape():
+    withdrawn = probe(toy_points())
+    assert set(withdrawn) == {"blocks.0.batched.odd", "blocks.1.batched.odd"}
+    assert withdrawn["blocks.0.batched.odd"] == "it reads a [1, 8, 4] tensor where [tokens, 4] rows belong"
+
+
+def test_the_probe_blames_the_point_no_held_identity_vouches_for():
+    withdrawn = probe(toy_points(resid_mid_at=("mlp", "output")))  # "resid_mid" read where mlp_out is
+    assert "blocks.0.mlp.resid_mid" in withdrawn
+    assert withdrawn["blocks.1.mlp.resid_mid"].startswith("blocks.1: resid_pre + attn_out = resid_mid does not hold")
+    # the stream between blocks vouches for block 0's output and block 1's input: they stay
+    assert "blocks.0.resid_post" not in withdrawn and "blocks.1.resid_pre" not in withdrawn

@@ -6,7 +6,8 @@ point, the model called eagerly on a few random tokens (``vllm_compat.probe_forw
 outputs zeroed since there is no KV cache yet; the stream's bookkeeping is what is checked). For block
 i: ``resid_mid = resid_pre + attn_out``, ``resid_post = resid_mid + mlp_out`` (sequential) or
 ``resid_pre + attn_out + mlp_out`` (parallel), ``resid_post(i) = resid_pre(i+1)``, and the final norm of
-the last ``resid_post`` is ``normalized``. Every point of a failed identity is withdrawn, naming it.
+the last ``resid_post`` is ``normalized``. A point whose rows are not ``[tokens, width]`` is withdrawn,
+and so is every point of a failed identity that no identity which held vouches for, naming it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
     finally:
         for handle in handles:
             handle.remove()
+    misread = {p.name: f"it reads a {list(seen[p.name].shape)} tensor where [tokens, {p.width}] rows belong"
+               for p, _ in points if p.name in seen and (seen[p.name].dim() != 2 or seen[p.name].shape[1] != p.width)}
+    for name in misread:
+        del seen[name]
     by_kind = {(p.layer, p.kind): p.name for p, _ in points}
     tolerance = FLOAT32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE
     results: list[tuple[str, list[str], float, bool]] = []  # identity, its points, relative error, may fail
@@ -79,7 +84,7 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
         by_kind[(-1, FINAL_NORM)] = last + FINAL_NORM
         check(f"the final norm of blocks.{layers[-1]}.resid_post = normalized", [(-1, FINAL_NORM)],
               [(-1, "normalized")])
-    return _blame(results, tolerance)
+    return {**misread, **_blame(results, tolerance)}
 
 
 FINAL_NORM = " (through the final norm)"  # a point's name + this: its rows normed, standing for the point
