@@ -57,10 +57,12 @@ class Block(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.attn, self.ln_2, self.mlp, self.batched = nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4), nn.Identity()
+        self.attn, self.ln_2, self.mlp = nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)
+        self.batched, self.bypassed = nn.Identity(), nn.Identity()
 
     def forward(self, x):
         self.batched(x[None])  # a module that sees [1, tokens, width], as transformers' layers do
+        self.bypassed.forward(x)  # called around its hooks, as vLLM's Transformers backend calls attention
         mid = x + self.attn(x)
         return mid + self.mlp(self.ln_2(mid))
 
@@ -75,7 +77,8 @@ def toy_points(resid_mid_at=("ln_2", "input")):
 
     return [p for i in range(2) for p in (point(i, "resid_pre", "", "input"), point(i, "attn_out", "attn", "output"),
                                           point(i, "resid_mid", *resid_mid_at), point(i, "mlp_out", "mlp", "output"),
-                                          point(i, "resid_post", "", "output"), point(i, "odd", "batched", "output"))]
+                                          point(i, "resid_post", "", "output"), point(i, "odd", "batched", "output"),
+                                          point(i, "unseen", "bypassed", "output"))]
 
 
 def probe(points):
@@ -91,12 +94,14 @@ def probe(points):
 
 def test_the_probe_passes_true_identities_and_withdraws_rows_of_the_wrong_shape():
     withdrawn = probe(toy_points())
-    assert set(withdrawn) == {"blocks.0.batched.odd", "blocks.1.batched.odd"}
+    assert set(withdrawn) == {f"blocks.{i}.{p}" for i in (0, 1) for p in ("batched.odd", "bypassed.unseen")}
     assert withdrawn["blocks.0.batched.odd"] == "it reads a [1, 8, 4] tensor where [tokens, 4] rows belong"
+    assert withdrawn["blocks.1.bypassed.unseen"].startswith("the boot probe's forward never reached its hook")
 
 
 def test_the_probe_blames_the_point_no_held_identity_vouches_for():
     withdrawn = probe(toy_points(resid_mid_at=("mlp", "output")))  # "resid_mid" read where mlp_out is
+    withdrawn = {name: why for name, why in withdrawn.items() if not name.endswith((".odd", ".unseen"))}
     assert "blocks.0.mlp.resid_mid" in withdrawn
     assert withdrawn["blocks.1.mlp.resid_mid"].startswith("blocks.1: resid_pre + attn_out = resid_mid does not hold")
     # the stream between blocks vouches for block 0's output and block 1's input: they stay

@@ -7,7 +7,8 @@ outputs zeroed since there is no KV cache yet; the stream's bookkeeping is what 
 i: ``resid_mid = resid_pre + attn_out``, ``resid_post = resid_mid + mlp_out`` (sequential) or
 ``resid_pre + attn_out + mlp_out`` (parallel), ``resid_post(i) = resid_pre(i+1)``, and the final norm of
 the last ``resid_post`` is ``normalized``. A point whose rows are not ``[tokens, width]`` is withdrawn,
-and so is every point of a failed identity that no identity which held vouches for, naming it.
+so is one whose hook the forward never reached (a model that calls ``module.forward`` directly), and
+so is every point of a failed identity that no identity which held vouches for, naming it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
             handle.remove()
     misread = {p.name: f"it reads a {list(seen[p.name].shape)} tensor where [tokens, {p.width}] rows belong"
                for p, _ in points if p.name in seen and (seen[p.name].dim() != 2 or seen[p.name].shape[1] != p.width)}
+    misread.update({p.name: "the boot probe's forward never reached its hook (the model calls the module around "
+                            "its hooks, e.g. through .forward)" for p, _ in points if p.name not in seen})
     for name in misread:
-        del seen[name]
+        seen.pop(name, None)
     by_kind = {(p.layer, p.kind): p.name for p, _ in points}
     tolerance = FLOAT32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE
     results: list[tuple[str, list[str], float, bool]] = []  # identity, its points, relative error, may fail
