@@ -18,7 +18,7 @@ def load(model_dir: str):
 
 
 def _blocks(model):
-    inner = getattr(model, "model", None) or model.transformer
+    inner = getattr(model, "model", None) or getattr(model, "gpt_neox", None) or model.transformer
     inner = getattr(inner, "decoder", inner)  # OPT
     return list(getattr(inner, "layers", None) or inner.h)
 
@@ -35,6 +35,7 @@ KINDS = {
     "gpt2": {"attn_out": ("attn", "out"), "resid_mid": ("ln_2", "in"), "mlp_post": ("mlp.c_proj", "in"),
              "mlp_out": ("mlp", "out")},
     "gptj": {"attn_out": ("attn", "out"), "mlp_post": ("mlp.fc_out", "in"), "mlp_out": ("mlp", "out")},
+    "gpt_neox": {"attn_out": ("attention", "out"), "mlp_post": ("mlp.dense_4h_to_h", "in"), "mlp_out": ("mlp", "out")},
     "opt": {"attn_out": ("self_attn", "out"), "resid_mid": ("final_layer_norm", "in"), "mlp_post": ("fc2", "in"),
             "mlp_out": ("fc2", "out")},
 }
@@ -124,3 +125,21 @@ def direct_logit_attribution(model_dir, components: np.ndarray, final_residual: 
 @torch.no_grad()
 def logits(model_dir, token_ids: list[int]) -> np.ndarray:
     return load(str(model_dir))(torch.tensor([token_ids])).logits[0].numpy()
+
+
+def in_child_process(function: str, *args) -> object:
+    """``function(*args)`` of this module in a fresh Python: vLLM's Transformers backend decorates
+    transformers' model classes in the process that booted it, so they cannot be loaded plainly there."""
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import pickle, sys; sys.path.insert(0, sys.argv[1]); import hf_reference; "
+              "args = pickle.loads(sys.stdin.buffer.read()); "
+              "sys.stdout.buffer.write(pickle.dumps(getattr(hf_reference, args[0])(*args[1:])))")
+    result = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True,
+                            input=pickle.dumps((function, *(str(a) if isinstance(a, Path) else a for a in args))),
+                            timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    return pickle.loads(result.stdout)

@@ -19,7 +19,17 @@ from inspector.plugin.families import FAMILIES
 PROMPTS = ["def fibonacci(n):\n    return n", "import os\nimport sys"]
 FAMILY_OF = {"gpt2": "GPT-2", "gemma2": "Gemma 2/3 (sandwich norms)", "qwen3": "Llama-style", "phi3": "Llama-style",
              "gptj": "GPT-J (parallel)", "opt": "OPT (pre-norm)", "qwen3_moe": "Llama-style",
-             "gemma3": "Gemma 2/3 (sandwich norms)"}
+             "gemma3": "Gemma 2/3 (sandwich norms)", "gpt_neox": "GPT-NeoX (parallel)"}
+# vLLM's Transformers backend calls its attention layers through .forward, around their hooks
+WITHDRAWN = {"gpt_neox": {"q", "k"}}
+BACKEND = {"gpt_neox"}  # served by vLLM's Transformers backend: the reference runs in a child process
+
+
+def reference(arch, function, *args):
+    """transformers' answer; from a child process for a model vLLM served through its Transformers backend."""
+    if arch in BACKEND:
+        return hf_reference.in_child_process(function, *args)
+    return getattr(hf_reference, function)(*args)
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_OF))
@@ -45,7 +55,8 @@ def test_the_points_tie_together_as_transformer_lens_defines_them(engine):
     arch, llm = engine
     family = next(f for f in FAMILIES if f.name == FAMILY_OF[arch])
     rows, points, _ = captured(llm)
-    assert not [p.alias for p in points.values() if p.withdrawn]  # the boot probe found every identity to hold
+    # the boot probe found every identity to hold, and withdrew only what the model never passes through hooks
+    assert {p.kind for p in points.values() if p.withdrawn} == WITHDRAWN.get(arch, set())
     layers = 1 + max(p.layer for p in points.values())
     kinds = {p.kind for p in points.values()}
     assert ("resid_mid" in kinds) == (family.residual != "parallel")
@@ -66,9 +77,8 @@ def test_each_kind_equals_transformers_on_the_same_definition(engine, tiny_model
     rows, points, tokens = captured(llm)
     for rid, (prompt_ids, gen_ids) in tokens.items():
         seq = (prompt_ids + gen_ids)[:-1]
-        reference = hf_reference.block_points(tiny_models[arch], arch, seq)
         compared = set()
-        for key, expected in reference.items():
+        for key, expected in reference(arch, "block_points", tiny_models[arch], arch, seq).items():
             if key not in rows[rid]:
                 continue
             tol = 3 * PARITY_TOL if key[1] == "mlp_post" else PARITY_TOL  # a product of two projections
@@ -76,10 +86,12 @@ def test_each_kind_equals_transformers_on_the_same_definition(engine, tiny_model
             compared.add(key[1])
         expected_kinds = {"resid_pre", "resid_post", *hf_reference.KINDS[arch]}
         assert compared == expected_kinds, f"not compared: {expected_kinds - compared}"
-        assert_greedy_matches(hf_reference.logits(tiny_models[arch], seq), len(prompt_ids), gen_ids)
+        assert_greedy_matches(reference(arch, "logits", tiny_models[arch], seq), len(prompt_ids), gen_ids)
 
 
 def test_attention_patterns_equal_transformers_eager_attention(engine, tiny_models):
     arch, llm = engine
+    if arch in WITHDRAWN:
+        pytest.skip(f"{arch}: queries and keys are withdrawn (never reach their hooks)")
     patterns, _ = captured_patterns(llm, PROMPTS[:1], max_tokens=4)
     assert_patterns_match_transformers(tiny_models[arch], patterns)

@@ -46,6 +46,7 @@ class Family:
     embeds: tuple[tuple[str, str], ...]  # (kind, module path beside the block list)
     final_norm: str  # module path beside the block list
     requires: tuple[tuple[str, object], ...] = ()  # (block attribute, the value it must have; None = absent)
+    batched: bool = False  # transformers' own modules (vLLM's Transformers backend): [1, tokens, width]
 
     def describes(self, block: nn.Module) -> bool:
         return type(block).__name__ in self.layer_classes and all(
@@ -78,6 +79,11 @@ FAMILIES = (
            (Point("resid_pre", how="input", arg_index=1), Point("attn_out", "attn"),
             Point("mlp_post", "mlp.fc_out", "input", mlp_wide=True), Point("mlp_out", "mlp"), Point("resid_post")),
            (("embed", "wte"),), "ln_f"),
+    Family("GPT-NeoX (parallel)", "Pythia, GPT-NeoX-20B (vLLM's Transformers backend)", ("GPTNeoXLayer",),
+           "parallel", (Point("resid_pre", how="input"), Point("attn_out", "attention"),
+                        Point("mlp_post", "mlp.dense_4h_to_h", "input", mlp_wide=True), Point("mlp_out", "mlp"),
+                        Point("resid_post")),
+           (("embed", "embed_in"),), "final_layer_norm", requires=(("use_parallel_residual", True),), batched=True),
     Family("OPT (pre-norm)", "OPT 125m, 1.3b and up", ("OPTDecoderLayer",), "sequential",
            (Point("resid_pre", how="input"), Point("attn_out", "self_attn"),
             Point("resid_mid", "final_layer_norm", "input"), Point("mlp_post", "fc2", "input", mlp_wide=True),

@@ -36,6 +36,7 @@ class Site:
 
     how: str  # output | output_pair_sum | input_pair_sum | input
     arg_index: int = 0
+    batched: bool = False  # tensors lead with a batch of one (transformers' modules in vLLM's backend)
 
     @property
     def is_pre_hook(self) -> bool:
@@ -54,8 +55,9 @@ def catalogue(model: nn.Module, hidden: int, dtype: str) -> tuple[families.Famil
 
     def point(module_path: str, kind: str, alias: str, how: str = "output", width: int = hidden, arg_index: int = 0,
               layer: int = -1, attention=None) -> tuple[HookPoint, Site]:
+        batched = family.batched and attention is None  # vLLM's own attention layer takes [tokens, ...]
         return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width, layer, dtype, attention),
-                Site(how, arg_index))
+                Site(how, arg_index, batched))
 
     def attention_points(block: str, b: str, i: int) -> list[tuple[HookPoint, Site]]:
         from . import vllm_compat  # imports the runtime, which imports this module
@@ -99,43 +101,53 @@ def _affine_delta(h, r, scale, bias):
     return h * scale + (r * (scale - 1) + bias)
 
 
-def read_output(site, output):
-    if site == "output_pair_sum":
+def row_count(site: Site, tensor) -> int:
+    """Tokens in a tensor at ``site``: its first dimension, the second where a batch of one leads."""
+    return tensor.shape[1] if site.batched else tensor.shape[0]
+
+
+def read_output(site: Site, output):
+    if site.how == "output_pair_sum":
         return output[0] + output[1]
-    return output[0] if isinstance(output, tuple) else output
+    v = output[0] if isinstance(output, tuple) else output
+    return v[0] if site.batched else v
 
 
-def replace_output(site, output, scale, bias):
-    """Apply the affine at an output site; returns (new output, the value that now flows on)."""
-    if site == "output_pair_sum":
+def replace_output(site: Site, output, scale, bias):
+    """Apply the affine at an output site; returns (new output, the value that now flows on). A
+    leading batch of one broadcasts against the per-row scale and bias."""
+    if site.how == "output_pair_sum":
         h, r = output[0], output[1]
         h2 = _affine_delta(h, r, scale, bias)
         return (h2, r, *output[2:]), h2 + r
-    if isinstance(output, tuple):
-        v = output[0] * scale + bias
-        return (v, *output[1:]), v
-    v = output * scale + bias
-    return v, v
+    v = (output[0] if isinstance(output, tuple) else output) * scale + bias
+    new = (v, *output[1:]) if isinstance(output, tuple) else v
+    return new, (v[0] if site.batched else v)
 
 
-def _pair_args(site, arg_index, args):
-    h = args[arg_index]
-    r = args[arg_index + 1] if site == "input_pair_sum" and len(args) > arg_index + 1 else None
+def _pair_args(site: Site, args):
+    h = args[site.arg_index]
+    r = args[site.arg_index + 1] if site.how == "input_pair_sum" and len(args) > site.arg_index + 1 else None
     return h, r
 
 
-def read_input(site, arg_index, args):
-    h, r = _pair_args(site, arg_index, args)
-    return h.flatten(1) if r is None else h + r
+def _rows(site: Site, h):
+    return h[0] if site.batched else h.flatten(1)
 
 
-def replace_input(site, arg_index, args, scale, bias):
+def read_input(site: Site, args):
+    h, r = _pair_args(site, args)
+    return _rows(site, h) if r is None else h + r
+
+
+def replace_input(site: Site, args, scale, bias):
     """Apply the affine at an input site; returns (new args, the value that now flows on)."""
-    h, r = _pair_args(site, arg_index, args)
+    h, r = _pair_args(site, args)
     if r is None:
-        flowing = _affine_delta(h.flatten(1), None, scale, bias)
+        flowing = _affine_delta(_rows(site, h), None, scale, bias)
         h2 = flowing.view(h.shape)
     else:
         h2 = _affine_delta(h, r, scale, bias)
         flowing = h2 + r
-    return (*args[:arg_index], h2, *args[arg_index + 1:]), flowing
+    i = site.arg_index
+    return (*args[:i], h2, *args[i + 1:]), flowing

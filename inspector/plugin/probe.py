@@ -35,10 +35,10 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
         module = model.get_submodule(point.module_path)
         if site.is_pre_hook:
             handles.append(module.register_forward_pre_hook(
-                lambda m, args, p=point, s=site: seen.__setitem__(p.name, _copy(hp.read_input(s.how, s.arg_index, args)))))
+                lambda m, args, p=point, s=site: seen.__setitem__(p.name, _copy(hp.read_input(s, args)))))
         else:
             handles.append(module.register_forward_hook(
-                lambda m, args, out, p=point, s=site: seen.__setitem__(p.name, _copy(hp.read_output(s.how, out)))))
+                lambda m, args, out, p=point, s=site: seen.__setitem__(p.name, _copy(hp.read_output(s, out)))))
     try:
         forward()
     finally:

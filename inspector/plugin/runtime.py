@@ -205,9 +205,9 @@ class InspectorRuntime:
                 getattr(module, f"{prefix}_bias").index_select(0, rows))
 
     def _on_output(self, hook: ActiveHook, module, args, output):
-        site, prefix = hook.site.how, hook.prefix
+        site, prefix = hook.site, hook.prefix
         if self._use_affine():
-            n = (output[0] if isinstance(output, tuple) else output).shape[0]
+            n = hp.row_count(site, output[0] if isinstance(output, tuple) else output)
             output, value = hp.replace_output(site, output, *self._gather(prefix, module, n))
         else:
             value, output = hp.read_output(site, output), None
@@ -217,10 +217,10 @@ class InspectorRuntime:
     def _on_input(self, hook: ActiveHook, module, args):
         site, prefix = hook.site, hook.prefix
         if self._use_affine():
-            n = args[site.arg_index].shape[0]
-            args, value = hp.replace_input(site.how, site.arg_index, args, *self._gather(prefix, module, n))
+            n = hp.row_count(site, args[site.arg_index])
+            args, value = hp.replace_input(site, args, *self._gather(prefix, module, n))
         else:
-            value, args = hp.read_input(site.how, site.arg_index, args), None
+            value, args = hp.read_input(site, args), None
         getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
         return args
 

@@ -140,12 +140,13 @@ def unembedding(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | 
 def probe_forward(worker, num_tokens: int) -> None:
     """One eager forward of ``num_tokens`` dummy tokens before the KV cache exists (vLLM's own dummy
     run): compilation is bypassed for it and attention layers return zeros (without a KV cache their
-    output is uninitialised memory)."""
+    output is uninitialised memory), however the model calls them."""
     model = model_of(worker)
     compiled = [m for m in model.modules() if hasattr(m, "do_not_compile")]
     flags = [m.do_not_compile for m in compiled]
-    zeroed = [layer.register_forward_hook(lambda m, args, out: torch.zeros_like(out))
-              for _, layer in attention_layers(model)]
+    layers = [layer for _, layer in attention_layers(model)]
+    for layer in layers:  # an instance attribute: also what a model calling layer.forward(...) gets
+        layer.forward = functools.partial(_zero_attention, layer.num_heads * getattr(layer, "head_size_v", layer.head_size))
     runner = worker.model_runner
     extra = {"randomize_inputs": True} if "randomize_inputs" in inspect.signature(runner._dummy_run).parameters else {}
     try:
@@ -155,8 +156,12 @@ def probe_forward(worker, num_tokens: int) -> None:
     finally:
         for m, flag in zip(compiled, flags):
             m.do_not_compile = flag
-        for handle in zeroed:
-            handle.remove()
+        for layer in layers:
+            del layer.forward
+
+
+def _zero_attention(width: int, query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return query.new_zeros(query.shape[0], width)
 
 
 def external_request_id(internal: str) -> str:
