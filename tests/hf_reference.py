@@ -143,3 +143,25 @@ def in_child_process(function: str, *args) -> object:
                             timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     return pickle.loads(result.stdout)
+
+
+@torch.no_grad()
+def steered(model_dir, token_ids: list[int], layer: int, vector: np.ndarray) -> dict[str, np.ndarray]:
+    """Every block's output and the logits with ``vector`` added to block ``layer``'s output by a
+    forward hook: the steering an intervention at ``blocks.{layer}.hook_resid_post`` with that bias does."""
+    model = load(str(model_dir))
+    blocks, outputs = _blocks(model), []
+    add = torch.from_numpy(np.asarray(vector, np.float32))
+
+    def steer(module, args, out):
+        return (out[0] + add, *out[1:]) if isinstance(out, tuple) else out + add
+
+    handles = [blocks[layer].register_forward_hook(steer)]
+    handles += [b.register_forward_hook(lambda m, a, out: outputs.append(
+        (out[0] if isinstance(out, tuple) else out).reshape(-1, add.shape[0]).clone())) for b in blocks]
+    try:
+        logits = model(torch.tensor([token_ids])).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return {"resid_post": torch.stack(outputs).numpy(), "logits": logits.numpy()}

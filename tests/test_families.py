@@ -95,3 +95,22 @@ def test_attention_patterns_equal_transformers_eager_attention(engine, tiny_mode
         pytest.skip(f"{arch}: queries and keys are withdrawn (never reach their hooks)")
     patterns, _ = captured_patterns(llm, PROMPTS[:1], max_tokens=4)
     assert_patterns_match_transformers(tiny_models[arch], patterns)
+
+
+def test_steering_at_block_0_equals_the_same_edit_by_a_transformers_forward_hook(engine, tiny_models):
+    arch, llm = engine
+    points = {p["alias"]: HookPoint.from_dict(p) for p in rpc(llm, "inspector_describe")["hook_points"]}
+    target = points["blocks.0.hook_resid_post"]
+    vector = np.random.default_rng(0).standard_normal(target.width).astype(np.float32)
+    rpc(llm, "inspector_set_interventions", [{"hook": target.name, "bias": vector.tolist()}])
+    try:
+        tokens, caps = generate(llm, PROMPTS[:1], max_tokens=4)
+    finally:
+        rpc(llm, "inspector_clear_interventions")
+    (rid, (prompt_ids, gen_ids)), = tokens.items()
+    seq = (prompt_ids + gen_ids)[:-1]
+    expected = reference(arch, "steered", tiny_models[arch], seq, 0, vector)
+    last = max(p.layer for p in points.values())
+    got = caps[rid][points[f"blocks.{last}.hook_resid_post"].name]["values"]
+    assert close(got, expected["resid_post"][last])
+    assert_greedy_matches(expected["logits"], len(prompt_ids), gen_ids)

@@ -13,7 +13,7 @@ def test_all_architectures_build_with_head_size_64(tiny_models):
 
     for arch, path in tiny_models.items():
         config = AutoConfig.from_pretrained(path)
-        assert config.model_type == arch
+        assert config.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)
         heads = getattr(config, "num_attention_heads", None) or config.n_head
         hidden = getattr(config, "hidden_size", None) or config.n_embd
         assert hidden // heads == 64
