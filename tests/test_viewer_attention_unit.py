@@ -117,3 +117,12 @@ def test_a_layer_without_a_faithful_pattern_says_why(geometry, reason):
     catalogue = [replace(h, attention=geometry) if h.kind in ("q", "k") else h for h in CATALOGUE]
     shown = AttentionPatterns().show(live_view(catalogue=catalogue), "r", 0, 0, None)
     assert reason in shown.message and not len(shown.pattern)
+
+
+def test_withdrawn_queries_and_keys_are_not_offered_and_the_reason_is_given():
+    from dataclasses import replace
+
+    reason = "the boot probe's forward never reached its hook"
+    catalogue = [replace(h, withdrawn=reason) if h.kind in ("q", "k") else h for h in CATALOGUE]
+    shown = AttentionPatterns().show(live_view(kinds=("resid_post",), catalogue=catalogue), "r", None, 0, None)
+    assert f"withdrawn at boot: {reason}" in shown.message and not shown.to_capture

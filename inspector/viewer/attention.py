@@ -170,7 +170,8 @@ class AttentionPatterns:
 def _not_captured(view: RunView, rid: str, layer: int | None, captured: dict[str, HookPoint],
                   capturing) -> AttentionShown:
     """Why a layer has no pattern when its queries or keys are missing, and what to capture for one."""
-    offered = [h for h in view.catalogue.values() if h.kind in ATTENTION_KINDS]
+    points = [h for h in view.catalogue.values() if h.kind in ATTENTION_KINDS]
+    offered = [h for h in points if not h.withdrawn]  # the boot probe withdrew the others: they cannot be captured
     if captured:  # one of the pair
         have, = captured
         lacking = QUERY if have == KEY else KEY
@@ -181,7 +182,8 @@ def _not_captured(view: RunView, rid: str, layer: int | None, captured: dict[str
         return AttentionShown("This capture holds no attention queries and keys (blocks.N.attn.hook_q and "
                               "hook_k): capture them to see attention patterns")
     elif not offered:
-        return AttentionShown("This model offers no attention query and key hook points, so no attention "
+        why = f" (its queries and keys were withdrawn at boot: {points[0].withdrawn})" if points else ""
+        return AttentionShown(f"This model offers no attention query and key hook points{why}, so no attention "
                               "patterns can be shown")
     else:
         wanted, missing = offered, f"No attention queries and keys captured for request {rid}"
