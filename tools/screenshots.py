@@ -204,15 +204,8 @@ def shoot_lens(model: str, out: Path, w: int, h: int, pump, app) -> None:
     win.resize(w, h)
     win.show()
     win.interventions_dock.hide()  # room for more tokens
-    win.open_model(model, mode="compiled", hooks=["blocks.*.hook_resid_pre", "blocks.*.hook_resid_mid",
-                                                  "blocks.*.hook_resid_post"])
-    pump(lambda: win.state.value != "booting", 300)
-    win.tabs.setCurrentWidget(win.lens_view)
-    win.prompt.prompts.setPlainText("for i in range(")
-    win.prompt.max_tokens.setValue(12)
-    win.prompt.ignore_eos.setChecked(True)
-    win.generate()
-    pump(lambda: win.state.value != "generating")
+    generate_on(win, pump, model, ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_mid", "blocks.*.hook_resid_post"],
+                win.lens_view, 12)
     win.lens_view.kind_box.setCurrentText(ALL_RESIDUAL)
     cells = win.lens_view.cells
 
@@ -234,6 +227,18 @@ def shoot_lens(model: str, out: Path, w: int, h: int, pump, app) -> None:
     win.close()
 
 
+def generate_on(win, pump, model: str, hooks: list[str], tab, max_tokens: int) -> None:
+    """Open ``model`` capturing ``hooks``, show ``tab`` and generate from the shots' Python prompt."""
+    win.open_model(model, mode="compiled", hooks=hooks)
+    pump(lambda: win.state.value != "booting", 300)
+    win.tabs.setCurrentWidget(tab)
+    win.prompt.prompts.setPlainText("for i in range(")
+    win.prompt.max_tokens.setValue(max_tokens)
+    win.prompt.ignore_eos.setChecked(True)
+    win.generate()
+    pump(lambda: win.state.value != "generating")
+
+
 def shoot_attention(model: str, out: Path, w: int, h: int, pump, app) -> None:
     """The Attention tab on a Python prompt. On the demo model, layer 2's head 2 sends most of each
     token's attention to the newline that starts its line (found by printing, per head, where each
@@ -247,14 +252,7 @@ def shoot_attention(model: str, out: Path, w: int, h: int, pump, app) -> None:
     for dock in (win.interventions_dock, win.prompt_dock):  # room for the tokens: rows tall enough for their text
         dock.hide()
     win.tabs.parentWidget().setSizes([800, 90])
-    win.open_model(model, mode="compiled", hooks=["blocks.*.attn.hook_q", "blocks.*.attn.hook_k"])
-    pump(lambda: win.state.value != "booting", 300)
-    win.tabs.setCurrentWidget(win.attention_view)
-    win.prompt.prompts.setPlainText("for i in range(")
-    win.prompt.max_tokens.setValue(32)
-    win.prompt.ignore_eos.setChecked(True)
-    win.generate()
-    pump(lambda: win.state.value != "generating")
+    generate_on(win, pump, model, ["blocks.*.attn.hook_q", "blocks.*.attn.hook_k"], win.attention_view, 32)
     view = win.attention_view
     view.layer_box.setCurrentIndex(view.layer_box.findData(2))
     view.select_head(2)

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 MAX_K = 100
 
 
+class _TopTokens:
+    """Arrays by field name, as the engine, the wire and files carry them (absent: None)."""
+
+    @classmethod
+    def from_arrays(cls, arrays: dict):
+        return cls(**{f.name: arrays.get(f.name) for f in fields(cls)})
+
+    def as_arrays(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
 @dataclass(frozen=True)
-class Lens:
+class Lens(_TopTokens):
     """Per row of residual stream: the ``k`` most likely next tokens under the model's own final norm
     and unembedding, best first; with ``chosen`` tokens, their logprob and rank (0 = the top)."""
 
@@ -19,19 +30,10 @@ class Lens:
     chosen_logprobs: np.ndarray | None = None  # [rows] float32
     chosen_ranks: np.ndarray | None = None  # [rows] int64
 
-    @classmethod
-    def from_arrays(cls, arrays: dict) -> "Lens":
-        return cls(arrays["top_ids"], arrays["top_logprobs"], arrays.get("chosen_logprobs"), arrays.get("chosen_ranks"))
-
-    def as_arrays(self) -> dict:
-        arrays = {"top_ids": self.top_ids, "top_logprobs": self.top_logprobs}
-        if self.chosen_logprobs is not None:
-            arrays.update(chosen_logprobs=self.chosen_logprobs, chosen_ranks=self.chosen_ranks)
-        return arrays
 
 
 @dataclass(frozen=True)
-class Attribution:
+class Attribution(_TopTokens):
     """Direct logit attribution, per row of a component's output (attn_out, mlp_out, embed): what it adds
     to each token's logit through the final norm, with the norm's scale frozen at the final residual
     stream of the same position, and the unembedding (without bias or soft cap, so that the parts of
@@ -43,15 +45,6 @@ class Attribution:
     chosen_logits: np.ndarray | None = None  # [rows] float32
     chosen_ranks: np.ndarray | None = None  # [rows] int64
 
-    @classmethod
-    def from_arrays(cls, arrays: dict) -> "Attribution":
-        return cls(arrays["top_ids"], arrays["top_logits"], arrays.get("chosen_logits"), arrays.get("chosen_ranks"))
-
-    def as_arrays(self) -> dict:
-        arrays = {"top_ids": self.top_ids, "top_logits": self.top_logits}
-        if self.chosen_logits is not None:
-            arrays.update(chosen_logits=self.chosen_logits, chosen_ranks=self.chosen_ranks)
-        return arrays
 
 
 def checked_attribution_request(values, final_residual, k: int, chosen, width: int, vocab: int):
