@@ -36,3 +36,14 @@ def compiled_server(tiny_models):
 
     with running_server(tiny_models["llama"]) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def sessions(tiny_models, compiled_server):
+    """kind -> (session, its boot stages) for each of session_kinds.KINDS, on the tiny Llama."""
+    from session_kinds import KINDS, open_session
+
+    opened = {kind: open_session(kind, tiny_models["llama"], compiled_server[0]) for kind in KINDS}
+    yield opened
+    for session, _ in opened.values():
+        session.close()

@@ -112,3 +112,45 @@ def assert_patterns_match_transformers(model_dir, patterns):
         for got, expected in zip(per_layer, reference):
             assert got.shape == expected.shape == (expected.shape[0], len(seq), len(seq))
             np.testing.assert_allclose(got, expected, atol=PATTERN_TOL, rtol=0)
+
+
+def session_on(llm, model_dir, **options):
+    """An engine session over an engine a fixture booted (and will shut down): the session-level
+    experiments on it without another boot. Do not close it."""
+    from pathlib import Path
+
+    from inspector.capture.protocol import SessionOptions
+    from inspector.engine.session import Session, _describe
+
+    options = SessionOptions(model=str(model_dir), max_model_len=256, max_num_batched_tokens=64, **options)
+    return Session(options, llm, Path(model_dir), *_describe(llm))
+
+
+PATCH_PROMPTS = [("The cat sat on the mat", "The dog sat on the mat"), ("x = 1\ny = x", "x = 2\ny = x"),
+                 ("def f(a, b):", "def g(a, b):"), ("one two three", "one two four")]
+PATCH_TOL = 1e-4  # absolute difference of a patched run's metric (the issue's bound)
+
+
+def same_length_prompts(session) -> tuple[str, str]:
+    """A clean/corrupted pair this model's tokenizer splits into as many tokens."""
+    for clean, corrupted in PATCH_PROMPTS:
+        if len(session.tokenize(clean)) == len(session.tokenize(corrupted)):
+            return clean, corrupted
+    raise AssertionError("no prompt pair of equal token length for this tokenizer")
+
+
+def assert_sweep_matches_transformers(result, points, model_dir, arch, reference=None):
+    """Every cell's metric, and both ends, against transformers patching one cell at a time with
+    forward hooks, its own clean/corrupted activations patched in. ``points``: name -> HookPoint."""
+    call = reference or (lambda function, *args: getattr(hf_reference, function)(*args))
+    source, target = ("clean", "corrupted") if result.spec.direction == "denoise" else ("corrupted", "clean")
+    acts = call("block_points", model_dir, arch, result.token_ids[source])
+    cells = [(points[hook].layer, points[hook].kind) for hook in result.hooks]
+    patches = [(layer, kind, int(p), acts[layer, kind][p]) for layer, kind in cells for p in result.positions]
+    ids = list(result.spec.metric.token_ids)
+    got = call("patched_logprobs", model_dir, arch, result.token_ids[target], patches, ids)
+    expected = np.array([result.spec.metric.of(g) for g in got]).reshape(result.raw.shape)
+    np.testing.assert_allclose(result.raw, expected, atol=PATCH_TOL, rtol=0)
+    for name in ("clean", "corrupted"):
+        plain, = call("patched_logprobs", model_dir, arch, result.token_ids[name], [None], ids)
+        assert abs(getattr(result, f"{name}_metric") - result.spec.metric.of(plain)) < PATCH_TOL

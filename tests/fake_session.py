@@ -170,6 +170,11 @@ class FakeSession:
         ids = checked_token_ids(ids, FAKE_VOCAB_SIZE)
         return [VOCAB[i - 500] if 0 <= i - 500 < len(VOCAB) else f"<{i}>" for i in ids.tolist()]
 
+    def tokenize(self, text: str) -> list[int]:
+        """As prompts are tokenized (``_start``), without the empty prompt's placeholder."""
+        self._require_alive()
+        return [sum(map(ord, text[i:i + 3])) % 1000 for i in range(0, len(text), 3)]
+
     def close(self) -> None:
         self.threads.add(threading.get_ident())
         self.alive = False
@@ -242,6 +247,11 @@ class FakeSession:
                     mask = np.ones(len(positions), bool) if iv.positions is None else np.isin(positions, iv.positions)
                     values[mask] = values[mask] * iv.vector("scale", info.width) + iv.vector("bias", info.width)
             rows[name] = (positions, token_ids, values)
+        scores = None
+        if sampling.score_token_ids:
+            scores = (positions[-1:], self._scores(rows, tokens, sampling.score_token_ids)[None])
+        if not sampling.capture:
+            rows = {}
         n_generated = len(tokens) - prompt_len
         text = VOCAB[(n_generated + len(rid)) % len(VOCAB)]
         token, logprob = 500 + VOCAB.index(text), -0.1 - 0.05 * n_generated
@@ -252,7 +262,16 @@ class FakeSession:
         if finished:
             del todo[rid]
         return RequestStep(rid, (token,), (text,), (logprob,), (top,), rows, log, finished,
-                           "length" if finished else None)
+                           "length" if finished else None, scores)
+
+    def _scores(self, rows: dict, tokens: list[int], ids) -> np.ndarray:
+        """Logprobs of ``ids`` next: the fake unembedding of the installed hooks' rows of this step,
+        averaged, plus a pull towards the tokens so far (so that prompts differ)."""
+        mean = np.mean([values.mean(0) for _, _, values in rows.values()], axis=0)[:128]
+        logits = fake_unembedding(np.pad(mean, (0, 128 - len(mean)))[None])[0]
+        logits += np.sin(0.1 * sum(tokens) + np.arange(FAKE_VOCAB_SIZE)).astype(np.float32)
+        shifted = logits - logits.max()
+        return (shifted - np.log(np.exp(shifted).sum()))[list(ids)].astype(np.float32)
 
     def _event(self, step: int, started: tuple, steps: list[RequestStep]) -> StepEvent:
         event = StepEvent(step, tuple(steps), started)

@@ -41,6 +41,38 @@ KINDS = {
 }
 
 
+def _site(block, arch: str, kind: str):
+    """(module, "in" or "out"): where transformers' modules give ``kind`` of this block; None if the
+    block lacks that module (an MoE layer's down projection)."""
+    if kind in ("resid_pre", "resid_post"):
+        return block, "in" if kind == "resid_pre" else "out"
+    path, side = KINDS[arch][kind]
+    try:
+        return block.get_submodule(path), side
+    except AttributeError:
+        return None
+
+
+def _hook(module, side: str, edit):
+    """A forward (pre-)hook that calls ``edit(x)`` on the module's input or output activation, ``x``
+    [batch, tokens, width] or flattened; ``edit`` returns None to leave it, or the replacement."""
+    if side == "in":
+        def pre(m, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            y = edit(x)
+            if y is None:
+                return None
+            return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": y})
+        return module.register_forward_pre_hook(pre, with_kwargs=True)
+
+    def post(m, args, out):
+        y = edit(out[0] if isinstance(out, tuple) else out)
+        if y is None:
+            return None
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+    return module.register_forward_hook(post)
+
+
 @torch.no_grad()
 def block_points(model_dir, arch: str, token_ids: list[int]) -> dict[tuple[int, str], np.ndarray]:
     """{(layer, kind): [tokens, width]} for resid_pre, resid_post and ``KINDS[arch]``, read with forward
@@ -48,34 +80,52 @@ def block_points(model_dir, arch: str, token_ids: list[int]) -> dict[tuple[int, 
     model = load(str(model_dir))
     found, handles = {}, []
 
-    def first(x):  # [tokens, width] of a batch of one (some modules see it flattened already)
-        x = x[0] if isinstance(x, tuple) else x
-        return x.reshape(-1, x.shape[-1]).clone()
+    def keep(key):
+        def edit(x):  # [tokens, width] of a batch of one (some modules see it flattened already)
+            found[key] = x.reshape(-1, x.shape[-1]).clone()
+        return edit
 
     for layer, block in enumerate(_blocks(model)):
-        handles.append(block.register_forward_pre_hook(
-            lambda m, a, kw, layer=layer: found.__setitem__((layer, "resid_pre"), first(a or (kw["hidden_states"],))),
-            with_kwargs=True))
-        handles.append(block.register_forward_hook(
-            lambda m, a, out, layer=layer: found.__setitem__((layer, "resid_post"), first(out))))
-        for kind, (path, side) in KINDS[arch].items():
-            try:
-                module = block.get_submodule(path)
-            except AttributeError:
-                continue
-            if side == "in":
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, a, kw, key=(layer, kind): found.__setitem__(key, first(a or (kw["hidden_states"],))),
-                    with_kwargs=True))
-            else:
-                handles.append(module.register_forward_hook(
-                    lambda m, a, out, key=(layer, kind): found.__setitem__(key, first(out))))
+        for kind in ("resid_pre", "resid_post", *KINDS[arch]):
+            site = _site(block, arch, kind)
+            if site is not None:
+                handles.append(_hook(*site, keep((layer, kind))))
     try:
         model(torch.tensor([token_ids]))
     finally:
         for h in handles:
             h.remove()
     return {key: value.numpy() for key, value in found.items()}
+
+
+@torch.no_grad()
+def patched_logprobs(model_dir, arch: str, token_ids: list[int], patches: list[tuple[int, str, int, np.ndarray]],
+                     score_ids: list[int]) -> np.ndarray:
+    """Activation patching one cell at a time: for each (layer, kind, position, vector), a forward of
+    ``token_ids`` with that activation at that position replaced by ``vector`` (a forward hook), and
+    the logprobs of ``score_ids`` after the last token (a patch of None: the plain forward).
+    [patches, len(score_ids)]."""
+    model = load(str(model_dir))
+    blocks, out = _blocks(model), []
+    for patch in patches:
+        if patch is None:
+            out.append(torch.log_softmax(model(torch.tensor([token_ids])).logits[0, -1].double(), -1)[score_ids].numpy())
+            continue
+        layer, kind, position, vector = patch
+        value = torch.from_numpy(np.asarray(vector, np.float32))
+
+        def edit(x, position=position, value=value):
+            y = x.clone()
+            y.view(-1, y.shape[-1])[position] = value
+            return y
+
+        handle = _hook(*_site(blocks[layer], arch, kind), edit)
+        try:
+            logits = model(torch.tensor([token_ids])).logits[0, -1].double()
+        finally:
+            handle.remove()
+        out.append(torch.log_softmax(logits, -1)[score_ids].numpy())
+    return np.array(out)
 
 
 @torch.no_grad()

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 import hf_reference
-from engines import (PARITY_TOL, assert_greedy_matches, assert_patterns_match_transformers, booted, captured_patterns,
-                     generate, rel_l2, rpc)
+from engines import (PARITY_TOL, assert_greedy_matches, assert_patterns_match_transformers,
+                     assert_sweep_matches_transformers, booted, captured_patterns, generate, rel_l2, rpc,
+                     same_length_prompts, session_on)
 from inspector.capture.hooks import HookPoint
+from inspector.experiments.patching import Metric, PatchSpec, patch
 from inspector.plugin.families import FAMILIES
 
 PROMPTS = ["def fibonacci(n):\n    return n", "import os\nimport sys"]
@@ -34,7 +36,7 @@ def reference(arch, function, *args):
 
 @pytest.fixture(scope="module", params=list(FAMILY_OF))
 def engine(request, tiny_models):
-    with booted(tiny_models[request.param], hook_patterns=("*",)) as llm:
+    with booted(tiny_models[request.param], hook_patterns=("*",), enable_position_interventions=True) as llm:
         yield request.param, llm
 
 
@@ -114,3 +116,21 @@ def test_steering_at_block_0_equals_the_same_edit_by_a_transformers_forward_hook
     got = caps[rid][points[f"blocks.{last}.hook_resid_post"].name]["values"]
     assert close(got, expected["resid_post"][last])
     assert_greedy_matches(expected["logits"], len(prompt_ids), gen_ids)
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_a_patching_sweep_equals_transformers_patching_one_cell_at_a_time(engine, tiny_models, direction):
+    """Every layer's resid_pre, attn_out and mlp_out at every position: each cell a request of one
+    batch here, one forward with a hook there."""
+    arch, llm = engine
+    session = session_on(llm, tiny_models[arch], enable_position_interventions=True)
+    points = {p.alias: p for p in session.installed.values()}
+    hooks = tuple(alias for kind in ("hook_resid_pre", "hook_attn_out", "hook_mlp_out")
+                  for alias in sorted(points) if alias.endswith(kind) and alias.startswith("blocks."))
+    clean, corrupted = same_length_prompts(session)
+    result = patch(session, PatchSpec(clean, corrupted, hooks, Metric(10, 20), direction))
+    assert result.complete and result.engine_calls == 1 and not session.run.requests
+    assert np.ptp(result.raw) > 100 * 1e-4  # the patches matter, far beyond the tolerance
+    by_name = {p.name: p for p in points.values()}
+    assert_sweep_matches_transformers(result, by_name, tiny_models[arch], arch,
+                                      lambda function, *args: reference(arch, function, *args))

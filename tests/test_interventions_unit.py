@@ -13,23 +13,24 @@ def iv(**kw):
 
 def test_rows_get_slots_by_scope():
     planner = SlotPlanner(max_slots=8)
-    planner.set([iv(scale=2.0), iv(bias=1.0, request_id="b"), iv(scale=0.0, positions=[1])])
+    planner.set([iv(scale=2.0), iv(bias=1.0, request_id="b"), iv(scale=0.0, positions=[1]),
+                 Intervention("other", 3.0, request_id="b")])
     qsl = np.array([0, 3, 5])
-    applies = planner.applies(["a", "b"], qsl, np.array([0, 1, 2, 7, 8]))
-    assert applies.astype(int).tolist() == [[1, 0, 0], [1, 0, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]]
-    slots, new = planner.assign(applies)
-    assert slots[0] == slots[2] and slots[3] == slots[4] and len({slots[0], slots[1], slots[3]}) == 3
-    assert sorted(s for s, _ in new) == [1, 2, 3] and 0 not in slots
-    assert {s: len(ivs) for s, ivs in new} == {slots[0]: 1, slots[1]: 2, slots[3]: 2}
-    again, new_again = planner.assign(applies)  # slots persist; nothing to rewrite
-    assert again.tolist() == slots.tolist() and new_again == []
+    slots, writes = planner.plan(["a", "b"], qsl, np.array([0, 1, 2, 7, 8]))
+    h = slots["h"]
+    assert h[0] == h[2] and h[3] == h[4] and len({h[0], h[1], h[3]}) == 3 and 0 not in h
+    assert slots["other"].tolist() == [0, 0, 0, 1, 1]  # slots are numbered per hook
+    assert {(hook, slot): len(ivs) for hook, slot, ivs in writes} == {
+        ("h", h[0]): 1, ("h", h[1]): 2, ("h", h[3]): 2, ("other", 1): 1}
+    again, writes_again = planner.plan(["a", "b"], qsl, np.array([0, 1, 2, 7, 8]))  # slots persist
+    assert again["h"].tolist() == h.tolist() and writes_again == []
 
 
 def test_unaffected_rows_use_identity_slot_zero():
     planner = SlotPlanner(max_slots=4)
     planner.set([iv(scale=2.0, request_id="x")])
-    slots, new = planner.assign(planner.applies(["a"], np.array([0, 2]), np.array([0, 1])))
-    assert slots.tolist() == [0, 0] and new == []
+    slots, writes = planner.plan(["a"], np.array([0, 2]), np.array([0, 1]))
+    assert slots == {} and writes == []
 
 
 def test_requests_steered_alike_share_a_slot_however_many_there_are():
@@ -37,17 +38,32 @@ def test_requests_steered_alike_share_a_slot_however_many_there_are():
     planner = SlotPlanner(max_slots=4)
     ids = [f"r{i}" for i in range(500)]
     planner.set([iv(scale=3.0, request_id=rid) for rid in ids] + [iv(bias=1.0, request_id="r7", positions=[0])])
-    qsl = np.arange(501)
-    slots, new = planner.assign(planner.applies(ids, qsl, np.zeros(500, dtype=np.int64)))
-    assert len(set(slots.tolist())) == 2 and slots[7] != slots[8] and len(new) == 2
-    assert sorted(len(ivs) for _, ivs in new) == [1, 2]
+    slots, writes = planner.plan(ids, np.arange(501), np.zeros(500, dtype=np.int64))
+    assert len(set(slots["h"].tolist())) == 2 and slots["h"][7] != slots["h"][8] and len(writes) == 2
+    assert sorted(len(ivs) for _, _, ivs in writes) == [1, 2]
+
+
+def test_a_patching_grid_needs_slots_per_hook_and_forward_only():
+    """Each cell patches its own vector at one (hook, position): slots are per hook, and a slot is
+    reused by a later forward once no row of the current one needs it."""
+    planner = SlotPlanner(max_slots=3)
+    cells = [(f"c{h}{p}", f"h{h}", p) for h in range(4) for p in range(4)]
+    planner.set([Intervention(hook, 0.0, (float(p), 1.0), rid, (p,)) for rid, hook, p in cells])
+    for batch in (cells[0::2], cells[1::2]):  # 8 cells in each forward, two per hook
+        ids = [rid for rid, _, _ in batch]
+        slots, writes = planner.plan(ids, np.arange(0, 4 * len(ids) + 1, 4), np.tile(np.arange(4), len(ids)))
+        assert set(slots) == {f"h{h}" for h in range(4)} and len(writes) == 8
+        for i, (rid, hook, p) in enumerate(batch):
+            row = slots[hook][4 * i:4 * i + 4]
+            assert row[p] > 0 and np.delete(row, p).tolist() == [0, 0, 0]
+            assert [ivs[0].request_id for h, s, ivs in writes if h == hook and s == row[p]] == [rid]
 
 
 def test_too_many_combinations_is_a_clear_error():
     planner = SlotPlanner(max_slots=2)
     planner.set([iv(scale=2.0, request_id="a"), iv(scale=3.0, request_id="b")])
     with pytest.raises(RuntimeError, match="max_slots"):
-        planner.assign(planner.applies(["a", "b"], np.array([0, 1, 2]), np.array([0, 0])))
+        planner.plan(["a", "b"], np.array([0, 1, 2]), np.array([0, 0]))
 
 
 def test_compose_applies_in_order():

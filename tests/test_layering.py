@@ -1,4 +1,4 @@
-"""Layers point one way: ui → viewer → client → net → capture (and io); server → engine → plugin →
+"""Layers point one way: ui → viewer → client → net → capture (and io, experiments); server → engine → plugin →
 capture. Checked by importing every module of a layer in a fresh interpreter where the modules it
 must not use cannot be imported, and, for the app, by what a plain import of its window loads."""
 
@@ -31,6 +31,8 @@ APP = ["inspector.viewer", "inspector.ui"]
 RULES = {
     "capture": QT + ENGINE + NET + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.net",
                                     "inspector.client", "inspector.server", *APP],
+    "experiments": QT + ENGINE + NET + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.net",
+                                        "inspector.client", "inspector.server", *APP],
     "io": QT + ENGINE + NET + ["inspector.engine", "inspector.plugin", "inspector.net", "inspector.client",
                                "inspector.server", *APP],
     "net": QT + ENGINE + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.client",

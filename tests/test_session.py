@@ -14,50 +14,14 @@ import pytest
 import torch
 
 import hf_reference
-from engines import ENGINE_ARGS, PARITY_TOL, assert_attribution_matches, assert_lens_matches, rel_l2, rpc
-from fake_session import FakeSession
-from servers import HOOKS  # the server fixture boots with the same
+from engines import PARITY_TOL, assert_attribution_matches, assert_lens_matches, rel_l2, rpc
+from session_kinds import KINDS, collect
 from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import BOOT_STAGES, Sampling, SessionOptions, fold_event
+from inspector.capture.protocol import BOOT_STAGES, Sampling, fold_event
 from inspector.capture.run import Run
-from inspector.client import connect
-from inspector.engine.session import Session
 from inspector.io import read_run, write_run
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Parser(object):"]
-GREEDY = Sampling(max_tokens=8, ignore_eos=True)
-KINDS = ("real", "fake", "remote")
-
-
-def options(model_dir, mode="compiled", **kw):
-    return SessionOptions(model=str(model_dir), mode=mode, max_model_len=256, max_num_batched_tokens=64,
-                          hooks=HOOKS, engine_args=ENGINE_ARGS, **kw)
-
-
-def open_session(kind, model_dir, server_url=None):
-    stages = []
-    if kind == "remote":  # the same options, on a server in another process
-        return connect(server_url, stages.append), stages
-    opener = Session.open if kind == "real" else FakeSession.open
-    return opener(options(model_dir), stages.append), stages
-
-
-@pytest.fixture(scope="module")
-def sessions(tiny_models, compiled_server):
-    opened = {kind: open_session(kind, tiny_models["llama"], compiled_server[0]) for kind in KINDS}
-    yield opened
-    for session, _ in opened.values():
-        session.close()
-
-
-def collect(session, prompts, sampling=GREEDY, on_step=None):
-    session.new_run()
-    events = []
-    for event in session.generate(prompts, sampling):
-        events.append(event)
-        if on_step:
-            on_step(event)
-    return events
 
 
 # ------------------------------------------------------------------------------ the contract, both kinds

@@ -43,6 +43,9 @@ class SessionOptions:
     max_num_batched_tokens: int = 512
     enable_position_interventions: bool = True
     retain_rows: bool = True  # False: rows only reach the step events (the consumer keeps them)
+    # per hook, the intervention combinations one forward can hold (a patching sweep runs max_slots - 1
+    # cells per hook point in each engine call); each costs two rows of the hook's width on the device
+    max_slots: int = 64
     engine_args: dict = field(default_factory=dict)
 
 
@@ -55,6 +58,10 @@ class Sampling:
     seed: int | None = None
     logprobs: int = 5
     ignore_eos: bool = False
+    capture: bool = True  # False: no rows are captured for these requests (an experiment reads tokens and scores)
+    # the logprob of each of these tokens wherever the model predicts (the prompt's last position, then every
+    # generated one): RequestStep.scores
+    score_token_ids: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -88,6 +95,8 @@ class RequestStep:
     intervention_log: tuple[tuple[int, tuple[dict, ...]], ...] = ()
     finished: bool = False
     finish_reason: str | None = None
+    # (positions [n], logprobs [n, len(score_token_ids)]): at each position predicted from in this step
+    scores: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,7 @@ class SessionProtocol(Protocol):
     installed: dict[str, HookPoint]  # the ones captured now, by name
     run: Run  # everything captured since the last new_run()
     alive: bool  # False once closed or failed (a remote one also once its server stops answering)
+    interventions: list[Intervention]  # the set last given to set_interventions
 
     def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]: ...
 
@@ -135,6 +145,9 @@ class SessionProtocol(Protocol):
     def token_texts(self, ids) -> list[str]:
         """The text of each token id, as step events give tokens (the lens gives only ids).
         ValueError for an id outside the vocabulary."""
+
+    def tokenize(self, text: str) -> list[int]:
+        """The model's token ids for ``text`` as a continuation (no special tokens added)."""
 
     def new_run(self) -> None: ...
 
@@ -174,6 +187,8 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True) -> set[str]:
         req.logprobs += step.logprobs
         req.top_logprobs += [list(top) for top in step.top_logprobs]
         req.intervention_log += [(position, list(ivs)) for position, ivs in step.intervention_log]
+        if step.scores is not None:
+            req.scores.update(zip(step.scores[0].tolist(), step.scores[1]))
         if keep_rows:
             for hook, rows in step.rows.items():
                 if hook not in req.hooks:

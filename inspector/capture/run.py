@@ -114,6 +114,10 @@ class RequestCapture:
     intervention_log: list[tuple[int, list[dict]]] = field(default_factory=list)
     hooks: dict[str, HookRows] = field(default_factory=dict)
     lens: dict[str, LensRows] = field(default_factory=dict)  # by hook: the logit lens of its rows, if asked for
+    # position -> logprobs of sampling["score_token_ids"] predicted there, if asked for
+    scores: dict[int, np.ndarray] = field(default_factory=dict)
+    twin_role: str | None = None  # a comparison's "clean" or "intervened" run of a prompt (experiments.compare)
+    twin_of: str | None = None  # the other twin's request id
     finish_reason: str | None = None
 
     @property

@@ -90,6 +90,7 @@ class RemoteSession:
         self._failed = False  # the server's engine failed
         self.process = None  # the server's process, when it is our child (inspector.client.local)
         self._refused: str | None = None  # an intervention set the server refused, said on the next call
+        self._interventions: list[Intervention] = []
         self.new_run()
 
     def _learn(self, body: dict) -> None:
@@ -145,10 +146,14 @@ class RemoteSession:
         if call is not None:
             self._conn.send(Message("stop", {"call": call}))
 
+    @property
+    def interventions(self) -> list[Intervention]:
+        return list(self._interventions)
+
     def set_interventions(self, interventions: list[Intervention]) -> None:
         """Checked here at once (ValueError), and again by the server."""
         self._require_alive()
-        checked_interventions(interventions, self.installed, self.options)
+        self._interventions = checked_interventions(interventions, self.installed, self.options)
         self._conn.send(Message("set_interventions", {"interventions": [iv.as_dict() for iv in interventions]}))
 
     def set_hooks(self, patterns: list[str]) -> bool:
@@ -177,6 +182,10 @@ class RemoteSession:
         """Checked by the server (ValueError with its reason)."""
         self._require_alive()
         return list(self._call("token_texts", {"ids": np.asarray(ids, dtype=np.int64)}).body["texts"])
+
+    def tokenize(self, text: str) -> list[int]:
+        self._require_alive()
+        return [int(i) for i in self._call("tokenize", {"text": str(text)}).body["ids"]]
 
     def close(self) -> None:
         if self._conn is not None:

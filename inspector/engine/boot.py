@@ -12,7 +12,8 @@ INSPECTOR_ENGINE_ARGS = {"enforce_eager", "enable_prefix_caching", "worker_exten
 
 def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",
              dtype: str = "float32", max_num_batched_tokens: int = 512, max_model_len: int = 1024,
-             enable_position_interventions: bool = False, hook_patterns: tuple[str, ...] = (), **engine_args):
+             enable_position_interventions: bool = False, hook_patterns: tuple[str, ...] = (), max_slots: int = 64,
+             **engine_args):
     """An ``LLM`` whose worker has the hooks in ``capture_specs`` and ``hook_patterns`` installed.
 
     Prefix caching is off: it skips prompt rows and would let K/V computed under an intervention
@@ -34,7 +35,7 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     plugin.register()
     plugin.configure(capture_specs or {}, max_num_batched_tokens, getattr(torch, dtype),
                      enable_batching=mode == "eager", enable_position_interventions=enable_position_interventions,
-                     hook_patterns=hook_patterns)
+                     hook_patterns=hook_patterns, max_slots=max_slots)
     try:
         return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
                    max_model_len=max_model_len, enforce_eager=mode == "eager", enable_prefix_caching=False,

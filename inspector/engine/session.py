@@ -28,6 +28,8 @@ from inspector.capture.protocol import (MODES, BootProgress, RequestStart, Reque
                                         fold_event)
 from inspector.capture.run import Run, TopToken
 
+from inspector.plugin.config import SCORES
+
 from .boot import boot_llm, shutdown_llm
 from .tokens import token_text
 
@@ -57,6 +59,8 @@ class Session:
         self._unsent_log: dict[str, list[tuple[int, tuple[dict, ...]]]] = {}  # for the next event
         self._open: list[str] = []  # submitted, not finished
         self._unstarted: list[RequestStart] = []  # submitted since the last event
+        self._optioned: set[str] = set()  # open requests the worker holds per-request options for
+        self._over: list[str] = []  # finished ones it may forget
         self._steps = 0
         self.new_run()
 
@@ -123,12 +127,15 @@ class Session:
         if not prompts:
             raise ValueError("nothing to generate: no prompts")
         params = _sampling_params(sampling)
+        vocab = self._llm.llm_engine.model_config.get_vocab_size()
+        checked_token_ids(sampling.score_token_ids, vocab)
         ids = list(request_ids) if request_ids is not None else self.upcoming_request_ids(len(prompts))
         if len(ids) != len(prompts) or len(set(ids)) != len(ids) or set(ids) & set(self._open):
             raise ValueError(f"request ids must be new and one per prompt, got {ids}")
         if request_ids is None:
             type(self)._next_id += len(ids)
         starts = [self._start(rid, prompt, sampling) for rid, prompt in zip(ids, prompts)]
+        self._send_request_options(ids, sampling)
         engine = self._llm.llm_engine
         for k, start in enumerate(starts):
             try:
@@ -158,6 +165,10 @@ class Session:
         values, final_residual, chosen = checked_attribution_request(values, final_residual, k, chosen, width, vocab)
         return Attribution.from_arrays(self._llm.collective_rpc("inspector_attribution",
                                                                 args=(values, final_residual, k, chosen))[0])
+
+    def tokenize(self, text: str) -> list[int]:
+        self._require_alive()
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def token_texts(self, ids) -> list[str]:
         self._require_alive()
@@ -204,6 +215,11 @@ class Session:
 
     # --- interventions and hooks ---
 
+    @property
+    def interventions(self) -> list[Intervention]:
+        with self._lock:
+            return list(self._pending if self._pending is not None else self._interventions)
+
     def set_interventions(self, interventions: list[Intervention]) -> None:
         """Thread-safe. Validated at once (ValueError); applied before the next forward."""
         checked = checked_interventions(interventions, self.installed, self.options)
@@ -247,6 +263,18 @@ class Session:
         ids = tuple(self._tokenizer.encode(prompt))
         return RequestStart(rid, prompt, ids, tuple(self._text(t) for t in ids), sampling.as_dict())
 
+    def _send_request_options(self, ids: list[str], sampling: Sampling) -> None:
+        """Tell the worker which of the new requests want no rows or want scores (before their first
+        forward), and which earlier ones are over."""
+        wanted = not sampling.capture or bool(sampling.score_token_ids)
+        if not wanted and not self._over:
+            return
+        options = {rid: {"capture": sampling.capture, "score_token_ids": list(sampling.score_token_ids)}
+                   for rid in ids} if wanted else {}
+        self._llm.collective_rpc("inspector_request_options", args=(options, self._over))
+        self._over = []
+        self._optioned.update(options)
+
     def _apply_interventions(self, open_ids: list[str], force: bool = False) -> None:
         """Push a pending intervention set to the worker and note, per request, from which position it
         applies; ``force`` notes the current set for new requests."""
@@ -260,8 +288,11 @@ class Session:
             queued = self._llm.collective_rpc("inspector_queued_positions", args=(open_ids,))[0]
         elif not force:
             return
+        everyone, scoped = [], {}  # each request's interventions, in order, without a pass over all per request
+        for index, iv in enumerate(self._interventions):
+            (everyone if iv.request_id is None else scoped.setdefault(iv.request_id, [])).append((index, iv))
         for rid in open_ids:
-            active = tuple(iv.as_dict() for iv in self._interventions if iv.applies_to(rid))
+            active = tuple(iv.as_dict() for _, iv in sorted(everyone + scoped.get(rid, []), key=lambda e: e[0]))
             log = self.run.requests[rid].intervention_log if rid in self.run.requests else []
             last = (self._unsent_log.get(rid) or log or [(0, None)])[-1][1]
             if last is None or list(last) != list(active):
@@ -282,14 +313,21 @@ class Session:
         for rid in dict.fromkeys(order):
             if rid not in self._computed:
                 continue
-            rows = {hook: self._rows(rid, c) for hook, c in captures.get(rid, {}).items()}
+            hooks = dict(captures.get(rid, {}))
+            scores = hooks.pop(SCORES, None)
+            rows = {hook: self._rows(rid, c) for hook, c in hooks.items()}
             tokens = self._tokens(outputs[rid]) if rid in outputs else {}
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,
-                                     finish_reason=finish.get(rid), **tokens))
+                                     finish_reason=finish.get(rid),
+                                     scores=None if scores is None else (scores["positions"], scores["values"]),
+                                     **tokens))
         self._open = [rid for rid in self._open if rid not in finish]
         for rid in finish:  # a long-lived session (a server's) forgets requests that are over
             self._computed.pop(rid, None)
+            if rid in self._optioned:
+                self._optioned.discard(rid)
+                self._over.append(rid)
         self._steps += 1
         event = StepEvent(self._steps - 1, tuple(steps), started)
         fold_event(self.run, event, keep_rows=self.options.retain_rows)
@@ -348,6 +386,7 @@ def _boot(options: SessionOptions, path, report: Callable[[BootProgress], None])
         return boot_llm(str(path), mode=options.mode, dtype=options.dtype, hook_patterns=tuple(options.hooks),
                         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
                         enable_position_interventions=options.enable_position_interventions,
+                        max_slots=options.max_slots,
                         **options.engine_args)
     except Exception as e:
         raise SessionError(f"could not start the engine on {path}: {_root_cause(e)}") from e

@@ -358,6 +358,8 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
             top_logprobs=top,
             intervention_log=[(int(p), list(ivs)) for p, ivs in json_attr(g, "intervention_log", [])],
             finish_reason=get_text(g, "finish_reason"),
+            twin_role=get_text(g, "twin_role"),
+            twin_of=get_text(g, "twin_of"),
         )
         hook_rows = []
         for hlink, hg in group(g, "hooks").items():

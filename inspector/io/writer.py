@@ -91,6 +91,7 @@ class _Snapshot:
         self.intervention_log = to_json([[int(p), list(ivs)] for p, ivs in req.intervention_log],
                                          f"the intervention log of request {req.request_id!r}")
         self.finish_reason = None if req.finish_reason is None else str(req.finish_reason)
+        self.twin_role, self.twin_of = req.twin_role, req.twin_of
 
 
 class _Request:
@@ -507,6 +508,9 @@ class CaptureWriter:
         g.attrs["num_prompt_tokens"] = np.int64(n_prompt)
         set_text(g, "sampling", s.sampling)
         set_text(g, "intervention_log", s.intervention_log)
+        if s.twin_role is not None:
+            set_text(g, "twin_role", s.twin_role)
+            set_text(g, "twin_of", s.twin_of)
         if s.finish_reason is not None:
             set_text(g, "finish_reason", s.finish_reason)
         elif "finish_reason" in g.attrs:

@@ -240,7 +240,8 @@ def _step_to_body(step: RequestStep) -> dict:
             "top_logprobs": [[list(t) for t in tops] for tops in step.top_logprobs],
             "intervention_log": [[position, list(ivs)] for position, ivs in step.intervention_log],
             "finished": step.finished, "finish_reason": step.finish_reason,
-            "rows": {hook: len(rows[0]) for hook, rows in step.rows.items()}}
+            "rows": {hook: len(rows[0]) for hook, rows in step.rows.items()},
+            "scores": None if step.scores is None else list(step.scores)}
 
 
 def event_from_body(body: dict) -> StepEvent:
@@ -264,8 +265,12 @@ def event_from_body(body: dict) -> StepEvent:
 def _request_step(d: dict, rows: dict) -> RequestStep:
     top = tuple(tuple(TopToken(int(t), float(lp), str(text)) for t, lp, text in tops) for tops in d["top_logprobs"])
     log = tuple((int(position), tuple(ivs)) for position, ivs in d["intervention_log"])
+    scores = d.get("scores")
+    if scores is not None and not (len(scores) == 2 and all(isinstance(a, np.ndarray) for a in scores)):
+        raise ValueError("scores must be two arrays")
     return RequestStep(str(d["request_id"]), tuple(d["new_token_ids"]), tuple(d["new_texts"]), tuple(d["logprobs"]),
-                       top, rows, log, bool(d["finished"]), d["finish_reason"])
+                       top, rows, log, bool(d["finished"]), d["finish_reason"],
+                       None if scores is None else (scores[0], scores[1]))
 
 
 def hooks_from_body(points: list) -> list[HookPoint]:

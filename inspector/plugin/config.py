@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass
 
 ENV_VAR = "INSPECTOR_PLUGIN_CONFIG"
+SCORES = "@scores"  # in a drain: a scored request's logprobs of its score tokens, beside its hooks' rows
 DTYPES = ("float32", "float16", "bfloat16")
 
 

@@ -22,7 +22,7 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention, validate
 
 from . import hookpoints as hp
-from .config import PluginConfig
+from .config import SCORES, PluginConfig
 from .copyout import CopyOut, Transfer
 from .gather import QueuedForward, rows_by_request
 from .slots import SlotPlanner, compose
@@ -52,12 +52,13 @@ class ActiveHook:
     buffer: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor
+    row_slot: torch.Tensor  # [max_tokens]: each row's slot in scale/bias, written between forwards
     prefix: str
     handle: torch.utils.hooks.RemovableHandle | None = None
 
-    def attach(self, module: nn.Module, row_slot: torch.Tensor) -> None:
+    def attach(self, module: nn.Module) -> None:
         for suffix, tensor in (("rows", self.buffer), ("scale", self.scale), ("bias", self.bias),
-                               ("row_slot", row_slot)):
+                               ("row_slot", self.row_slot)):
             module.register_buffer(f"{self.prefix}_{suffix}", tensor, persistent=False)
 
     def detach(self, module: nn.Module) -> None:
@@ -92,10 +93,12 @@ class InspectorRuntime:
         # The compiled graph must contain the affine, since interventions arrive after tracing.
         self._affine_in_graph = not config.eager
         self._has_interventions = False
-        with torch.inference_mode():
-            self.row_slot = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self._row_slot_dirty = False
+        self._slotted: set[str] = set()  # hooks whose row_slot is not all zeros
         self._copy_out = CopyOut(device)
+        self._no_capture: set[str] = set()  # requests whose rows nobody reads (per-request options)
+        self._score_ids: dict[str, np.ndarray] = {}  # request -> tokens whose logprobs it wants
+        self._scores: dict[str, list[tuple[int, np.ndarray]]] = {}  # undrained: request -> (position, logprobs)
+        self._logits_step: StepInfo | None = None  # the forward whose logits come next
         # per queued forward: its rows and host copies, and the transfer that says when they have landed
         self._pending: list[tuple[QueuedForward, Transfer]] = []
 
@@ -165,10 +168,11 @@ class InspectorRuntime:
                 buffer=buffer,
                 scale=torch.ones(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
                 bias=torch.zeros(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
+                row_slot=torch.zeros(self.max_tokens, dtype=torch.long, device=self.device),
                 prefix=f"_inspector_{point.kind}",
             )
         module = self.model.get_submodule(point.module_path)
-        hook.attach(module, self.row_slot)
+        hook.attach(module)
         if hook.site.is_pre_hook:
             hook.handle = module.register_forward_pre_hook(functools.partial(self._on_input, hook))
         else:
@@ -177,8 +181,8 @@ class InspectorRuntime:
 
     def allocated_bytes(self) -> int:
         """Device memory held for the installed hooks: capture buffers and intervention tables."""
-        tensors = [self.row_slot, *(s.tensor for s in self._stacks),
-                   *(t for h in self.active.values() for t in (h.scale, h.bias))]
+        tensors = [*(s.tensor for s in self._stacks),
+                   *(t for h in self.active.values() for t in (h.scale, h.bias, h.row_slot))]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def remove(self, names: list[str]) -> None:
@@ -228,24 +232,26 @@ class InspectorRuntime:
 
     def before_forward(self, step: StepInfo) -> None:
         n = step.num_tokens
-        if not self._has_interventions:
-            if self._row_slot_dirty:
-                self.row_slot.zero_()
-                self._row_slot_dirty = False
-            return
-        slots, new = self.planner.assign(self.planner.applies(step.req_ids, step.query_start_loc, step.positions))
+        slots, writes = (self.planner.plan(step.req_ids, step.query_start_loc, step.positions)
+                         if self._has_interventions else ({}, []))
         with torch.inference_mode():
-            for slot, ivs in new:
-                for name, hook in self.active.items():
-                    affine = compose(ivs, name, hook.point.width)
-                    if affine is not None:
-                        hook.scale[slot].copy_(torch.from_numpy(affine[0]))
-                        hook.bias[slot].copy_(torch.from_numpy(affine[1]))
-            self.row_slot[:n].copy_(torch.from_numpy(slots))
-        self._row_slot_dirty = True
+            for name, slot, ivs in writes:
+                hook = self.active[name]
+                scale, bias = compose(ivs, name, hook.point.width)
+                hook.scale[slot].copy_(torch.from_numpy(scale))
+                hook.bias[slot].copy_(torch.from_numpy(bias))
+            for name in self._slotted - slots.keys():
+                if name in self.active:  # not removed since
+                    self.active[name].row_slot.zero_()
+            for name, rows in slots.items():
+                self.active[name].row_slot[:n].copy_(torch.from_numpy(rows))
+        self._slotted = set(slots)
+        self._logits_step = step
 
     def after_forward(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
         """Queue the copy of this forward's live rows to the host: one per stack of same-width hooks."""
+        if self._no_capture and self._no_capture.issuperset(step.req_ids):
+            return  # no row of it is wanted
         n = step.num_tokens
         tensors = [stack.tensor[:, :n] for stack in self._stacks]
         if input_ids is not None:
@@ -257,7 +263,42 @@ class InspectorRuntime:
         self._pending.append((QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, transfer.host),
                               transfer))
 
+    def on_logits(self, logits: torch.Tensor | None) -> None:
+        """The model's logits of a forward, one row per request (its last row): keep the logprobs of
+        the tokens each scored request asked for. Other calls (a dummy run, prompt logprobs) find no
+        forward waiting, or rows that are not one per request, and are left alone."""
+        step, self._logits_step = self._logits_step, None
+        if step is None or logits is None or not self._score_ids or logits.shape[0] != len(step.req_ids):
+            return
+        wanted = [i for i, rid in enumerate(step.req_ids) if rid in self._score_ids]
+        if not wanted:
+            return
+        ids = [self._score_ids[step.req_ids[i]] for i in wanted]
+        index = np.zeros((len(ids), max(len(a) for a in ids)), dtype=np.int64)
+        for j, a in enumerate(ids):
+            index[j, :len(a)] = a
+        with torch.inference_mode():
+            rows = torch.as_tensor(wanted, device=logits.device)
+            logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+            picked = logprobs.gather(1, torch.from_numpy(index).to(logits.device)).cpu().numpy()
+        ends = step.query_start_loc[1:] - 1
+        for j, i in enumerate(wanted):
+            self._scores.setdefault(step.req_ids[i], []).append((int(step.positions[ends[i]]), picked[j, :len(ids[j])]))
+
     # --- driver-facing operations (through the worker extension) ---
+
+    def set_request_options(self, options: dict[str, dict], forget: list[str]) -> None:
+        """Per request: ``capture`` (False: no rows are kept) and ``score_token_ids`` (their logprobs at
+        every forward's last row of the request). ``forget``: requests that are over."""
+        for rid in forget:
+            self._no_capture.discard(rid)
+            self._score_ids.pop(rid, None)
+        for rid, option in options.items():
+            if not option.get("capture", True):
+                self._no_capture.add(rid)
+            ids = np.asarray(option.get("score_token_ids", ()), dtype=np.int64).reshape(-1)
+            if len(ids):
+                self._score_ids[rid] = ids
 
     def set_interventions(self, interventions: list[Intervention]) -> None:
         widths = {name: hook.point.width for name, hook in self.active.items()}
@@ -271,7 +312,8 @@ class InspectorRuntime:
         self._has_interventions = bool(interventions)
 
     def drain(self, wait: bool = True) -> dict[str, dict[str, dict[str, np.ndarray]]]:
-        """Captures since the last drain: request id → hook → positions, token_ids, values.
+        """Captures since the last drain: request id → hook → positions, token_ids, values (and
+        ``SCORES`` → positions, values for a scored request).
 
         ``wait=False`` never waits for the GPU: steps whose copies are still in flight stay for the
         next drain (rows still arrive in step order)."""
@@ -283,7 +325,14 @@ class InspectorRuntime:
                 break
             ready += 1
         taken, self._pending = self._pending[:ready], self._pending[ready:]
-        return rows_by_request([forward for forward, _ in taken])
+        rows = rows_by_request([forward for forward, _ in taken])
+        for rid in self._no_capture & rows.keys():
+            del rows[rid]
+        scores, self._scores = self._scores, {}
+        for rid, found in scores.items():
+            rows.setdefault(rid, {})[SCORES] = {"positions": np.array([p for p, _ in found], dtype=np.int64),
+                                                "values": np.stack([v for _, v in found])}
+        return rows
 
     def queued_positions(self, request_ids: list[str]) -> dict[str, int]:
         """Per request, the position after the last row of a forward already queued but not drained:

@@ -1,30 +1,62 @@
-"""The slot planner: which composed affine each captured row of a forward gets.
+"""The slot planner: which composed affine each row of a forward gets at each hook.
 
-Each row of a forward belongs to a set of interventions; each distinct set of effects gets a *slot*, a
-row in every hook's ``scale``/``bias`` table that holds the composed affine. The graph gathers the
-row's slot, so one mechanism covers every scope and a batch can mix clean and steered requests. Only
-plain numpy here: this runs between forwards, outside the graph.
+Every hook has a ``scale``/``bias`` table of ``max_slots`` rows; slot 0 is the identity, and each other
+slot holds the composed affine of one combination of interventions on that hook. Per forward, each
+hook gathers its rows' slots from its own ``row_slot`` vector, so one mechanism covers every scope and
+a batch can mix clean and steered requests. Slots are numbered per hook and reused once no row of the
+current forward needs them: a patching sweep of 32 layers × 64 positions needs 64 slots per hook in a
+forward, not 2,048 in all. Only plain numpy here: this runs between forwards, outside the graph.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 
 from inspector.capture.interventions import Intervention
 
-class SlotPlanner:
-    """Assigns slots to rows and says which table rows must be (re)written.
+Key = tuple[int, ...]  # the effects applied to a row at one hook, in order (an effect: scale and bias)
 
-    A slot is keyed by the effects applied to a row, in order (an effect is what an intervention does:
-    hook, scale, bias), not by which interventions those were: a thousand requests steered alike by
-    per-request interventions share one slot. Only distinct combinations of effects need slots."""
+
+class SlotTable:
+    """One hook's slots: which combination of effects each holds, least recently used first."""
+
+    def __init__(self, hook: str, max_slots: int):
+        self.hook = hook
+        self.capacity = max_slots - 1  # slot 0 is the identity
+        self._slot_of = OrderedDict()  # key -> slot
+        self._free = list(range(max_slots - 1, 0, -1))
+
+    def claim(self, keys: set[Key]) -> tuple[dict[Key, int], list[tuple[int, Key]]]:
+        """Slots for every key this forward uses, plus (slot, key) for each slot that must be written.
+        A slot whose key no row of this forward uses may be given to another key."""
+        if len(keys) > self.capacity:
+            raise RuntimeError(f"{len(keys)} distinct intervention combinations at {self.hook} in one forward, more "
+                               f"than its {self.capacity} slots: boot with a larger max_slots or run fewer at once")
+        for key in keys & self._slot_of.keys():
+            self._slot_of.move_to_end(key)
+        new = []
+        for key in keys - self._slot_of.keys():
+            if self._free:
+                slot = self._free.pop()
+            else:  # the least recently used: not one of this forward's, which were all moved to the end
+                _, slot = self._slot_of.popitem(last=False)
+            self._slot_of[key] = slot
+            new.append((slot, key))
+        return {key: self._slot_of[key] for key in keys}, new
+
+
+class SlotPlanner:
+    """Assigns slots to rows, per hook, and says which table rows must be (re)written.
+
+    A key is the sequence of effects applied to a row (an effect is what an intervention does: hook,
+    scale, bias), not which interventions those were: a thousand requests steered alike by
+    per-request interventions share one slot."""
 
     def __init__(self, max_slots: int):
         self.max_slots = max_slots
-        self.interventions: list[Intervention] = []
-        self._position_sets: list[np.ndarray | None] = []
-        self._effect: list[int] = []  # per intervention, the first one with the same effect
-        self._slot_of_key: dict[tuple[int, ...], int] = {(): 0}
+        self.set([])
 
     def set(self, interventions: list[Intervention]) -> None:
         self.interventions = list(interventions)
@@ -32,37 +64,52 @@ class SlotPlanner:
                                for iv in interventions]
         effects: dict[tuple, int] = {}
         self._effect = [effects.setdefault((iv.hook, iv.scale, iv.bias), i) for i, iv in enumerate(interventions)]
-        self._slot_of_key = {(): 0}
-
-    def applies(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """[rows, interventions]: which intervention applies to which row of this forward."""
-        n = int(query_start_loc[-1])
-        out = np.ones((n, len(self.interventions)), dtype=bool)
-        for k, (iv, pos_set) in enumerate(zip(self.interventions, self._position_sets)):
+        self._global = [k for k, iv in enumerate(interventions) if iv.request_id is None]
+        self._by_request: dict[str, list[int]] = {}
+        for k, iv in enumerate(interventions):
             if iv.request_id is not None:
-                out[:, k] = False
-                for i, rid in enumerate(req_ids):
-                    if rid == iv.request_id:
-                        out[query_start_loc[i]:query_start_loc[i + 1], k] = True
-            if pos_set is not None:
-                out[:, k] &= np.isin(positions[:n], pos_set)
-        return out
+                self._by_request.setdefault(iv.request_id, []).append(k)
+        self._tables: dict[str, SlotTable] = {}
 
-    def assign(self, applies: np.ndarray) -> tuple[np.ndarray, list[tuple[int, list[Intervention]]]]:
-        """Slots per row, plus (slot, interventions) for every slot that is new and must be written."""
+    def plan(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray
+             ) -> tuple[dict[str, np.ndarray], list[tuple[str, int, list[Intervention]]]]:
+        """For each hook that some row of this forward intervenes on: every row's slot [rows]; and
+        (hook, slot, its interventions in order) for each slot that must be (re)written."""
+        n = int(query_start_loc[-1])
+        uses: dict[str, list[tuple[np.ndarray, Key]]] = {}  # hook -> (rows, key) pieces
+        for i, rid in enumerate(req_ids):
+            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            candidates = sorted(self._global + self._by_request.get(rid, []))
+            if a == b or not candidates:
+                continue
+            by_hook: dict[str, list[int]] = {}
+            for k in candidates:
+                by_hook.setdefault(self.interventions[k].hook, []).append(k)
+            for hook, ks in by_hook.items():
+                uses.setdefault(hook, []).extend(self._keys(ks, a, positions[a:b]))
+        slots, writes = {}, []
+        for hook, pieces in uses.items():
+            table = self._tables.setdefault(hook, SlotTable(hook, self.max_slots))
+            slot_of, new = table.claim({key for _, key in pieces if key})
+            rows = slots[hook] = np.zeros(n, dtype=np.int64)
+            for where, key in pieces:
+                if key:
+                    rows[where] = slot_of[key]
+            writes += [(hook, slot, [self.interventions[e] for e in key]) for slot, key in new]
+        return slots, writes
+
+    def _keys(self, ks: list[int], first_row: int, positions: np.ndarray) -> list[tuple[np.ndarray, Key]]:
+        """The rows of one request segment grouped by the effects that apply to them at one hook."""
+        if all(self._position_sets[k] is None for k in ks):
+            return [(np.arange(first_row, first_row + len(positions)), tuple(self._effect[k] for k in ks))]
+        applies = np.ones((len(positions), len(ks)), dtype=bool)
+        for j, k in enumerate(ks):
+            if self._position_sets[k] is not None:
+                applies[:, j] = np.isin(positions, self._position_sets[k])
         unique, inverse = np.unique(applies, axis=0, return_inverse=True)
-        new, slot_of_unique = [], np.empty(len(unique), dtype=np.int64)
-        for u, row in enumerate(unique):
-            applied = np.flatnonzero(row).tolist()
-            key = tuple(self._effect[k] for k in applied)
-            if key not in self._slot_of_key:
-                if len(self._slot_of_key) >= self.max_slots:
-                    raise RuntimeError(f"more than {self.max_slots} distinct intervention combinations in use; "
-                                       "boot with a larger max_slots or clear interventions")
-                self._slot_of_key[key] = len(self._slot_of_key)
-                new.append((self._slot_of_key[key], [self.interventions[k] for k in applied]))
-            slot_of_unique[u] = self._slot_of_key[key]
-        return slot_of_unique[inverse.reshape(-1)], new
+        inverse = inverse.reshape(-1)
+        return [(first_row + np.flatnonzero(inverse == u), tuple(self._effect[ks[j]] for j in np.flatnonzero(row)))
+                for u, row in enumerate(unique)]
 
 
 def compose(interventions: list[Intervention], hook: str, width: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -73,4 +120,3 @@ def compose(interventions: list[Intervention], hook: str, width: int) -> tuple[n
             s, b = iv.vector("scale", width), iv.vector("bias", width)
             scale, bias, any_ = scale * s, bias * s + b, True
     return (scale, bias) if any_ else None
-

@@ -217,6 +217,21 @@ def wrap_model_forward(worker, before: Callable[[StepInfo], None],
     runner.prepare_inputs, runner.execute_model = prepare_inputs, execute_model
 
 
+def watch_logits(worker, seen: Callable[[torch.Tensor | None], None]) -> None:
+    """Call ``seen(logits)`` with every ``compute_logits`` result of the model: both runners compute
+    a forward's logits, one row per request, right after it (None on ranks that do not hold them)."""
+    model = model_of(worker)
+    original = model.compute_logits
+
+    @functools.wraps(original)
+    def compute_logits(*args, **kwargs):
+        logits = original(*args, **kwargs)
+        seen(logits)
+        return logits
+
+    model.compute_logits = compute_logits
+
+
 def _step_info(req_ids, num_reqs: int, query_start_loc, num_computed) -> StepInfo:
     """Rows of this forward: positions are computed on the host (no device sync before the forward)."""
     qsl = np.asarray(query_start_loc[: num_reqs + 1], dtype=np.int64)

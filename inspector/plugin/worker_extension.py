@@ -54,6 +54,7 @@ def install_runtime(worker) -> None:
     runtime.install({**config.capture_specs, **matched})
     vllm_compat.count_as_model_memory(worker, runtime.allocated_bytes())
     vllm_compat.wrap_model_forward(worker, runtime.before_forward, runtime.after_forward)
+    vllm_compat.watch_logits(worker, runtime.on_logits)
     setattr(worker, _ATTR, runtime)
     for listener in on_hooks_installed:
         listener()
@@ -75,6 +76,9 @@ class InspectorWorkerExtension:
 
     def inspector_queued_positions(self, request_ids: list[str]) -> dict[str, int]:
         return self._inspector().queued_positions(list(request_ids))
+
+    def inspector_request_options(self, options: dict[str, dict], forget: list[str]) -> None:
+        self._inspector().set_request_options(dict(options), list(forget))
 
     def inspector_set_interventions(self, interventions: list[dict]) -> None:
         self._inspector().set_interventions([Intervention.from_dict(d) for d in interventions])

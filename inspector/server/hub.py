@@ -68,7 +68,7 @@ class Hub:
         handlers = {"hello": self._hello, "generate": self._generate, "stop": self._stop, "bye": self._bye,
                     "set_interventions": self._set_interventions, "set_hooks": self._set_hooks, "lens": self._lens,
                     "attribution": self._attribution,
-                    "token_texts": self._token_texts}
+                    "token_texts": self._token_texts, "tokenize": self._tokenize}
         if message.type not in handlers:
             self.send(key, error(message, "unknown-type", f"unknown message type {message.type!r}"))
             return
@@ -230,6 +230,12 @@ class Hub:
             raise WireError("invalid", "token_texts needs 'ids', an array of token ids")
         self.send(client.key, Message("ok", {"texts": self.session.token_texts(ids)}, message.id))
 
+    def _tokenize(self, client: Client, message: Message) -> None:
+        text = message.body.get("text")
+        if not isinstance(text, str):
+            raise WireError("invalid", "tokenize needs 'text', a string")
+        self.send(client.key, Message("ok", {"ids": self.session.tokenize(text)}, message.id))
+
     def _bye(self, client: Client, message: Message) -> None:
         self.client_gone(client.key)
 
@@ -291,8 +297,7 @@ class Hub:
     def _translate(self, client: Client, rid: str, step: RequestStep) -> RequestStep:
         rows = step.rows if client.hooks is None else {h: r for h, r in step.rows.items() if h in client.hooks}
         log = tuple((position, tuple(self._own(client, d) for d in ivs)) for position, ivs in step.intervention_log)
-        return RequestStep(rid, step.new_token_ids, step.new_texts, step.logprobs, step.top_logprobs, rows, log,
-                           step.finished, step.finish_reason)
+        return dataclasses.replace(step, request_id=rid, rows=rows, intervention_log=log)
 
     def _own(self, client: Client, d: dict) -> dict:
         """An engine log entry's intervention as the client gave it: its own request id, or none for one

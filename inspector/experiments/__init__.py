@@ -1,0 +1,1 @@
+"""Experiments built on sessions: patching sweeps, clean-vs-intervened twins."""
