@@ -1,5 +1,5 @@
 """The ``inspector`` command: the desktop app (the default), the engine server (``serve``), the
-headless ``capture`` and ``hooks``, and ``attention`` (patterns from a capture file, no engine).
+headless ``capture``, ``patch`` and ``hooks``, and ``attention`` (patterns from a capture file, no engine).
 
 This is where the pieces meet: the app gets its session factory here (by default a server of its own
 in a child process; ``--connect URL`` a remote one), so ``inspector.ui`` never imports the engine.
@@ -23,8 +23,9 @@ from inspector.capture.lens import MAX_K
 from inspector.capture.positions import parse_positions
 from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol
 from inspector.capture.vectors import load_vector
+from inspector.experiments.compare import compare, upcoming_twins
 
-COMMANDS = ("attention", "capture", "hooks", "serve")
+COMMANDS = ("attention", "capture", "hooks", "patch", "serve")
 DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
 
 
@@ -112,12 +113,15 @@ class TerminalProgress:
         print(f"[{progress.stage}] {progress.message}", file=self.stream, flush=True)
 
     def tokens(self, done: int, total: int) -> None:
+        self.bar("generating", done, total, "tokens")
+
+    def bar(self, doing: str, done: int, total: int, unit: str) -> None:
         if self.tty:
             filled = int(30 * done / max(total, 1))
-            print(f"\r[generating] [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} tokens",
+            print(f"\r[{doing}] [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {unit}",
                   end="" if done < total else "\n", file=self.stream, flush=True)
         elif done == total or done % 16 == 0:
-            print(f"[generating] {done}/{total} tokens", file=self.stream, flush=True)
+            print(f"[{doing}] {done}/{total} {unit}", file=self.stream, flush=True)
 
 
 def capture(args) -> int:
@@ -139,19 +143,25 @@ def capture(args) -> int:
                         logprobs=args.logprobs)
     session = open_session(args, progress.stage, retain_rows=False)
     try:
-        ids = session.upcoming_request_ids(len(prompts))
+        twins = upcoming_twins(session, len(prompts)) if args.compare else []
+        ids = [t.intervened for t in twins] or session.upcoming_request_ids(len(prompts))
         for iv in interventions:
             if "request_id" in iv:
                 iv["request_id"] = ids[iv["request_id"]]
-        session.set_interventions([Intervention.from_dict(iv) for iv in interventions])
+        interventions = [Intervention.from_dict(iv) for iv in interventions]
+        if args.compare:
+            events = compare(session, prompts, interventions, sampling)[1]
+        else:
+            session.set_interventions(interventions)
+            events = session.generate(prompts, sampling)
         lens_hooks = {name for name, p in session.installed.items() if p.kind in RESIDUAL_KINDS} if args.lens else set()
         if args.lens and not lens_hooks:
             raise ValueError("--lens reads the residual stream: capture a resid_pre, resid_mid or resid_post hook")
         with CaptureWriter(out, session.run.metadata, session.installed) as writer:
             named: set[int] = set()  # token ids whose texts the file holds (the lens names them)
-            total, done = args.max_tokens * len(prompts), 0
+            total, done = args.max_tokens * len(prompts) * (2 if args.compare else 1), 0
             progress.tokens(0, total)
-            for event in session.generate(prompts, sampling):
+            for event in events:
                 for start in event.started:
                     writer.add_request(session.run.requests[start.request_id])
                 for step in event.requests:
@@ -170,7 +180,8 @@ def capture(args) -> int:
             "hooks": list(session.installed),
             "requests": [{"id": r.request_id, "prompt": r.prompt,
                           "text": "".join(r.token_texts[len(r.prompt_token_ids):]),
-                          "tokens": len(r.token_ids), "finish_reason": r.finish_reason}
+                          "tokens": len(r.token_ids), "finish_reason": r.finish_reason,
+                          **({"twin_role": r.twin_role, "twin_of": r.twin_of} if r.twin_role else {})}
                          for r in session.run.requests.values()],
         }
     finally:
@@ -179,9 +190,66 @@ def capture(args) -> int:
         print(json.dumps(summary, indent=2))
     else:
         for r in summary["requests"]:
-            print(f"{r['id']}: {r['prompt']!r} → {r['text']!r} ({r['finish_reason']})")
+            role = f" [{r['twin_role']}]" if "twin_role" in r else ""
+            print(f"{r['id']}{role}: {r['prompt']!r} → {r['text']!r} ({r['finish_reason']})")
         print(f"wrote {summary['out']} ({len(summary['hooks'])} hooks)")
     return 0
+
+
+def patch(args) -> int:
+    """An activation-patching sweep (inspector.experiments.patching) written to a sweep file."""
+    from inspector.experiments.patching import Metric, PatchSpec, patch as sweep
+    from inspector.io.sweep import write_sweep
+    from inspector.io.writer import check_target
+
+    out = Path(args.out)
+    check_target(out)
+    positions = tuple(parse_positions(args.positions)) if args.positions else None
+    if not args.hooks and not args.server:  # a server keeps its hooks unless asked (a compiled one restarts)
+        args.hooks = [f"blocks.*.hook_{args.kind}"]
+    progress = TerminalProgress()
+    session = open_session(args, progress.stage, retain_rows=False)
+    try:
+        hooks = sorted((p for p in session.installed.values() if p.kind == args.kind), key=lambda p: p.layer)
+        if not hooks:
+            raise ValueError(f"no {args.kind} hook points are captured: add --hooks blocks.*.hook_{args.kind} (on a "
+                             "compiled server that restarts its engine)")
+        answer = single_token(session, args.answer, "--answer")
+        foil = single_token(session, args.foil, "--foil") if args.foil is not None else None
+        spec = PatchSpec(args.clean, args.corrupted, tuple(p.name for p in hooks), Metric(answer, foil),
+                         args.direction, positions)
+        result = sweep(session, spec, lambda r, message: progress.bar("patching", r.done, r.raw.size, "cells"))
+        path = write_sweep(result, out, session.run.metadata)
+    finally:
+        session.close()
+    best = np.dstack(np.unravel_index(np.argsort(-np.nan_to_num(result.normalized, nan=-np.inf), axis=None),
+                                      result.raw.shape))[0][:5]
+    target = result.token_texts["corrupted" if args.direction == "denoise" else "clean"]
+    metric = f"logprob of {args.answer!r}" if foil is None else f"logit difference {args.answer!r} − {args.foil!r}"
+    summary = {"out": str(path.resolve()), "metric": metric, "direction": args.direction,
+               "clean_metric": result.clean_metric, "corrupted_metric": result.corrupted_metric,
+               "cells": int(result.raw.size), "engine_calls": result.engine_calls, "complete": result.complete,
+               "top_cells": [{"hook": result.hooks[h], "position": int(result.positions[p]),
+                              "token": target[int(result.positions[p])], "normalized": float(result.normalized[h, p])}
+                             for h, p in best]}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"{summary['metric']}: clean {result.clean_metric:.4f}, corrupted {result.corrupted_metric:.4f}; "
+              f"{summary['cells']} cells in {result.engine_calls} engine call(s)")
+        for cell in summary["top_cells"]:
+            print(f"  {cell['normalized']:+.3f}  {cell['hook']} at {cell['position']} ({cell['token']!r})")
+        print(f"wrote {summary['out']}")
+    return 0
+
+
+def single_token(session: SessionProtocol, text: str, option: str) -> int:
+    """The one token ``text`` is, or ValueError saying how it splits."""
+    ids = session.tokenize(text)
+    if len(ids) != 1:
+        raise ValueError(f"{option} {text!r} is {len(ids)} tokens ({session.token_texts(ids) if ids else 'none'}); "
+                         "it must be exactly one (mind the leading space)")
+    return ids[0]
 
 
 def write_lens(session, writer, event, hooks: set[str], k: int, named: set[int]) -> None:
@@ -363,6 +431,26 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--intervene", action="append", metavar="HOOK:scale=…,bias=…",
                      help="an intervention; keys: scale, bias (number or .npy), positions (3-5;8), request (index)")
     cap.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    cap.add_argument("--compare", action="store_true",
+                     help="run each prompt twice in one batch, clean and with the interventions (same seed); the "
+                          "file marks the twins (twin_role, twin_of)")
+
+    pat = sub.add_parser("patch", help="an activation-patching sweep (hook points x positions) into a sweep file",
+                         description="Patch each (hook point, position) activation of one prompt into the other, "
+                                     "every cell a request of one batch; the metric per cell, 0 = corrupted, 1 = "
+                                     "clean (docs/sweep-format.md).")
+    add_engine_options(pat)
+    add_server_options(pat)
+    pat.add_argument("--clean", required=True, help="the clean prompt")
+    pat.add_argument("--corrupted", required=True, help="the corrupted prompt (as many tokens as the clean one)")
+    pat.add_argument("--answer", required=True, help="the answer token, as text (one token, e.g. ' alpha')")
+    pat.add_argument("--foil", help="a foil token: the metric is then the logit difference answer - foil")
+    pat.add_argument("--kind", default="resid_pre", help="the hook kind whose every layer is a row (default resid_pre)")
+    pat.add_argument("--direction", choices=["denoise", "noise"], default="denoise",
+                     help="denoise: clean activations into the corrupted prompt; noise: the other way")
+    pat.add_argument("--positions", help="the positions to patch, like 0-3;7 (default: all)")
+    pat.add_argument("--out", required=True, help="the sweep file to write (.h5)")
+    pat.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
 
     att = sub.add_parser("attention", help="attention patterns from the queries and keys in a capture file",
                          description="Recompute attention patterns from the attn.hook_q / attn.hook_k rows of a "
@@ -398,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the terminal shows our progress instead,
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # and stdout stays clean for --json
     try:
-        return {"attention": attention, "capture": capture, "hooks": hooks, "serve": serve}[args.command](args)
+        return {"attention": attention, "capture": capture, "hooks": hooks, "patch": patch,
+                "serve": serve}[args.command](args)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"inspector {args.command}: error: {e}", file=sys.stderr)
         return 1

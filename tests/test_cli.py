@@ -11,6 +11,7 @@ import torch
 import hf_reference
 from engines import assert_lens_matches
 from inspector.io import read_run
+from inspector.io.sweep import read_sweep
 
 
 def inspector(*args, check=True):
@@ -123,3 +124,39 @@ def test_hooks_lists_the_catalogue(fmt):
         assert {p["kind"] for p in points} >= {"resid_post", "attn_out", "mlp_post", "embed", "normalized"}
     else:
         assert "blocks.0.hook_resid_post" in result.stdout and "model.layers.0.resid_post" in result.stdout
+
+
+def test_patch_writes_a_sweep_file_on_a_server(compiled_server, tmp_path):
+    """On the shared test server (no boot of its own): every layer's resid_post, denoising."""
+    url = compiled_server[0]
+    out = tmp_path / "sweep.h5"
+    common = ["patch", "--server", url, "--kind", "resid_post", "--clean", "def f(a, b):",
+              "--corrupted", "def g(a, b):", "--out", str(out)]
+    summary = json.loads(inspector(*common, "--answer", " the", "--foil", " a", "--json").stdout)
+    result, metadata = read_sweep(out)
+    assert summary["out"] == str(out) and summary["complete"] and summary["engine_calls"] == 1
+    assert result.hooks == ["model.layers.0.resid_post", "model.layers.1.resid_post"] and result.complete
+    assert summary["cells"] == result.raw.size == 2 * len(result.token_ids["clean"])
+    assert metadata["engine_mode"] == "compiled" and result.spec.metric.foil is not None
+    np.testing.assert_allclose(result.normalized, (result.raw - result.corrupted_metric)
+                               / (result.clean_metric - result.corrupted_metric))
+    best = summary["top_cells"][0]
+    assert best["normalized"] == np.nanmax(result.normalized)
+    refused = inspector(*common, "--answer", " dog", check=False)
+    assert refused.returncode == 1 and "' dog' is 3 tokens" in refused.stderr and not refused.stdout
+    refused = inspector(*common, "--answer", " the", "--kind", "mlp_out", check=False)
+    assert refused.returncode == 1 and "add --hooks blocks.*.hook_mlp_out" in refused.stderr
+
+
+def test_capture_compare_marks_twins_in_the_file(compiled_server, tmp_path):
+    out = tmp_path / "compare.h5"
+    summary = json.loads(inspector("capture", "--server", compiled_server[0], "--compare", "--prompt", "def f(",
+                                   "--prompt", "import ", "--max-tokens", "4", "--intervene",
+                                   "blocks.0.hook_resid_post:scale=0.5", "--out", str(out), "--json").stdout)
+    run = read_run(out)
+    assert [r.get("twin_role") for r in summary["requests"]] == ["clean", "intervened"] * 2
+    for clean, steered in zip(list(run.requests.values())[0::2], list(run.requests.values())[1::2]):
+        assert (clean.twin_role, clean.twin_of, steered.twin_role, steered.twin_of) == (
+            "clean", steered.request_id, "intervened", clean.request_id)
+        assert clean.prompt == steered.prompt and clean.sampling["seed"] == steered.sampling["seed"]
+        assert clean.intervention_log == [(0, [])] and steered.intervention_log[0][1][0]["scale"] == 0.5

@@ -86,7 +86,18 @@ def test_validate(kw, message):
 
 def test_from_dict_reads_numpy_vectors():
     got = Intervention.from_dict({"hook": "h", "bias": np.arange(3, dtype=np.float32), "positions": np.array([4])})
-    assert got.bias == (0.0, 1.0, 2.0) and got.positions == (4,)
+    np.testing.assert_array_equal(got.bias, [0.0, 1.0, 2.0])
+    assert got.positions == (4,) and not got.bias.flags.writeable
+
+
+def test_vectors_are_shared_arrays_compared_by_value():
+    given = np.arange(4.0)
+    one = Intervention("h", bias=given)
+    given[0] = 9.0  # the caller's array is copied once, then kept read-only
+    assert one.bias[0] == 0.0 and Intervention.from_dict(one.as_dict(arrays=True)).bias is one.bias
+    assert one == Intervention("h", bias=(0.0, 1.0, 2.0, 3.0)) and one != Intervention("h", bias=(0.0, 1.0, 2.0, 4.0))
+    assert hash(one) == hash(Intervention("h", bias=[0.0, 1.0, 2.0, 3.0])) and one != Intervention("h", bias=1.0)
+    assert one.as_dict()["bias"] == [0.0, 1.0, 2.0, 3.0]  # JSON-able for logs and files
 
 
 def test_as_dict_round_trips_and_scopes():

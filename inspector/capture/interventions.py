@@ -12,13 +12,44 @@ from .vectors import check_vector
 FIELDS = ("hook", "scale", "bias", "request_id", "positions")
 
 
-@dataclass(frozen=True)
+Vector = float | np.ndarray  # a number for every feature, or one per feature (read-only float64)
+
+
+@dataclass(frozen=True, eq=False)
 class Intervention:
+    """Vectors are kept as read-only float64 arrays (a tuple or list given becomes one): a patching
+    sweep passes a thousand hidden-size vectors through validation, the wire and the slot tables, and
+    converting Python floats at each stage cost more than the forward."""
+
     hook: str
-    scale: float | tuple[float, ...] = 1.0
-    bias: float | tuple[float, ...] = 0.0
+    scale: Vector = 1.0
+    bias: Vector = 0.0
     request_id: str | None = None  # None: every request
     positions: tuple[int, ...] | None = None  # None: every position
+
+    def __post_init__(self):
+        for which in ("scale", "bias"):
+            object.__setattr__(self, which, _as_vector(getattr(self, which)))
+        if self.positions is not None:
+            object.__setattr__(self, "positions", tuple(int(p) for p in self.positions))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Intervention):
+            return NotImplemented
+        return ((self.hook, self.request_id, self.positions) == (other.hook, other.request_id, other.positions)
+                and _same(self.scale, other.scale) and _same(self.bias, other.bias))
+
+    def __hash__(self) -> int:
+        return hash((self.hook, self.request_id, self.positions, *self.effect[1:]))
+
+    @property
+    def effect(self) -> tuple:
+        """What it does, hashable: (hook, scale, bias), vectors by their bytes (computed once)."""
+        effect = self.__dict__.get("_effect")
+        if effect is None:
+            effect = (self.hook, *(v if isinstance(v, float) else v.tobytes() for v in (self.scale, self.bias)))
+            object.__setattr__(self, "_effect", effect)
+        return effect
 
     @classmethod
     def from_dict(cls, d: dict) -> "Intervention":
@@ -27,31 +58,46 @@ class Intervention:
             raise ValueError(f"unknown intervention fields {sorted(unknown)}")
         if "hook" not in d:
             raise ValueError("an intervention needs a 'hook'")
-
-        def value(v):
-            arr = np.asarray(v, dtype=np.float64)
-            if arr.ndim > 1:
-                raise ValueError(f"scale and bias must be scalars or 1-D vectors, got shape {arr.shape}")
-            return float(arr) if arr.ndim == 0 else tuple(arr.tolist())
-
         positions = d.get("positions")
         if positions is not None:
             positions = tuple(int(p) for p in np.asarray(positions).reshape(-1))
         request_id = d.get("request_id")
-        return cls(str(d["hook"]), value(d.get("scale", 1.0)), value(d.get("bias", 0.0)),
+        return cls(str(d["hook"]), d.get("scale", 1.0), d.get("bias", 0.0),
                    None if request_id is None else str(request_id), positions)
 
-    def as_dict(self) -> dict:
-        """Plain JSON-able values (intervention logs, files, RPC arguments)."""
-        return {"hook": self.hook, "scale": self.scale, "bias": self.bias, "request_id": self.request_id,
+    def as_dict(self, arrays: bool = False) -> dict:
+        """Plain JSON-able values (intervention logs, files, the wire); ``arrays``: vectors stay numpy
+        arrays (an RPC to the engine's worker, which takes them as they are)."""
+        def plain(v):
+            return v if isinstance(v, float) or arrays else v.tolist()
+
+        return {"hook": self.hook, "scale": plain(self.scale), "bias": plain(self.bias), "request_id": self.request_id,
                 "positions": None if self.positions is None else list(self.positions)}
 
     def vector(self, which: str, width: int) -> np.ndarray:
-        v = np.asarray(getattr(self, which), dtype=np.float64)
-        return np.full(width, float(v)) if v.ndim == 0 else v
+        v = getattr(self, which)
+        return np.full(width, v) if isinstance(v, float) else v
 
     def applies_to(self, request_id: str) -> bool:
         return self.request_id in (None, request_id)
+
+
+def _as_vector(v) -> Vector:
+    if isinstance(v, np.ndarray) and v.dtype == np.float64 and v.ndim == 1 and not v.flags.writeable:
+        return v  # already one of ours: shared, never copied
+    arr = np.array(v, dtype=np.float64)
+    if arr.ndim == 0:
+        return float(arr)
+    if arr.ndim > 1:
+        raise ValueError(f"scale and bias must be scalars or 1-D vectors, got shape {arr.shape}")
+    arr.setflags(write=False)
+    return arr
+
+
+def _same(a: Vector, b: Vector) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a == b if isinstance(a, float) and isinstance(b, float) else False
+    return a.shape == b.shape and bool(np.array_equal(a, b))
 
 
 def validate(iv: Intervention, widths: dict[str, int], max_position: int, allow_positions: bool) -> None:

@@ -57,6 +57,7 @@ class Session:
         self._interventions: list[Intervention] = []
         self._computed: dict[str, int] = {}  # request id -> positions whose rows have been drained
         self._unsent_log: dict[str, list[tuple[int, tuple[dict, ...]]]] = {}  # for the next event
+        self._logged: dict[str, tuple[Intervention, ...]] = {}  # per open request, the set its log last noted
         self._open: list[str] = []  # submitted, not finished
         self._unstarted: list[RequestStart] = []  # submitted since the last event
         self._optioned: set[str] = set()  # open requests the worker holds per-request options for
@@ -282,7 +283,7 @@ class Session:
             pending, self._pending = self._pending, None
         queued = {}
         if pending is not None:
-            self._llm.collective_rpc("inspector_set_interventions", args=([iv.as_dict() for iv in pending],))
+            self._llm.collective_rpc("inspector_set_interventions", args=([iv.as_dict(arrays=True) for iv in pending],))
             self._interventions = pending
             # forwards already queued (async scheduling) or not yet drained run before the change
             queued = self._llm.collective_rpc("inspector_queued_positions", args=(open_ids,))[0]
@@ -292,11 +293,10 @@ class Session:
         for index, iv in enumerate(self._interventions):
             (everyone if iv.request_id is None else scoped.setdefault(iv.request_id, [])).append((index, iv))
         for rid in open_ids:
-            active = tuple(iv.as_dict() for _, iv in sorted(everyone + scoped.get(rid, []), key=lambda e: e[0]))
-            log = self.run.requests[rid].intervention_log if rid in self.run.requests else []
-            last = (self._unsent_log.get(rid) or log or [(0, None)])[-1][1]
-            if last is None or list(last) != list(active):
-                entry = (max(self._computed[rid], queued.get(rid, 0)), active)
+            active = tuple(iv for _, iv in sorted(everyone + scoped.get(rid, []), key=lambda e: e[0]))
+            if self._logged.get(rid) != active:
+                self._logged[rid] = active
+                entry = (max(self._computed[rid], queued.get(rid, 0)), tuple(iv.as_dict(arrays=True) for iv in active))
                 self._unsent_log.setdefault(rid, []).append(entry)
 
     def _drain(self, wait: bool = True) -> dict:
@@ -325,6 +325,7 @@ class Session:
         self._open = [rid for rid in self._open if rid not in finish]
         for rid in finish:  # a long-lived session (a server's) forgets requests that are over
             self._computed.pop(rid, None)
+            self._logged.pop(rid, None)
             if rid in self._optioned:
                 self._optioned.discard(rid)
                 self._over.append(rid)

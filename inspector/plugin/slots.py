@@ -63,7 +63,7 @@ class SlotPlanner:
         self._position_sets = [None if iv.positions is None else np.asarray(sorted(set(iv.positions)))
                                for iv in interventions]
         effects: dict[tuple, int] = {}
-        self._effect = [effects.setdefault((iv.hook, iv.scale, iv.bias), i) for i, iv in enumerate(interventions)]
+        self._effect = [effects.setdefault(iv.effect, i) for i, iv in enumerate(interventions)]
         self._global = [k for k, iv in enumerate(interventions) if iv.request_id is None]
         self._by_request: dict[str, list[int]] = {}
         for k, iv in enumerate(interventions):

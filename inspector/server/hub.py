@@ -56,7 +56,7 @@ class Hub:
         self.send = send
         self.clients: dict[bytes, Client] = {}
         self._tags = itertools.count()
-        self._scoped_all: set[tuple] = set()  # engine interventions that scope a client's "all requests"
+        self._scoped_all: set[Intervention] = set()  # engine interventions that scope a client's "all requests"
 
     @property
     def busy(self) -> bool:
@@ -178,7 +178,10 @@ class Hub:
         given = message.body.get("interventions")
         if not isinstance(given, list):
             raise WireError("invalid", "set_interventions needs 'interventions', a list")
-        interventions = [convert(d, Intervention, "an intervention") for d in given]
+        try:
+            interventions = [Intervention.from_dict(d) for d in given]
+        except (TypeError, ValueError, AttributeError) as e:
+            raise WireError("invalid", f"an intervention: {e}") from None
         checked_interventions(interventions, self.installed_for(client), self.session.options)  # ValueError
         client.interventions = [dataclasses.replace(iv, hook=self._installed_name(client, iv.hook))
                                 for iv in interventions]
@@ -248,7 +251,7 @@ class Hub:
                 rids = list(client.owner) if iv.request_id is None else [iv.request_id]
                 scoped = [dataclasses.replace(iv, request_id=client.internal(rid)) for rid in rids]
                 if iv.request_id is None:
-                    self._scoped_all.update(_key(c.as_dict()) for c in scoped)
+                    self._scoped_all.update(scoped)
                 engine += scoped
         self.session.set_interventions(engine)
 
@@ -302,16 +305,9 @@ class Hub:
     def _own(self, client: Client, d: dict) -> dict:
         """An engine log entry's intervention as the client gave it: its own request id, or none for one
         that scoped its "all requests"."""
-        if _key(d) in self._scoped_all:
+        if Intervention.from_dict(d) in self._scoped_all:
             return {**d, "request_id": None}
         return {**d, "request_id": d["request_id"].removeprefix(client.tag + SEPARATOR)}
-
-
-def _key(d: dict) -> tuple:
-    def frozen(v):
-        return tuple(v) if isinstance(v, list) else v
-
-    return tuple((k, frozen(v)) for k, v in sorted(d.items()))
 
 
 def error(message: Message, kind: str, text: str) -> Message:

@@ -103,7 +103,7 @@ class InterventionRow:
 
     def to_intervention(self) -> Intervention:
         def val(v):
-            return tuple(float(x) for x in v) if isinstance(v, np.ndarray) else float(v)
+            return v if isinstance(v, np.ndarray) else float(v)
 
         rid = self.request_id if self.scope in ("request", "request+positions") else None
         pos = self.positions if self.scope in ("positions", "request+positions") else None
