@@ -95,8 +95,7 @@ class SweepResult:
 
     def cell_intervention(self, row: int, column: int) -> Intervention:
         """The patch of one cell, for every request (scope it before use)."""
-        vector = tuple(self.source[row, column].astype(np.float64).tolist())
-        return Intervention(self.hooks[row], 0.0, vector, None, (int(self.positions[column]),))
+        return Intervention(self.hooks[row], 0.0, self.source[row, column], None, (int(self.positions[column]),))
 
 
 SweepProgress = Callable[[SweepResult, str], None]  # the result so far, and what is happening

@@ -62,8 +62,15 @@ class SlotPlanner:
         self.interventions = list(interventions)
         self._position_sets = [None if iv.positions is None else np.asarray(sorted(set(iv.positions)))
                                for iv in interventions]
-        effects: dict[tuple, int] = {}
-        self._effect = [effects.setdefault(iv.effect, i) for i, iv in enumerate(interventions)]
+        effects: dict[tuple, int] = {}  # effect -> its number
+        self._effect = [effects.setdefault(iv.effect, len(effects)) for iv in interventions]
+        self._first = {}  # effect number -> the first intervention with that effect
+        for k, e in enumerate(self._effect):
+            self._first.setdefault(e, k)
+        self._effects = np.asarray(self._effect, dtype=np.int64)
+        self._hooks = sorted({iv.hook for iv in interventions})
+        index = {hook: h for h, hook in enumerate(self._hooks)}
+        self._hook_of = np.array([index[iv.hook] for iv in interventions], dtype=np.int64)
         self._global = [k for k, iv in enumerate(interventions) if iv.request_id is None]
         self._by_request: dict[str, list[int]] = {}
         for k, iv in enumerate(interventions):
@@ -76,40 +83,64 @@ class SlotPlanner:
         """For each hook that some row of this forward intervenes on: every row's slot [rows]; and
         (hook, slot, its interventions in order) for each slot that must be (re)written."""
         n = int(query_start_loc[-1])
-        uses: dict[str, list[tuple[np.ndarray, Key]]] = {}  # hook -> (rows, key) pieces
-        for i, rid in enumerate(req_ids):
-            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            candidates = sorted(self._global + self._by_request.get(rid, []))
-            if a == b or not candidates:
-                continue
-            by_hook: dict[str, list[int]] = {}
-            for k in candidates:
-                by_hook.setdefault(self.interventions[k].hook, []).append(k)
-            for hook, ks in by_hook.items():
-                uses.setdefault(hook, []).extend(self._keys(ks, a, positions[a:b]))
+        rows, ks = self._applications(req_ids, query_start_loc, positions[:n])
+        if not len(rows):
+            return {}, []
+        hook_of = self._hook_of[ks]
         slots, writes = {}, []
-        for hook, pieces in uses.items():
+        for h in np.unique(hook_of).tolist():
+            hook = self._hooks[h]
+            mine = hook_of == h
+            hook_rows, hook_ks = rows[mine], ks[mine]
+            order = np.lexsort((hook_ks, hook_rows))  # by row, then in the interventions' order
+            hook_rows, hook_ks = hook_rows[order], hook_ks[order]
+            starts = np.flatnonzero(np.concatenate([[True], hook_rows[1:] != hook_rows[:-1]]))
+            where = hook_rows[starts]
+            effects = self._effects[hook_ks].tolist()
+            if len(starts) == len(hook_rows):  # one intervention per row, the common case
+                keys = [(e,) for e in effects]
+            else:
+                bounds = [*starts.tolist(), len(effects)]
+                keys = [tuple(effects[x:y]) for x, y in zip(bounds, bounds[1:])]
             table = self._tables.setdefault(hook, SlotTable(hook, self.max_slots))
-            slot_of, new = table.claim({key for _, key in pieces if key})
-            rows = slots[hook] = np.zeros(n, dtype=np.int64)
-            for where, key in pieces:
-                if key:
-                    rows[where] = slot_of[key]
-            writes += [(hook, slot, [self.interventions[e] for e in key]) for slot, key in new]
+            slot_of, new = table.claim(set(keys))
+            out = slots[hook] = np.zeros(n, dtype=np.int64)
+            out[where] = [slot_of[key] for key in keys]
+            writes += [(hook, slot, [self.interventions[self._first[e]] for e in key]) for slot, key in new]
         return slots, writes
 
-    def _keys(self, ks: list[int], first_row: int, positions: np.ndarray) -> list[tuple[np.ndarray, Key]]:
-        """The rows of one request segment grouped by the effects that apply to them at one hook."""
-        if all(self._position_sets[k] is None for k in ks):
-            return [(np.arange(first_row, first_row + len(positions)), tuple(self._effect[k] for k in ks))]
-        applies = np.ones((len(positions), len(ks)), dtype=bool)
-        for j, k in enumerate(ks):
-            if self._position_sets[k] is not None:
-                applies[:, j] = np.isin(positions, self._position_sets[k])
-        unique, inverse = np.unique(applies, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        return [(first_row + np.flatnonzero(inverse == u), tuple(self._effect[ks[j]] for j in np.flatnonzero(row)))
-                for u, row in enumerate(unique)]
+    def _applications(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Every (row, intervention) pair of this forward where the intervention applies to the row."""
+        rows, ks = [], []
+
+        def add(found: np.ndarray, k: int) -> None:
+            if len(found):
+                rows.append(found)
+                ks.append(np.full(len(found), k, dtype=np.int64))
+
+        for i, rid in enumerate(req_ids):
+            scoped = self._by_request.get(rid)
+            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            if not scoped or a == b:
+                continue
+            first = int(positions[a])
+            contiguous = int(positions[b - 1]) - first == b - 1 - a  # a request's rows: consecutive positions
+            for k in scoped:
+                wanted = self._position_sets[k]
+                if wanted is None:
+                    add(np.arange(a, b), k)
+                elif contiguous:
+                    inside = wanted[(wanted >= first) & (wanted < first + b - a)]
+                    add(a + inside - first, k)
+                else:
+                    add(a + np.flatnonzero(np.isin(positions[a:b], wanted)), k)
+        for k in self._global:
+            wanted = self._position_sets[k]
+            add(np.arange(len(positions)) if wanted is None else np.flatnonzero(np.isin(positions, wanted)), k)
+        if not rows:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(rows), np.concatenate(ks)
 
 
 def compose(interventions: list[Intervention], hook: str, width: int) -> tuple[np.ndarray, np.ndarray] | None:

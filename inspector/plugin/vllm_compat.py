@@ -148,7 +148,12 @@ def probe_forward(worker, num_tokens: int) -> None:
     for layer in layers:  # an instance attribute: also what a model calling layer.forward(...) gets
         layer.forward = functools.partial(_zero_attention, layer.num_heads * getattr(layer, "head_size_v", layer.head_size))
     runner = worker.model_runner
-    extra = {"randomize_inputs": True} if "randomize_inputs" in inspect.signature(runner._dummy_run).parameters else {}
+    params = inspect.signature(runner._dummy_run).parameters
+    extra = {"randomize_inputs": True} if "randomize_inputs" in params else {}
+    if getattr(runner, "cudagraph_manager", False) is None and "is_profile" in params:
+        # vLLM's GPU runner (V2) before it has CUDA graphs runs dummy forwards only as a profile run,
+        # without attention metadata: our zeroed attention layers need none
+        extra.update(is_profile=True, skip_attn=True)
     try:
         for m in compiled:
             m.do_not_compile = True
