@@ -5,7 +5,8 @@ boot stages in order, request ids ``req<N>`` unique across sessions, every reque
 ``started`` of its first event, an intervention log that starts with ``(0, [])``, a final event that
 ends every request when stopped, compiled hook changes that restart, failures as ``SessionError``
 that leave the session dead and its run intact, and the catalogue the plugin gives a Llama of the
-same shape. Activations are synthetic: ``fake_value(...) * scale + bias``.
+same shape. Activations are synthetic: ``fake_value(...) * scale + bias``; the tokens follow the
+prompt's length, one word on while an intervention applies to the request.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from inspector.capture.lens import (Attribution, Lens, checked_attribution_reque
 from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError,
                                         SessionOptions, StepEvent, checked_interventions, fold_event)
 from inspector.capture.run import Run, TopToken
+from inspector.experiments.methods import Experiments
 
 FAKE_VOCAB_SIZE = 1024  # the fake's token ids stay below it
 VOCAB = [" the", " cat", " sat", " on", " a", " mat", ".", "\n", " and", " then", " it", " ran"]
@@ -72,7 +74,7 @@ def fake_value(hook_index: int, positions: np.ndarray, width: int) -> np.ndarray
     return (np.sin(0.37 * p + 0.11 * f + hook_index) * (1 + 0.05 * f) + 0.01 * p).astype(np.float32)
 
 
-class FakeSession:
+class FakeSession(Experiments):
     """Class attributes steer a test: delays, a failing boot, a crash at a given step."""
 
     boot_delay = 0.0
@@ -253,9 +255,11 @@ class FakeSession:
         if not sampling.capture:
             rows = {}
         n_generated = len(tokens) - prompt_len
-        text = VOCAB[(n_generated + len(rid)) % len(VOCAB)]
-        token, logprob = 500 + VOCAB.index(text), -0.1 - 0.05 * n_generated
-        top = (TopToken(token, logprob, text), TopToken(token + 1, logprob - 1.0, VOCAB[(VOCAB.index(text) + 1) % 12]))
+        # an intervention in effect moves the choice one word on: a comparison's twins part where it starts
+        choice = (n_generated + prompt_len + bool(mine)) % len(VOCAB)
+        text, runner_up = VOCAB[choice], (choice - 1) % len(VOCAB)
+        token, logprob = 500 + choice, -0.1 - 0.05 * n_generated
+        top = (TopToken(token, logprob, text), TopToken(500 + runner_up, logprob - 1.0, VOCAB[runner_up]))
         finished = n_generated + 1 >= sampling.max_tokens
         tokens.append(token)
         todo[rid] = [len(tokens) - 1]

@@ -1,14 +1,16 @@
 """Regenerate the screenshots in docs/screenshots/ with the real engine (offscreen).
 
     packaging/dev run python tools/screenshots.py [--model demo|tiny|PATH] [--out docs/screenshots]
-                                                  [--only main remote lens attention]
+                                                  [--only main remote lens attention compare patching]
 
 Shots: booting.png (staged boot progress), generating.png (a batch mid-generation, heatmap
 growing), interventions.png (a steering vector and a scaled hook, their marks on the heatmap),
 summary.png (layers x tokens), reopened-capture.png (an exported .h5 reopened without the engine):
 the "main" group; remote.png (the app on an ``inspector serve`` in another process, shared with a
 second client): "remote"; lens.png (the logit lens of every residual-stream point): "lens";
-attention.png (a head's pattern and one token's row of every head, from captured q and k): "attention".
+attention.png (a head's pattern and one token's row of every head, from captured q and k): "attention";
+compare.png (a prompt run clean and steered, side by side, with their divergence): "compare";
+patching.png (an activation-patching sweep over layers × positions, a cell's patched run below): "patching".
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-GROUPS = ["main", "remote", "lens", "attention"]
+GROUPS = ["main", "remote", "lens", "attention", "compare", "patching"]
 
 
 def main(argv=None) -> int:
@@ -65,6 +67,10 @@ def main(argv=None) -> int:
         shoot_lens(model, out, w, h, pump, app)
     if "attention" in args.only:
         shoot_attention(model, out, w, h, pump, app)
+    if "compare" in args.only:
+        shoot_compare(model, out, w, h, pump, app)
+    if "patching" in args.only:
+        shoot_patching(model, out, w, h, pump, app)
     return 0
 
 
@@ -78,11 +84,7 @@ def shoot_main(model: str, out: Path, w: int, h: int, pump, app) -> int:
     win.show()
 
     def shot(name):
-        win.refresh()
-        app.processEvents()
-        path = out / name
-        win.grab().save(str(path))
-        print("wrote", path)
+        save(win, app, out / name)
 
     hooks = ["blocks.*.hook_resid_post", "blocks.*.hook_mlp_out"]
     win.open_model(model, mode="compiled", hooks=hooks)
@@ -181,10 +183,7 @@ def shoot_remote(model: str, out: Path, w: int, h: int, pump, app) -> None:
         thread.join()
         other.close()
         win.lower_tabs.setCurrentWidget(win.strip)
-        win.refresh()
-        app.processEvents()
-        win.grab().save(str(out / "remote.png"))
-        print("wrote", out / "remote.png")
+        save(win, app, out / "remote.png")
         win.close()
     finally:
         server.terminate()
@@ -219,12 +218,18 @@ def shoot_lens(model: str, out: Path, w: int, h: int, pump, app) -> None:
     climb = np.where(ranks[last] == 0, ranks[0] - ranks[last], -1)  # the next token: far down at first, the top at last
     cells.horizontalScrollBar().setValue(0)
     win.lens_view.click_cell(last, int(np.argmax(climb)))
-    win.refresh()
-    app.processEvents()
-    win.grab().save(str(out / "lens.png"))
-    print("wrote", out / "lens.png")
+    save(win, app, out / "lens.png")
     win.interventions_dock.show()  # the settings keep the window's layout
     win.close()
+
+
+def save(win, app, path: Path, refresh: bool = True) -> None:
+    """The window as it is now (repainted first unless ``refresh`` is False) as ``path``."""
+    if refresh:
+        win.refresh()
+    app.processEvents()
+    win.grab().save(str(path))
+    print("wrote", path)
 
 
 def generate_on(win, pump, model: str, hooks: list[str], tab, max_tokens: int) -> None:
@@ -263,11 +268,84 @@ def shoot_attention(model: str, out: Path, w: int, h: int, pump, app) -> None:
     shown = view.shown
     key = max(range(query + 1), key=lambda k: shown.weight(shown.head, query, k))
     view.hover(view.pattern_plot, key, query)
-    app.processEvents()
-    win.grab().save(str(out / "attention.png"))
-    print("wrote", out / "attention.png")
+    save(win, app, out / "attention.png", refresh=False)  # the hover read-out stays
     for dock in (win.interventions_dock, win.prompt_dock):
         dock.show()  # the settings keep the window's layout
+    win.close()
+
+
+def shoot_compare(model: str, out: Path, w: int, h: int, pump, app) -> None:
+    """The Compare tab: Python prompts run clean and steered toward comments (a bias at block 2's
+    residual stream along mean('# a comment') − mean('x = 1'), from a first run's captures). On the
+    demo model the steered twin of "def fibonacci(n):" turns its body into a docstring two tokens in."""
+    from PySide6.QtWidgets import QMessageBox
+
+    from inspector.client.local import start_local_server
+    from inspector.ui.main_window import MainWindow
+
+    win = MainWindow(start_local_server)
+    win.resize(w, h)
+    win.show()
+    win.tree_dock.hide()  # room for the twins' texts side by side, and for the tab's three parts
+    win.tabs.parentWidget().setSizes([800, 90])
+    win.open_model(model, mode="compiled", hooks=["blocks.*.hook_resid_post"])
+    pump(lambda: win.state.value != "booting", 300)
+    win.prompt.prompts.setPlainText("# a comment\nx = 1")
+    win.prompt.max_tokens.setValue(1)
+    win.generate()
+    pump(lambda: win.state.value != "generating")
+    live = win.controller.live
+    comment, code = live.request_ids()
+    alias = {p.alias: p.name for p in win.controller.info.catalogue}
+    hook = alias["blocks.2.hook_resid_post"]
+    vec, _, _ = live.steering_vector(hook, [(comment, tuple(range(len(live.request(comment).prompt_token_ids))))],
+                                     [(code, tuple(range(len(live.request(code).prompt_token_ids))))])
+    win.controller.new_run()  # File > New Run: the comparison alone in the run
+    win.last_dialog.button(QMessageBox.StandardButton.Yes).click()
+    panel = win.interventions
+    row = panel.add_row(hook)
+    panel.set_vector(row, "bias", 0.75 * vec, "steer 0.75×(mean '# a comment' − mean 'x = 1')")
+    win.prompt.compare.setChecked(True)
+    win.prompt.prompts.setPlainText("def fibonacci(n):\nclass Stack:")
+    win.prompt.max_tokens.setValue(40)
+    win.prompt.ignore_eos.setChecked(True)
+    win.tabs.setCurrentWidget(win.compare_view)
+    win.generate()
+    pump(lambda: win.state.value != "generating")
+    win.select_hook(alias["blocks.3.hook_resid_post"])
+    pump(lambda: False, 0.5)  # the strip ranges over its bars
+    save(win, app, out / "compare.png")
+    win.tree_dock.show()  # the settings keep the window's layout
+    win.close()
+
+
+def shoot_patching(model: str, out: Path, w: int, h: int, pump, app) -> None:
+    """The Patching tab on its default pair, where the demo model copies an argument's name after
+    ``return``: denoising each layer's resid_pre, the name's own position carries the answer at layer
+    0 and the last position from layer 1 on. The last position's layer-3 cell is clicked: its patched
+    run (the corrupted prompt, that cell from the clean one) generates below."""
+    from inspector.client.local import start_local_server
+    from inspector.ui.main_window import MainWindow
+
+    win = MainWindow(start_local_server)
+    win.resize(w, h)
+    win.show()
+    win.interventions_dock.hide()  # room for the grid and its details
+    win.open_model(model, mode="compiled", hooks=["blocks.*.hook_resid_pre"])
+    pump(lambda: win.state.value != "booting", 300)
+    view = win.patching_view
+    win.tabs.setCurrentWidget(view)
+    win.lower_tabs.setCurrentWidget(win.text_view)
+    win.prompt.max_tokens.setValue(12)
+    view.run_button.click()
+    pump(lambda: win.state.value != "patching")
+    view.repaint_sweep()
+    rows, columns = view.cells.grid.shape
+    view.click_cell(rows - 1, columns - 1)
+    pump(lambda: win.state.value != "generating")
+    view.repaint_sweep()
+    save(win, app, out / "patching.png")
+    win.interventions_dock.show()  # the settings keep the window's layout
     win.close()
 
 

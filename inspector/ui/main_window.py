@@ -23,17 +23,20 @@ from inspector.capture.protocol import BOOT_STAGES, BootProgress, SessionFactory
 from inspector.viewer.controller import (EMPTY_TEXT, GENERATE_TIPS, Action, AppState, Controller,
                                          describe_generation)
 from inspector.viewer.attention import AttentionPatterns, AttentionShown, attention_layers
+from inspector.viewer.compare import Comparisons
 from inspector.viewer.jobs import GenerationResult, SessionInfo
 from inspector.viewer.labels import display_token, short_hook_label
 from inspector.viewer.lens import lens_hooks, lens_kinds
 from inspector.viewer.run_view import RunSource
 
 from .attention_view import AttentionView
+from .compare_view import CompareView
 from .connect_dialog import ConnectDialog
 from .heatmap import HeatmapWidget
 from .interventions_dock import InterventionsPanel
 from .lens_view import LensView
 from .model_tree import ModelTreeWidget
+from .patching_view import PatchingView
 from .prompt_panel import PromptPanel
 from .settings import Settings
 from .summary_view import SummaryView
@@ -110,11 +113,16 @@ class MainWindow(QMainWindow):
         self.lens_view = LensView()
         self.attention_view = AttentionView()
         self.attention_patterns = AttentionPatterns()  # kept between repaints: only new rows are computed
+        self.compare_view = CompareView()
+        self.comparisons = Comparisons()  # kept between repaints: only new tokens and rows are computed
         self.tabs = QTabWidget()
         self.tabs.addTab(self.heatmap, "Tokens × features")
         self.tabs.addTab(self.summary, "Layers × tokens")
         self.tabs.addTab(self.lens_view, "Lens")
         self.tabs.addTab(self.attention_view, "Attention")
+        self.patching_view = PatchingView(self.controller.sweep)
+        self.tabs.addTab(self.patching_view, "Patching")
+        self.tabs.addTab(self.compare_view, "Compare")
         self.strip = TokenStrip()
         self.text_view = QPlainTextEdit(readOnly=True)
         self.text_view.setPlaceholderText("Generated text streams in here.")
@@ -196,12 +204,19 @@ class MainWindow(QMainWindow):
         self.prompt.stopRequested.connect(self.controller.stop)
         self.request_box.currentIndexChanged.connect(self._request_chosen)
         self.hook_box.currentIndexChanged.connect(self._hook_chosen)
-        for view in (self.strip, self.heatmap, self.summary, self.lens_view, self.attention_view):
+        for view in (self.strip, self.heatmap, self.summary, self.lens_view, self.attention_view, self.compare_view):
             view.positionClicked.connect(self.select_position)
         self.summary.settingsChanged.connect(self._invalidate_views)
         self.lens_view.settingsChanged.connect(self._invalidate_views)
         self.attention_view.settingsChanged.connect(self._invalidate_views)
-        self.attention_view.captureRequested.connect(self._capture_attention)
+        self.attention_view.captureRequested.connect(self._capture_hooks)
+        self.patching_view.captureRequested.connect(self._capture_hooks)
+        self.patching_view.runRequested.connect(self.controller.start_sweep)
+        self.patching_view.stopRequested.connect(self.controller.stop_sweep)
+        self.patching_view.cellActivated.connect(self._open_patched_cell)
+        self.patching_view.saveRequested.connect(self.controller.save_sweep)
+        self.patching_view.shown_prompts = self._shown_prompts
+        self.compare_view.pairChosen.connect(self.select_request)
         self.tabs.currentChanged.connect(self._invalidate_views)
         self.lower_tabs.currentChanged.connect(self._invalidate_views)
         self.heatmap.colormapChanged.connect(self._colormap_changed)
@@ -280,12 +295,23 @@ class MainWindow(QMainWindow):
 
     def generate(self) -> bool:
         sampling = self.prompt.sampling()
-        if not self.controller.generate(self.prompt.prompt_list(), sampling):
+        if not self.controller.generate(self.prompt.prompt_list(), sampling, self.prompt.compare.isChecked()):
             return False
+        self._generation_started()
+        return True
+
+    def _open_patched_cell(self, row: int, column: int) -> None:
+        if self.controller.open_patched_cell(row, column, self.prompt.sampling()):
+            self._generation_started()
+
+    def _generation_started(self) -> None:
         self.prompt.progress.setRange(0, self.controller.generation.total)
         self.prompt.progress.setValue(0)
         self.heatmap.follow_box.setChecked(True)
-        return True
+
+    def _shown_prompts(self) -> list[tuple[str, str]]:
+        """(request id, prompt) of the run on show: the Patching tab takes its prompts from them."""
+        return [(rid, self.shown.request(rid).prompt or "") for rid in self.shown.request_ids()]
 
     def _interventions_edited(self, interventions: list) -> None:
         try:
@@ -373,6 +399,7 @@ class MainWindow(QMainWindow):
             action.setEnabled(c.enabled(Action.OPEN_MODEL))
         self.recent_models_menu.setEnabled(c.enabled(Action.OPEN_MODEL) and bool(self.settings.recent_models))
         self.tree.set_busy(not c.enabled(Action.EDIT_HOOKS))
+        self.patching_view.set_engine(c.enabled(Action.PATCH), c.enabled(Action.STOP_PATCH))
         starting = state in (AppState.BOOTING, AppState.RESTARTING)
         self.boot_bar.setVisible(starting)
         self.prompt.progress.setVisible(state is AppState.GENERATING)
@@ -401,6 +428,7 @@ class MainWindow(QMainWindow):
         if info is None:
             self.tree.set_catalogue([], ())
             self.interventions.set_hooks({})
+            self.patching_view.set_hooks([], {})
             return
         mode = info.options.mode
         self._update_title()
@@ -410,6 +438,7 @@ class MainWindow(QMainWindow):
         else:
             self.tree.set_catalogue(list(info.catalogue), info.installed)
         self.interventions.set_hooks(info.installed)
+        self.patching_view.set_hooks(list(info.catalogue), info.installed)
         self.boot_bar.setValue(len(BOOT_STAGES))
         server = f" · {self.controller.server[0]}" if self.controller.server else ""
         self.stage_label.setText(f"Ready · {len(info.installed)} hook points · {mode}{server}")
@@ -615,7 +644,9 @@ class MainWindow(QMainWindow):
             self.summary.set_rows(view.summary_rows(sel.request, self.summary.kinds(), measure, feature), texts)
         elif self.tabs.currentWidget() is self.lens_view:
             self._refresh_lens(view, sel.request, empty)
-        else:
+        elif self.tabs.currentWidget() is self.compare_view:
+            self.compare_view.show_comparison(self.comparisons.show(view, sel.hook), self.heatmap.live)
+        elif self.tabs.currentWidget() is self.attention_view:
             self._refresh_attention(view, sel.request, empty)
         self.heatmap.select_position(sel.position)  # None: no column highlighted
 
@@ -637,9 +668,9 @@ class MainWindow(QMainWindow):
             view, rid, layer, self.attention_view.head(), view.selection.position, capturing)
         self.attention_view.show_attention(shown, view is c.live and c.enabled(Action.EDIT_HOOKS), self.heatmap.live)
 
-    def _capture_attention(self, hooks: list) -> None:
-        """The Attention tab's button: tick ``hooks`` in the model tree and apply them as Apply would
-        (eager mode applies ticks on its own)."""
+    def _capture_hooks(self, hooks: list) -> None:
+        """A tab's capture button (Attention, Patching): tick ``hooks`` in the model tree and apply them
+        as Apply would (eager mode applies ticks on its own)."""
         self.tree.set_checked(set(self.tree.checked()) | set(hooks))
         if self.tree.mode() == "compiled":
             self.tree.request_apply()

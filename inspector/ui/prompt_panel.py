@@ -1,4 +1,4 @@
-"""The prompt dock: prompts (one per line, run as one batch), sampling settings, Generate and Stop."""
+"""The prompt dock: prompts (one per line, run as one batch), sampling settings, Compare, Generate and Stop."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class PromptPanel(QWidget):
         self.seed = QSpinBox(minimum=-1, maximum=2 ** 31 - 1, value=-1, toolTip="-1: random")
         self.seed.setSpecialValueText("random")
         self.ignore_eos = QCheckBox("Ignore EOS", toolTip="Always generate max tokens, past end-of-sequence")
+        self.compare = QCheckBox("Compare", toolTip=(
+            "Run each prompt twice in one batch with one seed, once clean and once with the interventions "
+            "(changes while it generates reach the intervened run only); the Compare tab sets them side by side"))
         self.generate_button = QPushButton("Generate")
         self.generate_button.setShortcut(QKeySequence("Ctrl+Return"))
         self.stop_button = QPushButton("Stop", enabled=False)
@@ -41,6 +44,7 @@ class PromptPanel(QWidget):
             grid.addWidget(QLabel(label), i // 2, (i % 2) * 2)
             grid.addWidget(w, i // 2, (i % 2) * 2 + 1)
         buttons = QHBoxLayout()
+        buttons.addWidget(self.compare)
         buttons.addWidget(self.generate_button, 1)
         buttons.addWidget(self.stop_button, 1)
         grid.addWidget(self.ignore_eos, 2, 0, 1, 2)

@@ -22,6 +22,8 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.models import DEMO, model_path_problem
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionFactory,
                                         SessionOptions, SessionProtocol, StepEvent)
+from inspector.experiments.compare import Twins, mark_twins, scoped_to_intervened, upcoming_twins
+from inspector.experiments.patching import SweepResult
 
 from inspector.net.keys import ClientKeys
 
@@ -29,6 +31,7 @@ from . import jobs
 from .jobs import Cancelled, GenerationResult, LensBox, SessionInfo, TaskState
 from .labels import hook_sort_key
 from .lens import LensResult
+from .patching import PatchingSweep, SweepRequest
 from .run_view import RunSource, RunView
 
 DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
@@ -40,6 +43,7 @@ class AppState(enum.Enum):
     READY = "ready"
     GENERATING = "generating"
     RESTARTING = "restarting"
+    PATCHING = "patching"  # a patching sweep runs on the engine
     DEAD = "dead"  # the engine failed; its captures are kept
 
 
@@ -51,26 +55,32 @@ class Action(enum.Enum):
     NEW_RUN = "start a new run"
     EDIT_HOOKS = "change hook points"
     CHANGE_MODE = "switch the engine mode"
+    PATCH = "run a patching sweep"
+    STOP_PATCH = "stop the patching sweep"
 
 
 S = AppState
 ENABLED: dict[Action, frozenset[AppState]] = {
-    Action.OPEN_MODEL: frozenset({S.NO_MODEL, S.READY, S.GENERATING, S.DEAD}),
+    Action.OPEN_MODEL: frozenset({S.NO_MODEL, S.READY, S.GENERATING, S.PATCHING, S.DEAD}),
     Action.RESTART: frozenset({S.NO_MODEL, S.READY, S.DEAD}),  # once a model was opened
     Action.GENERATE: frozenset({S.READY}),
     Action.STOP: frozenset({S.GENERATING}),
     Action.NEW_RUN: frozenset({S.NO_MODEL, S.READY, S.DEAD}),
     Action.EDIT_HOOKS: frozenset({S.READY}),
     Action.CHANGE_MODE: frozenset({S.NO_MODEL, S.READY, S.DEAD}),
+    Action.PATCH: frozenset({S.READY}),
+    Action.STOP_PATCH: frozenset({S.PATCHING}),
 }
 # What the Generate button says in each state, and what the plots say while the live run is empty.
 GENERATE_TIPS = {S.NO_MODEL: "Open a model first (File ▸ Open Model…)", S.BOOTING: "The engine is starting…",
                  S.RESTARTING: "The engine is restarting…", S.DEAD: "The engine stopped: Engine ▸ Restart Engine",
-                 S.GENERATING: "Generating…", S.READY: "Generate (Ctrl+Enter)"}
+                 S.GENERATING: "Generating…", S.READY: "Generate (Ctrl+Enter)",
+                 S.PATCHING: "A patching sweep is running (Patching tab ▸ Stop)"}
 EMPTY_TEXT = {S.BOOTING: "The model is starting…", S.RESTARTING: "The engine is restarting…",
               S.NO_MODEL: "No model: File ▸ Open Model…, or File ▸ Open Capture… to view a saved run",
               S.DEAD: "The engine stopped: Engine ▸ Restart Engine",
-              S.READY: "Type a prompt below and press Generate", S.GENERATING: "Type a prompt below and press Generate"}
+              S.READY: "Type a prompt below and press Generate", S.GENERATING: "Type a prompt below and press Generate",
+              S.PATCHING: "Type a prompt below and press Generate once the patching sweep is over"}
 
 
 class TaskRunner(Protocol):
@@ -152,6 +162,8 @@ class Controller:
         self.earlier: list[RunView] = []  # live runs of models opened before this one
         self.run_file = None  # the open capture file behind a shown FILE run (inspector.io.RunFile)
         self.interventions: list[Intervention] = []
+        self.compared: list[Twins] | None = None  # the twins of the comparison generating now
+        self._compared_with: list[Intervention] = []  # the interventions its job was given
         self.boot_started, self.boot_stage = 0.0, ""
         self.generation: GenerationProgress | None = None
         self.last_result: GenerationResult | None = None
@@ -162,6 +174,9 @@ class Controller:
         self._lens_box = LensBox()  # a lens batch for the generation to compute between steps
         self._lens_out = False  # a lens batch is being computed: the next waits, and takes all that is new
         self.lens_problem: str | None = None  # the lens failed with this session: why
+        self.sweep = PatchingSweep()  # the Patching tab's sweep, as its job last reported it
+        self._sweep_task: TaskState | None = None
+        self.patched_cell: Intervention | None = None  # the intervention of the patched run generating now
 
     # ================================================================== state
     def enabled(self, action: Action) -> bool:
@@ -228,6 +243,7 @@ class Controller:
     def _start(self, factory: SessionFactory, options: SessionOptions, status: str) -> None:
         self.options = options
         self._stop_generation()
+        self._stop_sweep()
         self._close_session()
         self.boot_started, self.boot_stage = time.perf_counter(), "resolving"
         self._set_state(AppState.BOOTING)
@@ -291,7 +307,10 @@ class Controller:
         self.view.error(describe_exception(exc, "closing the engine"), details_of(exc), title="Engine")
 
     # ================================================================== generating
-    def generate(self, prompts: list[str], sampling: Sampling) -> bool:
+    def generate(self, prompts: list[str], sampling: Sampling, compare: bool = False,
+                 cell: Intervention | None = None) -> bool:
+        """``compare``: each prompt twice in the batch, clean and with the interventions (the twins);
+        ``cell``: a patching cell's intervention alone, not the user's (``open_patched_cell``)."""
         if not self.enabled(Action.GENERATE):
             self.view.status("Not ready: " + GENERATE_TIPS[self.state], 5000)
             return False
@@ -300,14 +319,28 @@ class Controller:
             return False
         if self.shown is not self.live:
             self.show(self.live)
-        self.generation = GenerationProgress(time.perf_counter(), 0, sampling.max_tokens * len(prompts))
+        copies = 2 if compare else 1
+        self.generation = GenerationProgress(time.perf_counter(), 0, sampling.max_tokens * len(prompts) * copies)
         self._select_new = True
         self._set_state(AppState.GENERATING)
-        self.view.status(f"Generating {sampling.max_tokens} tokens for {len(prompts)} prompt(s)…")
+        if compare:
+            self.compared, self._compared_with = upcoming_twins(self.session, len(prompts)), list(self.interventions)
+            job, args = jobs.compare, (self.session, list(prompts), self._compared_with, sampling)
+            if self.interventions:
+                self.view.status(f"Comparing {sampling.max_tokens} tokens for {len(prompts)} prompt(s), each run "
+                                 "clean and with the interventions…")
+            else:
+                self.view.status("Compare is on but no intervention is set: the twins will agree. Set one in the "
+                                 "Interventions dock to see what it changes.", 15000)
+        elif cell is not None:
+            self.patched_cell = cell
+            job, args = jobs.patched_run, (self.session, prompts[0], cell, sampling)
+        else:
+            job, args = jobs.generate, (self.session, list(prompts), sampling)
+            self.view.status(f"Generating {sampling.max_tokens} tokens for {len(prompts)} prompt(s)…")
         self._generate_task = self.engine.start(
-            jobs.generate, self.session, list(prompts), sampling, self._lens_box,
-            on_partial=functools.partial(self._generation_news, self.live), on_done=self._generated,
-            on_exception=self._generation_failed)
+            job, *args, self._lens_box, on_partial=functools.partial(self._generation_news, self.live),
+            on_done=self._generated, on_exception=self._generation_failed)
         return True
 
     def stop(self) -> None:
@@ -333,12 +366,24 @@ class Controller:
             if self._select_new and event.started:
                 self._select_new = False
                 live.select(request=event.started[0].request_id)
+        if event.started and self.compared:
+            mark_twins(live.run, self.compared)
+            if self.state is AppState.GENERATING and self.interventions != self._compared_with:
+                # edited before its job set the ones it was given: the edit wins
+                self._compared_with = list(self.interventions)
+                self.session.set_interventions(self._as_sent(self.interventions))
 
     def _generation_over(self) -> bool:
         """Whether the generation that just ended is the app's current one (not one a new boot cut short)."""
         self._generate_task = None
         if self._lens_box.take() is not None:  # it ended before computing it: the next paint asks again
             self._lens_out = False
+        compared, self.compared = self.compared, None
+        if compared and self.state is AppState.GENERATING and self.session.alive:
+            self._reapply_interventions("the comparison")  # for all requests again, not its twins alone
+        patched, self.patched_cell = self.patched_cell, None
+        if patched and self.state is AppState.GENERATING and self.session.alive:
+            self._reapply_interventions("the patched run")  # the user's, set aside while it ran
         return self.state is AppState.GENERATING
 
     def _generated(self, result: GenerationResult) -> None:
@@ -413,16 +458,21 @@ class Controller:
 
     def set_interventions(self, interventions: list[Intervention]) -> None:
         """ValueError with the reason if the engine refuses them (then the previous set stays)."""
-        if self.session is not None and self.state in (AppState.READY, AppState.GENERATING):
-            self.session.set_interventions(list(interventions))
+        if self.session is not None and self.state in (AppState.READY, AppState.GENERATING) and not self.patched_cell:
+            self.session.set_interventions(self._as_sent(interventions))
         self.interventions = list(interventions)
         if interventions:
             where = "from the next token" if self.state is AppState.GENERATING else "on the next generation"
+            where = f"to the intervened twins {where}" if self.compared else where
+            where = "after the patched run" if self.patched_cell else where
             self.view.status(f"{len(interventions)} intervention(s) set; they apply {where}.", 6000)
 
+    def _as_sent(self, interventions: list[Intervention]) -> list[Intervention]:
+        """What the engine gets: while a comparison generates, the set for its intervened twins only."""
+        return scoped_to_intervened(interventions, self.compared) if self.compared else list(interventions)
+
     def _reapply_interventions(self, doing: str) -> None:
-        if not self.interventions:
-            return
+        """The user's interventions to the engine again (none: clear what work of its own left there)."""
         try:
             self.session.set_interventions(list(self.interventions))
         except ValueError as exc:
@@ -432,7 +482,8 @@ class Controller:
     # ================================================================== the logit lens
     def can_lens(self, view: RunView) -> bool:
         """Whether the engine can lens ``view``'s rows: it runs the model they were captured with."""
-        return (self.session is not None and self.state in (AppState.READY, AppState.GENERATING)
+        return (self.session is not None  # while a sweep runs, a lens job waits for it on the engine thread
+                and self.state in (AppState.READY, AppState.GENERATING, AppState.PATCHING)
                 and self.lens_problem is None
                 and view.run.metadata.get("model_path") == self.info.metadata.get("model_path"))
 
@@ -474,6 +525,90 @@ class Controller:
         if view.source is RunSource.FILE:
             return "No lens stored in this file: capture with --lens K, or open its model, to see it"
         return "The lens needs the model this run was captured with, running: open it again to see it"
+
+    # ================================================================== patching sweeps
+    def start_sweep(self, request: SweepRequest) -> bool:
+        """Run ``request`` on the engine thread; ``self.sweep`` fills in as cells finish. A sweep and a
+        generation never run at once; a request that cannot run says why in ``self.sweep.problem``."""
+        if not self.enabled(Action.PATCH):
+            self.view.status("Not ready: " + GENERATE_TIPS[self.state], 5000)
+            return False
+        problem = request.problem()
+        if problem:
+            self.sweep.fail(problem)
+            return False
+        self.sweep.start(request, {h: self.info.installed[h] for h in request.hooks}, self.info.metadata)
+        self._set_state(AppState.PATCHING)
+        self.view.status(f"Patching sweep over {len(request.hooks)} hook points…")
+        self._sweep_task = self.engine.start(jobs.sweep, self.session, request, on_partial=self.sweep.news,
+                                             on_done=self._swept, on_exception=self._sweep_failed)
+        return True
+
+    def stop_sweep(self) -> None:
+        """The cells done so far stay, marked incomplete."""
+        if self.enabled(Action.STOP_PATCH):
+            self._stop_sweep()
+            self.view.status("Stopping the sweep after the current engine step…")
+
+    def _stop_sweep(self) -> None:
+        if self._sweep_task is not None:
+            self._sweep_task.cancel()
+
+    def _sweep_over(self) -> bool:
+        """Whether the sweep that just ended is the app's current work (not one a new boot cut short)."""
+        self._sweep_task = None
+        if self.state is not AppState.PATCHING:
+            return False
+        alive = self.session.alive
+        self._set_state(AppState.READY if alive else AppState.DEAD)
+        if alive:
+            self._reapply_interventions("the sweep")  # edited while it ran: the engine has the ones from before
+        return True
+
+    def _swept(self, result: SweepResult) -> None:
+        self.sweep.finish(result)
+        if self._sweep_over():
+            self.view.status(self.sweep.message, 10000)
+
+    def _sweep_failed(self, exc: BaseException) -> None:
+        refused = isinstance(exc, ValueError)  # the request does not fit the session: the session's reason
+        self.sweep.fail(str(exc) if refused else describe_exception(exc, "patching"))
+        if self._sweep_over() and not refused:
+            self.view.error(f"The patching sweep failed.\n\n{self.sweep.problem}\n\nThe cells that ran are kept.",
+                            details_of(exc), title="Patching")
+
+    def open_patched_cell(self, row: int, column: int, sampling: Sampling) -> bool:
+        """Generate the sweep's target prompt with cell (row, column) patched and nothing else: a run in
+        the main views like any other."""
+        result = self.sweep.result
+        if result is None:
+            return False
+        hook = result.hooks[row]
+        if self.info is not None and (hook not in self.info.installed or self.sweep.metadata.get("model_path")
+                                      != self.info.metadata.get("model_path")):
+            self.view.error(f"This sweep ran on hook points the engine no longer captures ({hook}): run the sweep "
+                            "again to open its cells.", title="Patching")
+            return False
+        if not self.generate([self.sweep.target_prompt()], sampling, cell=result.cell_intervention(row, column)):
+            return False
+        where = self.sweep.grid().where(row, column)
+        self.view.status(f"Patched run: {where}; your own interventions are not applied to it.", 15000)
+        return True
+
+    def save_sweep(self, path: str) -> bool:
+        """Write the sweep on show (finished or not) with its run's metadata, off the GUI thread."""
+        if self.sweep.result is None:
+            self.view.error("No sweep to save yet: run one first.", title="Save sweep")
+            return False
+        self.files.start(jobs.save_sweep, self.sweep.result, path, self.sweep.metadata, on_done=self._sweep_saved,
+                         on_exception=self._sweep_save_failed)
+        return True
+
+    def _sweep_saved(self, path: Path) -> None:
+        self.view.status(f"Saved the sweep to {path}", 10000)
+
+    def _sweep_save_failed(self, exc: BaseException) -> None:
+        self.view.error(f"Saving the sweep failed; nothing was written.\n\n{exc}", title="Save sweep")
 
     # ================================================================== runs
     def show(self, view: RunView) -> None:
@@ -558,6 +693,7 @@ class Controller:
         """Stop what runs, close the session on its thread; ``wait()`` waits for the runners."""
         self.cancel_export()
         self._stop_generation()
+        self._stop_sweep()
         self._close_session()
         done = wait()
         if self.run_file is not None:

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from inspector.capture.hooks import HookPoint
-from inspector.capture.protocol import Sampling, SessionFactory, SessionOptions, SessionProtocol
+from inspector.capture.interventions import Intervention
+from inspector.capture.protocol import Sampling, SessionFactory, SessionOptions, SessionProtocol, StepEvent
 from inspector.capture.run import Run
+from inspector.experiments.compare import compare as compare_twins
+from inspector.experiments.patching import SweepResult, patch
 from inspector.io import write_run
+from inspector.io.sweep import write_sweep
 
 from .lens import LENS_K, LensBatch, LensResult
+from .patching import SweepNews, SweepRequest
 
 
 class Cancelled(Exception):
@@ -109,10 +114,48 @@ def generate(session: SessionProtocol, prompts: list[str], sampling: Sampling, l
     """Step events arrive as partial results, and so does the lens of a batch put in ``lens_box``
     (a ``LensResult``, after the next step); cancelling stops the generation after the current step
     (its final event still arrives)."""
+    return _stream(session, lambda: session.generate(prompts, sampling), lens_box, state)
+
+
+def compare(session: SessionProtocol, prompts: list[str], interventions: list[Intervention], sampling: Sampling,
+            lens_box: LensBox, state: TaskState) -> GenerationResult:
+    """``generate``, each prompt twice: a clean twin and one with ``interventions``, in one batch
+    (``inspector.experiments.compare``)."""
+    return _stream(session, lambda: compare_twins(session, prompts, interventions, sampling)[1], lens_box, state)
+
+
+def patched_run(session: SessionProtocol, prompt: str, cell: Intervention, sampling: Sampling, lens_box: LensBox,
+                state: TaskState) -> GenerationResult:
+    """``generate`` of ``prompt`` with one patching cell's intervention alone, scoped to its request
+    (the controller gives the engine the user's interventions again once it ends)."""
+    def start() -> Iterator[StepEvent]:
+        rid, = session.upcoming_request_ids(1)
+        session.set_interventions([replace(cell, request_id=rid)])
+        return session.generate([prompt], sampling)
+
+    return _stream(session, start, lens_box, state)
+
+
+def sweep(session: SessionProtocol, request: SweepRequest, state: TaskState) -> SweepResult:
+    """A patching sweep of ``request`` (its tokens are checked here: tokenizing is the session's work).
+    A copy of the result arrives as a partial result (``SweepNews``) with each engine step;
+    cancelling stops the engine call under way, and the cells done so far are the result."""
+    spec = request.spec(session.tokenize, session.token_texts)
+
+    def progress(result: SweepResult, message: str) -> None:
+        if state.cancelled:
+            session.stop()
+        state.set_partial_result(SweepNews.of(result, message))
+
+    return patch(session, spec, progress, lambda: state.cancelled)
+
+
+def _stream(session: SessionProtocol, start: Callable[[], Iterator[StepEvent]], lens_box: LensBox,
+            state: TaskState) -> GenerationResult:
     t0, steps, tokens = time.perf_counter(), 0, 0
     if state.cancelled:  # stopped before it started
         return GenerationResult(0, 0, True, 0.0)
-    for event in session.generate(prompts, sampling):
+    for event in start():
         state.set_partial_result(event)
         steps += 1
         tokens += sum(len(step.new_token_ids) for step in event.requests)
@@ -159,3 +202,8 @@ def export(run: Run, path: str, state: TaskState) -> Path:
         state.set_progress(fraction)
 
     return write_run(run, path, progress=progress)
+
+
+def save_sweep(result: SweepResult, path: str, metadata: dict, state: TaskState) -> Path:
+    """Write a patching sweep (finished or not) with the metadata of the run it ran on."""
+    return write_sweep(result, path, metadata)

@@ -247,7 +247,8 @@ class RunView:
                 top_logprobs=[list(t) for t in req.top_logprobs],
                 intervention_log=[(p, [dict(d) for d in ivs]) for p, ivs in req.intervention_log],
                 hooks={h: rows.snapshot() if type(rows) is HookRows else rows for h, rows in req.hooks.items()},
-                lens=dict(req.lens), finish_reason=req.finish_reason)  # a reopened file's lens: read, never grown
+                lens=dict(req.lens),  # a reopened file's lens: read, never grown
+                twin_role=req.twin_role, twin_of=req.twin_of, finish_reason=req.finish_reason)
         return Run(metadata=copy.deepcopy(run.metadata), hooks=dict(run.hooks), requests=requests,
                    vocabulary=dict(run.vocabulary))
 
