@@ -51,22 +51,27 @@ def spec_for(preset: str, session):
     return PatchSpec(clean, corrupted, hooks, Metric(10, 20), positions=tuple(range(GRIDS[preset][1])))
 
 
-def ours(conn, preset: str, path: str, extra: dict, gpu_util: float, cache_root: str) -> None:
-    """The inspector's engine: ("sweep",) runs the whole grid batched, ("sequential", n) the first n
-    cells one request at a time."""
+def engine_setup(preset: str, extra: dict, gpu_util: float, cache_root: str) -> tuple[dict, str, int]:
+    """A worker's environment for an engine: (engine arguments, dtype, max_num_batched_tokens)."""
     from inspector.engine.environment import prepare_environment
 
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle engines must not spin on the shared cores
     use_caches(cache_root)
     prepare_environment()
     import torch
 
+    _, dtype, max_batched, _, _ = PRESETS[preset]
+    return dict(extra, **({"gpu_memory_utilization": gpu_util} if torch.cuda.is_available() else {})), dtype, max_batched
+
+
+def ours(conn, preset: str, path: str, extra: dict, gpu_util: float, cache_root: str) -> None:
+    """The inspector's engine: ("sweep",) runs the whole grid batched, ("sequential", n) the first n
+    cells one request at a time."""
+    engine_args, dtype, max_batched = engine_setup(preset, extra, gpu_util, cache_root)
     from inspector.capture.protocol import Sampling, SessionOptions
     from inspector.engine.session import Session
     from inspector.experiments.patching import patch
 
-    _, dtype, max_batched, _, _ = PRESETS[preset]
-    engine_args = dict(extra, **({"gpu_memory_utilization": gpu_util} if torch.cuda.is_available() else {}))
     t0 = time.perf_counter()
     session = Session.open(SessionOptions(model=path, hooks=("blocks.*.hook_resid_pre",), dtype=dtype,
                                           max_num_batched_tokens=max_batched, max_model_len=1024,
@@ -112,16 +117,9 @@ def ours(conn, preset: str, path: str, extra: dict, gpu_util: float, cache_root:
 
 def vanilla(conn, preset: str, path: str, extra: dict, gpu_util: float, cache_root: str) -> None:
     """vLLM alone: ("prefill", prompt, n) generates one token for n copies of the prompt."""
-    from inspector.engine.environment import prepare_environment
-
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-    use_caches(cache_root)
-    prepare_environment()
-    import torch
+    args, dtype, max_batched = engine_setup(preset, extra, gpu_util, cache_root)
     from vllm import LLM, SamplingParams
 
-    _, dtype, max_batched, _, _ = PRESETS[preset]
-    args = dict(extra, **({"gpu_memory_utilization": gpu_util} if torch.cuda.is_available() else {}))
     t0 = time.perf_counter()
     llm = LLM(model=path, dtype=dtype, max_num_batched_tokens=max_batched, max_model_len=1024,
               enable_prefix_caching=False, **args)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from inspector.capture.interventions import DEFAULT_MAX_SLOTS  # noqa: E402
+
 CONFIGS = {"vanilla": ("compiled", False), "compiled": ("compiled", True), "eager": ("eager", True)}
 PRESETS = {
     # name: (model, dtype, max_num_batched_tokens, prompt tokens, runs as (batch, new tokens))
@@ -233,7 +235,7 @@ def main() -> None:
         layers, width, _, _ = dims(spec)
         itemsize = 4 if dtype == "float32" else 2
         buffers = layers * max_batched * width * itemsize / 2**20
-        tables = layers * 2 * 64 * width * itemsize / 2**20
+        tables = layers * 2 * DEFAULT_MAX_SLOTS * width * itemsize / 2**20
         print(f"capture buffers {buffers:.1f} MiB + intervention tables {tables:.1f} MiB")
         last = runs[-1]
         if boot["vanilla"]["cuda"]:

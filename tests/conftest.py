@@ -38,9 +38,11 @@ def compiled_server(tiny_models):
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def sessions(tiny_models, compiled_server):
-    """kind -> (session, its boot stages) for each of session_kinds.KINDS, on the tiny Llama."""
+    """kind -> (session, its boot stages) for each of session_kinds.KINDS, on the tiny Llama. Per
+    module: an in-process engine must be closed before another module boots and shuts down its own
+    (vLLM's parallel state is per process)."""
     from session_kinds import KINDS, open_session
 
     opened = {kind: open_session(kind, tiny_models["llama"], compiled_server[0]) for kind in KINDS}

@@ -1,6 +1,6 @@
 """The three kinds of session the session-boundary tests run against: the in-process engine session
 (a compiled tiny Llama), the same engine on a server (``inspector serve`` in another process, through
-``inspector.client.connect``) and the fake the app's tests drive. Opened once per test run (the
+``inspector.client.connect``) and the fake the app's tests drive. Opened once per test module (the
 ``sessions`` fixture in conftest.py)."""
 
 from fake_session import FakeSession

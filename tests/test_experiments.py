@@ -50,8 +50,8 @@ def test_a_patching_sweep_is_one_engine_call_with_progress_and_leaves_the_sessio
     clean, corrupted = same_length_prompts(session)
     reports = []
     try:
-        result = patch(session, PatchSpec(clean, corrupted, LAYERS, Metric(10, 20)),
-                       lambda r, message: reports.append((r.done, message)))
+        result = session.patch(PatchSpec(clean, corrupted, LAYERS, Metric(10, 20)),
+                               lambda r, message: reports.append((r.done, message)))
         assert session.interventions == [STEER] and not session.run.requests
     finally:
         session.set_interventions([])
@@ -68,13 +68,13 @@ def test_a_patching_sweep_is_one_engine_call_with_progress_and_leaves_the_sessio
 
 
 def test_a_grid_wider_than_the_slots_runs_in_as_few_calls_as_fit(sessions, tiny_models):
-    """70 positions, 63 cells per hook and call: two engine calls, slots reused across them."""
+    """Over 127 positions, 127 cells per hook and call: two engine calls, slots reused across them."""
     session, _ = sessions["real"]
-    words = " ".join(f"w{i}" for i in range(40))
+    words = " ".join(f"w{i}" for i in range(46))  # 132 tokens
     clean, corrupted = words + " alpha", words + " omega"
-    assert len(session.tokenize(clean)) == len(session.tokenize(corrupted)) > 64
+    assert len(session.tokenize(clean)) == len(session.tokenize(corrupted)) > 128
     result = patch(session, PatchSpec(clean, corrupted, LAYERS[:1], Metric(10, 20), "noise"))
-    assert result.complete and result.engine_calls == 2 and result.cells_per_call == 63
+    assert result.complete and result.engine_calls == 2 and result.cells_per_call == 127
     assert_sweep_matches_transformers(result, session.installed, tiny_models["llama"], "llama")
 
 
@@ -115,7 +115,7 @@ def test_compare_runs_twins_whose_clean_one_is_a_run_without_interventions(sessi
     session, _ = sessions[kind]
     prompts = ["def fibonacci(n):", "import os"]
     session.new_run()
-    twins, events = compare(session, prompts, [STEER], GREEDY)
+    twins, events = session.compare(prompts, [STEER], GREEDY)
     list(events)
     assert twins_of(session.run) == twins and session.interventions == scoped_to_intervened([STEER], twins)
     session.set_interventions([])

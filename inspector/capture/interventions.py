@@ -10,6 +10,10 @@ import numpy as np
 from .vectors import check_vector
 
 FIELDS = ("hook", "scale", "bias", "request_id", "positions")
+# Per hook, the intervention combinations one forward can hold (slot 0, the identity, included): a
+# patching sweep runs MAX_SLOTS - 1 cells per hook point in one engine call, so 32 layers x 127
+# positions at once. Each slot costs two rows of the hook's width on the device.
+DEFAULT_MAX_SLOTS = 128
 
 
 Vector = float | np.ndarray  # a number for every feature, or one per feature (read-only float64)

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from .hooks import HookPoint, installed_name
-from .interventions import Intervention, validate
+from .interventions import DEFAULT_MAX_SLOTS, Intervention, validate
 from .lens import Attribution, Lens
 from .run import HookRows, RequestCapture, Run, TopToken
 
@@ -43,9 +43,7 @@ class SessionOptions:
     max_num_batched_tokens: int = 512
     enable_position_interventions: bool = True
     retain_rows: bool = True  # False: rows only reach the step events (the consumer keeps them)
-    # per hook, the intervention combinations one forward can hold (a patching sweep runs max_slots - 1
-    # cells per hook point in each engine call); each costs two rows of the hook's width on the device
-    max_slots: int = 64
+    max_slots: int = DEFAULT_MAX_SLOTS  # per hook: see inspector.capture.interventions
     engine_args: dict = field(default_factory=dict)
 
 

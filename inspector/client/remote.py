@@ -16,6 +16,7 @@ from inspector.capture.lens import Attribution, Lens
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent,
                                         checked_interventions, fold_event)
 from inspector.capture.run import Run
+from inspector.experiments.methods import Experiments
 from inspector.net.keys import ClientKeys
 from inspector.net.wire import (Message, WireError, convert, event_from_body, hooks_from_body, progress_from_body,
                                 to_builtins)
@@ -74,7 +75,7 @@ def _hello(connection: Connection, timeout_s: float, why_gone: Callable[[], str 
     return reply
 
 
-class RemoteSession:
+class RemoteSession(Experiments):
     """See ``SessionProtocol``; ``stop`` and ``set_interventions`` may be called from any thread."""
 
     _next_id = 0  # class-wide, like the in-process session's: request ids stay unique in this process

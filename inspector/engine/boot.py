@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from inspector.capture.interventions import DEFAULT_MAX_SLOTS
 from inspector.capture.protocol import MODES
 
 from .environment import prepare_environment
@@ -12,8 +13,8 @@ INSPECTOR_ENGINE_ARGS = {"enforce_eager", "enable_prefix_caching", "worker_exten
 
 def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",
              dtype: str = "float32", max_num_batched_tokens: int = 512, max_model_len: int = 1024,
-             enable_position_interventions: bool = False, hook_patterns: tuple[str, ...] = (), max_slots: int = 64,
-             **engine_args):
+             enable_position_interventions: bool = False, hook_patterns: tuple[str, ...] = (),
+             max_slots: int = DEFAULT_MAX_SLOTS, **engine_args):
     """An ``LLM`` whose worker has the hooks in ``capture_specs`` and ``hook_patterns`` installed.
 
     Prefix caching is off: it skips prompt rows and would let K/V computed under an intervention

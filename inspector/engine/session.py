@@ -27,14 +27,14 @@ from inspector.capture.protocol import (MODES, BootProgress, RequestStart, Reque
                                         SessionError, SessionOptions, StepEvent, checked_interventions,
                                         fold_event)
 from inspector.capture.run import Run, TopToken
-
+from inspector.experiments.methods import Experiments
 from inspector.plugin.config import SCORES
 
 from .boot import boot_llm, shutdown_llm
 from .tokens import token_text
 
 
-class Session:
+class Session(Experiments):
     """Use ``Session.open(options, progress)``; close it to free the engine for another."""
 
     # Class-wide, so request ids stay unique across the sessions of one process: the app keeps

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from inspector.capture.interventions import DEFAULT_MAX_SLOTS
+
 from .config import ENV_VAR, PluginConfig, validate
 
 WORKER_EXTENSION = "inspector.plugin.worker_extension.InspectorWorkerExtension"
@@ -28,7 +30,7 @@ def register() -> None:
 
 def configure(capture_specs: dict[str, tuple[str, int]], max_num_batched_tokens: int, dtype: torch.dtype,
               enable_batching: bool = False, enable_position_interventions: bool = False,
-              hook_patterns: tuple[str, ...] = (), max_slots: int = 64) -> None:
+              hook_patterns: tuple[str, ...] = (), max_slots: int = DEFAULT_MAX_SLOTS) -> None:
     """Set the hook specs (name → (module dot-path, width)) for the next engine boot in this process
     and its children. ``enable_batching`` selects the eager flavour (boot with ``enforce_eager=True``).
     ``hook_patterns`` (our extension) adds hook points by name, alias or glob, resolved in the worker

@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from inspector.capture.interventions import DEFAULT_MAX_SLOTS
+
 ENV_VAR = "INSPECTOR_PLUGIN_CONFIG"
 SCORES = "@scores"  # in a drain: a scored request's logprobs of its score tokens, beside its hooks' rows
 DTYPES = ("float32", "float16", "bfloat16")
@@ -23,7 +25,7 @@ class PluginConfig:
     enable_batching: bool = False
     enable_position_interventions: bool = False
     hook_patterns: tuple[str, ...] = ()  # names, aliases or globs, resolved in the worker
-    max_slots: int = 64
+    max_slots: int = DEFAULT_MAX_SLOTS
 
     @property
     def eager(self) -> bool:
