@@ -32,6 +32,9 @@ _GEMMA_STYLE = {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_l
 KINDS = {
     **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe")},
     "gemma2": _GEMMA_STYLE, "gemma3": _GEMMA_STYLE,
+    "olmo2": {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_layernorm", "out"),
+              "resid_mid": ("mlp", "in"), "mlp_post": ("mlp.down_proj", "in"), "mlp_raw": ("mlp", "out"),
+              "mlp_out": ("post_feedforward_layernorm", "out")},
     "gpt2": {"attn_out": ("attn", "out"), "resid_mid": ("ln_2", "in"), "mlp_post": ("mlp.c_proj", "in"),
              "mlp_out": ("mlp", "out")},
     "gptj": {"attn_out": ("attn", "out"), "mlp_post": ("mlp.fc_out", "in"), "mlp_out": ("mlp", "out")},

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3", "gpt_neox")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3", "gpt_neox", "olmo2")
 # Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
 ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}, "gemma3": {"kv_heads": 1}}
 # Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
@@ -123,6 +123,9 @@ def hf_config(spec: TinySpec, tokenizer):
         return transformers.Gemma3TextConfig(head_dim=spec.hidden // spec.heads, query_pre_attn_scalar=48,
                                              sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                                              hidden_activation="gelu_pytorch_tanh", **shape)
+    if spec.arch == "olmo2":  # post-norms on both branches, q/k norms; vLLM serves it through its Transformers backend
+        return transformers.Olmo2Config(hidden_act="silu", tie_word_embeddings=False, pad_token_id=tokenizer.eos_token_id,
+                                        **shape)
     if spec.arch == "mistral":
         return transformers.MistralConfig(sliding_window=8, hidden_act="silu", tie_word_embeddings=False, **shape)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec.arch]
