@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from engines import booted, rpc
 from inspector.plugin import families
@@ -25,3 +26,23 @@ def test_a_wrongly_described_point_is_withdrawn_with_the_identity_it_broke(tiny_
         assert not installed & set(withdrawn)  # the glob skipped them
         with pytest.raises(Exception, match="is withdrawn: blocks.0: resid_pre"):
             rpc(llm, "inspector_add_hooks", {"blocks.0.hook_resid_mid": ("model.layers.0.mlp", 128)})
+
+
+def test_a_point_where_the_identity_intervention_would_change_values_is_withdrawn(tiny_models, monkeypatch):
+    """Every forward of a compiled engine applies value * 1 + 0 at each installed point: the probe checks
+    that this gives back the very tensors (shape, dtype, bits). Here a broken replacement at output
+    sites (it upcasts a plain tensor output) must withdraw those points, and only those."""
+    from inspector.plugin import hookpoints
+
+    original = hookpoints.replace_output
+
+    def upcasting(site, output, scale, bias):
+        new, flowing = original(site, output, scale, bias)
+        return (new.double() if isinstance(new, torch.Tensor) else new), flowing
+
+    monkeypatch.setattr(hookpoints, "replace_output", upcasting)
+    with booted(tiny_models["llama"], mode="eager", hook_patterns=("blocks.*.hook_resid_pre",)) as llm:
+        points = rpc(llm, "inspector_describe")["hook_points"]
+    withdrawn = {p["kind"] for p in points if p["withdrawn"]}
+    assert withdrawn == {"embed", "attn_out", "mlp_out"}  # the plain-tensor outputs (the final norm returns a pair)
+    assert all("identity intervention" in p["withdrawn"] for p in points if p["withdrawn"])

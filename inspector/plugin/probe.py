@@ -7,8 +7,10 @@ outputs zeroed since there is no KV cache yet; the stream's bookkeeping is what 
 i: ``resid_mid = resid_pre + attn_out``, ``resid_post = resid_mid + mlp_out`` (sequential) or
 ``resid_pre + attn_out + mlp_out`` (parallel), ``resid_post(i) = resid_pre(i+1)``, and the final norm of
 the last ``resid_post`` is ``normalized``. A point whose rows are not ``[tokens, width]`` is withdrawn,
-so is one whose hook the forward never reached (a model that calls ``module.forward`` directly), and
-so is every point of a failed identity that no identity which held vouches for, naming it.
+so is one whose hook the forward never reached (a model that calls ``module.forward`` directly), one
+where the identity intervention (what a compiled engine applies at every point) would not give back
+the very values it was given, and every point of a failed identity that no identity which held vouches
+for, naming it.
 """
 
 from __future__ import annotations
@@ -30,15 +32,17 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
            forward: Callable[[], None]) -> dict[str, str]:
     """{point name: the identity it failed} after one probe ``forward``."""
     seen: dict[str, torch.Tensor] = {}
+    altered: dict[str, str] = {}  # points where an identity replacement would not leave the values as they were
     handles = []
     for point, site in points:
         module = model.get_submodule(point.module_path)
         if site.is_pre_hook:
             handles.append(module.register_forward_pre_hook(
-                lambda m, args, p=point, s=site: seen.__setitem__(p.name, _copy(hp.read_input(s, args)))))
+                lambda m, args, p=point, s=site: _probe(p, s, args, hp.read_input, hp.replace_input, seen, altered)))
         else:
             handles.append(module.register_forward_hook(
-                lambda m, args, out, p=point, s=site: seen.__setitem__(p.name, _copy(hp.read_output(s, out)))))
+                lambda m, args, out, p=point, s=site: _probe(p, s, out, hp.read_output, hp.replace_output, seen,
+                                                             altered)))
     try:
         forward()
     finally:
@@ -46,6 +50,7 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
             handle.remove()
     misread = {p.name: f"it reads a {list(seen[p.name].shape)} tensor where [tokens, {p.width}] rows belong"
                for p, _ in points if p.name in seen and (seen[p.name].dim() != 2 or seen[p.name].shape[1] != p.width)}
+    misread.update(altered)
     misread.update({p.name: "the boot probe's forward never reached its hook (the model calls the module around "
                             "its hooks, e.g. through .forward)" for p, _ in points if p.name not in seen})
     for name in misread:
@@ -88,6 +93,33 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
         check(f"the final norm of blocks.{layers[-1]}.resid_post = normalized", [(-1, FINAL_NORM)],
               [(-1, "normalized")])
     return {**misread, **_blame(results, tolerance)}
+
+
+def _probe(point: HookPoint, site: hp.Site, value, read, replace, seen: dict, altered: dict) -> None:
+    """Read a point, and check that the identity affine (what a compiled engine applies at every point,
+    every forward) gives back the very tensors it was given, bit for bit, and the value read."""
+    seen[point.name] = _copy(read(site, value))
+    first = value[site.arg_index] if site.is_pre_hook else (value[0] if isinstance(value, tuple) else value)
+    try:
+        n = hp.row_count(site, first)
+        ones = torch.ones(n, point.width, dtype=first.dtype, device=first.device)
+        new, flowing = replace(site, value, ones, torch.zeros_like(ones))
+        same = _identical(new, value) and torch.equal(_copy(flowing), seen[point.name])
+    except (RuntimeError, IndexError, TypeError, ValueError) as e:
+        altered[point.name] = f"an identity intervention cannot be applied there: {type(e).__name__}: {e}"
+        return
+    if not same:
+        altered[point.name] = "an identity intervention there would change the model's values (not bit-identical)"
+
+
+def _identical(a, b) -> bool:
+    """The same structure of tensors, each with the same shape, dtype and bits."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    return a is b or a == b
 
 
 FINAL_NORM = " (through the final norm)"  # a point's name + this: its rows normed, standing for the point
