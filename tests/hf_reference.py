@@ -37,6 +37,7 @@ KINDS = {
               "mlp_out": ("post_feedforward_layernorm", "out")},
     "gpt2": {"attn_out": ("attn", "out"), "resid_mid": ("ln_2", "in"), "mlp_post": ("mlp.c_proj", "in"),
              "mlp_out": ("mlp", "out")},
+    "phi": {"attn_out": ("self_attn", "out"), "mlp_post": ("mlp.fc2", "in"), "mlp_out": ("mlp", "out")},
     "gptj": {"attn_out": ("attn", "out"), "mlp_post": ("mlp.fc_out", "in"), "mlp_out": ("mlp", "out")},
     "gpt_neox": {"attn_out": ("attention", "out"), "mlp_post": ("mlp.dense_4h_to_h", "in"), "mlp_out": ("mlp", "out")},
     "opt": {"attn_out": ("self_attn", "out"), "resid_mid": ("final_layer_norm", "in"), "mlp_post": ("fc2", "in"),

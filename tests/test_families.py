@@ -21,10 +21,11 @@ from inspector.plugin.families import FAMILIES
 PROMPTS = ["def fibonacci(n):\n    return n", "import os\nimport sys"]
 FAMILY_OF = {"gpt2": "GPT-2", "gemma2": "Gemma 2/3 (sandwich norms)", "qwen3": "Llama-style", "phi3": "Llama-style",
              "gptj": "GPT-J (parallel)", "opt": "OPT (pre-norm)", "qwen3_moe": "Llama-style",
-             "gemma3": "Gemma 2/3 (sandwich norms)", "gpt_neox": "GPT-NeoX (parallel)", "olmo2": "OLMo 2 (post-norms)"}
+             "gemma3": "Gemma 2/3 (sandwich norms)", "gpt_neox": "GPT-NeoX (parallel)", "olmo2": "OLMo 2 (post-norms)",
+             "phi": "Phi-2 (parallel)"}
 # vLLM's Transformers backend calls its attention layers through .forward, around their hooks
-WITHDRAWN = {"gpt_neox": {"q", "k"}, "olmo2": {"q", "k"}}
-BACKEND = {"gpt_neox", "olmo2"}  # served by vLLM's Transformers backend: the reference runs in a child process
+WITHDRAWN = {"gpt_neox": {"q", "k"}, "olmo2": {"q", "k"}, "phi": {"q", "k"}}
+BACKEND = {"gpt_neox", "olmo2", "phi"}  # served by vLLM's Transformers backend: the reference runs in a child process
 
 
 def reference(arch, function, *args):

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3", "gpt_neox", "olmo2")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3", "gpt_neox", "olmo2", "phi")
 # Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
 ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}, "gemma3": {"kv_heads": 1}}
 # Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
@@ -89,6 +89,11 @@ def hf_config(spec: TinySpec, tokenizer):
                                           num_attention_heads=spec.heads, intermediate_size=spec.intermediate,
                                           max_position_embeddings=spec.max_positions, rotary_pct=0.25,
                                           use_parallel_residual=True, tie_word_embeddings=False, **common)
+    if spec.arch == "phi":  # Phi-1.5/2: parallel attention and MLP from one norm, partial rotary; the Transformers backend
+        return transformers.PhiConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                                      num_attention_heads=spec.heads, intermediate_size=spec.intermediate,
+                                      max_position_embeddings=spec.max_positions, hidden_act="gelu_new",
+                                      tie_word_embeddings=False, **common)
     if spec.arch == "gptj":  # parallel attention and MLP, partial rotary
         return transformers.GPTJConfig(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads,
                                        n_inner=spec.intermediate, n_positions=spec.max_positions, rotary_dim=32,
