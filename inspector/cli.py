@@ -198,7 +198,7 @@ def capture(args) -> int:
 
 def patch(args) -> int:
     """An activation-patching sweep (inspector.experiments.patching) written to a sweep file."""
-    from inspector.experiments.patching import Metric, PatchSpec, patch as sweep
+    from inspector.experiments.patching import PatchSpec, metric_from_text, patch as sweep
     from inspector.io.sweep import write_sweep
     from inspector.io.writer import check_target
 
@@ -214,10 +214,8 @@ def patch(args) -> int:
         if not hooks:
             raise ValueError(f"no {args.kind} hook points are captured: add --hooks blocks.*.hook_{args.kind} (on a "
                              "compiled server that restarts its engine)")
-        answer = single_token(session, args.answer, "--answer")
-        foil = single_token(session, args.foil, "--foil") if args.foil is not None else None
-        spec = PatchSpec(args.clean, args.corrupted, tuple(p.name for p in hooks), Metric(answer, foil),
-                         args.direction, positions)
+        metric = metric_from_text(args.answer, args.foil, session.tokenize, session.token_texts)
+        spec = PatchSpec(args.clean, args.corrupted, tuple(p.name for p in hooks), metric, args.direction, positions)
         result = sweep(session, spec, lambda r, message: progress.bar("patching", r.done, r.raw.size, "cells"))
         path = write_sweep(result, out, session.run.metadata)
     finally:
@@ -225,7 +223,7 @@ def patch(args) -> int:
     best = np.dstack(np.unravel_index(np.argsort(-np.nan_to_num(result.normalized, nan=-np.inf), axis=None),
                                       result.raw.shape))[0][:5]
     target = result.token_texts["corrupted" if args.direction == "denoise" else "clean"]
-    metric = f"logprob of {args.answer!r}" if foil is None else f"logit difference {args.answer!r} − {args.foil!r}"
+    metric = f"logprob of {args.answer!r}" if not args.foil else f"logit difference {args.answer!r} − {args.foil!r}"
     summary = {"out": str(path.resolve()), "metric": metric, "direction": args.direction,
                "clean_metric": result.clean_metric, "corrupted_metric": result.corrupted_metric,
                "cells": int(result.raw.size), "engine_calls": result.engine_calls, "complete": result.complete,
@@ -241,15 +239,6 @@ def patch(args) -> int:
             print(f"  {cell['normalized']:+.3f}  {cell['hook']} at {cell['position']} ({cell['token']!r})")
         print(f"wrote {summary['out']}")
     return 0
-
-
-def single_token(session: SessionProtocol, text: str, option: str) -> int:
-    """The one token ``text`` is, or ValueError saying how it splits."""
-    ids = session.tokenize(text)
-    if len(ids) != 1:
-        raise ValueError(f"{option} {text!r} is {len(ids)} tokens ({session.token_texts(ids) if ids else 'none'}); "
-                         "it must be exactly one (mind the leading space)")
-    return ids[0]
 
 
 def write_lens(session, writer, event, hooks: set[str], k: int, named: set[int]) -> None:

@@ -9,11 +9,11 @@ import pytest
 from fake_session import llama_catalogue
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import Sampling
-from inspector.experiments.patching import Metric, PatchSpec, SweepResult
+from inspector.experiments.patching import Metric, PatchSpec, SweepResult, single_token
 from inspector.viewer import jobs
 from inspector.viewer.controller import Action, AppState
 from inspector.viewer.patching import (EFFECT, METRIC, PatchingSweep, SweepNews, SweepRequest, kind_rows,
-                                       patch_kinds, rows_note, single_token, uncaptured)
+                                       patch_kinds, rows_note, uncaptured)
 from test_viewer_unit import controller  # noqa: F401
 
 CATALOGUE = llama_catalogue(layers=3)

@@ -313,9 +313,9 @@ class Session(Experiments):
         for rid in dict.fromkeys(order):
             if rid not in self._computed:
                 continue
-            hooks = dict(captures.get(rid, {}))
-            scores = hooks.pop(SCORES, None)
-            rows = {hook: self._rows(rid, c) for hook, c in hooks.items()}
+            hooks = captures.get(rid, {})
+            scores = hooks.get(SCORES)
+            rows = {hook: self._rows(rid, c) for hook, c in hooks.items() if hook != SCORES}
             tokens = self._tokens(outputs[rid]) if rid in outputs else {}
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,

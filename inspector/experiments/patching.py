@@ -44,6 +44,30 @@ class Metric:
         return f"logprob of {self.answer}" if self.foil is None else f"logit difference {self.answer} − {self.foil}"
 
 
+def metric_from_text(answer: str, foil: str | None, tokenize: Callable[[str], list[int]],
+                     token_texts: Callable[[list[int]], list[str]]) -> Metric:
+    """The metric of typed answer and foil tokens (a session's ``tokenize`` and ``token_texts``);
+    ValueError saying which text is not one token and how it splits, or that the two are the same."""
+    token = single_token("answer", answer, tokenize, token_texts)
+    other = single_token("foil", foil, tokenize, token_texts) if foil else None
+    if other == token:
+        raise ValueError(f"The answer and the foil are the same token ({answer!r}): pick another foil.")
+    return Metric(token, other)
+
+
+def single_token(role: str, text: str, tokenize: Callable[[str], list[int]],
+                 token_texts: Callable[[list[int]], list[str]]) -> int:
+    """The one token id of ``text``; ValueError naming the pieces it splits into."""
+    ids = list(tokenize(text))
+    if len(ids) == 1:
+        return int(ids[0])
+    if not ids:
+        raise ValueError(f"The {role} {text!r} is no token at all: type the token's text.")
+    pieces = " + ".join(repr(t) for t in token_texts(ids))
+    raise ValueError(f"The {role} {text!r} is {len(ids)} tokens, not one: {pieces}. The metric scores a single "
+                     "next token: type one token (often a leading space and a short word).")
+
+
 @dataclass(frozen=True)
 class PatchSpec:
     clean: str

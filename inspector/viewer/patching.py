@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from inspector.capture.hooks import HookPoint
-from inspector.experiments.patching import Metric, PatchSpec, SweepResult
+from inspector.experiments.patching import PatchSpec, SweepResult, metric_from_text
 
 from .labels import display_token, short_hook_label
 
@@ -73,24 +73,8 @@ class SweepRequest:
 
     def spec(self, tokenize: Callable[[str], list[int]], token_texts: Callable[[list[int]], list[str]]) -> PatchSpec:
         """The spec to run; ValueError saying which token is not a single one, and how it splits."""
-        answer = single_token("answer", self.answer, tokenize, token_texts)
-        foil = single_token("foil", self.foil, tokenize, token_texts) if self.foil else None
-        if foil == answer:
-            raise ValueError(f"The answer and the foil are the same token ({self.answer!r}): pick another foil.")
-        return PatchSpec(self.clean, self.corrupted, self.hooks, Metric(answer, foil), self.direction)
-
-
-def single_token(role: str, text: str, tokenize: Callable[[str], list[int]],
-                 token_texts: Callable[[list[int]], list[str]]) -> int:
-    """The one token id of ``text``; ValueError naming the pieces it splits into."""
-    ids = list(tokenize(text))
-    if len(ids) == 1:
-        return int(ids[0])
-    if not ids:
-        raise ValueError(f"The {role} {text!r} is no token at all: type the token's text.")
-    pieces = " + ".join(repr(t) for t in token_texts(ids))
-    raise ValueError(f"The {role} {text!r} is {len(ids)} tokens, not one: {pieces}. The metric scores a single "
-                     "next token: type one token (often a leading space and a short word).")
+        return PatchSpec(self.clean, self.corrupted, self.hooks,
+                         metric_from_text(self.answer, self.foil, tokenize, token_texts), self.direction)
 
 
 def target_of(spec: PatchSpec) -> str:
