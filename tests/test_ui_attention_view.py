@@ -194,7 +194,9 @@ def test_in_eager_mode_the_button_captures_q_and_k_without_a_restart(qtbot, ui_s
     generate(qtbot, w)
     show_tab(w)
     w.attention_view.capture_button.click()
-    qtbot.waitUntil(lambda: len(w.controller.session.installed) == 6, timeout=5000)
+    # the engine thread installs them first; the window hears of it a moment later (its status line)
+    qtbot.waitUntil(lambda: len(w.controller.session.installed) == 6
+                    and "applied live" in w.statusBar().currentMessage(), timeout=5000)
     assert w.last_dialog is None and "applied live" in w.statusBar().currentMessage()
     generate(qtbot, w)
     assert show_tab(w).layer == 0 and w.attention_view.stack.currentIndex() == 1
