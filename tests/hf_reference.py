@@ -30,7 +30,9 @@ _GEMMA_STYLE = {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_l
                 "mlp_raw": ("mlp", "out"), "mlp_out": ("post_feedforward_layernorm", "out")}
 # Each kind of hook point as transformers' modules give it (TransformerLens's definitions): module, in/out.
 KINDS = {
-    **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe")},
+    **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3")},
+    # the router's logits (a dense layer has none)
+    **{arch: {**_LLAMA_STYLE, "router": ("mlp.gate", "out")} for arch in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")},
     "gemma2": _GEMMA_STYLE, "gemma3": _GEMMA_STYLE,
     "olmo2": {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_layernorm", "out"),
               "resid_mid": ("mlp", "in"), "mlp_post": ("mlp.down_proj", "in"), "mlp_raw": ("mlp", "out"),
@@ -174,6 +176,63 @@ def direct_logit_attribution(model_dir, components: np.ndarray, final_residual: 
         c, r = c - c.mean(-1, keepdim=True), r - r.mean(-1, keepdim=True)
     scale = torch.sqrt(r.pow(2).mean(-1, keepdim=True) + eps)
     return ((c * norm.weight.double() / scale) @ model.lm_head.weight.double().T).numpy()
+
+
+def _routers(model) -> dict[int, torch.nn.Module]:
+    """Each mixture-of-experts layer's router: transformers' top-k routers return (logits, weights, ids)."""
+    return {i: block.mlp.gate for i, block in enumerate(_blocks(model)) if hasattr(getattr(block, "mlp", None), "gate")}
+
+
+@torch.no_grad()
+def expert_choice(model_dir, token_ids: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """{layer: (expert ids, their weights)} per token, [tokens, top_k] each, as transformers' routers
+    chose them."""
+    model = load(str(model_dir))
+    found = {}
+
+    def keep(layer):
+        def hook(module, args, out):
+            found[layer] = (out[2].numpy(), out[1].numpy())
+        return hook
+
+    handles = [gate.register_forward_hook(keep(i)) for i, gate in _routers(model).items()]
+    try:
+        model(torch.tensor([token_ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+@torch.no_grad()
+def router_steered(model_dir, token_ids: list[int], layer: int, bias: np.ndarray) -> dict[str, np.ndarray]:
+    """The logits and the last block's output with ``bias`` added to layer ``layer``'s router logits
+    before transformers' own router chooses from them (its linear's output, while that router runs):
+    the steering an intervention at ``blocks.{layer}.mlp.hook_router`` with that bias does."""
+    import torch.nn.functional as F
+
+    model = load(str(model_dir))
+    gate, add, plain = _routers(model)[layer], torch.from_numpy(np.asarray(bias, np.float32)), F.linear
+    outputs = []
+
+    def biased(x, weight, b=None):
+        return plain(x, weight, b) + add if weight is gate.weight else plain(x, weight, b)
+
+    def swap(linear):
+        def hook(*_):
+            F.linear = linear
+        return hook
+
+    handles = [gate.register_forward_pre_hook(swap(biased)), gate.register_forward_hook(swap(plain)),
+               _blocks(model)[-1].register_forward_hook(lambda m, a, out: outputs.append(
+                   (out[0] if isinstance(out, tuple) else out)[0].clone()))]
+    try:
+        logits = model(torch.tensor([token_ids])).logits[0]
+    finally:
+        F.linear = plain
+        for h in handles:
+            h.remove()
+    return {"logits": logits.numpy(), "resid_post": outputs[0].numpy()}
 
 
 @torch.no_grad()

@@ -14,7 +14,8 @@ import hf_reference
 from engines import (PARITY_TOL, assert_greedy_matches, assert_patterns_match_transformers,
                      assert_sweep_matches_transformers, booted, captured_patterns, generate, rel_l2, rpc,
                      same_length_prompts, session_on)
-from inspector.capture.hooks import HookPoint
+from inspector.capture.hooks import ROUTER_KIND, HookPoint
+from inspector.capture.routing import dense_weights, route
 from inspector.experiments.patching import Metric, PatchSpec, patch
 from inspector.plugin.families import FAMILIES
 
@@ -22,10 +23,11 @@ PROMPTS = ["def fibonacci(n):\n    return n", "import os\nimport sys"]
 FAMILY_OF = {"gpt2": "GPT-2", "gemma2": "Gemma 2/3 (sandwich norms)", "qwen3": "Llama-style", "phi3": "Llama-style",
              "gptj": "GPT-J (parallel)", "opt": "OPT (pre-norm)", "qwen3_moe": "Llama-style",
              "gemma3": "Gemma 2/3 (sandwich norms)", "gpt_neox": "GPT-NeoX (parallel)", "olmo2": "OLMo 2 (post-norms)",
-             "phi": "Phi-2 (parallel)"}
+             "phi": "Phi-2 (parallel)", "mixtral": "Mixtral", "olmoe": "Llama-style", "qwen2_moe": "Llama-style"}
 # vLLM's Transformers backend calls its attention layers through .forward, around their hooks
 WITHDRAWN = {"gpt_neox": {"q", "k"}, "olmo2": {"q", "k"}, "phi": {"q", "k"}}
-BACKEND = {"gpt_neox", "olmo2", "phi"}  # served by vLLM's Transformers backend: the reference runs in a child process
+BACKEND = {"gpt_neox", "olmo2", "phi"}
+MIXTURE_OF_EXPERTS = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe"}  # served by vLLM's Transformers backend: the reference runs in a child process
 
 
 def reference(arch, function, *args):
@@ -81,15 +83,31 @@ def test_each_kind_equals_transformers_on_the_same_definition(engine, tiny_model
     for rid, (prompt_ids, gen_ids) in tokens.items():
         seq = (prompt_ids + gen_ids)[:-1]
         compared = set()
-        for key, expected in reference(arch, "block_points", tiny_models[arch], arch, seq).items():
+        points_there = reference(arch, "block_points", tiny_models[arch], arch, seq)
+        for key, expected in points_there.items():
             if key not in rows[rid]:
                 continue
             tol = 3 * PARITY_TOL if key[1] == "mlp_post" else PARITY_TOL  # a product of two projections
             assert close(rows[rid][key], expected, tol), f"{arch} {key}: {rel_l2(rows[rid][key], expected).max():.3g}"
-            compared.add(key[1])
-        expected_kinds = {"resid_pre", "resid_post", *hf_reference.KINDS[arch]}
-        assert compared == expected_kinds, f"not compared: {expected_kinds - compared}"
+            compared.add(key)
+        assert compared == set(points_there), f"not captured: {set(points_there) - compared}"
         assert_greedy_matches(reference(arch, "logits", tiny_models[arch], seq), len(prompt_ids), gen_ids)
+        assert_expert_choice_matches(rows[rid], points, reference(arch, "expert_choice", tiny_models[arch], seq))
+
+
+def assert_expert_choice_matches(rows, points, expected):
+    """The experts recomputed from the captured router logits are those transformers' routers chose,
+    with the same weights, in every mixture-of-experts layer (and only there)."""
+    routers = {p.layer: p for p in points.values() if p.kind == ROUTER_KIND}
+    assert set(routers) == set(expected)
+    for layer, (want_ids, want_weights) in expected.items():
+        assert routers[layer].routing is not None and not routers[layer].routing.unsupported
+        ids, weights = route(rows[layer, "router"], routers[layer].routing)
+        experts = routers[layer].width
+        np.testing.assert_array_equal(dense_weights(ids, weights, experts) > 0,
+                                      dense_weights(want_ids, want_weights, experts) > 0)
+        np.testing.assert_allclose(dense_weights(ids, weights, experts), dense_weights(want_ids, want_weights, experts),
+                                   atol=1e-5)
 
 
 def test_attention_patterns_equal_transformers_eager_attention(engine, tiny_models):
@@ -116,6 +134,32 @@ def test_steering_at_block_0_equals_the_same_edit_by_a_transformers_forward_hook
     last = max(p.layer for p in points.values())
     got = caps[rid][points[f"blocks.{last}.hook_resid_post"].name]["values"]
     assert close(got, expected["resid_post"][last])
+    assert_greedy_matches(expected["logits"], len(prompt_ids), gen_ids)
+
+
+def test_steering_a_router_equals_the_same_edit_of_transformers_router_logits(engine, tiny_models):
+    """A bias on one expert's router logit (its first MoE layer; nothing to do for a dense model): every
+    token goes to that expert, and what follows equals transformers' router given the same logits."""
+    arch, llm = engine
+    points = {p["alias"]: HookPoint.from_dict(p) for p in rpc(llm, "inspector_describe")["hook_points"]}
+    routers = sorted((p for p in points.values() if p.kind == ROUTER_KIND), key=lambda p: p.layer)
+    assert bool(routers) == (arch in MIXTURE_OF_EXPERTS)
+    if not routers:
+        return
+    router, expert = routers[0], routers[0].width - 1
+    bias = np.zeros(router.width, np.float32)
+    bias[expert] = 20.0
+    rpc(llm, "inspector_set_interventions", [{"hook": router.name, "bias": bias.tolist()}])
+    try:
+        tokens, caps = generate(llm, PROMPTS[:1], max_tokens=4)
+    finally:
+        rpc(llm, "inspector_clear_interventions")
+    (rid, (prompt_ids, gen_ids)), = tokens.items()
+    ids, _ = route(caps[rid][router.name]["values"], router.routing)
+    assert (ids == expert).any(axis=1).all()  # the captured logits are the steered ones
+    expected = reference(arch, "router_steered", tiny_models[arch], (prompt_ids + gen_ids)[:-1], router.layer, bias)
+    last = max(p.layer for p in points.values())
+    assert close(caps[rid][points[f"blocks.{last}.hook_resid_post"].name]["values"], expected["resid_post"])
     assert_greedy_matches(expected["logits"], len(prompt_ids), gen_ids)
 
 

@@ -89,7 +89,7 @@ def probe(points):
     torch.manual_seed(0)
     model = nn.Module()
     model.blocks = nn.Sequential(Block(), Block())
-    return verify(model, points, "sequential", "float32", lambda: model.blocks(torch.randn(8, 4)))
+    return verify(model, points, "sequential", "float32", lambda: model.blocks(torch.randn(8, 4))).withdrawn
 
 
 def test_the_probe_passes_true_identities_and_withdraws_rows_of_the_wrong_shape():

@@ -484,3 +484,29 @@ def test_chunk_shapes():
     assert [chunk_cols_for(w) for w in (1, 64, 1024, 1100, 2560, 4096)] == [1, 64, 1024, 550, 854, 1024]
     assert chunk_rows_for(4096) == 64 and chunk_rows_for(1024) == 64
     assert chunk_rows_for(64) == 1024 and chunk_rows_for(1) == 4096
+
+
+def test_a_router_hook_stores_its_rule_and_the_chosen_experts_beside_its_logits(tmp_path):
+    """Written whole or streamed (the choice rewritten as rows arrive), the file holds each row's chosen
+    experts and weights, and its reader gets the routing rule back; a rule that cannot be recomputed
+    leaves the logits alone."""
+    from moe_runs import moe_run
+
+    from inspector.capture.routing import Routing, route
+
+    rule = Routing(4, 2, renormalize=True)
+    run = moe_run({1: rule, 3: Routing(4, 2, unsupported="a custom routing function")}, n_tokens=30)
+    write_run(run, tmp_path / "whole.h5")
+    stream(run, tmp_path / "streamed.h5", seed=4)
+    for name in ("whole.h5", "streamed.h5"):
+        back = read_run(tmp_path / name)
+        assert {h.layer: h.routing for h in back.hooks.values() if h.kind == "router"} == {
+            1: rule, 3: Routing(4, 2, unsupported="a custom routing function")}
+        with h5py.File(tmp_path / name) as f:
+            hooks = f["requests/0/hooks"]
+            routed, unrouted = hooks["model.layers.1.mlp.gate.router"], hooks["model.layers.3.mlp.gate.router"]
+            ids, weights = route(routed["values"][:], rule)
+            assert routed["expert_ids"].dtype == np.int32 and routed["expert_ids"].shape == (29, 2)
+            np.testing.assert_array_equal(routed["expert_ids"][:], ids)
+            np.testing.assert_array_equal(routed["expert_weights"][:], weights)
+            assert "expert_ids" not in unrouted and "expert_weights" not in unrouted

@@ -6,6 +6,7 @@ import fnmatch
 from dataclasses import asdict, dataclass
 
 from .attention import AttentionGeometry
+from .routing import Routing
 
 
 def matches_pattern(name: str, alias: str, pattern: str) -> bool:
@@ -16,6 +17,7 @@ def matches_pattern(name: str, alias: str, pattern: str) -> bool:
 
 RESIDUAL_KINDS = ("resid_pre", "resid_mid", "resid_post")  # the residual stream: what the logit lens reads
 ATTENTION_KINDS = ("q", "k")  # what the attention kernel receives: patterns are recomputed from them
+ROUTER_KIND = "router"  # a mixture-of-experts layer's router logits: the chosen experts are recomputed from them
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,9 @@ class HookPoint:
     """Where an activation can be read and replaced: ``name`` is stable (``<module path>.<kind>``),
     ``alias`` is TransformerLens's name for it, ``layer`` is -1 outside the blocks and ``dtype`` is the
     engine's dtype its rows are captured in; ``attention`` is the layer's geometry on the queries and keys
-    (``q``/``k`` kinds), which attention patterns are recomputed from; a ``withdrawn`` point failed the
-    boot probe's identities and cannot be installed."""
+    (``q``/``k`` kinds), which attention patterns are recomputed from, and ``routing`` a mixture-of-experts
+    layer's rule on its router logits (``router`` kind), which the chosen experts are recomputed from; a
+    ``withdrawn`` point failed the boot probe's identities and cannot be installed."""
 
     name: str
     alias: str
@@ -35,6 +38,7 @@ class HookPoint:
     dtype: str = "float32"
     attention: AttentionGeometry | None = None
     withdrawn: str = ""  # why the boot probe found this point not to mean what its kind says ("" = it does)
+    routing: Routing | None = None
 
     def matches(self, pattern: str) -> bool:
         return matches_pattern(self.name, self.alias, pattern)
@@ -44,10 +48,11 @@ class HookPoint:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HookPoint":
-        attention = d.get("attention")
+        attention, routing = d.get("attention"), d.get("routing")
         return cls(str(d["name"]), str(d["alias"]), str(d["module_path"]), str(d["kind"]), int(d["width"]),
                    int(d.get("layer", -1)), str(d.get("dtype", "float32")),
-                   AttentionGeometry(**attention) if attention else None, str(d.get("withdrawn", "")))
+                   AttentionGeometry(**attention) if attention else None, str(d.get("withdrawn", "")),
+                   Routing.from_dict(routing) if routing else None)
 
 
 def installed_name(name_or_alias: str, installed: dict[str, HookPoint]) -> str:

@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 
 from inspector.capture.attention import AttentionGeometry
+from inspector.capture.routing import Routing
 from inspector.capture.hooks import HookPoint
 from inspector.capture.run import HookRows, LensRows, RequestCapture, Run, TopToken
 
@@ -305,14 +306,18 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
         if "width" not in g.attrs:
             raise damaged(f"{g.name} has no 'width' attribute")
         name = get_text(g, "name") or unescape_name(link)
-        attention = json_attr(g, "attention", None)
+        attention, routing = json_attr(g, "attention", None), json_attr(g, "routing", None)
         try:
             attention = AttentionGeometry(**attention) if attention is not None else None
         except TypeError as exc:
             raise damaged(f"the 'attention' attribute of {g.name} is not an attention geometry: {exc}") from exc
+        try:
+            routing = Routing.from_dict(routing) if routing is not None else None
+        except TypeError as exc:
+            raise damaged(f"the 'routing' attribute of {g.name} is not a routing rule: {exc}") from exc
         info = HookPoint(name, get_text(g, "alias", name), get_text(g, "module_path", ""), get_text(g, "kind", ""),
                         int(g.attrs["width"]), int(g.attrs.get("layer", -1)), get_text(g, "source_dtype", "float32"),
-                        attention)
+                        attention, routing=routing)
         infos.append((int(g.attrs.get("index", len(infos))), name, info))
     infos.sort(key=lambda x: x[0])
     hooks = {name: info for _, name, info in infos}

@@ -21,6 +21,7 @@ import numpy as np
 from inspector import __version__ as APP_VERSION
 from inspector.capture.arrays import GrowableArray
 from inspector.capture.hooks import HookPoint
+from inspector.capture.routing import Routing, route
 from inspector.capture.run import LensRows, RequestCapture, Run, TopToken
 
 from .format import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, chunk_cols_for, chunk_rows_for,
@@ -156,6 +157,8 @@ class CaptureWriter:
                 set_text(g, "source_dtype", info.dtype)
                 if info.attention is not None:
                     set_text(g, "attention", json.dumps(asdict(info.attention)))
+                if info.routing is not None:
+                    set_text(g, "routing", json.dumps(info.routing.as_dict()))
                 g.attrs["index"] = np.int64(index)
             f.create_group("requests")
 
@@ -421,6 +424,9 @@ class CaptureWriter:
         if final:
             buf.pending = buf.new_pending()  # frees the chunk's memory
             self._write_index(buf)
+            routing = self._hooks[buf.name].routing
+            if routing is not None and not routing.unsupported:
+                self._write_expert_choice(buf, routing)
 
     def _flush_request(self, req: _Request, final: bool) -> None:
         for buf in req.buffers.values():
@@ -475,6 +481,17 @@ class CaptureWriter:
                 d.resize(n, axis=0)
                 d[have:n] = data[have:n]
             buf.idx_written = n
+
+    @staticmethod
+    def _write_expert_choice(buf: _HookBuffer, routing: Routing) -> None:
+        """A router hook's chosen experts and their weights, recomputed from all its rows so far (a
+        request's router logits are small: tokens × experts)."""
+        g = buf.d_values.parent
+        ids, weights = route(buf.d_values[:], routing)
+        for name, data in (("expert_ids", ids), ("expert_weights", weights)):
+            if name in g:
+                del g[name]
+            g.create_dataset(name, data=data)
 
     def _write_request_data(self, req: _Request) -> None:
         g, s = req.group, req.snapshot

@@ -20,20 +20,21 @@ from torch import nn
 
 ALIASES = {"resid_pre": "hook_resid_pre", "attn_raw": "hook_attn_raw", "attn_out": "hook_attn_out",
            "resid_mid": "hook_resid_mid", "mlp_post": "mlp.hook_post", "mlp_raw": "hook_mlp_raw",
-           "mlp_out": "hook_mlp_out", "resid_post": "hook_resid_post"}
+           "mlp_out": "hook_mlp_out", "resid_post": "hook_resid_post", "router": "mlp.hook_router"}
 
 
 @dataclass(frozen=True)
 class Point:
     """A block's hook point: ``kind`` at ``module`` (a path within the block, "" = the block), read at
-    ``how``/``arg_index`` (see ``hookpoints.Site``); ``mlp_wide`` points are as wide as the module's input
-    (the MLP's neurons), the others as the residual stream."""
+    ``how``/``arg_index`` (see ``hookpoints.Site``); its ``width`` is the residual stream's ("stream"),
+    the module's input features ("in": the MLP's neurons) or its output features ("out": a router's
+    experts)."""
 
     kind: str
     module: str = ""
     how: str = "output"
     arg_index: int = 0
-    mlp_wide: bool = False
+    width: str = "stream"
 
 
 @dataclass(frozen=True)
@@ -53,49 +54,55 @@ class Family:
             getattr(block, name, None) == value for name, value in self.requires)
 
 
-# vLLM's Llama-style blocks: (positions, hidden, residual) in, (hidden, residual) out, the stream their sum.
-FUSED = (Point("resid_pre", how="input_pair_sum", arg_index=1), Point("attn_out", "self_attn"),
-         Point("resid_mid", "post_attention_layernorm", "input_pair_sum"),
-         Point("mlp_post", "mlp.down_proj", "input", mlp_wide=True), Point("mlp_out", "mlp"),
-         Point("resid_post", how="output_pair_sum"))
+def fused(mlp: str) -> tuple[Point, ...]:
+    """vLLM's Llama-style blocks, their MLP at ``mlp``: (positions, hidden, residual) in, (hidden, residual)
+    out, the stream their sum. A mixture-of-experts layer's MLP has a gate (its router logits, which
+    vLLM's fused experts choose from) and no down projection of its own."""
+    return (Point("resid_pre", how="input_pair_sum", arg_index=1), Point("attn_out", "self_attn"),
+            Point("resid_mid", "post_attention_layernorm", "input_pair_sum"), Point("router", f"{mlp}.gate", width="out"),
+            Point("mlp_post", f"{mlp}.down_proj", "input", width="in"), Point("mlp_out", mlp),
+            Point("resid_post", how="output_pair_sum"))
+
 
 FAMILIES = (
-    Family("Llama-style", "Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE",
-           ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-            "Qwen3MoeDecoderLayer"), "fused", FUSED, (("embed", "embed_tokens"),), "norm",
+    Family("Llama-style", "Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Qwen2-MoE, Qwen3-MoE, OLMoE",
+           ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Qwen2MoeDecoderLayer",
+            "Qwen3MoeDecoderLayer", "OlmoeDecoderLayer"), "fused", fused("mlp"), (("embed", "embed_tokens"),), "norm",
            requires=(("ada_rms_norm_t_cond", None),)),  # Mistral's time-conditioned norm variant
+    Family("Mixtral", "Mixtral 8x7B, 8x22B", ("MixtralDecoderLayer",), "fused", fused("block_sparse_moe"),
+           (("embed", "embed_tokens"),), "norm"),
     Family("Gemma 2/3 (sandwich norms)", "Gemma 2, Gemma 3 (text)", ("Gemma2DecoderLayer", "Gemma3DecoderLayer"),
            "fused", (Point("resid_pre", how="input_pair_sum", arg_index=1), Point("attn_raw", "self_attn"),
                      Point("attn_out", "post_attention_layernorm"),
                      Point("resid_mid", "pre_feedforward_layernorm", "input_pair_sum"),
-                     Point("mlp_post", "mlp.down_proj", "input", mlp_wide=True), Point("mlp_raw", "mlp"),
+                     Point("mlp_post", "mlp.down_proj", "input", width="in"), Point("mlp_raw", "mlp"),
                      Point("mlp_out", "post_feedforward_layernorm"), Point("resid_post", how="output_pair_sum")),
            (("embed", "embed_tokens"),), "norm"),
     Family("GPT-2", "GPT-2", ("GPT2Block",), "sequential",
            (Point("resid_pre", how="input"), Point("attn_out", "attn"), Point("resid_mid", "ln_2", "input"),
-            Point("mlp_post", "mlp.c_proj", "input", mlp_wide=True), Point("mlp_out", "mlp"), Point("resid_post")),
+            Point("mlp_post", "mlp.c_proj", "input", width="in"), Point("mlp_out", "mlp"), Point("resid_post")),
            (("embed", "wte"), ("pos_embed", "wpe")), "ln_f"),
     Family("GPT-J (parallel)", "GPT-J", ("GPTJBlock",), "parallel",
            (Point("resid_pre", how="input", arg_index=1), Point("attn_out", "attn"),
-            Point("mlp_post", "mlp.fc_out", "input", mlp_wide=True), Point("mlp_out", "mlp"), Point("resid_post")),
+            Point("mlp_post", "mlp.fc_out", "input", width="in"), Point("mlp_out", "mlp"), Point("resid_post")),
            (("embed", "wte"),), "ln_f"),
     Family("GPT-NeoX (parallel)", "Pythia, GPT-NeoX-20B (vLLM's Transformers backend)", ("GPTNeoXLayer",),
            "parallel", (Point("resid_pre", how="input"), Point("attn_out", "attention"),
-                        Point("mlp_post", "mlp.dense_4h_to_h", "input", mlp_wide=True), Point("mlp_out", "mlp"),
+                        Point("mlp_post", "mlp.dense_4h_to_h", "input", width="in"), Point("mlp_out", "mlp"),
                         Point("resid_post")),
            (("embed", "embed_in"),), "final_layer_norm", requires=(("use_parallel_residual", True),), batched=True),
     Family("OLMo 2 (post-norms)", "OLMo 2 (vLLM's Transformers backend)", ("Olmo2DecoderLayer",), "sequential",
            (Point("resid_pre", how="input"), Point("attn_raw", "self_attn"), Point("attn_out", "post_attention_layernorm"),
-            Point("resid_mid", "mlp", "input"), Point("mlp_post", "mlp.down_proj", "input", mlp_wide=True),
+            Point("resid_mid", "mlp", "input"), Point("mlp_post", "mlp.down_proj", "input", width="in"),
             Point("mlp_raw", "mlp"), Point("mlp_out", "post_feedforward_layernorm"), Point("resid_post")),
            (("embed", "embed_tokens"),), "norm", batched=True),
     Family("Phi-2 (parallel)", "Phi-1.5, Phi-2 (vLLM's Transformers backend)", ("PhiDecoderLayer",), "parallel",
            (Point("resid_pre", how="input"), Point("attn_out", "self_attn"),
-            Point("mlp_post", "mlp.fc2", "input", mlp_wide=True), Point("mlp_out", "mlp"), Point("resid_post")),
+            Point("mlp_post", "mlp.fc2", "input", width="in"), Point("mlp_out", "mlp"), Point("resid_post")),
            (("embed", "embed_tokens"),), "final_layernorm", batched=True),
     Family("OPT (pre-norm)", "OPT 125m, 1.3b and up", ("OPTDecoderLayer",), "sequential",
            (Point("resid_pre", how="input"), Point("attn_out", "self_attn"),
-            Point("resid_mid", "final_layer_norm", "input"), Point("mlp_post", "fc2", "input", mlp_wide=True),
+            Point("resid_mid", "final_layer_norm", "input"), Point("mlp_post", "fc2", "input", width="in"),
             Point("mlp_out", "fc2"), Point("resid_post")),
            (("embed", "embed_tokens"), ("pos_embed", "embed_positions")), "final_layer_norm",
            requires=(("do_layer_norm_before", True),)),

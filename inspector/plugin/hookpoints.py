@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from inspector.capture.hooks import HookPoint
+from inspector.capture.hooks import ROUTER_KIND, HookPoint
 
 from . import families
 
@@ -56,8 +56,9 @@ def catalogue(model: nn.Module, hidden: int, dtype: str) -> tuple[families.Famil
     def point(module_path: str, kind: str, alias: str, how: str = "output", width: int = hidden, arg_index: int = 0,
               layer: int = -1, attention=None) -> tuple[HookPoint, Site]:
         batched = family.batched and attention is None  # vLLM's own attention layer takes [tokens, ...]
-        return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width, layer, dtype, attention),
-                Site(how, arg_index, batched))
+        routing = _routing(modules[module_path.rpartition(".")[0]], width) if kind == ROUTER_KIND else None
+        return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width, layer, dtype, attention,
+                          routing=routing), Site(how, arg_index, batched))
 
     def attention_points(block: str, b: str, i: int) -> list[tuple[HookPoint, Site]]:
         from . import vllm_compat  # imports the runtime, which imports this module
@@ -79,7 +80,7 @@ def catalogue(model: nn.Module, hidden: int, dtype: str) -> tuple[families.Famil
             module_path = ".".join(p for p in (block, spec.module) if p)
             if module_path not in modules:  # e.g. no down projection in a mixture-of-experts layer
                 continue
-            width = _input_width(modules[module_path]) if spec.mlp_wide else hidden
+            width = {"in": _input_width, "out": _output_width}.get(spec.width, lambda _: hidden)(modules[module_path])
             points.append(point(module_path, spec.kind, f"{b}.{families.ALIASES[spec.kind]}", spec.how, width,
                                 spec.arg_index, i))
             if spec.kind == "resid_pre":
@@ -91,6 +92,19 @@ def catalogue(model: nn.Module, hidden: int, dtype: str) -> tuple[families.Famil
 def _input_width(module: nn.Module) -> int:
     """Features a linear layer takes on this rank (vLLM's parallel linears, or torch's)."""
     return int(getattr(module, "input_size_per_partition", None) or module.in_features)
+
+
+def _output_width(module: nn.Module) -> int:
+    """Features a linear layer gives on this rank (vLLM's parallel and replicated linears, or torch's)."""
+    return int(next(getattr(module, a) for a in ("output_size_per_partition", "output_size", "out_features")
+                    if getattr(module, a, None)))
+
+
+def _routing(moe_block: nn.Module, experts: int):
+    """The routing rule of the mixture-of-experts layer a router point's gate belongs to."""
+    from . import vllm_compat  # imports the runtime, which imports this module
+
+    return vllm_compat.moe_routing(moe_block, experts)
 
 
 # --- reading and replacing at a site (traced into the compiled graph: no value-dependent Python) ---

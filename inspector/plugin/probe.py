@@ -15,23 +15,37 @@ for, naming it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from inspector.capture.hooks import HookPoint
+from inspector.capture.routing import Routing, dense_weights, route
 
 from . import hookpoints as hp
 
 FLOAT32_TOLERANCE, HALF_TOLERANCE = 1e-4, 3e-2  # relative L2 per row; half precision rounds each sum
 
 
+@dataclass
+class Verdict:
+    """What the probe found: points to withdraw ({name: the identity it failed}) and router points whose
+    chosen experts cannot be recomputed ({name: its routing, marked unsupported with why})."""
+
+    withdrawn: dict[str, str]
+    unrouted: dict[str, Routing]
+
+
 @torch.inference_mode()
 def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: str, dtype: str,
-           forward: Callable[[], None]) -> dict[str, str]:
-    """{point name: the identity it failed} after one probe ``forward``."""
+           forward: Callable[[], None]) -> Verdict:
+    """The verdict on a catalogue after one probe ``forward`` (vLLM's fused MoE on CPU crashes on a second
+    dummy run, so everything is checked on this one)."""
     seen: dict[str, torch.Tensor] = {}
+    router_inputs: dict[str, torch.Tensor] = {}  # router point -> the gate's input, for the router's own choice
     altered: dict[str, str] = {}  # points where an identity replacement would not leave the values as they were
     handles = []
     for point, site in points:
@@ -43,6 +57,9 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
             handles.append(module.register_forward_hook(
                 lambda m, args, out, p=point, s=site: _probe(p, s, out, hp.read_output, hp.replace_output, seen,
                                                              altered)))
+        if point.routing is not None and not point.routing.unsupported:
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, p=point: router_inputs.update({p.name: args[0].clone()})))
     try:
         forward()
     finally:
@@ -92,7 +109,34 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
         by_kind[(-1, FINAL_NORM)] = last + FINAL_NORM
         check(f"the final norm of blocks.{layers[-1]}.resid_post = normalized", [(-1, FINAL_NORM)],
               [(-1, "normalized")])
-    return {**misread, **_blame(results, tolerance)}
+    withdrawn = {**misread, **_blame(results, tolerance)}
+    unrouted = {p.name: replace(p.routing, unsupported=why) for p, _ in points if p.name in router_inputs
+                and p.name not in withdrawn and (why := _routing_differs(model, p, router_inputs[p.name], seen[p.name]))}
+    return Verdict(withdrawn, unrouted)
+
+
+def _routing_differs(model: nn.Module, point: HookPoint, hidden: torch.Tensor, logits: torch.Tensor) -> str:
+    """Why the choice recomputed from the router ``logits`` as captured (in the capture dtype) is not the
+    one the layer's own router makes ("" when it is)."""
+    from . import vllm_compat  # imports the runtime, which imports the hook points
+
+    try:
+        weights, ids = vllm_compat.chosen_experts(model.get_submodule(point.module_path.rpartition(".")[0]),
+                                                  hidden, logits)
+    except (RuntimeError, TypeError, ValueError, AttributeError, AssertionError) as e:
+        return f"the layer's own router could not be asked to confirm the rule ({type(e).__name__}: {e})"
+    captured = logits.to(getattr(torch, point.dtype)).float().cpu().numpy()
+    ours = dense_weights(*route(captured, point.routing), point.width)
+    theirs = dense_weights(ids.cpu().numpy(), weights.float().cpu().numpy(), point.width)
+    if not np.array_equal(ours > 0, theirs > 0):
+        return "the recomputed rule chooses other experts than the layer's own router in the boot probe"
+    error = float(np.abs(ours - theirs).max())
+    if error > ROUTING_TOLERANCE:
+        return f"the recomputed rule weighs the chosen experts unlike the layer's own router (by {error:.2g})"
+    return ""
+
+
+ROUTING_TOLERANCE = 1e-5  # both compute routing weights in float32
 
 
 def _probe(point: HookPoint, site: hp.Site, value, read, replace, seen: dict, altered: dict) -> None:

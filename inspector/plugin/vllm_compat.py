@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from inspector.capture.attention import AttentionGeometry
+from inspector.capture.routing import Routing
 
 from .runtime import StepInfo
 
@@ -124,6 +125,44 @@ def attention_geometry(layer: torch.nn.Module) -> AttentionGeometry:
     return AttentionGeometry(int(layer.num_heads), int(layer.num_kv_heads), int(layer.head_size),
                              float(impl.scale), int(layer.sliding_window or 0),
                              float(getattr(impl, "logits_soft_cap", None) or 0.0), "; ".join(unsupported))
+
+
+def moe_router(moe_block: torch.nn.Module):
+    """The object that chooses a mixture-of-experts layer's experts from its router logits (vLLM's
+    ``FusedMoERouter``, held by the fused experts), or None."""
+    for module in moe_block.modules():
+        router = getattr(module, "router", None)
+        if router is not None and hasattr(router, "select_experts") and hasattr(router, "top_k"):
+            return router
+    return None
+
+
+def moe_routing(moe_block: torch.nn.Module, experts: int) -> Routing:
+    """A mixture-of-experts layer's routing rule, read from its router; ``unsupported`` names what the
+    recomputed choice would not reproduce."""
+    router = moe_router(moe_block)
+    if router is None:
+        return Routing(experts, 0, unsupported=f"{type(moe_block).__name__}: no expert router found")
+    scoring = str(getattr(router, "scoring_func", "softmax"))
+    bias = getattr(router, "e_score_correction_bias", None)
+    grouped = bool(getattr(router, "use_grouped_topk", False))
+    unsupported = [why for why, present in (
+        ("a custom routing function", getattr(router, "custom_routing_function", None) is not None),
+        ("hash routing", getattr(router, "_hash_indices_table", None) is not None),
+        (f"{scoring} scoring", scoring not in ("softmax", "sigmoid")),
+        ("load-balanced replicas of experts", getattr(router, "eplb_state", None) is not None),
+    ) if present]
+    return Routing(experts, int(router.top_k), scoring, bool(getattr(router, "renormalize", False)),
+                   int(getattr(router, "num_expert_group", 0) or 0) if grouped else 0,
+                   int(getattr(router, "topk_group", 0) or 0) if grouped else 0,
+                   float(getattr(router, "routed_scaling_factor", 1.0) or 1.0),
+                   tuple(bias.float().tolist()) if bias is not None else (), "; ".join(unsupported))
+
+
+def chosen_experts(moe_block: torch.nn.Module, hidden: torch.Tensor,
+                   logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids) that the layer's own router chooses for these router logits."""
+    return moe_router(moe_block).select_experts(hidden, logits)
 
 
 def unembedding(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -40,13 +40,16 @@ def install_runtime(worker) -> None:
     hidden, max_model_len, max_tokens = vllm_compat.model_sizes(worker)
     family, points = hookpoints.catalogue(model, hidden, config.dtype)
     started = time.perf_counter()
-    withdrawn = probe.verify(model, points, family.residual, config.dtype,
-                             lambda: vllm_compat.probe_forward(worker, PROBE_TOKENS))
-    logger.info("boot probe (%s): %d hook points, %d withdrawn, %.2f s", family.name, len(points), len(withdrawn),
-                time.perf_counter() - started)
-    for name, why in withdrawn.items():
+    verdict = probe.verify(model, points, family.residual, config.dtype,
+                           lambda: vllm_compat.probe_forward(worker, PROBE_TOKENS))
+    logger.info("boot probe (%s): %d hook points, %d withdrawn, %.2f s", family.name, len(points),
+                len(verdict.withdrawn), time.perf_counter() - started)
+    for name, why in verdict.withdrawn.items():
         logger.warning("hook point %s withdrawn: %s", name, why)
-    points = [(replace(p, withdrawn=withdrawn.get(p.name, "")), site) for p, site in points]
+    for name, routing in verdict.unrouted.items():
+        logger.warning("hook point %s: its chosen experts are not recomputed: %s", name, routing.unsupported)
+    points = [(replace(p, withdrawn=verdict.withdrawn.get(p.name, ""), routing=verdict.unrouted.get(p.name, p.routing)),
+               site) for p, site in points]
     runtime = InspectorRuntime(model, points, config, vllm_compat.device_of(worker),
                                max(max_tokens, config.max_num_batched_tokens), max_model_len)
     explicit = {runtime.resolve(name, *spec).name for name, spec in config.capture_specs.items()}

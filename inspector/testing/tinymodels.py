@@ -18,7 +18,8 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3", "gpt_neox", "olmo2", "phi")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3",
+                 "gpt_neox", "olmo2", "phi", "mixtral", "olmoe", "qwen2_moe")
 # Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
 ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}, "gemma3": {"kv_heads": 1}}
 # Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
@@ -123,6 +124,17 @@ def hf_config(spec: TinySpec, tokenizer):
         return transformers.Qwen3MoeConfig(head_dim=spec.hidden // spec.heads, moe_intermediate_size=64, num_experts=4,
                                            num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
                                            norm_topk_prob=True, hidden_act="silu", tie_word_embeddings=False,
+                                           **shape)
+    if spec.arch == "mixtral":  # every block 4 experts, 2 per token (vLLM names the MoE block_sparse_moe)
+        return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                          hidden_act="silu", tie_word_embeddings=False, **shape)
+    if spec.arch == "olmoe":  # 4 experts, 2 per token, weights not renormalised; q/k norms
+        return transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, hidden_act="silu",
+                                        tie_word_embeddings=False, pad_token_id=tokenizer.eos_token_id, **shape)
+    if spec.arch == "qwen2_moe":  # block 0 dense, then 4 experts (2 per token) beside a gated shared expert
+        return transformers.Qwen2MoeConfig(moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
+                                           num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
+                                           norm_topk_prob=False, hidden_act="silu", tie_word_embeddings=False,
                                            **shape)
     if spec.arch == "gemma3":  # Gemma 2's sandwich norms, plus q/k norms and local/global rope bases
         return transformers.Gemma3TextConfig(head_dim=spec.hidden // spec.heads, query_pre_attn_scalar=48,
