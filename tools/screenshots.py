@@ -10,7 +10,9 @@ the "main" group; remote.png (the app on an ``inspector serve`` in another proce
 second client): "remote"; lens.png (the logit lens of every residual-stream point): "lens";
 attention.png (a head's pattern and one token's row of every head, from captured q and k): "attention";
 compare.png (a prompt run clean and steered, side by side, with their divergence): "compare";
-patching.png (an activation-patching sweep over layers × positions, a cell's patched run below): "patching".
+patching.png (an activation-patching sweep over layers × positions, a cell's patched run below): "patching";
+experts.png (a mixture-of-experts model's routing, tokens × experts, on the tiny OLMoE the tests build, since
+the demo model has no experts): "experts".
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-GROUPS = ["main", "remote", "lens", "attention", "compare", "patching"]
+GROUPS = ["main", "remote", "lens", "attention", "compare", "patching", "experts"]
 
 
 def main(argv=None) -> int:
@@ -71,6 +73,8 @@ def main(argv=None) -> int:
         shoot_compare(model, out, w, h, pump, app)
     if "patching" in args.only:
         shoot_patching(model, out, w, h, pump, app)
+    if "experts" in args.only:
+        shoot_experts(out, w, h, pump, app)
     return 0
 
 
@@ -271,6 +275,26 @@ def shoot_attention(model: str, out: Path, w: int, h: int, pump, app) -> None:
     save(win, app, out / "attention.png", refresh=False)  # the hover read-out stays
     for dock in (win.interventions_dock, win.prompt_dock):
         dock.show()  # the settings keep the window's layout
+    win.close()
+
+
+def shoot_experts(out: Path, w: int, h: int, pump, app) -> None:
+    """The Experts tab on a tiny random-weight OLMoE (4 experts, 2 per token): which experts each token
+    of a Python prompt went to in block 1, with a chosen cell hovered."""
+    from inspector.client.local import start_local_server
+    from inspector.testing.tinymodels import tiny_model
+    from inspector.ui.main_window import MainWindow
+
+    win = MainWindow(start_local_server)
+    win.resize(w, h)
+    win.show()
+    generate_on(win, pump, str(tiny_model("olmoe")), ["blocks.*.mlp.hook_router"], win.experts_view, 24)
+    view = win.experts_view
+    view.layer_box.setCurrentText("L1")
+    win.refresh()
+    view.cells.horizontalScrollBar().setValue(0)  # from the first token (a live grid follows the newest)
+    view.cells.cellHovered.emit(int(view.cells.grid.ids[3, 0]), 3)  # the top expert of the fourth token
+    save(win, app, out / "experts.png", refresh=False)  # the hover read-out stays
     win.close()
 
 

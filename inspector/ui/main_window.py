@@ -27,6 +27,7 @@ from inspector.viewer.compare import Comparisons
 from inspector.viewer.jobs import GenerationResult, SessionInfo
 from inspector.viewer.labels import display_token, short_hook_label
 from inspector.viewer.lens import lens_hooks, lens_kinds
+from inspector.viewer.routing import ExpertsShown, router_layers, show_experts
 from inspector.viewer.run_view import RunSource
 
 from .attention_view import AttentionView
@@ -38,6 +39,7 @@ from .lens_view import LensView
 from .model_tree import ModelTreeWidget
 from .patching_view import PatchingView
 from .prompt_panel import PromptPanel
+from .routing_view import ExpertsView
 from .settings import Settings
 from .summary_view import SummaryView
 from .tasks import TaskRunner
@@ -113,6 +115,7 @@ class MainWindow(QMainWindow):
         self.lens_view = LensView()
         self.attention_view = AttentionView()
         self.attention_patterns = AttentionPatterns()  # kept between repaints: only new rows are computed
+        self.experts_view = ExpertsView()
         self.compare_view = CompareView()
         self.comparisons = Comparisons()  # kept between repaints: only new tokens and rows are computed
         self.tabs = QTabWidget()
@@ -120,6 +123,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.summary, "Layers × tokens")
         self.tabs.addTab(self.lens_view, "Lens")
         self.tabs.addTab(self.attention_view, "Attention")
+        self.tabs.addTab(self.experts_view, "Experts")
         self.patching_view = PatchingView(self.controller.sweep)
         self.tabs.addTab(self.patching_view, "Patching")
         self.tabs.addTab(self.compare_view, "Compare")
@@ -204,11 +208,13 @@ class MainWindow(QMainWindow):
         self.prompt.stopRequested.connect(self.controller.stop)
         self.request_box.currentIndexChanged.connect(self._request_chosen)
         self.hook_box.currentIndexChanged.connect(self._hook_chosen)
-        for view in (self.strip, self.heatmap, self.summary, self.lens_view, self.attention_view, self.compare_view):
+        for view in (self.strip, self.heatmap, self.summary, self.lens_view, self.attention_view, self.experts_view,
+                     self.compare_view):
             view.positionClicked.connect(self.select_position)
         self.summary.settingsChanged.connect(self._invalidate_views)
         self.lens_view.settingsChanged.connect(self._invalidate_views)
         self.attention_view.settingsChanged.connect(self._invalidate_views)
+        self.experts_view.settingsChanged.connect(self._invalidate_views)
         self.attention_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.runRequested.connect(self.controller.start_sweep)
@@ -383,6 +389,7 @@ class MainWindow(QMainWindow):
         self.summary.set_colormap(name)
         self.lens_view.set_colormap(name)
         self.attention_view.set_colormap(name)
+        self.experts_view.set_colormap(name)
         self.settings.colormap = name
 
     # ================================================================== ControllerView
@@ -648,6 +655,8 @@ class MainWindow(QMainWindow):
             self.compare_view.show_comparison(self.comparisons.show(view, sel.hook), self.heatmap.live)
         elif self.tabs.currentWidget() is self.attention_view:
             self._refresh_attention(view, sel.request, empty)
+        elif self.tabs.currentWidget() is self.experts_view:
+            self._refresh_experts(view, sel.request, empty)
         self.heatmap.select_position(sel.position)  # None: no column highlighted
 
     def _refresh_lens(self, view, rid: str | None, empty: str | None) -> None:
@@ -667,6 +676,11 @@ class MainWindow(QMainWindow):
         shown = AttentionShown(empty) if empty else self.attention_patterns.show(
             view, rid, layer, self.attention_view.head(), view.selection.position, capturing)
         self.attention_view.show_attention(shown, view is c.live and c.enabled(Action.EDIT_HOOKS), self.heatmap.live)
+
+    def _refresh_experts(self, view, rid: str | None, empty: str | None) -> None:
+        """Only while the Experts tab is on show: the chosen layer's routing of the shown request."""
+        layer = self.experts_view.set_layers(router_layers(view.hooks_for(rid)))
+        self.experts_view.show_experts(ExpertsShown(empty) if empty else show_experts(view, rid, layer))
 
     def _capture_hooks(self, hooks: list) -> None:
         """A tab's capture button (Attention, Patching): tick ``hooks`` in the model tree and apply them

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from inspector.capture.hooks import HookPoint
 
-_KIND_ORDER = {"embed": 0, "pos_embed": 1, "resid_pre": 2, "attn_out": 3, "resid_mid": 4, "mlp_post": 5,
-               "mlp_out": 6, "resid_post": 7, "normalized": 8}
+_KIND_ORDER = {"embed": 0, "pos_embed": 1, "resid_pre": 2, "attn_out": 3, "resid_mid": 4, "router": 5, "mlp_post": 6,
+               "mlp_out": 7, "resid_post": 8, "normalized": 9}
 
 
 def hook_sort_key(info: HookPoint) -> tuple:
