@@ -6,8 +6,12 @@ Each configuration boots once in its own process and stays up; the runs then alt
     packaging/dev bench plugin_bench                     # CPU: a small Llama, float32
     python3 bench/plugin_bench.py --preset llama3-8b     # GPU: Llama-3-8B shape, dummy bf16 weights
 
-Capture = the residual stream after every block; the hooked engines are drained as the engine session
-does it (after every step, waiting for copies in flight only when requests finish).
+Capture = the residual stream after every block ("sharded": also every block's MLP neurons, which
+tensor parallelism splits over the ranks); the hooked engines are drained as the engine session does
+it (after every step, waiting for copies in flight only when requests finish, or always where ranks
+each send a slice of a hook).
+
+    python3 bench/plugin_bench.py --preset llama3-8b --tensor-parallel-size 2 --configs vanilla compiled sharded
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inspector.capture.interventions import DEFAULT_MAX_SLOTS  # noqa: E402
 
-CONFIGS = {"vanilla": ("compiled", False), "compiled": ("compiled", True), "eager": ("eager", True)}
+RESIDUAL = ("blocks.*.hook_resid_post",)
+# name: (engine mode, hook patterns, whether every drain waits for the copies in flight)
+CONFIGS = {"vanilla": ("compiled", (), False), "compiled": ("compiled", RESIDUAL, False), "eager": ("eager", RESIDUAL, False),
+           "sharded": ("compiled", (*RESIDUAL, "blocks.*.mlp.hook_post"), True)}
 PRESETS = {
     # name: (model, dtype, max_num_batched_tokens, prompt tokens, runs as (batch, new tokens))
     "cpu": (dict(arch="llama", hidden=512, heads=8, kv_heads=8, layers=8, intermediate=1536, vocab=512),
@@ -85,14 +92,14 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
     from inspector.engine.boot import boot_llm
 
     _, dtype, max_batched, prompt_len, _ = PRESETS[preset]
-    mode, hooks = CONFIGS[name]
+    mode, hooks, waits = CONFIGS[name]
     cuda = torch.cuda.is_available()
     args = dict(dtype=dtype, max_num_batched_tokens=max_batched, max_model_len=1024, **extra)
     if cuda:
         args["gpu_memory_utilization"] = gpu_util
     t0 = time.perf_counter()
     if hooks:
-        llm = boot_llm(path, mode=mode, hook_patterns=("blocks.*.hook_resid_post",), **args)
+        llm = boot_llm(path, mode=mode, hook_patterns=hooks, **args)
     else:
         llm = LLM(model=path, enable_prefix_caching=False, enforce_eager=mode == "eager", **args)
     boot_s = time.perf_counter() - t0
@@ -127,7 +134,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             nonlocal drain_s
             if hooks:
                 t = time.perf_counter()
-                llm.collective_rpc("inspector_drain", kwargs={"wait": finishing})
+                llm.collective_rpc("inspector_drain", kwargs={"wait": finishing or waits})
                 drain_s += time.perf_counter() - t
 
         t0 = time.perf_counter()
@@ -147,7 +154,9 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
                    "ms_per_step": 1000 * (t2 - t1) / max(steps, 1),
                    "drain_ms_per_step": 1000 * drain_s / max(steps, 1),
                    "rss_mib": _rss_mib(),
-                   "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None})
+                   "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                   "gpu_used_gib": [(t - f) / 2**30 for f, t in map(torch.cuda.mem_get_info,
+                                                                    range(torch.cuda.device_count()))] if cuda else None})
     conn.close()
 
 
@@ -173,10 +182,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.28,
                         help="per engine; the three engines share one GPU")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=["vanilla", "compiled", "eager"], choices=list(CONFIGS))
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--no-warm-boots", action="store_true", help="boot each configuration once (cold caches)")
     args = parser.parse_args()
 
     path, extra = model_dir(args.preset)
+    if args.tensor_parallel_size > 1:
+        extra["tensor_parallel_size"] = args.tensor_parallel_size
     spec, dtype, max_batched, prompt_len, runs = PRESETS[args.preset]
     ctx = mp.get_context("spawn")
     workers, boot = {}, {}
@@ -197,7 +210,7 @@ def main() -> None:
     for name in args.configs:  # boot one at a time: boots compete for the same cores
         proc, conn, boot[name] = start(name, roots[name])
         workers[name] = (proc, conn)
-        if CONFIGS[name][0] == "compiled":  # what users see from their second boot on: warm caches
+        if CONFIGS[name][0] == "compiled" and not args.no_warm_boots:  # from the second boot on: warm caches
             warm_proc, _, boot[f"{name} again"] = start(name, roots[name], boot_only=True)
             warm_proc.join(timeout=120)
 
@@ -215,8 +228,9 @@ def main() -> None:
     def med(name, run, key):
         return statistics.median(r[key] for r in results[(name, run)])
 
-    print(f"\npreset {args.preset}: {dtype}, prompts of {prompt_len} tokens, greedy, ignore_eos, "
-          f"max_num_batched_tokens {max_batched}; capture = resid_post of every block; {args.reps} alternated reps")
+    print(f"\npreset {args.preset}: {dtype}, tensor parallel size {args.tensor_parallel_size}, prompts of "
+          f"{prompt_len} tokens, greedy, ignore_eos, max_num_batched_tokens {max_batched}; capture = resid_post of "
+          f"every block (sharded: and mlp.hook_post); {args.reps} alternated reps")
     print(f"{'config':9s} {'boot s':>7s} " + " ".join(
         f"{f'{b}x{n} prefill tok/s':>22s} {f'{b}x{n} decode tok/s':>21s} {'ms/step':>8s} {'drain':>6s}"
         for b, n in runs))
@@ -225,7 +239,17 @@ def main() -> None:
                          f"{med(name, run, 'ms_per_step'):8.2f} {med(name, run, 'drain_ms_per_step'):6.2f}"
                          for run in runs)
         print(f"{name:9s} {boot[name]['boot_s']:7.1f} {cells}")
-    if {"vanilla", "compiled", "eager"} <= set(args.configs):
+    if "vanilla" in args.configs:
+        print()
+        for name in args.configs[1:]:
+            print(f"{name}/vanilla: " + ", ".join(
+                f"{b}x{n} prefill {med(name, (b, n), 'prefill_tok_s') / med('vanilla', (b, n), 'prefill_tok_s'):.3f} "
+                f"decode {med(name, (b, n), 'decode_tok_s') / med('vanilla', (b, n), 'decode_tok_s'):.3f}"
+                for b, n in runs))
+        if boot["vanilla"]["cuda"]:
+            print("GPU memory in use per device (all engines of this benchmark together): " + ", ".join(
+                f"{g:.1f}" for g in med_list(results[(args.configs[-1], runs[-1])], "gpu_used_gib")) + " GiB")
+    if {"vanilla", "compiled", "eager"} <= set(args.configs) and not args.no_warm_boots:
         print()
         for run in runs:
             v, c, e = (med(n, run, "decode_tok_s") for n in ("vanilla", "compiled", "eager"))
@@ -254,6 +278,10 @@ def main() -> None:
         over = extra_mib - buffers - tables
         print(f"compiled above vanilla: {extra_mib:.1f} MiB = buffers and tables + {over:.1f} MiB "
               f"({over / (buffers + tables):.1%} of buffers and tables, {over / base_mib:.1%} of vanilla)")
+
+
+def med_list(answers: list[dict], key: str) -> list[float]:
+    return [statistics.median(column) for column in zip(*(a[key] for a in answers))]
 
 
 def dims(spec: dict) -> tuple[int, int, int, int]:

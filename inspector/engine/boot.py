@@ -5,7 +5,7 @@ from __future__ import annotations
 from inspector.capture.interventions import DEFAULT_MAX_SLOTS
 from inspector.capture.protocol import MODES
 
-from .environment import prepare_environment
+from .environment import prepare_environment, worker_environment
 
 
 INSPECTOR_ENGINE_ARGS = {"enforce_eager", "enable_prefix_caching", "worker_extension_cls"}
@@ -27,6 +27,9 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
         raise ValueError(f"engine argument(s) {', '.join(ours)} are set by the inspector and cannot be "
                          "given: prefix caching would skip prompt rows and leak intervened K/V into clean "
                          "runs, enforce_eager follows the mode, the worker extension is the plugin's")
+    if int(engine_args.get("pipeline_parallel_size", 1)) > 1:
+        raise ValueError(f"pipeline_parallel_size={engine_args['pipeline_parallel_size']}: the inspector cannot capture "
+                         "under pipeline parallelism (each stage holds only some layers); use tensor_parallel_size")
     prepare_environment()
     import torch
     from vllm import LLM
@@ -38,9 +41,10 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
                      enable_batching=mode == "eager", enable_position_interventions=enable_position_interventions,
                      hook_patterns=hook_patterns, max_slots=max_slots)
     try:
-        return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-                   max_model_len=max_model_len, enforce_eager=mode == "eager", enable_prefix_caching=False,
-                   worker_extension_cls=plugin.WORKER_EXTENSION, **engine_args)
+        with worker_environment(int(engine_args.get("tensor_parallel_size", 1))):
+            return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                       max_model_len=max_model_len, enforce_eager=mode == "eager", enable_prefix_caching=False,
+                       worker_extension_cls=plugin.WORKER_EXTENSION, **engine_args)
     finally:
         plugin.clear_config()
 

@@ -28,7 +28,8 @@ from inspector.capture.protocol import (MODES, BootProgress, RequestStart, Reque
                                         fold_event)
 from inspector.capture.run import Run, TopToken
 from inspector.experiments.methods import Experiments
-from inspector.plugin.config import SCORES
+from inspector.plugin.config import PLUGIN_MISSING, SCORES
+from inspector.plugin.gather import merge_ranks
 
 from .boot import boot_llm, shutdown_llm
 from .tokens import token_text
@@ -80,8 +81,14 @@ class Session(Experiments):
         llm = _boot(options, path, report)
         try:
             catalogue, installed = _describe(llm)
-        except Exception:
+        except Exception as e:
             shutdown_llm(llm)
+            if PLUGIN_MISSING in str(e):
+                raise SessionError("the engine's worker processes started without the inspector's vLLM plugin: "
+                                   "spawned workers (tensor parallel) load it through the project's installed entry "
+                                   "point, so install the project into this Python environment (pip install -e . "
+                                   "in its checkout, as the README's set-up does) rather than putting it on "
+                                   "PYTHONPATH") from None
             raise
         report(BootProgress("ready", f"{path.name} ready ({options.mode}, {len(installed)} hooks)"))
         return cls(options, llm, path, catalogue, installed)
@@ -300,8 +307,11 @@ class Session(Experiments):
                 self._unsent_log.setdefault(rid, []).append(entry)
 
     def _drain(self, wait: bool = True) -> dict:
-        """The worker's rows since the last drain; ``wait=False`` leaves those still copying."""
-        return self._llm.collective_rpc("inspector_drain", kwargs={"wait": wait})[0]
+        """The workers' rows since the last drain; ``wait=False`` leaves those still copying, except
+        where tensor-parallel ranks each send a slice of a hook's columns (they must send the same rows)."""
+        sharded = {name for name, h in self.installed.items() if h.shards > 1}
+        return merge_ranks(self._llm.collective_rpc("inspector_drain", kwargs={"wait": wait or bool(sharded)}),
+                           sharded)
 
     def _event(self, captures: dict, outputs: dict, finish: dict[str, str] | None = None) -> StepEvent:
         """One event for every request with news (a start, rows, tokens, log entries or an end), folded

@@ -15,6 +15,9 @@ from inspector.capture.interventions import DEFAULT_MAX_SLOTS
 ENV_VAR = "INSPECTOR_PLUGIN_CONFIG"
 SCORES = "@scores"  # in a drain: a scored request's logprobs of its score tokens, beside its hooks' rows
 DTYPES = ("float32", "float16", "bfloat16")
+# A worker without our runtime says this; the driver turns it into advice (spawned workers load the
+# plugin only through its installed entry point)
+PLUGIN_MISSING = "this engine was booted without the inspector plugin configured"
 
 
 @dataclass(frozen=True)

@@ -95,3 +95,20 @@ def _ordered_values(pieces: list[torch.Tensor], dest_rows: list[np.ndarray]) -> 
         elif len(dest):
             out.index_copy_(1, torch.from_numpy(dest), piece.to(dtype))
     return out.numpy()
+
+
+def merge_ranks(per_rank: list[dict[str, dict[str, Rows]]], sharded: set[str]) -> dict[str, dict[str, Rows]]:
+    """One drain of every tensor-parallel rank as one drain: a ``sharded`` hook's column slices side by
+    side in rank order (each slice comes from one rank), every other hook as the one rank that sends it."""
+    merged = per_rank[0]
+    for rows_of_rank in per_rank[1:]:
+        for rid, hooks in rows_of_rank.items():
+            mine = merged.setdefault(rid, {})
+            for hook, rows in hooks.items():
+                if hook not in mine:
+                    mine[hook] = rows
+                    continue
+                if hook not in sharded or not np.array_equal(mine[hook]["positions"], rows["positions"]):
+                    raise RuntimeError(f"request {rid}, hook {hook}: the tensor-parallel ranks sent different rows")
+                mine[hook] = {**mine[hook], "values": np.concatenate([mine[hook]["values"], rows["values"]], axis=1)}
+    return merged

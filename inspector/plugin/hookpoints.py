@@ -21,7 +21,7 @@ becomes ``(h + r) * S + B`` while an identity (S = 1, B = 0) leaves every value 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -31,34 +31,61 @@ from . import families
 
 
 @dataclass(frozen=True)
+class TensorParallel:
+    """This worker's place among the tensor-parallel ranks; ``kv_heads``: the model's key/value heads
+    in all (fewer than the ranks: each is replicated on several)."""
+
+    rank: int = 0
+    size: int = 1
+    kv_heads: int = 0
+
+
+@dataclass(frozen=True)
 class Site:
-    """How a hook point reads and replaces the value at its module (see the module docstring)."""
+    """How a hook point reads and replaces the value at its module (see the module docstring), and on
+    this rank: a point whose columns are split over tensor-parallel ranks (MLP neurons, attention
+    heads) holds slice ``shard`` of ``shards`` here; ``copies``: this rank sends the point's rows to the
+    host (one rank per slice; a replicated point's rows leave from the first rank only)."""
 
     how: str  # output | output_pair_sum | input_pair_sum | input
     arg_index: int = 0
     batched: bool = False  # tensors lead with a batch of one (transformers' modules in vLLM's backend)
+    shards: int = 1
+    shard: int = 0
+    copies: bool = True
 
     @property
     def is_pre_hook(self) -> bool:
         return self.how.startswith("input")
 
+    def local_width(self, point: HookPoint) -> int:
+        """The columns of ``point`` this rank holds."""
+        return point.width // self.shards
 
-def catalogue(model: nn.Module, hidden: int, dtype: str) -> tuple[families.Family, list[tuple[HookPoint, Site]]]:
+    def local_columns(self, point: HookPoint) -> slice:
+        width = self.local_width(point)
+        return slice(self.shard * width, (self.shard + 1) * width)
+
+
+def catalogue(model: nn.Module, hidden: int, dtype: str, tp: TensorParallel = TensorParallel()
+              ) -> tuple[families.Family, list[tuple[HookPoint, Site]]]:
     """The family of a model's decoder blocks (``families``) and its hook points, in model order:
-    embeddings, each block's points with its queries and keys, the final norm's output."""
+    embeddings, each block's points with its queries and keys, the final norm's output. Widths are
+    the model's (all ranks' columns); each site says which of them this rank holds."""
     blocks_path, blocks, family = families.find_blocks(model)
     stem, _, last = blocks_path.rpartition(".")
     modules = dict(model.named_modules())
+    replicated = (1, 0, tp.rank == 0)
 
     def path(*parts: str) -> str:
         return ".".join(p for p in (stem, *parts) if p)
 
     def point(module_path: str, kind: str, alias: str, how: str = "output", width: int = hidden, arg_index: int = 0,
-              layer: int = -1, attention=None) -> tuple[HookPoint, Site]:
+              layer: int = -1, attention=None, sharding: tuple[int, int, bool] = replicated) -> tuple[HookPoint, Site]:
         batched = family.batched and attention is None  # vLLM's own attention layer takes [tokens, ...]
         routing = _routing(modules[module_path.rpartition(".")[0]], width) if kind == ROUTER_KIND else None
-        return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width, layer, dtype, attention,
-                          routing=routing), Site(how, arg_index, batched))
+        return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width * sharding[0], layer, dtype,
+                          attention, routing=routing, shards=sharding[0]), Site(how, arg_index, batched, *sharding))
 
     def attention_points(block: str, b: str, i: int) -> list[tuple[HookPoint, Site]]:
         from . import vllm_compat  # imports the runtime, which imports this module
@@ -67,10 +94,13 @@ def catalogue(model: nn.Module, hidden: int, dtype: str) -> tuple[families.Famil
         if len(layers) != 1:
             return []
         rel, layer = layers[0]
-        geometry = vllm_compat.attention_geometry(layer)
-        found = [point(f"{block}.{rel}", "q", f"{b}.attn.hook_q", "input", geometry.q_width, 0, i, geometry)]
+        local = vllm_compat.attention_geometry(layer)  # this rank's heads
+        q_sharding, k_sharding = (tp.size, tp.rank, True), _kv_sharding(tp, local.kv_heads)
+        geometry = replace(local, heads=local.heads * q_sharding[0], kv_heads=local.kv_heads * k_sharding[0])
+        found = [point(f"{block}.{rel}", "q", f"{b}.attn.hook_q", "input", local.q_width, 0, i, geometry, q_sharding)]
         if getattr(layer, "kv_sharing_target_layer_name", None) is None:  # else the layer gets no keys
-            found.append(point(f"{block}.{rel}", "k", f"{b}.attn.hook_k", "input", geometry.k_width, 1, i, geometry))
+            found.append(point(f"{block}.{rel}", "k", f"{b}.attn.hook_k", "input", local.k_width, 1, i, geometry,
+                               k_sharding))
         return found
 
     points = [point(path(module), kind, f"hook_{kind}") for kind, module in family.embeds]
@@ -80,13 +110,24 @@ def catalogue(model: nn.Module, hidden: int, dtype: str) -> tuple[families.Famil
             module_path = ".".join(p for p in (block, spec.module) if p)
             if module_path not in modules:  # e.g. no down projection in a mixture-of-experts layer
                 continue
-            width = {"in": _input_width, "out": _output_width}.get(spec.width, lambda _: hidden)(modules[module_path])
+            module = modules[module_path]
+            width = {"in": _input_width, "out": _output_width}.get(spec.width, lambda _: hidden)(module)
+            sharded = spec.width == "in" and tp.size > 1 and _input_width(module) < int(getattr(module, "input_size", 0))
             points.append(point(module_path, spec.kind, f"{b}.{families.ALIASES[spec.kind]}", spec.how, width,
-                                spec.arg_index, i))
+                                spec.arg_index, i, sharding=(tp.size, tp.rank, True) if sharded else replicated))
             if spec.kind == "resid_pre":
                 points += attention_points(block, b, i)
     points.append(point(path(family.final_norm), "normalized", "ln_final.hook_normalized"))
     return family, [(p, site) for p, site in points if p.module_path in modules]
+
+
+def _kv_sharding(tp: TensorParallel, local_kv_heads: int) -> tuple[int, int, bool]:
+    """(slices, this rank's, whether it sends them) of the keys: one per rank, or, with fewer key/value
+    heads than ranks, one per head, replicated on consecutive ranks (the first of them sends it)."""
+    if not tp.kv_heads or tp.kv_heads >= tp.size:
+        return tp.size, tp.rank, True
+    per_head = tp.size // tp.kv_heads
+    return tp.kv_heads, tp.rank // per_head, tp.rank % per_head == 0
 
 
 def _input_width(module: nn.Module) -> int:

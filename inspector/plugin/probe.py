@@ -65,8 +65,9 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
     finally:
         for handle in handles:
             handle.remove()
-    misread = {p.name: f"it reads a {list(seen[p.name].shape)} tensor where [tokens, {p.width}] rows belong"
-               for p, _ in points if p.name in seen and (seen[p.name].dim() != 2 or seen[p.name].shape[1] != p.width)}
+    misread = {p.name: f"it reads a {list(seen[p.name].shape)} tensor where [tokens, {s.local_width(p)}] rows belong"
+               for p, s in points if p.name in seen and (seen[p.name].dim() != 2
+                                                         or seen[p.name].shape[1] != s.local_width(p))}
     misread.update(altered)
     misread.update({p.name: "the boot probe's forward never reached its hook (the model calls the module around "
                             "its hooks, e.g. through .forward)" for p, _ in points if p.name not in seen})
@@ -146,7 +147,7 @@ def _probe(point: HookPoint, site: hp.Site, value, read, replace, seen: dict, al
     first = value[site.arg_index] if site.is_pre_hook else (value[0] if isinstance(value, tuple) else value)
     try:
         n = hp.row_count(site, first)
-        ones = torch.ones(n, point.width, dtype=first.dtype, device=first.device)
+        ones = torch.ones(n, site.local_width(point), dtype=first.dtype, device=first.device)
         new, flowing = replace(site, value, ones, torch.zeros_like(ones))
         same = _identical(new, value) and torch.equal(_copy(flowing), seen[point.name])
     except (RuntimeError, IndexError, TypeError, ValueError) as e:

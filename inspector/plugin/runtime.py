@@ -49,21 +49,24 @@ class ActiveHook:
 
     point: HookPoint
     site: hp.Site
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None: this rank does not send the point's rows (tensor parallel)
     scale: torch.Tensor
     bias: torch.Tensor
     row_slot: torch.Tensor  # [max_tokens]: each row's slot in scale/bias, written between forwards
     prefix: str
     handle: torch.utils.hooks.RemovableHandle | None = None
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        found = {"scale": self.scale, "bias": self.bias, "row_slot": self.row_slot}
+        return found if self.buffer is None else {"rows": self.buffer, **found}
+
     def attach(self, module: nn.Module) -> None:
-        for suffix, tensor in (("rows", self.buffer), ("scale", self.scale), ("bias", self.bias),
-                               ("row_slot", self.row_slot)):
+        for suffix, tensor in self.tensors().items():
             module.register_buffer(f"{self.prefix}_{suffix}", tensor, persistent=False)
 
     def detach(self, module: nn.Module) -> None:
         self.handle.remove()
-        for suffix in ("rows", "scale", "bias", "row_slot"):
+        for suffix in self.tensors():
             del module._buffers[f"{self.prefix}_{suffix}"]
 
 
@@ -151,23 +154,27 @@ class InspectorRuntime:
             if point.name in taken:
                 raise ValueError(f"hook {name!r} is {point.name}, already installed as {taken[point.name]!r}")
             resolved[name], taken[point.name] = point, name
-        for width in sorted({p.width for p in resolved.values()}):
-            names = [name for name, p in resolved.items() if p.width == width]
+        copied = {name: self.sites[p.name].local_width(p) for name, p in resolved.items() if self.sites[p.name].copies}
+        for width in sorted(set(copied.values())):
+            names = [name for name, w in copied.items() if w == width]
             with torch.inference_mode():
                 stack = RowStack(torch.zeros(len(names), self.max_tokens, width, dtype=self.dtype,
                                              device=self.device), list(names))
             self._stacks.append(stack)
             for index, name in enumerate(names):
                 self._install(name, resolved[name], stack.tensor[index])
+        for name in resolved.keys() - copied.keys():
+            self._install(name, resolved[name], None)
 
-    def _install(self, name: str, point: HookPoint, buffer: torch.Tensor) -> None:
+    def _install(self, name: str, point: HookPoint, buffer: torch.Tensor | None) -> None:
+        site = self.sites[point.name]
         with torch.inference_mode():
             hook = ActiveHook(
                 point,
-                self.sites[point.name],
+                site,
                 buffer=buffer,
-                scale=torch.ones(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
-                bias=torch.zeros(self.config.max_slots, point.width, dtype=self.dtype, device=self.device),
+                scale=torch.ones(self.config.max_slots, site.local_width(point), dtype=self.dtype, device=self.device),
+                bias=torch.zeros(self.config.max_slots, site.local_width(point), dtype=self.dtype, device=self.device),
                 row_slot=torch.zeros(self.max_tokens, dtype=torch.long, device=self.device),
                 prefix=f"_inspector_{point.kind}",
             )
@@ -182,7 +189,7 @@ class InspectorRuntime:
     def allocated_bytes(self) -> int:
         """Device memory held for the installed hooks: capture buffers and intervention tables."""
         tensors = [*(s.tensor for s in self._stacks),
-                   *(t for h in self.active.values() for t in (h.scale, h.bias, h.row_slot))]
+                   *(t for h in self.active.values() for t in (h.scale, h.bias, h.row_slot))]  # rows: in the stacks
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def remove(self, names: list[str]) -> None:
@@ -215,7 +222,8 @@ class InspectorRuntime:
             output, value = hp.replace_output(site, output, *self._gather(prefix, module, n))
         else:
             value, output = hp.read_output(site, output), None
-        getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
+        if hook.buffer is not None:
+            getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
         return output
 
     def _on_input(self, hook: ActiveHook, module, args):
@@ -225,7 +233,8 @@ class InspectorRuntime:
             args, value = hp.replace_input(site, args, *self._gather(prefix, module, n))
         else:
             value, args = hp.read_input(site, args), None
-        getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
+        if hook.buffer is not None:
+            getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
         return args
 
     # --- between forwards ---
@@ -237,9 +246,10 @@ class InspectorRuntime:
         with torch.inference_mode():
             for name, slot, ivs in writes:
                 hook = self.active[name]
+                columns = hook.site.local_columns(hook.point)  # a sharded point's slice of the vectors
                 scale, bias = compose(ivs, name, hook.point.width)
-                hook.scale[slot].copy_(torch.from_numpy(scale))
-                hook.bias[slot].copy_(torch.from_numpy(bias))
+                hook.scale[slot].copy_(torch.from_numpy(scale[columns]))
+                hook.bias[slot].copy_(torch.from_numpy(bias[columns]))
             for name in self._slotted - slots.keys():
                 if name in self.active:  # not removed since
                     self.active[name].row_slot.zero_()

@@ -17,6 +17,7 @@ import torch
 from inspector.capture.attention import AttentionGeometry
 from inspector.capture.routing import Routing
 
+from .hookpoints import TensorParallel
 from .runtime import StepInfo
 
 _PATCHED_FLAG = "_inspector_patched"
@@ -90,6 +91,28 @@ def model_sizes(worker) -> tuple[int, int, int]:
     model_config = worker.vllm_config.model_config
     return (model_config.hf_config.get_text_config().hidden_size, model_config.max_model_len,
             worker.model_runner.max_num_tokens)
+
+
+def tensor_parallel(worker) -> TensorParallel:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return TensorParallel(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                          int(worker.vllm_config.model_config.get_total_num_kv_heads()))
+
+
+def unsupported_parallelism(worker) -> str:
+    """Why this engine's parallelism would make captures wrong ("" when it would not): pipeline stages
+    each hold some layers, and sequence parallelism splits the tokens of a forward over the ranks."""
+    parallel = worker.vllm_config.parallel_config
+    passes = getattr(worker.vllm_config.compilation_config, "pass_config", None)
+    return "; ".join(why for why, present in (
+        (f"pipeline parallelism (pipeline_parallel_size={parallel.pipeline_parallel_size}: each stage holds only "
+         "some layers, and a run would miss the others)", parallel.pipeline_parallel_size > 1),
+        ("sequence parallelism (the compile pass splits the residual stream's tokens over the ranks)",
+         any(getattr(passes, name, False) for name in ("enable_sp", "enable_sequence_parallelism"))),
+        ("sequence-parallel mixture-of-experts layers (their tokens are split over the ranks)",
+         getattr(parallel, "use_sequence_parallel_moe", False)),
+    ) if present)
 
 
 def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:

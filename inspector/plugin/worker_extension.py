@@ -14,7 +14,7 @@ from dataclasses import replace
 from inspector.capture.interventions import Intervention
 
 from . import hookpoints, lens, probe, vllm_compat
-from .config import PluginConfig
+from .config import PLUGIN_MISSING, PluginConfig
 from .runtime import InspectorRuntime
 
 _ATTR = "_inspector_runtime"
@@ -36,9 +36,13 @@ def install_runtime(worker) -> None:
                          f"but vLLM's enforce_eager is {vllm_compat.is_eager(worker)}: something other than the "
                          "inspector changed that setting (another vLLM plugin may have: VLLM_PLUGINS="
                          f"{os.environ.get('VLLM_PLUGINS', '(all installed)')})")
+    unsupported = vllm_compat.unsupported_parallelism(worker)
+    if unsupported:
+        raise ValueError(f"the inspector cannot capture under {unsupported}; use tensor parallelism only "
+                         "(tensor_parallel_size)")
     model = vllm_compat.model_of(worker)
     hidden, max_model_len, max_tokens = vllm_compat.model_sizes(worker)
-    family, points = hookpoints.catalogue(model, hidden, config.dtype)
+    family, points = hookpoints.catalogue(model, hidden, config.dtype, vllm_compat.tensor_parallel(worker))
     started = time.perf_counter()
     verdict = probe.verify(model, points, family.residual, config.dtype,
                            lambda: vllm_compat.probe_forward(worker, PROBE_TOKENS))
@@ -67,7 +71,7 @@ class InspectorWorkerExtension:
     def _inspector(self) -> InspectorRuntime:
         runtime = getattr(self, _ATTR, None)
         if runtime is None:
-            raise RuntimeError("this engine was booted without the inspector plugin configured")
+            raise RuntimeError(PLUGIN_MISSING)
         return runtime
 
     def inspector_describe(self) -> dict:

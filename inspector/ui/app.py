@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help='model directory, or "demo" (default: the built-in demo model)')
     p.add_argument("--mode", choices=("compiled", "eager"), help="engine mode (default: the last one used)")
     p.add_argument("--hooks", help="comma-separated hook names, aliases or globs to capture at boot")
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help="split the model over N GPUs (default: the last one chosen, Engine ▸ Tensor Parallel Size)")
     p.add_argument("--capture", help="an .h5 capture to open")
     p.add_argument("--no-model", action="store_true", help="do not boot any model")
     p.add_argument("--settings-dir", help="keep settings in this directory (also $INSPECTOR_SETTINGS_DIR)")
@@ -106,6 +108,8 @@ def main(argv: list[str], session_factory: SessionFactory, in_process: SessionFa
     parser = build_parser()
     args = parser.parse_args(argv)
     keys = None
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        parser.error(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
     if bool(args.client_key) != bool(args.server_key) or (args.client_key and not args.connect):
         parser.error("--connect with both --client-key and --server-key, or without keys")
     if args.client_key:
@@ -128,6 +132,8 @@ def main(argv: list[str], session_factory: SessionFactory, in_process: SessionFa
     from .main_window import MainWindow
 
     window = MainWindow(in_process if args.in_process and in_process else session_factory)
+    if args.tensor_parallel_size is not None:
+        window.settings.tensor_parallel_size = args.tensor_parallel_size
     previous_hook = sys.excepthook
     _install_excepthook(lambda: window)
     window.show()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QSignalBlocker, Qt, QTimer
 from PySide6.QtGui import QColor, QKeySequence, QTextCharFormat, QTextCursor
-from PySide6.QtWidgets import (QComboBox, QDockWidget, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox,
-                               QPlainTextEdit, QProgressBar, QProgressDialog, QPushButton, QSplitter, QTabWidget,
+from PySide6.QtWidgets import (QComboBox, QDockWidget, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
+                               QMessageBox, QPlainTextEdit, QProgressBar, QProgressDialog, QPushButton, QSplitter, QTabWidget,
                                QVBoxLayout, QWidget)
 
 from inspector.capture.protocol import BOOT_STAGES, BootProgress, SessionFactory
@@ -183,6 +183,7 @@ class MainWindow(QMainWindow):
         e = self.menuBar().addMenu("&Engine")
         self.act_restart = e.addAction("&Restart Engine", self.restart_engine)
         self.act_stop = e.addAction("&Stop Generation", self.controller.stop)
+        e.addAction("&Tensor Parallel Size…", self.choose_tensor_parallel_size)
         v = self.menuBar().addMenu("&View")
         v.addAction("Show &Live Run", self.show_live)
         self.earlier_menu = v.addMenu("Earlier Runs")
@@ -264,7 +265,24 @@ class MainWindow(QMainWindow):
 
     # ================================================================== user actions
     def open_model(self, model: str, mode: str | None = None, hooks=None, **options) -> bool:
+        options.setdefault("engine_args", self._parallel_engine_args())
         return self.controller.open_model(model, mode or self.tree.mode(), hooks, **options)
+
+    def _parallel_engine_args(self) -> dict:
+        size = self.settings.tensor_parallel_size
+        return {"tensor_parallel_size": size} if size > 1 else {}
+
+    def choose_tensor_parallel_size(self) -> None:
+        size, ok = QInputDialog.getInt(
+            self, "Tensor Parallel Size", "Split the model over this many GPUs (vLLM's tensor parallelism; on a\n"
+            "CPU, as many groups of cores). It applies when a model is opened or the engine restarts.",
+            self.settings.tensor_parallel_size, 1, 64)
+        if ok:
+            self.set_tensor_parallel_size(size)
+
+    def set_tensor_parallel_size(self, size: int) -> None:
+        self.settings.tensor_parallel_size = size
+        self.status(f"Tensor parallel size {size}: applies when a model is opened or the engine restarts", 8000)
 
     def open_model_dialog(self) -> None:
         start = self.settings.last_model or self.settings.last_dir
@@ -290,7 +308,10 @@ class MainWindow(QMainWindow):
 
     def restart_engine(self) -> None:
         if self.controller.enabled(Action.RESTART):
-            self.controller.reopen(hooks=self.tree.checked() or None)
+            engine_args = {k: v for k, v in (self.controller.options.engine_args if self.controller.options else {}).items()
+                           if k != "tensor_parallel_size"}
+            self.controller.reopen(hooks=self.tree.checked() or None,
+                                   engine_args={**engine_args, **self._parallel_engine_args()})
 
     def change_mode(self, mode: str) -> None:
         if self.controller.options is None or self.state in (AppState.NO_MODEL, AppState.DEAD):

@@ -69,6 +69,17 @@ class Settings:
         self._q.setValue("engine/mode", mode)
 
     @property
+    def tensor_parallel_size(self) -> int:
+        try:
+            return max(1, int(self._str("engine/tensor_parallel_size", "1")))
+        except ValueError:
+            return 1
+
+    @tensor_parallel_size.setter
+    def tensor_parallel_size(self, size: int) -> None:
+        self._q.setValue("engine/tensor_parallel_size", str(int(size)))
+
+    @property
     def last_model(self) -> str:
         return self._str("models/last", "")
 

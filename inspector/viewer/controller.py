@@ -224,15 +224,15 @@ class Controller:
         self._start(remote, SessionOptions(model=url, hooks=()), f"Connecting to {url}…")
         return True
 
-    def reopen(self, mode: str | None = None, hooks=None) -> None:
-        """Open the current model again (Engine ▸ Restart, a mode switch), keeping its other options;
-        connected to a server, connect again."""
+    def reopen(self, mode: str | None = None, hooks=None, **changes) -> None:
+        """Open the current model again (Engine ▸ Restart, a mode switch), keeping its other options but
+        ``changes`` (SessionOptions fields); connected to a server, connect again."""
         if self.server is not None:
             self.connect(*self.server)
             return
         o = self.options
         extra = {f.name: getattr(o, f.name) for f in fields(o) if f.name not in ("model", "mode", "hooks")}
-        self.open_model(o.model, mode or o.mode, hooks or o.hooks, **extra)
+        self.open_model(o.model, mode or o.mode, hooks or o.hooks, **{**extra, **changes})
 
     def _may_start(self) -> bool:
         if self.enabled(Action.OPEN_MODEL):
