@@ -17,7 +17,7 @@ import numpy as np
 from .hooks import HookPoint, installed_name
 from .interventions import DEFAULT_MAX_SLOTS, Intervention, validate
 from .lens import Attribution, Lens
-from .run import HookRows, RequestCapture, Run, TopToken
+from .run import FeatureRows, HookRows, RequestCapture, Run, TopToken
 
 MODES = ("compiled", "eager")
 BOOT_STAGES = ("resolving", "loading", "compiling", "ready")
@@ -66,6 +66,7 @@ class Sampling:
 
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], token ids [n], values [n, width] float32
+Features = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], ids [n, k] int32, activations [n, k] float32
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class RequestStep:
     finish_reason: str | None = None
     # (positions [n], logprobs [n, len(score_token_ids)]): at each position predicted from in this step
     scores: tuple[np.ndarray, np.ndarray] | None = None
+    features: dict[str, Features] = field(default_factory=dict)  # attached SAE -> its strongest features
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,8 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True) -> set[str]:
         req.intervention_log += [(position, list(ivs)) for position, ivs in step.intervention_log]
         if step.scores is not None:
             req.scores.update(zip(step.scores[0].tolist(), step.scores[1]))
+        for sae, (positions, ids, activations) in step.features.items():
+            req.features.setdefault(sae, FeatureRows(ids.shape[1])).append(positions, ids, activations)
         if keep_rows:
             for hook, rows in step.rows.items():
                 if hook not in req.hooks:

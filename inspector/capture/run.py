@@ -99,6 +99,36 @@ class LensRows:
         return len(self._columns["positions"])
 
 
+class FeatureRows:
+    """An attached SAE's strongest features for one request: per row (position), the ids (-1 where
+    fewer were active) and activations of its ``k`` strongest features, strongest first."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self._positions, self._ids = GrowableArray(np.int64), GrowableArray(np.int32, (k,))
+        self._activations = GrowableArray(np.float32, (k,))
+
+    def append(self, positions, ids, activations) -> None:
+        self._positions.append(positions)
+        self._ids.append(ids)
+        self._activations.append(activations)
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._positions.view()
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids.view()
+
+    @property
+    def activations(self) -> np.ndarray:
+        return self._activations.view()
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+
 @dataclass
 class RequestCapture:
     request_id: str
@@ -116,6 +146,7 @@ class RequestCapture:
     lens: dict[str, LensRows] = field(default_factory=dict)  # by hook: the logit lens of its rows, if asked for
     # position -> logprobs of sampling["score_token_ids"] predicted there, if asked for
     scores: dict[int, np.ndarray] = field(default_factory=dict)
+    features: dict[str, FeatureRows] = field(default_factory=dict)  # by attached SAE
     twin_role: str | None = None  # a comparison's "clean" or "intervened" run of a prompt (experiments.compare)
     twin_of: str | None = None  # the other twin's request id
     finish_reason: str | None = None

@@ -15,10 +15,12 @@ import datetime
 import itertools
 import threading
 from dataclasses import replace
+
+import numpy as np
 from typing import Callable, Iterator
 
 from inspector import __version__
-from inspector.capture.hooks import HookPoint
+from inspector.capture.hooks import HookPoint, installed_name
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
@@ -28,7 +30,8 @@ from inspector.capture.protocol import (MODES, BootProgress, RequestStart, Reque
                                         fold_event)
 from inspector.capture.run import Run, TopToken
 from inspector.experiments.methods import Experiments
-from inspector.plugin.config import PLUGIN_MISSING, SCORES
+from inspector.capture.sae import CONFIG_FILE, AttachedSae, read_sae
+from inspector.plugin.config import FEATURES, PLUGIN_MISSING, SCORES, feature_keys
 from inspector.plugin.gather import merge_ranks
 
 from .boot import boot_llm, shutdown_llm
@@ -64,6 +67,7 @@ class Session(Experiments):
         self._optioned: set[str] = set()  # open requests the worker holds per-request options for
         self._over: list[str] = []  # finished ones it may forget
         self._steps = 0
+        self.saes: dict[str, AttachedSae] = {}  # by name: encoding an installed hook's rows in the engine
         self.new_run()
 
     # --- opening and closing ---
@@ -257,7 +261,38 @@ class Session(Experiments):
         with self._lock:
             self._interventions = [iv for iv in self._interventions if iv.hook in self.installed]
             self._pending = list(self._interventions)
+        attached, self.saes = self.saes, {}
+        for sae in attached.values():  # on the hooks still installed (a restarted engine has none attached)
+            if sae.hook in self.installed:
+                if self.options.mode == "compiled":
+                    self._llm.collective_rpc("inspector_attach_sae", args=(sae.config.as_dict(), sae.hook, sae.k))
+                self.saes[sae.name] = sae
         return self.options.mode == "compiled"
+
+    # --- sparse autoencoders ---
+
+    def attach_sae(self, path, hook: str | None = None, k: int = 32) -> AttachedSae:
+        """Encode ``hook``'s rows (an installed hook's name or alias; default: the one the SAE's config
+        names) with the SAE in directory ``path`` on the engine's device after every forward: each row's
+        ``k`` strongest features arrive in step events (``RequestStep.features``) and in ``run``. SaeError
+        or ValueError, naming what does not fit, and nothing attached."""
+        self._require_alive()
+        config = read_sae(path)
+        if not hook and not config.hook:
+            raise ValueError(f"{config.name}: its {CONFIG_FILE} names no hook; say which hook it reads")
+        hook = installed_name(hook or config.hook, self.installed)
+        if config.name in self.saes:
+            raise ValueError(f"an SAE named {config.name!r} is attached already")
+        if not 0 < k <= 1024:
+            raise ValueError(f"k must be within 1..1024, got {k}")
+        self._llm.collective_rpc("inspector_attach_sae", args=(config.as_dict(), hook, k))
+        self.saes[config.name] = AttachedSae(config, hook, k)
+        return self.saes[config.name]
+
+    def detach_sae(self, name: str) -> None:
+        self._require_alive()
+        self._llm.collective_rpc("inspector_detach_sae", args=(name,))
+        self.saes.pop(name, None)
 
     # --- internals ---
 
@@ -325,11 +360,13 @@ class Session(Experiments):
                 continue
             hooks = captures.get(rid, {})
             scores = hooks.get(SCORES)
-            rows = {hook: self._rows(rid, c) for hook, c in hooks.items() if hook != SCORES}
+            features = {name: (hooks[acts]["positions"], hooks[ids]["values"].astype(np.int32), hooks[acts]["values"])
+                        for name, (acts, ids) in ((n, feature_keys(n)) for n in self.saes) if acts in hooks}
+            rows = {hook: self._rows(rid, c) for hook, c in hooks.items() if hook != SCORES and not hook.startswith(FEATURES)}
             tokens = self._tokens(outputs[rid]) if rid in outputs else {}
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,
-                                     finish_reason=finish.get(rid),
+                                     finish_reason=finish.get(rid), features=features,
                                      scores=None if scores is None else (scores["positions"], scores["values"]),
                                      **tokens))
         self._open = [rid for rid in self._open if rid not in finish]

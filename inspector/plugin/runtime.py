@@ -20,10 +20,12 @@ from torch import nn
 
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention, validate
+from inspector.capture.sae import AttachedSae
 
 from . import hookpoints as hp
-from .config import SCORES, PluginConfig
+from .config import SCORES, PluginConfig, feature_keys
 from .copyout import CopyOut, Transfer
+from .features import DeviceSae
 from .gather import QueuedForward, rows_by_request
 from .slots import SlotPlanner, compose
 
@@ -102,6 +104,7 @@ class InspectorRuntime:
         self._score_ids: dict[str, np.ndarray] = {}  # request -> tokens whose logprobs it wants
         self._scores: dict[str, list[tuple[int, np.ndarray]]] = {}  # undrained: request -> (position, logprobs)
         self._logits_step: StepInfo | None = None  # the forward whose logits come next
+        self.saes: dict[str, DeviceSae] = {}  # attached SAEs whose hook's rows this rank sends
         # per queued forward: its rows and host copies, and the transfer that says when they have landed
         self._pending: list[tuple[QueuedForward, Transfer]] = []
 
@@ -202,7 +205,27 @@ class InspectorRuntime:
             for stack in self._stacks:
                 stack.names = [None if n == name else n for n in stack.names]
         self._stacks = [stack for stack in self._stacks if any(stack.names)]
+        self.saes = {name: sae for name, sae in self.saes.items() if sae.attached.hook not in names}
         self.set_interventions([iv for iv in self.planner.interventions if iv.hook not in names])
+
+    def attach_sae(self, attached: AttachedSae) -> None:
+        """Encode an installed hook's rows with an SAE after every forward, on the device."""
+        hook = self.active.get(attached.hook)
+        if hook is None:
+            raise ValueError(f"SAE {attached.name}: hook {attached.hook!r} is not installed")
+        if hook.site.shards > 1:
+            raise ValueError(f"SAE {attached.name}: {hook.point.alias} is split over the tensor-parallel ranks; an SAE "
+                             "reads a replicated point (the residual stream, an attention or MLP output)")
+        if attached.config.d_in != hook.point.width:
+            raise ValueError(f"SAE {attached.name} reads {attached.config.d_in}-wide rows, but {hook.point.alias} is "
+                             f"{hook.point.width} wide")
+        if attached.name in self.saes:
+            raise ValueError(f"an SAE named {attached.name!r} is attached already")
+        if hook.buffer is not None:  # else another rank sends this hook's rows, and encodes them
+            self.saes[attached.name] = DeviceSae(attached, self.device, self.dtype)
+
+    def detach_sae(self, name: str) -> None:
+        self.saes.pop(name, None)
 
     # --- the hooks (traced in the compiled flavour) ---
 
@@ -264,12 +287,15 @@ class InspectorRuntime:
             return  # no row of it is wanted
         n = step.num_tokens
         tensors = [stack.tensor[:, :n] for stack in self._stacks]
+        names = [list(stack.names) for stack in self._stacks]
+        for name, sae in self.saes.items():  # encoded now, on the device: only the strongest features leave it
+            tensors.append(sae.strongest(self.active[sae.attached.hook].buffer[:n]))
+            names.append(list(feature_keys(name)))
         if input_ids is not None:
             tensors.append(input_ids[:n])
         # Staging on the device takes n / max_tokens of the buffers' memory while the copy runs: do it
         # for decode-sized steps only, so that it stays within a few percent.
         transfer = self._copy_out.queue(tensors, stage=n * 64 <= self.max_tokens)
-        names = [list(stack.names) for stack in self._stacks]
         self._pending.append((QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, transfer.host),
                               transfer))
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 
 from inspector.capture.interventions import Intervention
+from inspector.capture.sae import AttachedSae, SaeConfig
 
 from . import hookpoints, lens, probe, vllm_compat
 from .config import PLUGIN_MISSING, PluginConfig
@@ -107,6 +108,12 @@ class InspectorWorkerExtension:
 
     def inspector_remove_hooks(self, names: list[str]) -> None:
         self._eager_runtime("removed").remove(list(names))
+
+    def inspector_attach_sae(self, config: dict, hook: str, k: int) -> None:
+        self._inspector().attach_sae(AttachedSae(SaeConfig(**config), hook, int(k)))
+
+    def inspector_detach_sae(self, name: str) -> None:
+        self._inspector().detach_sae(name)
 
     def inspector_lens(self, values, k: int, chosen=None) -> dict:
         """The logit lens of residual-stream rows (checked by the caller): top ``k`` and ``chosen``."""

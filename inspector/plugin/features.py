@@ -1,0 +1,49 @@
+"""SAE features where the activations are: an attached SAE encodes its hook's rows on the engine's
+device right after each forward, and only each row's strongest features (ids and activations) join
+the forward's copy to the host (``capture.sae`` is the reference it is checked against)."""
+
+from __future__ import annotations
+
+import torch
+
+from inspector.capture.sae import AttachedSae, load_weights
+
+CHUNK_ROWS = 1024  # rows encoded at once: a 65,536-feature SAE's pre-activations of 1,024 rows are 256 MiB
+
+
+class DeviceSae:
+    def __init__(self, attached: AttachedSae, device: torch.device, dtype: torch.dtype):
+        self.attached, self.config = attached, attached.config
+        self.k = min(attached.k, self.config.d_sae)
+        self.weights = {name: torch.from_numpy(a).to(device=device, dtype=dtype)
+                        for name, a in load_weights(self.config).items()}
+
+    @torch.inference_mode()
+    def strongest(self, rows: torch.Tensor) -> torch.Tensor:
+        """[2, rows, k] float32: each row's k strongest active features' activations, then their ids
+        (-1 and 0 where fewer are active), strongest first."""
+        out = torch.empty(2, rows.shape[0], self.k, dtype=torch.float32, device=rows.device)
+        for start in range(0, rows.shape[0], CHUNK_ROWS):
+            acts = self._encode(rows[start:start + CHUNK_ROWS]).float()
+            values, ids = acts.topk(self.k, dim=1)
+            active = values > 0
+            out[0, start:start + CHUNK_ROWS] = torch.where(active, values, 0.0)
+            out[1, start:start + CHUNK_ROWS] = torch.where(active, ids.float(), -1.0)
+        return out
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        w, c = self.weights, self.config
+        x = x.to(w["W_enc"].dtype)
+        if c.normalize_activations == "constant_norm_rescale":
+            x = x * (c.d_in ** 0.5 / x.norm(dim=1, keepdim=True))
+        elif c.normalize_activations == "layer_norm":
+            x = x - x.mean(dim=1, keepdim=True)
+            x = x / (x.std(dim=1, keepdim=True) + 1e-5)
+        if c.apply_b_dec_to_input:
+            x = x - w["b_dec"]
+        pre = x @ w["W_enc"] + w["b_enc"]
+        if c.architecture == "topk":
+            values, ids = pre.topk(c.k, dim=1)
+            return torch.zeros_like(pre).scatter_(1, ids, values.clamp_min(0))
+        acts = pre.clamp_min(0)
+        return acts * (pre > w["threshold"]) if c.architecture == "jumprelu" else acts
