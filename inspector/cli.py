@@ -22,6 +22,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.lens import MAX_K
 from inspector.capture.positions import parse_positions
 from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol
+from inspector.capture.sae import read_sae
 from inspector.capture.vectors import load_vector
 from inspector.experiments.compare import compare, upcoming_twins
 
@@ -139,11 +140,16 @@ def capture(args) -> int:
         raise ValueError(f"--lens takes K from 1 to {MAX_K}, got {args.lens}")
     out = Path(args.out)
     check_target(out)  # before the engine boots: a bad path costs no boot
+    saes = [read_sae(path) for path in args.sae or []]  # checked before the engine boots, too
+    if saes and not args.server:  # the hooks they read are captured as well (a server's are its own)
+        args.hooks = list(dict.fromkeys([*(args.hooks or DEFAULT_HOOKS), *(sae.hook for sae in saes if sae.hook)]))
     progress = TerminalProgress()
     sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                         logprobs=args.logprobs)
     session = open_session(args, progress.stage, retain_rows=False)
     try:
+        for sae in saes:
+            session.attach_sae(sae.path, k=args.sae_k)
         twins = upcoming_twins(session, len(prompts)) if args.compare else []
         ids = [t.intervened for t in twins] or session.upcoming_request_ids(len(prompts))
         for iv in interventions:
@@ -168,6 +174,8 @@ def capture(args) -> int:
                 for step in event.requests:
                     for hook, rows in step.rows.items():
                         writer.append_rows(step.request_id, hook, *rows)
+                    for name, features in step.features.items():
+                        writer.append_features(step.request_id, name, *features)
                     if step.finished:
                         writer.update_request(session.run.requests[step.request_id])
                     done += len(step.new_token_ids)
@@ -429,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also store the logit lens of every residual-stream hook captured (resid_pre/mid/post): "
                           f"per row, the top K next tokens and their logprobs under the model's final norm and "
                           f"unembedding (1-{MAX_K}; datasets /requests/<i>/lens/<hook>/…, docs/capture-format.md)")
+    cap.add_argument("--sae", action="append", metavar="DIR",
+                     help="an SAE in SAELens's format (cfg.json, sae_weights.safetensors; repeat for more): each "
+                          "token's strongest features at the hook its config names (captured too) go into the file")
+    cap.add_argument("--sae-k", type=int, default=32, metavar="K", help="features kept per token and SAE (default 32)")
     cap.add_argument("--out", required=True, help="the HDF5 file to write")
     cap.add_argument("--intervene", action="append", metavar="HOOK:scale=…,bias=…",
                      help="an intervention; keys: scale, bias (number or .npy), positions (3-5;8), request (index)")

@@ -160,3 +160,25 @@ def test_capture_compare_marks_twins_in_the_file(compiled_server, tmp_path):
             "clean", steered.request_id, "intervened", clean.request_id)
         assert clean.prompt == steered.prompt and clean.sampling["seed"] == steered.sampling["seed"]
         assert clean.intervention_log == [(0, [])] and steered.intervention_log[0][1][0]["scale"] == 0.5
+
+
+def test_capture_with_an_sae_stores_each_tokens_strongest_features(compiled_server, tmp_path):
+    from sae_files import saelens_encode, write_sae
+
+    from inspector.capture.sae import strongest
+
+    sae = write_sae(tmp_path / "res1", "topk", 128, 1024, "blocks.1.hook_resid_post", k=12)
+    out = tmp_path / "features.h5"
+    inspector("capture", "--server", compiled_server[0], "--prompt", "def f(a, b):", "--max-tokens", "4",
+              "--sae", str(sae), "--sae-k", "8", "--out", str(out))
+    run = read_run(out)
+    assert [s["hook"] for s in run.metadata["saes"]] == ["model.layers.1.resid_post"]
+    (req,) = run.requests.values()
+    rows, features = req.hooks["model.layers.1.resid_post"], req.features["res1"]
+    ids, acts = strongest(saelens_encode(sae, np.asarray(rows.values)), 8)
+    np.testing.assert_array_equal(features.positions, np.asarray(rows.positions))
+    np.testing.assert_array_equal(features.ids, ids)
+    np.testing.assert_allclose(features.activations, acts, rtol=1e-5, atol=1e-6)
+    refused = inspector("capture", "--model", "demo", "--prompt", "x", "--sae", str(tmp_path), "--out",
+                        str(tmp_path / "no.h5"), check=False)
+    assert refused.returncode == 1 and "no cfg.json" in refused.stderr

@@ -510,3 +510,33 @@ def test_a_router_hook_stores_its_rule_and_the_chosen_experts_beside_its_logits(
             np.testing.assert_array_equal(routed["expert_ids"][:], ids)
             np.testing.assert_array_equal(routed["expert_weights"][:], weights)
             assert "expert_ids" not in unrouted and "expert_weights" not in unrouted
+
+
+def test_sae_features_round_trip_written_whole_or_streamed(tmp_path):
+    from inspector.capture.run import FeatureRows
+
+    run = make_run(seed=5, rows=(30, 7, 0))
+    rng = np.random.default_rng(5)
+    for req in run.requests.values():
+        n = 11
+        ids = rng.integers(-1, 4096, (n, 6)).astype(np.int32)
+        req.features["res/1"] = FeatureRows(6)  # a name that needs escaping
+        req.features["res/1"].append(np.arange(n), ids, rng.random((n, 6)).astype(np.float32))
+    run.metadata["saes"] = [{"config": {"path": "/saes/res/1"}, "hook": HOOK_SPECS[0][0], "k": 6}]
+    write_run(run, tmp_path / "whole.h5")
+    with CaptureWriter(tmp_path / "streamed.h5", run.metadata, run.hooks) as w:
+        for req in run.requests.values():
+            w.add_request(req)
+            f = req.features["res/1"]
+            for a in range(0, len(f), 4):  # a step's rows at a time
+                w.append_features(req.request_id, "res/1", f.positions[a:a + 4], f.ids[a:a + 4], f.activations[a:a + 4])
+            w.update_request(req)
+        with pytest.raises(ValueError, match=r"ids and activations \[n, k\] expected"):
+            w.append_features(req.request_id, "res/1", [0], [[1, 2]], [[0.5]])
+    for name in ("whole.h5", "streamed.h5"):
+        back = read_run(tmp_path / name)
+        assert back.metadata["saes"] == run.metadata["saes"]
+        for rid, req in run.requests.items():
+            got, want = back.requests[rid].features["res/1"], req.features["res/1"]
+            for column in ("positions", "ids", "activations"):
+                np.testing.assert_array_equal(getattr(got, column), getattr(want, column))

@@ -110,6 +110,34 @@ def test_a_compiled_hook_change_is_refused_while_others_share_the_engine(compile
         assert set(mine.installed) == set(other.installed) and len(run(other, PROMPTS[:1])) == 1
 
 
+def test_an_sae_on_the_server_encodes_for_the_clients_that_attached_it(compiled_server, tmp_path):
+    """Features reach only the clients that attached the SAE; a second attach of the same directory
+    shares the engine's encoder, one of another hook or k is refused; the engine stops encoding when the
+    last of them detaches or leaves."""
+    from sae_files import saelens_encode, write_sae
+
+    from inspector.capture.sae import strongest
+
+    url, _ = compiled_server
+    path = write_sae(tmp_path / "res1", "jumprelu", 128, 1024, "blocks.1.hook_resid_post", seed=3)
+    with connect(url) as mine, connect(url) as other, connect(url) as third:
+        sae = mine.attach_sae(path, k=16)
+        assert sae.hook == H1 and set(mine.saes) == {"res1"}
+        with pytest.raises(ValueError, match="another client has an SAE named 'res1' attached"):
+            other.attach_sae(path, k=8)
+        for req in run(mine, PROMPTS[:2]):
+            rows, features = req.hooks[H1], req.features["res1"]
+            ids, acts = strongest(saelens_encode(path, rows.values), 16)
+            np.testing.assert_array_equal(features.positions, rows.positions)
+            np.testing.assert_array_equal(features.ids, ids)
+            np.testing.assert_allclose(features.activations, acts, rtol=1e-5, atol=1e-6)
+        assert not any(req.features for req in run(other, PROMPTS[:1]))  # not its SAE
+        assert third.attach_sae(path, k=16) == sae  # shared
+        mine.detach_sae("res1")
+        assert all("res1" in req.features for req in run(third, PROMPTS[:1]))  # still attached for the third
+        assert not any(req.features for req in run(mine, PROMPTS[:1]))
+
+
 def test_eager_hook_changes_are_the_clients_own(eager_server):
     url, _ = eager_server
     with connect(url) as a, connect(url) as b:

@@ -17,6 +17,7 @@ import numpy as np
 from .hooks import HookPoint, installed_name
 from .interventions import DEFAULT_MAX_SLOTS, Intervention, validate
 from .lens import Attribution, Lens
+from .sae import AttachedSae
 from .run import FeatureRows, HookRows, RequestCapture, Run, TopToken
 
 MODES = ("compiled", "eager")
@@ -119,6 +120,7 @@ class SessionProtocol(Protocol):
     run: Run  # everything captured since the last new_run()
     alive: bool  # False once closed or failed (a remote one also once its server stops answering)
     interventions: list[Intervention]  # the set last given to set_interventions
+    saes: dict[str, AttachedSae]  # by name: SAEs encoding installed hooks' rows in the engine
 
     def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]: ...
 
@@ -148,6 +150,14 @@ class SessionProtocol(Protocol):
 
     def tokenize(self, text: str) -> list[int]:
         """The model's token ids for ``text`` as a continuation (no special tokens added)."""
+
+    def attach_sae(self, path, hook: str | None = None, k: int = 32) -> AttachedSae:
+        """Encode ``hook``'s rows (installed; default: the hook the SAE's config names) with the SAE in
+        directory ``path`` (on the engine's machine) after every forward; each row's ``k`` strongest
+        features arrive in ``RequestStep.features`` and ``run``. SaeError or ValueError naming what does
+        not fit, and nothing attached."""
+
+    def detach_sae(self, name: str) -> None: ...
 
     def new_run(self) -> None: ...
 

@@ -199,6 +199,14 @@ class AttachedSae:
     def name(self) -> str:
         return self.config.name
 
+    def as_dict(self) -> dict:
+        """As run metadata and capture files describe it."""
+        return {"config": self.config.as_dict(), "hook": self.hook, "k": self.k}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AttachedSae":
+        return cls(SaeConfig(**d["config"]), str(d["hook"]), int(d["k"]))
+
     def steering(self, feature: int, strength: float, request_id: str | None = None,
                  positions: tuple[int, ...] | None = None) -> Intervention:
         """Feature steering: ``strength`` times the feature's decoder direction added to the hook's

@@ -16,6 +16,7 @@ from inspector.capture.lens import Attribution, Lens
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent,
                                         checked_interventions, fold_event)
 from inspector.capture.run import Run
+from inspector.capture.sae import AttachedSae, SaeConfig
 from inspector.experiments.methods import Experiments
 from inspector.net.keys import ClientKeys
 from inspector.net.wire import (Message, WireError, convert, event_from_body, hooks_from_body, progress_from_body,
@@ -98,6 +99,7 @@ class RemoteSession(Experiments):
         self.catalogue: list[HookPoint] = hooks_from_body(body["catalogue"])
         self.installed: dict[str, HookPoint] = {h.name: h for h in hooks_from_body(list(body["installed"].values()))}
         self.metadata: dict = dict(body["metadata"])
+        self.saes: dict[str, AttachedSae] = {sae.name: sae for sae in map(_attached, body.get("saes", []))}
 
     @property
     def alive(self) -> bool:
@@ -112,7 +114,8 @@ class RemoteSession(Experiments):
         return None
 
     def new_run(self) -> None:
-        self.run = Run(metadata=dict(self.metadata), hooks=dict(self.installed))
+        self.run = Run(metadata={**self.metadata, "saes": [s.as_dict() for s in self.saes.values()]},
+                       hooks=dict(self.installed))
 
     def upcoming_request_ids(self, n: int) -> list[str]:
         return [f"req{self._next_id + i}" for i in range(n)]
@@ -188,6 +191,20 @@ class RemoteSession(Experiments):
         self._require_alive()
         return [int(i) for i in self._call("tokenize", {"text": str(text)}).body["ids"]]
 
+    def attach_sae(self, path, hook: str | None = None, k: int = 32) -> AttachedSae:
+        """``path`` is a directory on the server's machine; checked there (ValueError with the reason)."""
+        self._require_alive()
+        sae = _attached(self._call("attach_sae", {"path": str(path), "hook": hook, "k": int(k)}).body)
+        self.saes[sae.name] = sae
+        self.run.metadata["saes"] = [s.as_dict() for s in self.saes.values()]
+        return sae
+
+    def detach_sae(self, name: str) -> None:
+        self._require_alive()
+        self._call("detach_sae", {"name": name})
+        self.saes.pop(name, None)
+        self.run.metadata["saes"] = [s.as_dict() for s in self.saes.values()]
+
     def close(self) -> None:
         if self._conn is not None:
             connection, self._conn = self._conn, None
@@ -223,3 +240,7 @@ class RemoteSession(Experiments):
         if kind in ("invalid", "refused", "unknown-type", "bad-message", "too-large"):
             raise ValueError(text)
         raise SessionError(text)
+
+
+def _attached(body: dict) -> AttachedSae:
+    return AttachedSae(convert(body["config"], SaeConfig, "an SAE's config"), str(body["hook"]), int(body["k"]))

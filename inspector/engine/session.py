@@ -287,12 +287,14 @@ class Session(Experiments):
             raise ValueError(f"k must be within 1..1024, got {k}")
         self._llm.collective_rpc("inspector_attach_sae", args=(config.as_dict(), hook, k))
         self.saes[config.name] = AttachedSae(config, hook, k)
+        self.run.metadata["saes"] = [sae.as_dict() for sae in self.saes.values()]
         return self.saes[config.name]
 
     def detach_sae(self, name: str) -> None:
         self._require_alive()
         self._llm.collective_rpc("inspector_detach_sae", args=(name,))
         self.saes.pop(name, None)
+        self.run.metadata["saes"] = [sae.as_dict() for sae in self.saes.values()]
 
     # --- internals ---
 
@@ -417,6 +419,7 @@ class Session(Experiments):
             "dtype": self.options.dtype,
             "engine_mode": self.options.mode,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "saes": [sae.as_dict() for sae in self.saes.values()],  # what features in the run come from
         }
 
 

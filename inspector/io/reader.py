@@ -14,7 +14,7 @@ import numpy as np
 from inspector.capture.attention import AttentionGeometry
 from inspector.capture.routing import Routing
 from inspector.capture.hooks import HookPoint
-from inspector.capture.run import HookRows, LensRows, RequestCapture, Run, TopToken
+from inspector.capture.run import FeatureRows, HookRows, LensRows, RequestCapture, Run, TopToken
 
 from .format import FORMAT_NAME, FORMAT_VERSION, CaptureFileError, get_text, os_reason, read_texts, unescape_name
 
@@ -289,6 +289,20 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
             lens[name].append(*columns.values())
         return lens
 
+    def read_features(request_group) -> dict[str, FeatureRows]:
+        """The request's SAE features by SAE (absent in files written without one)."""
+        features = {}
+        for link, fg in (group(request_group, "features").items() if "features" in request_group else ()):
+            columns = {column: dataset(fg, column) for column in ("positions", "ids", "activations")}
+            ids = columns["ids"]
+            if ids.ndim != 2 or columns["activations"].shape != ids.shape or len(columns["positions"]) != len(ids):
+                raise damaged(f"the feature datasets of {fg.name} have shapes "
+                              f"{ {c: a.shape for c, a in columns.items()} }")
+            name = get_text(fg, "name") or unescape_name(link)
+            features[name] = FeatureRows(ids.shape[1])
+            features[name].append(*columns.values())
+        return features
+
     meta_text = get_text(f, "metadata")
     if meta_text is not None:
         metadata = json_attr(f, "metadata", {})
@@ -380,6 +394,7 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
         hook_rows.sort(key=lambda x: x[0])
         req.hooks = {name: rows for _, name, rows in hook_rows}
         req.lens = read_lens(g)
+        req.features = read_features(g)
         requests[rid] = req
     vocabulary = {}
     if "vocabulary" in f:  # absent in files without a lens

@@ -22,7 +22,7 @@ from inspector import __version__ as APP_VERSION
 from inspector.capture.arrays import GrowableArray
 from inspector.capture.hooks import HookPoint
 from inspector.capture.routing import Routing, route
-from inspector.capture.run import LensRows, RequestCapture, Run, TopToken
+from inspector.capture.run import FeatureRows, LensRows, RequestCapture, Run, TopToken
 
 from .format import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, chunk_cols_for, chunk_rows_for,
                      compression_kwargs, escape_name, os_reason, set_text, to_json, write_texts)
@@ -96,12 +96,13 @@ class _Snapshot:
 
 
 class _Request:
-    __slots__ = ("index", "group", "snapshot", "buffers", "lens")
+    __slots__ = ("index", "group", "snapshot", "buffers", "lens", "features")
 
     def __init__(self, index: int, group, snapshot: _Snapshot):
         self.index, self.group, self.snapshot = index, group, snapshot
         self.buffers: dict[str, _HookBuffer] = {}
         self.lens: dict[str, LensRows] = {}  # small (k ids and logprobs a row): written with the request's data
+        self.features: dict[str, FeatureRows] = {}  # small too (k ids and activations a row): likewise
 
 
 class CaptureWriter:
@@ -378,6 +379,16 @@ class CaptureWriter:
             rows = req.lens[hook] = LensRows(np.shape(top_ids)[1] if np.ndim(top_ids) == 2 else 0)
         rows.append(*(columns[name] for name in LensRows.COLUMNS))
 
+    def append_features(self, request_id: str, sae: str, positions, ids, activations) -> None:
+        """Append an attached SAE's strongest features of a request's rows (``RequestStep.features``)."""
+        self._check_open()
+        req = self._request(request_id)
+        ids = np.asarray(ids, np.int32)
+        if ids.ndim != 2 or np.shape(activations) != ids.shape or len(positions) != len(ids):
+            raise ValueError(f"features of SAE {sae!r}: positions [n], ids and activations [n, k] expected, got "
+                             f"{np.shape(positions)}, {ids.shape} and {np.shape(activations)}")
+        req.features.setdefault(sae, FeatureRows(ids.shape[1])).append(positions, ids, activations)
+
     def add_vocabulary(self, texts: dict[int, str]) -> None:
         """Texts of token ids the file names beyond its tokens (the lens's top tokens), so a reader
         without the model can show them."""
@@ -537,12 +548,26 @@ class CaptureWriter:
         if req.lens:
             lens_group = g.create_group("lens")
             for name, rows in req.lens.items():
-                link = escape_name(name)
-                hg = lens_group.create_group(link)
-                if link != name:
-                    set_text(hg, "name", name)
+                hg = _named_group(lens_group, name)
                 for column in LensRows.COLUMNS:
                     hg.create_dataset(column, data=rows.column(column))
+        if "features" in g:
+            del g["features"]
+        if req.features:
+            features_group = g.create_group("features")
+            for name, rows in req.features.items():
+                fg = _named_group(features_group, name)
+                for column in ("positions", "ids", "activations"):
+                    fg.create_dataset(column, data=getattr(rows, column))
+
+
+def _named_group(parent, name: str):
+    """A group for ``name`` (escaped as a link; the name itself then kept in its ``name`` attribute)."""
+    link = escape_name(name)
+    group = parent.create_group(link)
+    if link != name:
+        set_text(group, "name", name)
+    return group
 
 
 def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,
@@ -572,6 +597,8 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
                         progress(min(1.0, done / total))
             for name, lens in req.lens.items():
                 writer.append_lens(req.request_id, name, {c: lens.column(c) for c in LensRows.COLUMNS})
+            for name, features in req.features.items():
+                writer.append_features(req.request_id, name, features.positions, features.ids, features.activations)
             writer.update_request(req)
             if req.finish_reason is None:  # update_request wrote a finished one's rows already
                 writer.release(req.request_id)

@@ -241,7 +241,8 @@ def _step_to_body(step: RequestStep) -> dict:
             "intervention_log": [[position, list(ivs)] for position, ivs in step.intervention_log],
             "finished": step.finished, "finish_reason": step.finish_reason,
             "rows": {hook: len(rows[0]) for hook, rows in step.rows.items()},
-            "scores": None if step.scores is None else list(step.scores)}
+            "scores": None if step.scores is None else list(step.scores),
+            "features": {name: list(features) for name, features in step.features.items()}}
 
 
 def event_from_body(body: dict) -> StepEvent:
@@ -268,9 +269,13 @@ def _request_step(d: dict, rows: dict) -> RequestStep:
     scores = d.get("scores")
     if scores is not None and not (len(scores) == 2 and all(isinstance(a, np.ndarray) for a in scores)):
         raise ValueError("scores must be two arrays")
+    features = d.get("features") or {}
+    if not all(len(f) == 3 and all(isinstance(a, np.ndarray) for a in f) for f in features.values()):
+        raise ValueError("features must be three arrays per SAE")
     return RequestStep(str(d["request_id"]), tuple(d["new_token_ids"]), tuple(d["new_texts"]), tuple(d["logprobs"]),
                        top, rows, log, bool(d["finished"]), d["finish_reason"],
-                       None if scores is None else (scores[0], scores[1]))
+                       None if scores is None else (scores[0], scores[1]),
+                       {str(name): (f[0], f[1], f[2]) for name, f in features.items()})
 
 
 def hooks_from_body(points: list) -> list[HookPoint]:

@@ -20,6 +20,7 @@ import numpy as np
 from inspector.capture.hooks import HookPoint, installed_name
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import RequestStep, Sampling, SessionError, StepEvent, checked_interventions
+from inspector.capture.sae import read_sae
 from inspector.net.wire import Message, WireError, convert, event_to_body, to_builtins
 
 SEPARATOR = "/"
@@ -45,6 +46,7 @@ class Client:
     interventions: list[Intervention] = field(default_factory=list)  # as it gave them, its own ids
     calls: dict[int, Call] = field(default_factory=dict)
     owner: dict[str, int] = field(default_factory=dict)  # its open request -> the call it belongs to
+    saes: set[str] = field(default_factory=set)  # the engine's SAEs whose features it gets (it attached them)
 
     def internal(self, rid: str) -> str:
         return f"{self.tag}{SEPARATOR}{rid}"
@@ -67,7 +69,7 @@ class Hub:
         """A client's message; anything wrong with it becomes an error reply, never an exception."""
         handlers = {"hello": self._hello, "generate": self._generate, "stop": self._stop, "bye": self._bye,
                     "set_interventions": self._set_interventions, "set_hooks": self._set_hooks, "lens": self._lens,
-                    "attribution": self._attribution,
+                    "attribution": self._attribution, "attach_sae": self._attach_sae, "detach_sae": self._detach_sae,
                     "token_texts": self._token_texts, "tokenize": self._tokenize}
         if message.type not in handlers:
             self.send(key, error(message, "unknown-type", f"unknown message type {message.type!r}"))
@@ -100,6 +102,8 @@ class Hub:
         if ids:
             self._route(self.session.cancel(ids))  # its last events, and done, in case it still listens
         del self.clients[key]
+        for name in client.saes:
+            self._release_sae(name)
         if client.interventions:
             self._push_interventions()
         if client.hooks is not None:
@@ -133,7 +137,8 @@ class Hub:
         options = dataclasses.replace(s.options, engine_args={}, retain_rows=True)
         return {"options": to_builtins(options), "catalogue": to_builtins(s.catalogue),
                 "installed": to_builtins(self.installed_for(client)), "metadata": s.run.metadata,
-                "clients": len(self.clients)}
+                "clients": len(self.clients),
+                "saes": [s.saes[name].as_dict() for name in sorted(client.saes) if name in s.saes]}
 
     def installed_for(self, client: Client) -> dict[str, HookPoint]:
         installed = self.session.installed
@@ -227,6 +232,37 @@ class Hub:
         result = self.session.attribution(values, residual, message.body.get("k", 5), chosen)
         self.send(client.key, Message("ok", result.as_arrays(), message.id))
 
+    def _attach_sae(self, client: Client, message: Message) -> None:
+        """An SAE on the server's machine; one another client attached already (same directory, hook and
+        k) is shared, not encoded twice."""
+        path, hook, k = message.body.get("path"), message.body.get("hook"), message.body.get("k", 32)
+        if not isinstance(path, str) or not (hook is None or isinstance(hook, str)) or not isinstance(k, int):
+            raise WireError("invalid", "attach_sae needs 'path' (a directory on the server), optional 'hook' and 'k'")
+        config = read_sae(path)  # SaeError (a ValueError): an error reply
+        hook_name = self._installed_name(client, hook or config.hook) if (hook or config.hook) else None
+        existing = self.session.saes.get(config.name)
+        if existing is not None and (existing.config, existing.hook, existing.k) != (config, hook_name, k):
+            raise WireError("refused", f"another client has an SAE named {config.name!r} attached to "
+                                       f"{existing.hook} (k = {existing.k}); give yours a directory of another name")
+        if existing is None:
+            self.session.attach_sae(path, hook_name, k)
+        client.saes.add(config.name)
+        self.send(client.key, Message("ok", self.session.saes[config.name].as_dict(), message.id))
+
+    def _detach_sae(self, client: Client, message: Message) -> None:
+        name = message.body.get("name")
+        if not isinstance(name, str):
+            raise WireError("invalid", "detach_sae needs 'name'")
+        if name in client.saes:
+            client.saes.discard(name)
+            self._release_sae(name)
+        self.send(client.key, Message("ok", {}, message.id))
+
+    def _release_sae(self, name: str) -> None:
+        """Detach an SAE from the engine once no client gets its features."""
+        if name in self.session.saes and not any(name in c.saes for c in self.clients.values()):
+            self.session.detach_sae(name)
+
     def _token_texts(self, client: Client, message: Message) -> None:
         ids = message.body.get("ids")
         if not isinstance(ids, np.ndarray):
@@ -300,7 +336,8 @@ class Hub:
     def _translate(self, client: Client, rid: str, step: RequestStep) -> RequestStep:
         rows = step.rows if client.hooks is None else {h: r for h, r in step.rows.items() if h in client.hooks}
         log = tuple((position, tuple(self._own(client, d) for d in ivs)) for position, ivs in step.intervention_log)
-        return dataclasses.replace(step, request_id=rid, rows=rows, intervention_log=log)
+        features = {name: f for name, f in step.features.items() if name in client.saes}
+        return dataclasses.replace(step, request_id=rid, rows=rows, intervention_log=log, features=features)
 
     def _own(self, client: Client, d: dict) -> dict:
         """An engine log entry's intervention as the client gave it: its own request id, or none for one
