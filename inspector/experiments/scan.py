@@ -1,0 +1,195 @@
+"""Corpus scans: a corpus's documents run through the engine prefill-only, a batch at a time, and per
+unit (an attached SAE's feature, or else one of a hook's neurons) the ``top`` strongest activations kept
+with where they occurred and the tokens around them, and a histogram of every activation seen. What is
+kept is units × ``top`` whatever the corpus's size, and it is all there is to resume from.
+
+With an SAE, the activations seen are each token's strongest features as the engine sends them
+(``k`` per token): a feature's histogram counts the tokens where it was among them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from inspector.capture.protocol import Sampling, SessionProtocol
+
+BEFORE, AFTER = 8, 3  # tokens kept around each top activation
+BINS = 48  # histogram bins between the edges, plus one below and one above
+
+
+@dataclass(frozen=True)
+class ScanSpec:
+    hook: str  # an installed hook's name
+    sae: str | None = None  # an attached SAE's name: its features are the units; None: the hook's neurons
+    top: int = 20
+    batch: int = 16  # documents per engine call
+
+
+@dataclass
+class ScanState:
+    """What a scan found so far, and how far it got (what a scan file holds)."""
+
+    units: int
+    top: int
+    top_activations: np.ndarray = None  # [units, top] float32, strongest first; -inf: empty
+    top_documents: np.ndarray = None  # [units, top] int64 (corpus index), -1: empty
+    top_positions: np.ndarray = None  # [units, top] int32 (token position in its document)
+    top_windows: np.ndarray = None  # [units, top, BEFORE + 1 + AFTER] int32 token ids, -1 outside the document
+    histogram: np.ndarray = None  # [units, BINS + 2] int64: below the first edge, the bins, above the last
+    edges: np.ndarray | None = None  # [BINS + 1], fixed by the first batch
+    documents_done: int = 0
+    tokens_done: int = 0
+    truncated: list[int] = field(default_factory=list)  # documents cut to fit the engine's context
+
+    def __post_init__(self):
+        if self.top_activations is None:
+            self.top_activations = np.full((self.units, self.top), -np.inf, np.float32)
+            self.top_documents = np.full((self.units, self.top), -1, np.int64)
+            self.top_positions = np.zeros((self.units, self.top), np.int32)
+            self.top_windows = np.full((self.units, self.top, BEFORE + 1 + AFTER), -1, np.int32)
+            self.histogram = np.zeros((self.units, BINS + 2), np.int64)
+
+    def add(self, units: np.ndarray, activations: np.ndarray, document: int, positions: np.ndarray,
+            tokens: np.ndarray) -> None:
+        """Activations of one document: ``units[i]`` was ``activations[i]`` at ``positions[i]`` (flat
+        arrays); ``tokens`` are the document's token ids."""
+        units, activations = np.asarray(units, np.int64), np.asarray(activations, np.float32)
+        if self.edges is None:
+            self.edges = histogram_edges(activations)
+        bins = np.searchsorted(self.edges, activations, side="right")  # 0: below, BINS + 1: above
+        self.histogram += np.bincount(units * (BINS + 2) + bins, minlength=self.histogram.size).reshape(
+            self.histogram.shape)
+        floor = self.top_activations[units, -1]
+        better = activations > floor  # only these can enter a unit's top
+        if better.any():
+            self._merge(units[better], activations[better], document, np.asarray(positions)[better], tokens)
+
+    def add_rows(self, values: np.ndarray, document: int, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """A document's dense rows [rows, units] (a hook's neurons): every value counts in the histograms,
+        each unit's ``top`` strongest rows are candidates."""
+        values = np.asarray(values, np.float32)
+        if self.edges is None:
+            self.edges = histogram_edges(values)
+        rows, units = values.shape
+        bins = np.searchsorted(self.edges, values, side="right")
+        self.histogram += np.bincount((np.arange(units) * (BINS + 2) + bins).ravel(),
+                                      minlength=self.histogram.size).reshape(self.histogram.shape)
+        n = min(self.top, rows)
+        best = np.argpartition(-values, n - 1, axis=0)[:n] if n < rows else np.broadcast_to(
+            np.arange(rows)[:, None], (rows, units))
+        chosen = values[best, np.arange(units)]
+        unit_ids = np.broadcast_to(np.arange(units), best.shape)
+        better = chosen > self.top_activations[unit_ids, -1]
+        if better.any():
+            self._merge(unit_ids[better], chosen[better], document, np.asarray(positions)[best[better]], tokens)
+
+    def _merge(self, units, activations, document: int, positions, tokens) -> None:
+        """Each touched unit's top: its kept entries and the candidates, strongest first."""
+        touched = np.unique(units)
+        n = self.top
+        all_units = np.concatenate([np.repeat(touched, n), units])
+        all_acts = np.concatenate([self.top_activations[touched].ravel(), activations])
+        all_docs = np.concatenate([self.top_documents[touched].ravel(), np.full(len(units), document)])
+        all_pos = np.concatenate([self.top_positions[touched].ravel(), positions.astype(np.int32)])
+        windows = windows_at(tokens, positions)
+        all_windows = np.concatenate([self.top_windows[touched].reshape(-1, windows.shape[1]), windows])
+        order = np.lexsort((-all_acts, all_units))
+        sorted_units = all_units[order]
+        first = np.flatnonzero(np.r_[True, sorted_units[1:] != sorted_units[:-1]])
+        rank = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
+        keep = order[rank < n]
+        rows, cols = all_units[keep], rank[rank < n]
+        self.top_activations[rows, cols] = all_acts[keep]
+        self.top_documents[rows, cols] = all_docs[keep]
+        self.top_positions[rows, cols] = all_pos[keep]
+        self.top_windows[rows, cols] = all_windows[keep]
+
+
+def histogram_edges(first: np.ndarray) -> np.ndarray:
+    """Bins over the first batch's range, widened by half on each side (nonnegative data stays so);
+    later values beyond them fall in the end bins."""
+    finite = first[np.isfinite(first)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    span = max(hi - lo, 1e-6)
+    lo = 0.0 if lo >= 0 else lo - span / 2
+    return np.linspace(lo, hi + span / 2, BINS + 1)
+
+
+def windows_at(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """[len(positions), BEFORE + 1 + AFTER] token ids around each position (-1 outside the document)."""
+    tokens = np.asarray(tokens, np.int32)
+    at = np.asarray(positions, np.int64)[:, None] + np.arange(-BEFORE, AFTER + 1)
+    inside = (at >= 0) & (at < len(tokens))
+    return np.where(inside, tokens[np.clip(at, 0, len(tokens) - 1)], -1).astype(np.int32)
+
+
+def scan(session: SessionProtocol, documents: list[str], spec: ScanSpec, state: ScanState,
+         progress: Callable[[ScanState, float], None] = lambda state, seconds: None,
+         cancelled: Callable[[], bool] = lambda: False, save: Callable[[ScanState], None] = lambda state: None,
+         save_every_s: float = 30.0) -> ScanState:
+    """Go on from ``state.documents_done``: batches of ``spec.batch`` documents, each prefilled (one
+    token generated, nothing of it captured beyond the prompt); ``save(state)`` after a batch at most
+    every ``save_every_s`` and at the end, or when ``cancelled()`` (checked between batches)."""
+    limit = session.options.max_model_len - 1
+    started, saved = time.perf_counter(), time.perf_counter()
+    sampling = Sampling(max_tokens=1, temperature=0.0, logprobs=0, ignore_eos=True)
+    while state.documents_done < len(documents) and not cancelled():
+        first = state.documents_done
+        batch = [_fitted(session, documents[i], limit, i, state) for i in range(first, min(first + spec.batch,
+                                                                                           len(documents)))]
+        ids = session.upcoming_request_ids(len(batch))
+        index = {rid: first + i for i, rid in enumerate(ids)}
+        tokens, pieces = {}, {rid: [] for rid in ids}
+        session.new_run()
+        for event in session.generate(batch, sampling):
+            for start in event.started:
+                tokens[start.request_id] = np.asarray(start.prompt_token_ids)
+            for step in event.requests:
+                if step.request_id in pieces:
+                    pieces[step.request_id].append(step)
+        for rid in ids:
+            _add_document(state, spec, pieces[rid], index[rid], tokens[rid])
+        state.documents_done = first + len(batch)
+        progress(state, time.perf_counter() - started)
+        if time.perf_counter() - saved >= save_every_s:
+            save(state)
+            saved = time.perf_counter()
+    save(state)
+    return state
+
+
+def _add_document(state: ScanState, spec: ScanSpec, steps, document: int, tokens: np.ndarray) -> None:
+    prompt = len(tokens)
+    if spec.sae is None:
+        parts = [s.rows[spec.hook] for s in steps if spec.hook in s.rows]
+        positions = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        keep = positions < prompt
+        if keep.any():
+            values = np.concatenate([p[2] for p in parts])[keep]
+            state.add_rows(values, document, positions[keep], tokens)
+    else:
+        parts = [s.features[spec.sae] for s in steps if spec.sae in s.features]
+        positions = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        keep = positions < prompt
+        if keep.any():
+            ids, acts = np.concatenate([p[1] for p in parts])[keep], np.concatenate([p[2] for p in parts])[keep]
+            active = ids >= 0
+            state.add(ids[active], acts[active], document, np.broadcast_to(positions[keep][:, None], ids.shape)[active],
+                      tokens)
+    state.tokens_done += int(keep.sum())
+
+
+def _fitted(session: SessionProtocol, text: str, limit: int, document: int, state: ScanState) -> str:
+    """The document, cut to fit the engine's context (noted in ``state.truncated``)."""
+    n = len(session.tokenize(text)) + 1  # a beginning-of-text token may come first
+    if n <= limit:
+        return text
+    while n > limit:
+        text = text[:max(1, int(len(text) * limit / n * 0.95))]
+        n = len(session.tokenize(text)) + 1
+    state.truncated.append(document)
+    return text
