@@ -27,6 +27,9 @@ from .connection import Connection, ServerGone
 CONNECT_TIMEOUT_S = 10.0  # for a first answer; once the server answers, a boot may take as long as it takes
 
 
+GONE_WAIT_S = 1.0  # see RemoteSession._gone_reason
+
+
 def connect(url: str, progress: Callable[[BootProgress], None] | None = None, keys: ClientKeys | None = None,
             retain_rows: bool = True, timeout_s: float = CONNECT_TIMEOUT_S,
             why_gone: Callable[[], str | None] = lambda: None, on_close: Callable[[], None] = lambda: None
@@ -110,7 +113,7 @@ class RemoteSession(Experiments):
     def lost(self) -> str | None:
         """Why the server is gone, or None while it answers."""
         if self._conn is not None and self._conn.lost is not None:
-            return self._why_gone() or self._conn.lost
+            return self._gone_reason() or self._conn.lost
         return None
 
     def new_run(self) -> None:
@@ -137,7 +140,7 @@ class RemoteSession(Experiments):
                     fold_event(self.run, event, keep_rows=self.options.retain_rows)
                     yield event
         except (ServerGone, WireError) as e:
-            raise SessionError(f"{self._why_gone() or e}. Everything received so far is kept; connect again (or "
+            raise SessionError(f"{self._gone_reason() or e}. Everything received so far is kept; connect again (or "
                                "restart the engine) to go on.") from None
         except SessionError:
             self._failed = True  # the server's engine failed
@@ -229,10 +232,18 @@ class RemoteSession(Experiments):
         try:
             reply = self._conn.call(type_, body)
         except ServerGone as e:
-            raise SessionError(self._why_gone() or str(e)) from None
+            raise SessionError(self._gone_reason() or str(e)) from None
         if reply.type == "error":
             self._raise(reply)
         return reply
+
+    def _gone_reason(self) -> str | None:
+        """Why the server went, once the connection is gone: a killed child process closes its socket a
+        moment before the system reports it dead, so that moment is waited for."""
+        deadline = time.monotonic() + (GONE_WAIT_S if self.process is not None else 0.0)
+        while (why := self._why_gone()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return why
 
     @staticmethod
     def _raise(message: Message):
