@@ -93,6 +93,7 @@ class RemoteSession(Experiments):
                                "the server's options")
         self._active_call: int | None = None
         self._failed = False  # the server's engine failed
+        self._gone_waited = False  # _gone_reason waited for a child process once
         self.process = None  # the server's process, when it is our child (inspector.client.local)
         self._refused: str | None = None  # an intervention set the server refused, said on the next call
         self._interventions: list[Intervention] = []
@@ -240,7 +241,8 @@ class RemoteSession(Experiments):
     def _gone_reason(self) -> str | None:
         """Why the server went, once the connection is gone: a killed child process closes its socket a
         moment before the system reports it dead, so that moment is waited for."""
-        deadline = time.monotonic() + (GONE_WAIT_S if self.process is not None else 0.0)
+        deadline = time.monotonic() + (GONE_WAIT_S if self.process is not None and not self._gone_waited else 0.0)
+        self._gone_waited = True  # once: a child that lingers must not stall every later question
         while (why := self._why_gone()) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         return why
