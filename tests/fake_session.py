@@ -6,7 +6,9 @@ boot stages in order, request ids ``req<N>`` unique across sessions, every reque
 ends every request when stopped, compiled hook changes that restart, failures as ``SessionError``
 that leave the session dead and its run intact, and the catalogue the plugin gives a Llama of the
 same shape. Activations are synthetic: ``fake_value(...) * scale + bias``; the tokens follow the
-prompt's length, one word on while an intervention applies to the request.
+prompt's length, one word on while an intervention applies to the request. Attached SAEs are refused
+as the real session refuses them, and their features are the reference encoding (``capture.sae``) of
+the fake's rows, so a test may compare what the app shows with the encoding itself.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from dataclasses import replace
 import numpy as np
 
 from inspector.capture.attention import AttentionGeometry
-from inspector.capture.hooks import HookPoint
+from inspector.capture.hooks import HookPoint, installed_name
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
 from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError,
                                         SessionOptions, StepEvent, checked_interventions, fold_event)
 from inspector.capture.run import Run, TopToken
+from inspector.capture.sae import CONFIG_FILE, AttachedSae, encode, load_weights, read_sae, strongest
 from inspector.experiments.methods import Experiments
 
 FAKE_VOCAB_SIZE = 1024  # the fake's token ids stay below it
@@ -94,6 +97,8 @@ class FakeSession(Experiments):
         self._lock = threading.Lock()
         self._pending: list[Intervention] | None = None
         self._interventions: list[Intervention] = []
+        self.saes: dict[str, AttachedSae] = {}
+        self._sae_weights: dict[str, dict[str, np.ndarray]] = {}  # by SAE name, read once when attached
         self.new_run()
 
     @classmethod
@@ -112,7 +117,8 @@ class FakeSession(Experiments):
     def new_run(self) -> None:
         self.threads.add(threading.get_ident())
         self.run = Run(metadata={"model": self.options.model, "model_path": f"/fake/{self.options.model}",
-                                 "engine_mode": self.options.mode, "dtype": self.options.dtype},
+                                 "engine_mode": self.options.mode, "dtype": self.options.dtype,
+                                 "saes": [sae.as_dict() for sae in self.saes.values()]},
                        hooks=dict(self.installed))
 
     def upcoming_request_ids(self, n: int) -> list[str]:
@@ -139,6 +145,8 @@ class FakeSession(Experiments):
         self.options = replace(self.options, hooks=tuple(patterns))
         self.run.hooks.update(self.installed)
         self._interventions = [iv for iv in self._interventions if iv.hook in self.installed]
+        self.saes = {name: sae for name, sae in self.saes.items() if sae.hook in self.installed}
+        self._sae_weights = {name: self._sae_weights[name] for name in self.saes}
         if self.options.mode == "compiled":
             time.sleep(self.boot_delay)
             return True
@@ -176,6 +184,33 @@ class FakeSession(Experiments):
         """As prompts are tokenized (``_start``), without the empty prompt's placeholder."""
         self._require_alive()
         return [sum(map(ord, text[i:i + 3])) % 1000 for i in range(0, len(text), 3)]
+
+    def attach_sae(self, path, hook: str | None = None, k: int = 32) -> AttachedSae:
+        """As the real session: the same checks, in the same order, with the same messages."""
+        self._require_alive()
+        self.threads.add(threading.get_ident())
+        config = read_sae(path)
+        if not hook and not config.hook:
+            raise ValueError(f"{config.name}: its {CONFIG_FILE} names no hook; say which hook it reads")
+        hook = installed_name(hook or config.hook, self.installed)
+        if config.name in self.saes:
+            raise ValueError(f"an SAE named {config.name!r} is attached already")
+        if not 0 < k <= 1024:
+            raise ValueError(f"k must be within 1..1024, got {k}")
+        info = self.installed[hook]
+        if config.d_in != info.width:
+            raise ValueError(f"SAE {config.name} reads {config.d_in}-wide rows, but {info.alias} is {info.width} wide")
+        self._sae_weights[config.name] = load_weights(config)
+        self.saes[config.name] = AttachedSae(config, hook, k)
+        self.run.metadata["saes"] = [sae.as_dict() for sae in self.saes.values()]
+        return self.saes[config.name]
+
+    def detach_sae(self, name: str) -> None:
+        self._require_alive()
+        self.threads.add(threading.get_ident())
+        self.saes.pop(name, None)
+        self._sae_weights.pop(name, None)
+        self.run.metadata["saes"] = [sae.as_dict() for sae in self.saes.values()]
 
     def close(self) -> None:
         self.threads.add(threading.get_ident())
@@ -252,8 +287,9 @@ class FakeSession(Experiments):
         scores = None
         if sampling.score_token_ids:
             scores = (positions[-1:], self._scores(rows, tokens, sampling.score_token_ids)[None])
+        features = {name: self._features(sae, *rows[sae.hook]) for name, sae in self.saes.items() if sae.hook in rows}
         if not sampling.capture:
-            rows = {}
+            rows, features = {}, {}
         n_generated = len(tokens) - prompt_len
         # an intervention in effect moves the choice one word on: a comparison's twins part where it starts
         choice = (n_generated + prompt_len + bool(mine)) % len(VOCAB)
@@ -266,7 +302,11 @@ class FakeSession(Experiments):
         if finished:
             del todo[rid]
         return RequestStep(rid, (token,), (text,), (logprob,), (top,), rows, log, finished,
-                           "length" if finished else None, scores)
+                           "length" if finished else None, scores, features)
+
+    def _features(self, sae: AttachedSae, positions: np.ndarray, token_ids: np.ndarray, values: np.ndarray) -> tuple:
+        """(positions, ids, activations) of each row's ``sae.k`` strongest features, as the engine sends them."""
+        return (positions, *strongest(encode(sae.config, self._sae_weights[sae.name], values), sae.k))
 
     def _scores(self, rows: dict, tokens: list[int], ids) -> np.ndarray:
         """Logprobs of ``ids`` next: the fake unembedding of the installed hooks' rows of this step,

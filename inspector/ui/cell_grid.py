@@ -1,6 +1,7 @@
-"""A labelled grid of coloured cells: hook points down the left, the input tokens along the top.
+"""A labelled grid of coloured cells: hook points (or experts, or features) down the left, the input
+tokens along the top.
 
-The Lens and Patching tabs draw their layers × tokens results with it. It is custom-painted and only
+The Lens, Patching, Experts and Features tabs draw their results with it. It is custom-painted and only
 the visible cells are drawn, so a long prompt costs a repaint of what is on screen, not of every cell.
 What it draws is any object with the methods of ``Cells``; ``mode`` is passed through untouched.
 """
@@ -11,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 from PySide6.QtCore import QEvent, QPoint, QRect, Qt, Signal
-from PySide6.QtGui import QColor, QImage, QPainter, QPen, QPixmap
+from PySide6.QtGui import QColor, QFont, QImage, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QAbstractScrollArea, QToolTip
 
 from .heatmap import colormap
@@ -50,6 +51,7 @@ def lookup_strip(lut: np.ndarray, width: int = 96, height: int = 12) -> QPixmap:
 class CellGrid(QAbstractScrollArea):
     cellClicked = Signal(int, int)
     cellHovered = Signal(int, int)
+    labelClicked = Signal(int)  # a row's label
 
     def __init__(self, corner: str, waiting: str, row_heights: tuple[int, int] = (24, 44), parent=None):
         """``corner``: the text above the row labels; ``waiting``: what shows before the first cells;
@@ -60,6 +62,7 @@ class CellGrid(QAbstractScrollArea):
         self.mode = ""
         self.message = ""
         self.selected: tuple[int, int] | None = None
+        self.highlighted_row: int | None = None  # outlined, its label in bold
         self.row_h = row_heights[0]
         self._colours = np.zeros((0, 0), np.uint32)  # ARGB per cell, 0 where empty
         self._lut = np.zeros((256, 3), np.uint8)
@@ -138,6 +141,10 @@ class CellGrid(QAbstractScrollArea):
         for c in cols:  # thin gaps between the columns
             x = self.cell_rect(0, c).left()
             painter.drawLine(x, HEADER_H, x, area.height())
+        if self.highlighted_row is not None and self.highlighted_row < grid.shape[0]:
+            painter.setPen(QPen(SELECTED, 1))
+            row = self.cell_rect(self.highlighted_row, 0)
+            painter.drawRect(row.left(), row.top(), grid.shape[1] * CELL_W - 1, self.row_h - 1)
         if self.selected is not None and self.selected[0] < grid.shape[0] and self.selected[1] < grid.shape[1]:
             painter.setPen(QPen(SELECTED, 2))
             painter.drawRect(self.cell_rect(*self.selected).adjusted(1, 1, -1, -1))
@@ -149,11 +156,16 @@ class CellGrid(QAbstractScrollArea):
             painter.drawText(rect.adjusted(3, 0, -3, 0), Qt.AlignmentFlag.AlignCenter,
                              fm.elidedText(grid.input(c), Qt.TextElideMode.ElideRight, CELL_W - 6))
         painter.setClipRect(QRect(0, HEADER_H, LABEL_W, area.height()))
-        painter.setPen(QColor(40, 40, 40))
+        plain, bold = painter.font(), QFont(painter.font())
+        bold.setBold(True)
         for r in rows:
             rect = self.cell_rect(r, 0)
+            highlighted = r == self.highlighted_row
+            painter.setFont(bold if highlighted else plain)
+            painter.setPen(SELECTED if highlighted else QColor(40, 40, 40))
             painter.drawText(QRect(4, rect.top(), LABEL_W - 8, self.row_h), Qt.AlignmentFlag.AlignVCenter,
                              grid.labels[r])
+        painter.setFont(plain)
         painter.setClipping(False)
         painter.setPen(QColor(110, 110, 110))
         painter.drawText(QRect(4, 0, LABEL_W - 8, HEADER_H), Qt.AlignmentFlag.AlignVCenter, self.corner)
@@ -172,6 +184,13 @@ class CellGrid(QAbstractScrollArea):
         return QRect(LABEL_W + c * CELL_W - self.horizontalScrollBar().value(),
                      HEADER_H + r * self.row_h - self.verticalScrollBar().value(), CELL_W, self.row_h)
 
+    def label_at(self, point: QPoint) -> int | None:
+        """The row whose label is at ``point``, if any."""
+        if self.grid is None or self.message or point.x() >= LABEL_W or point.y() < HEADER_H:
+            return None
+        r = (point.y() - HEADER_H + self.verticalScrollBar().value()) // self.row_h
+        return r if r < self.grid.shape[0] else None
+
     def cell_at(self, point: QPoint) -> tuple[int, int] | None:
         if self.grid is None or self.message or point.x() < LABEL_W or point.y() < HEADER_H:
             return None
@@ -181,7 +200,13 @@ class CellGrid(QAbstractScrollArea):
         return (r, c) if r < rows and c < cols else None
 
     def mousePressEvent(self, event) -> None:
-        cell = self.cell_at(event.position().toPoint()) if event.button() == Qt.MouseButton.LeftButton else None
+        left = event.button() == Qt.MouseButton.LeftButton
+        label = self.label_at(event.position().toPoint()) if left else None
+        if label is not None:
+            event.accept()
+            self.labelClicked.emit(label)
+            return
+        cell = self.cell_at(event.position().toPoint()) if left else None
         if cell is None:
             return super().mousePressEvent(event)
         event.accept()

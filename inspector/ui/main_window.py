@@ -20,10 +20,12 @@ from PySide6.QtWidgets import (QComboBox, QDockWidget, QFileDialog, QHBoxLayout,
                                QVBoxLayout, QWidget)
 
 from inspector.capture.protocol import BOOT_STAGES, BootProgress, SessionFactory
+from inspector.capture.sae import AttachedSae
 from inspector.viewer.controller import (EMPTY_TEXT, GENERATE_TIPS, Action, AppState, Controller,
                                          describe_generation)
 from inspector.viewer.attention import AttentionPatterns, AttentionShown, attention_layers
 from inspector.viewer.compare import Comparisons
+from inspector.viewer.features import FeaturesShown, show_features
 from inspector.viewer.jobs import GenerationResult, SessionInfo
 from inspector.viewer.labels import display_token, short_hook_label
 from inspector.viewer.lens import lens_hooks, lens_kinds
@@ -33,6 +35,7 @@ from inspector.viewer.run_view import RunSource
 from .attention_view import AttentionView
 from .compare_view import CompareView
 from .connect_dialog import ConnectDialog
+from .features_view import FeaturesView
 from .heatmap import HeatmapWidget
 from .interventions_dock import InterventionsPanel
 from .lens_view import LensView
@@ -116,6 +119,7 @@ class MainWindow(QMainWindow):
         self.attention_view = AttentionView()
         self.attention_patterns = AttentionPatterns()  # kept between repaints: only new rows are computed
         self.experts_view = ExpertsView()
+        self.features_view = FeaturesView()
         self.compare_view = CompareView()
         self.comparisons = Comparisons()  # kept between repaints: only new tokens and rows are computed
         self.tabs = QTabWidget()
@@ -124,6 +128,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.lens_view, "Lens")
         self.tabs.addTab(self.attention_view, "Attention")
         self.tabs.addTab(self.experts_view, "Experts")
+        self.tabs.addTab(self.features_view, "Features")
         self.patching_view = PatchingView(self.controller.sweep)
         self.tabs.addTab(self.patching_view, "Patching")
         self.tabs.addTab(self.compare_view, "Compare")
@@ -184,6 +189,8 @@ class MainWindow(QMainWindow):
         self.act_restart = e.addAction("&Restart Engine", self.restart_engine)
         self.act_stop = e.addAction("&Stop Generation", self.controller.stop)
         e.addAction("&Tensor Parallel Size…", self.choose_tensor_parallel_size)
+        e.addSeparator()
+        self.act_attach_sae = e.addAction("Attach &SAE…", self.attach_sae_dialog)
         v = self.menuBar().addMenu("&View")
         v.addAction("Show &Live Run", self.show_live)
         self.earlier_menu = v.addMenu("Earlier Runs")
@@ -210,12 +217,14 @@ class MainWindow(QMainWindow):
         self.request_box.currentIndexChanged.connect(self._request_chosen)
         self.hook_box.currentIndexChanged.connect(self._hook_chosen)
         for view in (self.strip, self.heatmap, self.summary, self.lens_view, self.attention_view, self.experts_view,
-                     self.compare_view):
+                     self.features_view, self.compare_view):
             view.positionClicked.connect(self.select_position)
         self.summary.settingsChanged.connect(self._invalidate_views)
         self.lens_view.settingsChanged.connect(self._invalidate_views)
         self.attention_view.settingsChanged.connect(self._invalidate_views)
         self.experts_view.settingsChanged.connect(self._invalidate_views)
+        self.features_view.settingsChanged.connect(self._invalidate_views)
+        self.features_view.detachRequested.connect(self.detach_sae)
         self.attention_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.runRequested.connect(self.controller.start_sweep)
@@ -305,6 +314,19 @@ class MainWindow(QMainWindow):
             return False
         self.settings.last_server = url
         return True
+
+    def attach_sae_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Attach a sparse autoencoder (a directory in SAELens's format)",
+                                                self.settings.last_dir)
+        if path:
+            self.attach_sae(path)
+
+    def attach_sae(self, path: str) -> bool:
+        """Attach the SAE in directory ``path`` to the hook its config names (on the engine's thread)."""
+        return self.controller.attach_sae(path)
+
+    def detach_sae(self, name: str) -> bool:
+        return self.controller.detach_sae(name)
 
     def restart_engine(self) -> None:
         if self.controller.enabled(Action.RESTART):
@@ -411,6 +433,7 @@ class MainWindow(QMainWindow):
         self.lens_view.set_colormap(name)
         self.attention_view.set_colormap(name)
         self.experts_view.set_colormap(name)
+        self.features_view.set_colormap(name)
         self.settings.colormap = name
 
     # ================================================================== ControllerView
@@ -423,6 +446,7 @@ class MainWindow(QMainWindow):
         self.act_stop.setEnabled(c.enabled(Action.STOP))
         self.act_restart.setEnabled(c.enabled(Action.RESTART))
         self.act_new_run.setEnabled(c.enabled(Action.NEW_RUN))
+        self.act_attach_sae.setEnabled(c.enabled(Action.EDIT_SAES))
         for action in (self.act_open_model, self.act_demo, self.act_connect):
             action.setEnabled(c.enabled(Action.OPEN_MODEL))
         self.recent_models_menu.setEnabled(c.enabled(Action.OPEN_MODEL) and bool(self.settings.recent_models))
@@ -502,6 +526,11 @@ class MainWindow(QMainWindow):
 
     def hooks_refused(self, info: SessionInfo) -> None:
         self.tree.set_checked(info.installed)
+
+    def saes_changed(self, attached: AttachedSae | None) -> None:
+        if attached is not None:
+            self.features_view.choose(attached.name)
+        self._invalidate_views()
 
     def interventions_dropped(self, message: str) -> None:
         self.interventions.set_hooks(self.controller.info.installed if self.controller.info else {})
@@ -678,6 +707,8 @@ class MainWindow(QMainWindow):
             self._refresh_attention(view, sel.request, empty)
         elif self.tabs.currentWidget() is self.experts_view:
             self._refresh_experts(view, sel.request, empty)
+        elif self.tabs.currentWidget() is self.features_view:
+            self._refresh_features(view, sel.request, empty)
         self.heatmap.select_position(sel.position)  # None: no column highlighted
 
     def _refresh_lens(self, view, rid: str | None, empty: str | None) -> None:
@@ -702,6 +733,17 @@ class MainWindow(QMainWindow):
         """Only while the Experts tab is on show: the chosen layer's routing of the shown request."""
         layer = self.experts_view.set_layers(router_layers(view.hooks_for(rid)))
         self.experts_view.show_experts(ExpertsShown(empty) if empty else show_experts(view, rid, layer))
+
+    def _refresh_features(self, view, rid: str | None, empty: str | None) -> None:
+        """Only while the Features tab is on show: the chosen SAE's features of the shown request."""
+        c = self.controller
+        attached = c.info.saes if c.info is not None and view is c.live else {}
+        if empty and c.state not in (AppState.READY, AppState.GENERATING, AppState.PATCHING):
+            shown = FeaturesShown(empty)  # no engine to attach an SAE to: say how to get one
+        else:
+            shown = show_features(view, rid, self.features_view.sae(), attached)
+        self.features_view.show_features(shown, view.selection.position,
+                                         shown.sae in attached and c.enabled(Action.EDIT_SAES))
 
     def _capture_hooks(self, hooks: list) -> None:
         """A tab's capture button (Attention, Patching): tick ``hooks`` in the model tree and apply them

@@ -22,6 +22,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.models import DEMO, model_path_problem
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionFactory,
                                         SessionOptions, SessionProtocol, StepEvent)
+from inspector.capture.sae import AttachedSae
 from inspector.experiments.compare import Twins, mark_twins, scoped_to_intervened, upcoming_twins
 from inspector.experiments.patching import SweepResult
 
@@ -57,6 +58,7 @@ class Action(enum.Enum):
     CHANGE_MODE = "switch the engine mode"
     PATCH = "run a patching sweep"
     STOP_PATCH = "stop the patching sweep"
+    EDIT_SAES = "attach or detach a sparse autoencoder"
 
 
 S = AppState
@@ -70,6 +72,7 @@ ENABLED: dict[Action, frozenset[AppState]] = {
     Action.CHANGE_MODE: frozenset({S.NO_MODEL, S.READY, S.DEAD}),
     Action.PATCH: frozenset({S.READY}),
     Action.STOP_PATCH: frozenset({S.PATCHING}),
+    Action.EDIT_SAES: frozenset({S.READY}),
 }
 # What the Generate button says in each state, and what the plots say while the live run is empty.
 GENERATE_TIPS = {S.NO_MODEL: "Open a model first (File ▸ Open Model…)", S.BOOTING: "The engine is starting…",
@@ -109,6 +112,9 @@ class ControllerView(Protocol):
         """None: it failed."""
 
     def interventions_dropped(self, message: str) -> None: ...
+
+    def saes_changed(self, attached: AttachedSae | None) -> None:
+        """An SAE was attached (``attached``) or detached: ``info.saes`` lists the ones attached now."""
 
     def capture_opened(self, path: str) -> None: ...
 
@@ -478,6 +484,63 @@ class Controller:
         except ValueError as exc:
             self.interventions = []
             self.view.interventions_dropped(f"Interventions were dropped after {doing}: {exc}")
+
+    # ================================================================== sparse autoencoders
+    def attach_sae(self, path: str) -> bool:
+        """Attach the SAE in directory ``path`` on the engine's thread (to the hook its config names);
+        what the engine refuses is an error dialog with its reason."""
+        if not self._may_edit_saes():
+            return False
+        self.view.status(f"Attaching the SAE in {path}…")
+        self.engine.start(jobs.attach_sae, self.session, path,
+                          on_done=functools.partial(self._sae_attached, self.session),
+                          on_exception=functools.partial(self._sae_refused, self.session, "attach"))
+        return True
+
+    def detach_sae(self, name: str) -> bool:
+        """Stop encoding with SAE ``name``; the features captured so far stay in the run."""
+        if not self._may_edit_saes():
+            return False
+        self.engine.start(jobs.detach_sae, self.session, name,
+                          on_done=functools.partial(self._sae_detached, self.session, name),
+                          on_exception=functools.partial(self._sae_refused, self.session, "detach"))
+        return True
+
+    def _may_edit_saes(self) -> bool:
+        if self.enabled(Action.EDIT_SAES):
+            return True
+        self.view.status("Not ready: " + GENERATE_TIPS[self.state], 5000)
+        return False
+
+    def _sae_attached(self, session: SessionProtocol, result: tuple[AttachedSae, SessionInfo]) -> None:
+        if session is not self.session:  # a model opened meanwhile: that engine is gone
+            return
+        sae, self.info = result
+        info = self.info.installed[sae.hook]
+        self.live.note_sae(sae)
+        self.view.saes_changed(sae)
+        self.view.status(f"SAE {sae.name} attached to {info.alias} ({sae.config.architecture}, {sae.config.d_sae} "
+                         f"features, the {sae.k} strongest of each token kept): generate to see them.", 10000)
+
+    def _sae_detached(self, session: SessionProtocol, name: str, info: SessionInfo) -> None:
+        if session is not self.session:
+            return
+        self.info = info
+        self.view.saes_changed(None)
+        self.view.status(f"SAE {name} detached; the features captured with it stay.", 8000)
+
+    def _sae_refused(self, session: SessionProtocol, verb: str, exc: BaseException) -> None:
+        """``verb``: "attach" or "detach"."""
+        if session is not self.session:
+            return
+        self.view.status("")
+        if isinstance(exc, ValueError):  # SaeError among them: the message is the reason
+            self.view.error(f"Could not {verb} the SAE.\n\n{exc}", title="SAE")
+            return
+        if not session.alive and self.state is AppState.READY:
+            self._set_state(AppState.DEAD)
+        self.view.error(f"Could not {verb} the SAE.\n\n{describe_exception(exc, verb + 'ing the SAE')}",
+                        details_of(exc), title="SAE")
 
     # ================================================================== the logit lens
     def can_lens(self, view: RunView) -> bool:

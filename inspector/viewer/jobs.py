@@ -19,6 +19,7 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import Sampling, SessionFactory, SessionOptions, SessionProtocol, StepEvent
 from inspector.capture.run import Run
+from inspector.capture.sae import AttachedSae
 from inspector.experiments.compare import compare as compare_twins
 from inspector.experiments.patching import SweepResult, patch
 from inspector.io import write_run
@@ -66,6 +67,7 @@ class SessionInfo:
     catalogue: tuple[HookPoint, ...]
     installed: dict[str, HookPoint]
     metadata: dict
+    saes: dict[str, AttachedSae]  # by name: the SAEs encoding installed hooks' rows
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class GenerationResult:
 
 def describe(session: SessionProtocol) -> SessionInfo:
     return SessionInfo(session.options, tuple(session.catalogue), dict(session.installed),
-                       dict(session.run.metadata))
+                       dict(session.run.metadata), dict(session.saes))
 
 
 def boot(factory: SessionFactory, options: SessionOptions, state: TaskState) -> tuple[SessionProtocol, SessionInfo]:
@@ -185,6 +187,17 @@ def set_hooks(session: SessionProtocol, patterns: list[str], state: TaskState) -
     """(whether the engine restarted, the session afterwards)."""
     restarted = session.set_hooks(patterns)
     return restarted, describe(session)
+
+
+def attach_sae(session: SessionProtocol, path: str, state: TaskState) -> tuple[AttachedSae, SessionInfo]:
+    """(the SAE attached, the session afterwards): the hook is the one its config names, k the default."""
+    sae = session.attach_sae(path)
+    return sae, describe(session)
+
+
+def detach_sae(session: SessionProtocol, name: str, state: TaskState) -> SessionInfo:
+    session.detach_sae(name)
+    return describe(session)
 
 
 def new_run(session: SessionProtocol, state: TaskState) -> None:

@@ -20,6 +20,7 @@ from inspector.capture.arrays import GrowableArray
 from inspector.capture.hooks import RESIDUAL_KINDS, HookPoint
 from inspector.capture.protocol import StepEvent, fold_event
 from inspector.capture.run import HookRows, RequestCapture, Run
+from inspector.capture.sae import AttachedSae
 
 from .labels import hook_sort_key, short_hook_label
 from .lens import RunLens
@@ -67,6 +68,13 @@ class RunView:
         self.run.hooks.update(hooks)
         self.run.metadata.update(copy.deepcopy(metadata))
         self.catalogue = {h.name: h for h in catalogue} or self.catalogue
+
+    def note_sae(self, sae: AttachedSae) -> None:
+        """An SAE was attached: the metadata lists it (an export then says what its features come from),
+        and keeps listing it once detached, as the features it produced stay."""
+        listed = self.run.metadata.setdefault("saes", [])
+        if sae.as_dict() not in listed:
+            listed.append(sae.as_dict())
 
     def apply(self, event: StepEvent) -> set[str]:
         """Fold one step event into the run; returns the request ids it changed."""
