@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 DEMO_DIRNAME = "demo-model"
+DEMO_SAE_DIRNAME = "demo-sae"  # an SAE on the demo model's blocks.2.hook_resid_post, with a scan (tools/demo_sae.py)
 
 
 def resources_dir() -> Path:
@@ -22,6 +23,11 @@ def demo_model_path() -> Path:
     """The shipped demo model (a Hugging Face directory vLLM can load); $INSPECTOR_DEMO_MODEL overrides."""
     override = os.environ.get("INSPECTOR_DEMO_MODEL")
     return Path(override) if override else resources_dir() / DEMO_DIRNAME
+
+
+def demo_sae_path() -> Path:
+    """The shipped demo SAE (SAELens's format, with its scan.h5 and training.json)."""
+    return resources_dir() / DEMO_SAE_DIRNAME
 
 
 def icon_path(size: int = 256) -> Path:
