@@ -123,10 +123,13 @@ def test_wheel_carries_resources_and_entry_points(wheel):
     for f in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
               "tokenizer_config.json", "EVAL.md"]:
         assert f"inspector/resources/demo-model/{f}" in names
+    for f in ["cfg.json", "sae_weights.safetensors", "scan.h5", "training.json"]:
+        assert f"inspector/resources/demo-sae/{f}" in names
     for f in ["activation-inspector.svg", "activation-inspector-256.png"]:
         assert f"inspector/resources/icons/{f}" in names
     assert "inspector/capture/resources.py" in names and "inspector/plugin/__init__.py" in names
-    assert not [n for n in names if n.startswith("tools/") or "demo_model" in n], "the trainer is a tool, not shipped"
+    assert not [n for n in names if n.startswith("tools/") or "demo_model" in n or "demo_sae" in n], \
+        "the trainers are tools, not shipped"
     assert not [n for n in names if n.startswith("resources/") or "__pycache__" in n]
     assert re.search(r"^\[gui_scripts\]\s*\ninspector = inspector\.cli:main", entry_points, re.M)
     assert "activation_inspector = inspector.plugin:register" in entry_points
