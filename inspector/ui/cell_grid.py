@@ -12,12 +12,13 @@ from typing import Protocol
 
 import numpy as np
 from PySide6.QtCore import QEvent, QPoint, QRect, Qt, Signal
-from PySide6.QtGui import QColor, QFont, QImage, QPainter, QPen, QPixmap
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QImage, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QAbstractScrollArea, QToolTip
 
 from .heatmap import colormap
 
-CELL_W, LABEL_W, HEADER_H = 66, 116, 24
+CELL_W, LABEL_W, HEADER_H = 66, 116, 24  # LABEL_W: the label column's least width
+MAX_LABEL_W = 240  # longer labels are elided: the cells keep most of the room
 EMPTY_BG = QColor(242, 242, 242)
 HEADER_BG = QColor(230, 230, 230)
 SELECTED = QColor(200, 80, 0)
@@ -64,6 +65,7 @@ class CellGrid(QAbstractScrollArea):
         self.selected: tuple[int, int] | None = None
         self.highlighted_row: int | None = None  # outlined, its label in bold
         self.row_h = row_heights[0]
+        self.label_w = LABEL_W  # as wide as the labels need, within LABEL_W..MAX_LABEL_W
         self._colours = np.zeros((0, 0), np.uint32)  # ARGB per cell, 0 where empty
         self._lut = np.zeros((256, 3), np.uint8)
         self.set_colormap("cividis")
@@ -85,6 +87,7 @@ class CellGrid(QAbstractScrollArea):
         bar = self.horizontalScrollBar()
         following = bar.value() >= bar.maximum() - CELL_W  # the newest tokens were in view: keep them there
         self.grid, self.mode, self.message = grid, mode, message
+        self.label_w = self._label_width()
         values = grid.colour_values(mode) if grid is not None else np.zeros((0, 0), np.float32)
         top = len(self._lut) - 1
         rgb = self._lut[np.clip(np.nan_to_num(values) * top, 0, top).astype(np.int64)].astype(np.uint32)
@@ -95,9 +98,17 @@ class CellGrid(QAbstractScrollArea):
             bar.setValue(bar.maximum())
         self.viewport().update()
 
+    def _label_width(self) -> int:
+        if self.grid is None or not self.grid.labels:
+            return LABEL_W
+        bold = QFont(self.font())
+        bold.setBold(True)  # the highlighted row's label
+        widest = max(QFontMetrics(bold).horizontalAdvance(label) for label in self.grid.labels)
+        return min(max(LABEL_W, widest + 12), MAX_LABEL_W)
+
     def _update_ranges(self) -> None:
         rows, cols = self.grid.shape if self.grid is not None else (0, 0)
-        width, height = self.viewport().width() - LABEL_W, self.viewport().height() - HEADER_H
+        width, height = self.viewport().width() - self.label_w, self.viewport().height() - HEADER_H
         self.row_h = min(max(height // max(rows, 1), self.row_heights[0]), self.row_heights[1])
         for bar, total, room, step in ((self.horizontalScrollBar(), cols * CELL_W, width, CELL_W),
                                        (self.verticalScrollBar(), rows * self.row_h, height, self.row_h)):
@@ -124,7 +135,7 @@ class CellGrid(QAbstractScrollArea):
             return
         grid, fm = self.grid, painter.fontMetrics()
         rows, cols = self._visible()
-        painter.setClipRect(QRect(LABEL_W, HEADER_H, area.width(), area.height()))
+        painter.setClipRect(QRect(self.label_w, HEADER_H, area.width(), area.height()))
         for r in rows:
             for c in cols:
                 rect = self.cell_rect(r, c)
@@ -148,14 +159,14 @@ class CellGrid(QAbstractScrollArea):
         if self.selected is not None and self.selected[0] < grid.shape[0] and self.selected[1] < grid.shape[1]:
             painter.setPen(QPen(SELECTED, 2))
             painter.drawRect(self.cell_rect(*self.selected).adjusted(1, 1, -1, -1))
-        painter.setClipRect(QRect(LABEL_W, 0, area.width(), HEADER_H))
+        painter.setClipRect(QRect(self.label_w, 0, area.width(), HEADER_H))
         for c in cols:
             rect = QRect(self.cell_rect(0, c).left(), 0, CELL_W, HEADER_H)
             painter.fillRect(rect.adjusted(0, 0, -1, -1), HEADER_BG)
             painter.setPen(QColor(60, 60, 60))
             painter.drawText(rect.adjusted(3, 0, -3, 0), Qt.AlignmentFlag.AlignCenter,
                              fm.elidedText(grid.input(c), Qt.TextElideMode.ElideRight, CELL_W - 6))
-        painter.setClipRect(QRect(0, HEADER_H, LABEL_W, area.height()))
+        painter.setClipRect(QRect(0, HEADER_H, self.label_w, area.height()))
         plain, bold = painter.font(), QFont(painter.font())
         bold.setBold(True)
         for r in rows:
@@ -163,38 +174,39 @@ class CellGrid(QAbstractScrollArea):
             highlighted = r == self.highlighted_row
             painter.setFont(bold if highlighted else plain)
             painter.setPen(SELECTED if highlighted else QColor(40, 40, 40))
-            painter.drawText(QRect(4, rect.top(), LABEL_W - 8, self.row_h), Qt.AlignmentFlag.AlignVCenter,
-                             grid.labels[r])
+            painter.drawText(QRect(4, rect.top(), self.label_w - 8, self.row_h), Qt.AlignmentFlag.AlignVCenter,
+                             painter.fontMetrics().elidedText(grid.labels[r], Qt.TextElideMode.ElideRight,
+                                                              self.label_w - 8))
         painter.setFont(plain)
         painter.setClipping(False)
         painter.setPen(QColor(110, 110, 110))
-        painter.drawText(QRect(4, 0, LABEL_W - 8, HEADER_H), Qt.AlignmentFlag.AlignVCenter, self.corner)
+        painter.drawText(QRect(4, 0, self.label_w - 8, HEADER_H), Qt.AlignmentFlag.AlignVCenter, self.corner)
         painter.end()
 
     def _visible(self) -> tuple[range, range]:
         rows, cols = self.grid.shape
         x0, y0 = self.horizontalScrollBar().value(), self.verticalScrollBar().value()
-        width, height = self.viewport().width() - LABEL_W, self.viewport().height() - HEADER_H
+        width, height = self.viewport().width() - self.label_w, self.viewport().height() - HEADER_H
         return (range(y0 // self.row_h, min(rows, (y0 + height) // self.row_h + 1)),
                 range(x0 // CELL_W, min(cols, (x0 + width) // CELL_W + 1)))
 
     # ------------------------------------------------------------------ hit testing
     def cell_rect(self, r: int, c: int) -> QRect:
         """A cell's rectangle in viewport coordinates."""
-        return QRect(LABEL_W + c * CELL_W - self.horizontalScrollBar().value(),
+        return QRect(self.label_w + c * CELL_W - self.horizontalScrollBar().value(),
                      HEADER_H + r * self.row_h - self.verticalScrollBar().value(), CELL_W, self.row_h)
 
     def label_at(self, point: QPoint) -> int | None:
         """The row whose label is at ``point``, if any."""
-        if self.grid is None or self.message or point.x() >= LABEL_W or point.y() < HEADER_H:
+        if self.grid is None or self.message or point.x() >= self.label_w or point.y() < HEADER_H:
             return None
         r = (point.y() - HEADER_H + self.verticalScrollBar().value()) // self.row_h
         return r if r < self.grid.shape[0] else None
 
     def cell_at(self, point: QPoint) -> tuple[int, int] | None:
-        if self.grid is None or self.message or point.x() < LABEL_W or point.y() < HEADER_H:
+        if self.grid is None or self.message or point.x() < self.label_w or point.y() < HEADER_H:
             return None
-        c = (point.x() - LABEL_W + self.horizontalScrollBar().value()) // CELL_W
+        c = (point.x() - self.label_w + self.horizontalScrollBar().value()) // CELL_W
         r = (point.y() - HEADER_H + self.verticalScrollBar().value()) // self.row_h
         rows, cols = self.grid.shape
         return (r, c) if r < rows and c < cols else None

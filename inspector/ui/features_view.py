@@ -5,6 +5,8 @@ A row per feature (the request's strongest, by their largest activation), a colu
 among the token's strongest. Hover reads a cell out and lists that token's strongest features on the
 side; clicking a row's label, a cell or a listed feature selects the feature, outlines its row and
 plots its activation across the tokens below; a click on a cell also selects its token everywhere.
+Features are named by their labels where the SAE has any (its labels.json, or the top tokens of a scan
+of it).
 """
 
 from __future__ import annotations
@@ -16,21 +18,23 @@ from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QPushButton,
                                QSizePolicy, QVBoxLayout, QWidget)
 
-from inspector.viewer.features import ACTIVATION, NO_SAE, FeaturesShown, feature_label
+from inspector.viewer.features import ACTIVATION, NO_SAE, FeaturesShown
 
-from .cell_grid import SELECTED, CellGrid, lookup_strip
+from .cell_grid import CELL_W, LABEL_W, SELECTED, CellGrid, lookup_strip
 from .combo import offer
 from .heatmap import quiet_axes, stack_view
 
 LEGEND = "activation (blank: not among the token's strongest)"
 PICK_A_FEATURE = "Click a feature (a row, a cell or one in the list) to plot it across the tokens"
 SIDE_W, TRACE_H = 230, 120
+GRID_MIN_TOKENS = 6  # token columns always in view beside the feature labels
 
 
 class FeaturesView(QWidget):
     positionClicked = Signal(int)  # a cell was clicked: select its token everywhere
     settingsChanged = Signal()  # another SAE was chosen: the window feeds its features
     detachRequested = Signal(str)  # the SAE shown, by name
+    featureSelected = Signal(int)  # the user picked a feature of the SAE shown (the Dashboard may follow)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -52,6 +56,7 @@ class FeaturesView(QWidget):
         self.legend = QLabel(LEGEND, toolTip=LEGEND)
         self.legend.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # never widens the window
         self.cells = CellGrid("feature ↓ token →", NO_SAE, row_heights=(20, 32))
+        self.cells.setMinimumWidth(LABEL_W + GRID_MIN_TOKENS * CELL_W)  # the docks give way, not the tokens
         self.trace_title = QLabel(PICK_A_FEATURE)
         self.trace_plot = pg.PlotWidget(background="w")
         self.trace_plot.setFixedHeight(TRACE_H)
@@ -67,6 +72,8 @@ class FeaturesView(QWidget):
         self.token_list.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
         self.readout = QLabel(" ")
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        for line in (self.trace_title, self.readout):  # a long feature label never widens the window
+            line.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
 
         bar = QHBoxLayout()
         bar.setContentsMargins(0, 0, 0, 0)
@@ -172,7 +179,9 @@ class FeaturesView(QWidget):
                 text, position, features = listed
                 self.token_title.setText(f"{text!r} (position {position}): its {len(features)} strongest features")
                 for feature, activation in features:
-                    item = QListWidgetItem(f"{feature_label(feature):>8}  {activation:8.3f}")
+                    label = grid.label_of(feature)
+                    item = QListWidgetItem(f"{activation:7.3f}  {label}")
+                    item.setToolTip(label)
                     item.setData(Qt.ItemDataRole.UserRole, feature)
                     self.token_list.addItem(item)
             else:
@@ -193,9 +202,9 @@ class FeaturesView(QWidget):
         top = int(np.argmax(trace))
         active = int((trace > 0).sum())
         self.trace_title.setText(
-            f"{feature_label(feature)} across the tokens: largest {trace[top]:.3f} at {grid.input(top)!r} "
+            f"{grid.label_of(feature)} across the tokens: largest {trace[top]:.3f} at {grid.input(top)!r} "
             f"(position {int(grid.positions[top])}); among the strongest at {active} of {len(trace)} tokens"
-            if active else f"{feature_label(feature)} is not among any token's strongest in this request")
+            if active else f"{grid.label_of(feature)} is not among any token's strongest in this request")
 
     def trace_data(self) -> tuple[np.ndarray, np.ndarray]:
         """(positions, activations) the plot below the grid shows."""
@@ -209,14 +218,18 @@ class FeaturesView(QWidget):
     def _cell_clicked(self, r: int, c: int) -> None:
         grid = self.shown.grid
         self._focus = int(grid.positions[c])
-        self.select_feature(int(grid.features[r]))
+        self._picked(int(grid.features[r]))
         self.positionClicked.emit(self._focus)
 
     def _label_clicked(self, r: int) -> None:
-        self.select_feature(int(self.shown.grid.features[r]))
+        self._picked(int(self.shown.grid.features[r]))
 
     def _item_clicked(self, item: QListWidgetItem) -> None:
-        self.select_feature(int(item.data(Qt.ItemDataRole.UserRole)))
+        self._picked(int(item.data(Qt.ItemDataRole.UserRole)))
+
+    def _picked(self, feature: int) -> None:
+        self.select_feature(feature)
+        self.featureSelected.emit(feature)
 
     def _cell_hovered(self, r: int, c: int) -> None:
         grid = self.shown.grid

@@ -25,6 +25,7 @@ from inspector.viewer.controller import (EMPTY_TEXT, GENERATE_TIPS, Action, AppS
                                          describe_generation)
 from inspector.viewer.attention import AttentionPatterns, AttentionShown, attention_layers
 from inspector.viewer.compare import Comparisons
+from inspector.viewer.feature_labels import sae_key
 from inspector.viewer.features import FeaturesShown, show_features
 from inspector.viewer.jobs import GenerationResult, SessionInfo
 from inspector.viewer.labels import display_token, short_hook_label
@@ -35,6 +36,7 @@ from inspector.viewer.run_view import RunSource
 from .attention_view import AttentionView
 from .compare_view import CompareView
 from .connect_dialog import ConnectDialog
+from .dashboard_view import DashboardView
 from .features_view import FeaturesView
 from .heatmap import HeatmapWidget
 from .interventions_dock import InterventionsPanel
@@ -120,6 +122,7 @@ class MainWindow(QMainWindow):
         self.attention_patterns = AttentionPatterns()  # kept between repaints: only new rows are computed
         self.experts_view = ExpertsView()
         self.features_view = FeaturesView()
+        self.dashboard_view = DashboardView()
         self.compare_view = CompareView()
         self.comparisons = Comparisons()  # kept between repaints: only new tokens and rows are computed
         self.tabs = QTabWidget()
@@ -129,6 +132,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.attention_view, "Attention")
         self.tabs.addTab(self.experts_view, "Experts")
         self.tabs.addTab(self.features_view, "Features")
+        self.tabs.addTab(self.dashboard_view, "Dashboard")
         self.patching_view = PatchingView(self.controller.sweep)
         self.tabs.addTab(self.patching_view, "Patching")
         self.tabs.addTab(self.compare_view, "Compare")
@@ -180,6 +184,7 @@ class MainWindow(QMainWindow):
         m.addAction("Open &Capture…", self.open_capture_dialog, QKeySequence.StandardKey.Open)
         self.recent_captures_menu = m.addMenu("Recent Captures")
         self.recent_captures_menu.triggered.connect(self._recent_capture_triggered)
+        m.addAction("Open S&can…", self.open_scan_dialog)
         m.addAction("&Export…", self.export_dialog, QKeySequence("Ctrl+E"))
         m.addSeparator()
         self.act_new_run = m.addAction("&New Run", self.controller.new_run)
@@ -191,6 +196,8 @@ class MainWindow(QMainWindow):
         e.addAction("&Tensor Parallel Size…", self.choose_tensor_parallel_size)
         e.addSeparator()
         self.act_attach_sae = e.addAction("Attach &SAE…", self.attach_sae_dialog)
+        self.act_attach_demo_sae = e.addAction("Attach &Demo SAE", self.attach_demo_sae)
+        self.act_attach_demo_sae.setToolTip("The SAE shipped for the demo model, its features labelled by a scan")
         v = self.menuBar().addMenu("&View")
         v.addAction("Show &Live Run", self.show_live)
         self.earlier_menu = v.addMenu("Earlier Runs")
@@ -225,6 +232,7 @@ class MainWindow(QMainWindow):
         self.experts_view.settingsChanged.connect(self._invalidate_views)
         self.features_view.settingsChanged.connect(self._invalidate_views)
         self.features_view.detachRequested.connect(self.detach_sae)
+        self.features_view.featureSelected.connect(self._feature_selected)
         self.attention_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.runRequested.connect(self.controller.start_sweep)
@@ -325,6 +333,9 @@ class MainWindow(QMainWindow):
         """Attach the SAE in directory ``path`` to the hook its config names (on the engine's thread)."""
         return self.controller.attach_sae(path)
 
+    def attach_demo_sae(self) -> bool:
+        return self.controller.attach_demo_sae()
+
     def detach_sae(self, name: str) -> bool:
         return self.controller.detach_sae(name)
 
@@ -378,6 +389,22 @@ class MainWindow(QMainWindow):
 
     def open_capture(self, path: str) -> bool:
         return self.controller.open_capture(path)
+
+    def open_scan_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a corpus scan", self.settings.last_dir,
+                                              "Scans (*.h5 *.hdf5);;All files (*)")
+        if path:
+            self.open_scan(path)
+
+    def open_scan(self, path: str) -> bool:
+        """Show the scan in ``path`` on the Dashboard tab (an error dialog says why not)."""
+        return self.controller.open_scan(path)
+
+    def _feature_selected(self, feature: int) -> None:
+        """A feature picked in the Features tab is selected on the Dashboard too, if its scan is of that SAE."""
+        scan, path = self.controller.scan, self.features_view.shown.path
+        if scan is not None and scan.sae_path and path and sae_key(scan.sae_path) == sae_key(path):
+            self.dashboard_view.select_unit(feature)
 
     def export_dialog(self) -> None:
         default = str(Path(self.settings.last_dir) / "capture.h5")
@@ -447,6 +474,7 @@ class MainWindow(QMainWindow):
         self.act_restart.setEnabled(c.enabled(Action.RESTART))
         self.act_new_run.setEnabled(c.enabled(Action.NEW_RUN))
         self.act_attach_sae.setEnabled(c.enabled(Action.EDIT_SAES))
+        self.act_attach_demo_sae.setEnabled(c.can_attach_demo_sae())
         for action in (self.act_open_model, self.act_demo, self.act_connect):
             action.setEnabled(c.enabled(Action.OPEN_MODEL))
         self.recent_models_menu.setEnabled(c.enabled(Action.OPEN_MODEL) and bool(self.settings.recent_models))
@@ -530,6 +558,7 @@ class MainWindow(QMainWindow):
     def saes_changed(self, attached: AttachedSae | None) -> None:
         if attached is not None:
             self.features_view.choose(attached.name)
+        self.act_attach_demo_sae.setEnabled(self.controller.can_attach_demo_sae())
         self._invalidate_views()
 
     def interventions_dropped(self, message: str) -> None:
@@ -544,6 +573,12 @@ class MainWindow(QMainWindow):
             run = self.shown.run
             self.tree.set_catalogue(list(self.shown.catalogue.values()), run.hooks)
             self.tree.summary.setText(f"{len(run.hooks)} hook points in {Path(path).name} (no model loaded)")
+
+    def scan_opened(self, path: str) -> None:
+        self.settings.last_dir = str(Path(path).parent)
+        self.dashboard_view.show_dashboard(self.controller.scan)
+        self.tabs.setCurrentWidget(self.dashboard_view)
+        self._invalidate_views()  # the Features tab's labels may come from it
 
     def export_progress(self, fraction: float | None) -> None:
         if fraction is None:
@@ -741,7 +776,7 @@ class MainWindow(QMainWindow):
         if empty and c.state not in (AppState.READY, AppState.GENERATING, AppState.PATCHING):
             shown = FeaturesShown(empty)  # no engine to attach an SAE to: say how to get one
         else:
-            shown = show_features(view, rid, self.features_view.sae(), attached)
+            shown = show_features(view, rid, self.features_view.sae(), attached, c.labels)
         self.features_view.show_features(shown, view.selection.position,
                                          shown.sae in attached and c.enabled(Action.EDIT_SAES))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from inspector import client
+from inspector.capture import resources
 from inspector.capture.interventions import Intervention
 from inspector.capture.models import DEMO, model_path_problem
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionFactory,
@@ -29,6 +30,8 @@ from inspector.experiments.patching import SweepResult
 from inspector.net.keys import ClientKeys
 
 from . import jobs
+from .dashboard import ScanDashboard, open_dashboard
+from .feature_labels import LabelBook, sae_key
 from .jobs import Cancelled, GenerationResult, LensBox, SessionInfo, TaskState
 from .labels import hook_sort_key
 from .lens import LensResult
@@ -118,6 +121,9 @@ class ControllerView(Protocol):
 
     def capture_opened(self, path: str) -> None: ...
 
+    def scan_opened(self, path: str) -> None:
+        """``controller.scan`` is the scan in ``path`` now."""
+
     def export_progress(self, fraction: float | None) -> None:
         """0..1 while an export runs; None once it is over."""
 
@@ -183,6 +189,8 @@ class Controller:
         self.sweep = PatchingSweep()  # the Patching tab's sweep, as its job last reported it
         self._sweep_task: TaskState | None = None
         self.patched_cell: Intervention | None = None  # the intervention of the patched run generating now
+        self.labels = LabelBook()  # the features' labels of every SAE shown
+        self.scan: ScanDashboard | None = None  # the scan the Dashboard shows
 
     # ================================================================== state
     def enabled(self, action: Action) -> bool:
@@ -506,6 +514,23 @@ class Controller:
                           on_exception=functools.partial(self._sae_refused, self.session, "detach"))
         return True
 
+    def can_attach_demo_sae(self) -> bool:
+        """The demo model runs here (not on a server: the SAE's path is this machine's), and its SAE
+        is not attached yet."""
+        if (not self.enabled(Action.EDIT_SAES) or self.server is not None or self.options is None
+                or self.options.model != DEMO):
+            return False
+        demo = sae_key(resources.demo_sae_path())
+        return all(sae_key(s.config.path) != demo for s in self.info.saes.values())
+
+    def attach_demo_sae(self) -> bool:
+        """The SAE shipped for the demo model; the scan in its directory labels its features."""
+        if not self.can_attach_demo_sae():
+            self.view.status("Attach Demo SAE: the demo model must be running here and idle (File ▸ Open Demo Model), "
+                             "its SAE not attached yet", 8000)
+            return False
+        return self.attach_sae(str(resources.demo_sae_path()))
+
     def _may_edit_saes(self) -> bool:
         if self.enabled(Action.EDIT_SAES):
             return True
@@ -712,6 +737,22 @@ class Controller:
         self.view.shown_changed()
         self.view.status(f"Opened {path}: {len(run_file.run.requests)} request(s), "
                          f"{len(run_file.run.hooks)} hook point(s).", 8000)
+        return True
+
+    def open_scan(self, path: str) -> bool:
+        """Show the corpus scan in ``path`` on the Dashboard; its top tokens label its SAE's features
+        everywhere (the SAE's labels.json, if any, over them)."""
+        try:
+            scan = open_dashboard(path)
+        except (OSError, ValueError) as exc:  # CaptureFileError among them: the message is the reason
+            self.view.error(f"Cannot open the scan.\n\n{exc}", title="Open Scan")
+            return False
+        if scan.sae_path:
+            self.labels.add_scan(scan.sae_path, path, scan.names)
+            scan.set_names(self.labels.for_sae(scan.sae_path).names)
+        self.scan = scan
+        self.view.scan_opened(str(path))
+        self.view.status(f"Opened the scan {path}: {len(scan.units)} of {scan.state.units} units active.", 8000)
         return True
 
     # ================================================================== export

@@ -1,7 +1,7 @@
 """The Features tab without Qt: an attached sparse autoencoder's features of one request, as the engine
 sent them (each token's ``k`` strongest, ``capture.run.FeatureRows``), laid out as the features that
-are strongest anywhere in the request × its tokens, and in words why there is nothing to show when
-there is nothing."""
+are strongest anywhere in the request × its tokens, named by their labels where the SAE has any
+(``feature_labels``), and in words why there is nothing to show when there is nothing."""
 
 from __future__ import annotations
 
@@ -11,16 +11,14 @@ import numpy as np
 
 from inspector.capture.sae import AttachedSae
 
+from .feature_labels import NO_LABELS, FeatureLabels, LabelBook, feature_label
 from .labels import display_token
 from .run_view import RunSource, RunView
 
 ACTIVATION = "activation"  # the grid's one mode (``cell_grid.Cells`` passes one through)
 MAX_ROWS = 40  # more rows than fit on a screen only hide the strongest ones below the fold
-NO_SAE = "Attach an SAE (Engine ▸ Attach SAE…) to see features"
-
-
-def feature_label(feature: int) -> str:
-    return f"f{feature}"
+NO_SAE = ("Attach an SAE to see its features: Engine ▸ Attach SAE…, or with the demo model "
+          "Engine ▸ Attach Demo SAE")
 
 
 class FeatureGrid:
@@ -29,13 +27,15 @@ class FeatureGrid:
     the token of column c, 0 where it is not among that token's ``k`` strongest (left blank: it is 0 there
     if the token has fewer than k active features, else only known to be no larger than the k-th's)."""
 
-    def __init__(self, sae: str, positions, ids, activations, texts: list[str], max_rows: int = MAX_ROWS):
-        self.sae, self.texts = sae, texts
+    def __init__(self, sae: str, positions, ids, activations, texts: list[str], max_rows: int = MAX_ROWS,
+                 names: dict[int, str] | None = None):
+        """``names``: the features' labels, where there are any."""
+        self.sae, self.texts, self.names = sae, texts, names or {}
         self.positions = np.asarray(positions, np.int64)
         self.ids = np.asarray(ids, np.int32)  # [tokens, k], -1 where fewer were active
         self.activations = np.asarray(activations, np.float32)  # [tokens, k], strongest first
         self.features = strongest_features(self.ids, self.activations, max_rows)
-        self.labels = [feature_label(f) for f in self.features.tolist()]
+        self.labels = [self.label_of(f) for f in self.features.tolist()]
         self.dense, self.ranks = _place(self.features, self.ids, self.activations)
         self.peak = float(self.dense.max()) if self.dense.size else 0.0
 
@@ -46,6 +46,10 @@ class FeatureGrid:
     @property
     def k(self) -> int:
         return self.ids.shape[1]
+
+    def label_of(self, feature: int) -> str:
+        """Any feature's, shown or not."""
+        return feature_label(feature, self.names)
 
     def row_of(self, feature: int | None) -> int | None:
         hits = np.flatnonzero(self.features == feature) if feature is not None else ()
@@ -121,12 +125,15 @@ class FeaturesShown:
     sae: str | None = None
     grid: FeatureGrid | None = None
     about: str = ""  # what the SAE shown reads, where that is known
+    path: str = ""  # the SAE's directory, where known
+    labels: FeatureLabels = NO_LABELS
 
 
 def show_features(view: RunView, rid: str | None, sae: str | None,
-                  attached: dict[str, AttachedSae] | None = None) -> FeaturesShown:
+                  attached: dict[str, AttachedSae] | None = None, book: LabelBook | None = None) -> FeaturesShown:
     """The features of SAE ``sae`` (the first there is when it has none) for request ``rid``.
-    ``attached``: the SAEs the engine encodes the live run's rows with now (none for any other run)."""
+    ``attached``: the SAEs the engine encodes the live run's rows with now (none for any other run);
+    ``book``: where the features' labels are found."""
     attached = attached or {}
     req = view.request(rid)
     captured = tuple(req.features) if req is not None else ()
@@ -135,17 +142,21 @@ def show_features(view: RunView, rid: str | None, sae: str | None,
         return FeaturesShown(_no_saes(view))
     sae = sae if sae in saes else saes[0]
     described = {**recorded_saes(view), **attached}
-    about = describe_sae(described[sae], view) if sae in described else ""
+    path = described[sae].config.path if sae in described else ""
+    labels = book.for_sae(path) if book is not None and path else NO_LABELS
+    about = " · ".join(part for part in (describe_sae(described[sae], view) if sae in described else "",
+                                         labels.describe()) if part)
     if req is None:
-        return FeaturesShown(f"SAE {sae} is attached: generate to see its features", saes, sae, about=about)
+        return FeaturesShown(f"SAE {sae} is attached: generate to see its features", saes, sae, about=about, path=path,
+                             labels=labels)
     rows = req.features.get(sae)
     if rows is None or not len(rows):
         why = (f"No features of SAE {sae} for request {rid} yet: they are computed for the tokens generated "
                "after it was attached, so generate to see them" if sae in attached
                else f"Request {rid} has no features of SAE {sae} (it was not attached while it ran)")
-        return FeaturesShown(why, saes, sae, about=about)
-    grid = FeatureGrid(sae, rows.positions, rows.ids, rows.activations, view.token_texts(rid))
-    return FeaturesShown("", saes, sae, grid, about or f"top {rows.k} per token")
+        return FeaturesShown(why, saes, sae, about=about, path=path, labels=labels)
+    grid = FeatureGrid(sae, rows.positions, rows.ids, rows.activations, view.token_texts(rid), names=labels.names)
+    return FeaturesShown("", saes, sae, grid, about or f"top {rows.k} per token", path, labels)
 
 
 def recorded_saes(view: RunView) -> dict[str, AttachedSae]:
