@@ -54,6 +54,9 @@ def test_the_kept_top_and_histograms_equal_a_brute_force_pass():
         positions = rng.integers(0, len(tokens), m)
         state.add(units, acts, document, positions, tokens)
         seen.append((units, acts, np.full(m, document), positions, tokens))
+        if document % 7 == 6:  # taken in a few documents at a time, as a scan's batches
+            state.flush()
+    state.flush()
     units, acts = np.concatenate([s[0] for s in seen]), np.concatenate([s[1] for s in seen])
     expected = brute_force_top(units, acts, 5)
     for u in range(50):
@@ -75,6 +78,7 @@ def test_dense_rows_keep_each_neurons_strongest_rows():
         values = rng.normal(0, 1, (int(rng.integers(2, 12)), 8)).astype(np.float32)
         state.add_rows(values, document, np.arange(len(values)), np.arange(len(values)) + 100)
         all_values.append(values)
+    state.flush()
     stacked = np.concatenate(all_values)
     np.testing.assert_array_equal(state.top_activations, -np.sort(-stacked, axis=0)[:4].T)
     assert state.histogram.sum() == stacked.size

@@ -44,6 +44,8 @@ class ScanState:
     documents_done: int = 0
     tokens_done: int = 0
     truncated: list[int] = field(default_factory=list)  # documents cut to fit the engine's context
+    _bins: list = field(default_factory=list, repr=False)  # added since the last flush: histogram cells
+    _pending: list = field(default_factory=list, repr=False)  # and candidates for the tops
 
     def __post_init__(self):
         if self.top_activations is None:
@@ -56,46 +58,55 @@ class ScanState:
     def add(self, units: np.ndarray, activations: np.ndarray, document: int, positions: np.ndarray,
             tokens: np.ndarray) -> None:
         """Activations of one document: ``units[i]`` was ``activations[i]`` at ``positions[i]`` (flat
-        arrays); ``tokens`` are the document's token ids."""
+        arrays); ``tokens`` are the document's token ids. Taken in by ``flush``."""
         units, activations = np.asarray(units, np.int64), np.asarray(activations, np.float32)
-        if self.edges is None:
-            self.edges = histogram_edges(activations)
-        bins = np.searchsorted(self.edges, activations, side="right")  # 0: below, BINS + 1: above
-        self.histogram += np.bincount(units * (BINS + 2) + bins, minlength=self.histogram.size).reshape(
-            self.histogram.shape)
-        floor = self.top_activations[units, -1]
-        better = activations > floor  # only these can enter a unit's top
-        if better.any():
-            self._merge(units[better], activations[better], document, np.asarray(positions)[better], tokens)
+        self._count(units, activations)
+        better = activations > self.top_activations[units, -1]  # only these can enter a unit's top
+        self._candidates(units[better], activations[better], document, np.asarray(positions)[better], tokens)
 
     def add_rows(self, values: np.ndarray, document: int, positions: np.ndarray, tokens: np.ndarray) -> None:
         """A document's dense rows [rows, units] (a hook's neurons): every value counts in the histograms,
-        each unit's ``top`` strongest rows are candidates."""
+        each unit's ``top`` strongest rows are candidates. Taken in by ``flush``."""
         values = np.asarray(values, np.float32)
-        if self.edges is None:
-            self.edges = histogram_edges(values)
         rows, units = values.shape
-        bins = np.searchsorted(self.edges, values, side="right")
-        self.histogram += np.bincount((np.arange(units) * (BINS + 2) + bins).ravel(),
-                                      minlength=self.histogram.size).reshape(self.histogram.shape)
+        self._count(np.broadcast_to(np.arange(units), values.shape).ravel(), values.ravel())
         n = min(self.top, rows)
         best = np.argpartition(-values, n - 1, axis=0)[:n] if n < rows else np.broadcast_to(
             np.arange(rows)[:, None], (rows, units))
         chosen = values[best, np.arange(units)]
         unit_ids = np.broadcast_to(np.arange(units), best.shape)
         better = chosen > self.top_activations[unit_ids, -1]
-        if better.any():
-            self._merge(unit_ids[better], chosen[better], document, np.asarray(positions)[best[better]], tokens)
+        self._candidates(unit_ids[better], chosen[better], document, np.asarray(positions)[best[better]], tokens)
 
-    def _merge(self, units, activations, document: int, positions, tokens) -> None:
+    def flush(self) -> None:
+        """Take in what was added since the last flush: one histogram update and one merge of the
+        candidates into each unit's top (a scan flushes once a batch: far fewer sorts than once a
+        document)."""
+        if self._bins:
+            self.histogram += np.bincount(np.concatenate(self._bins), minlength=self.histogram.size).reshape(
+                self.histogram.shape)
+        if self._pending:
+            self._merge(*(np.concatenate(column) for column in zip(*self._pending)))
+        self._bins, self._pending = [], []
+
+    def _count(self, units: np.ndarray, activations: np.ndarray) -> None:
+        if self.edges is None:
+            self.edges = histogram_edges(activations)
+        self._bins.append(units * (BINS + 2) + np.searchsorted(self.edges, activations, side="right"))
+
+    def _candidates(self, units, activations, document: int, positions, tokens) -> None:
+        if len(units):
+            self._pending.append((units, activations, np.full(len(units), document, np.int64),
+                                  positions.astype(np.int32), windows_at(tokens, positions)))
+
+    def _merge(self, units, activations, documents, positions, windows) -> None:
         """Each touched unit's top: its kept entries and the candidates, strongest first."""
         touched = np.unique(units)
         n = self.top
         all_units = np.concatenate([np.repeat(touched, n), units])
         all_acts = np.concatenate([self.top_activations[touched].ravel(), activations])
-        all_docs = np.concatenate([self.top_documents[touched].ravel(), np.full(len(units), document)])
-        all_pos = np.concatenate([self.top_positions[touched].ravel(), positions.astype(np.int32)])
-        windows = windows_at(tokens, positions)
+        all_docs = np.concatenate([self.top_documents[touched].ravel(), documents])
+        all_pos = np.concatenate([self.top_positions[touched].ravel(), positions])
         all_windows = np.concatenate([self.top_windows[touched].reshape(-1, windows.shape[1]), windows])
         order = np.lexsort((-all_acts, all_units))
         sorted_units = all_units[order]
@@ -153,6 +164,7 @@ def scan(session: SessionProtocol, documents: list[str], spec: ScanSpec, state: 
                     pieces[step.request_id].append(step)
         for rid in ids:
             _add_document(state, spec, pieces[rid], index[rid], tokens[rid])
+        state.flush()
         state.documents_done = first + len(batch)
         progress(state, time.perf_counter() - started)
         if time.perf_counter() - saved >= save_every_s:
