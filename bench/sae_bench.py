@@ -115,9 +115,10 @@ def _transformers_loop(path: str, dtype: str, sae_dir: str, documents: list[str]
     torch_dtype = getattr(torch, dtype)
     config = AutoConfig.from_pretrained(path)
     if (Path(path) / "model.safetensors").exists():
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch_dtype)
-    else:  # a dummy-weight shape: random weights, as vLLM's dummy load
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    else:  # a dummy-weight shape: random weights, as vLLM's dummy load, made on the device
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     weights = {n: torch.from_numpy(a).to(device=device, dtype=torch_dtype)
@@ -147,6 +148,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--documents", type=int, default=256)
     parser.add_argument("--expansion", type=int, default=16, help="d_sae = expansion x d_in")
+    parser.add_argument("--only", choices=("scan", "decode"), help="run one of the two comparisons")
     args = parser.parse_args()
     from sae_files import write_sae
 
@@ -163,7 +165,8 @@ def main() -> None:
     decode = PRESETS[args.preset][4][-1]
     ctx = mp.get_context("spawn")
     results = {}
-    for group in (CONFIGS, DECODE_CONFIGS):
+    groups = {"scan": CONFIGS, "decode": DECODE_CONFIGS}
+    for group in [groups[args.only]] if args.only else groups.values():
         workers = {}
         for name in group:  # one at a time: boots compete for the same cores
             parent, child = ctx.Pipe()
@@ -184,12 +187,14 @@ def main() -> None:
     med = {name: statistics.median(r) for name, r in results.items()}
     print(f"\npreset {args.preset}: SAE {hidden} -> {d_sae} features at blocks.{LAYER}.hook_resid_post, {K} kept per "
           f"token; {len(documents)} documents; decode {decode[0]} x {decode[1]}; {args.reps} alternated reps (medians)")
-    print(f"scan {med['scan']:.0f} tok/s, vanilla prefill {med['vanilla']:.0f} tok/s, transformers loop "
-          f"{med['transformers']:.0f} tok/s")
-    print(f"scan / vanilla prefill {med['scan'] / med['vanilla']:.3f}; scan / transformers loop "
-          f"{med['scan'] / med['transformers']:.2f}")
-    print(f"decode with the SAE {med['sae']:.1f} tok/s, capture without it {med['capture']:.1f} tok/s: "
-          f"ratio {med['sae'] / med['capture']:.3f}")
+    if "scan" in med:
+        print(f"scan {med['scan']:.0f} tok/s, vanilla prefill {med['vanilla']:.0f} tok/s, transformers loop "
+              f"{med['transformers']:.0f} tok/s")
+        print(f"scan / vanilla prefill {med['scan'] / med['vanilla']:.3f}; scan / transformers loop "
+              f"{med['scan'] / med['transformers']:.2f}")
+    if "sae" in med:
+        print(f"decode with the SAE {med['sae']:.1f} tok/s, capture without it {med['capture']:.1f} tok/s: "
+              f"ratio {med['sae'] / med['capture']:.3f}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ class Sampling:
     seed: int | None = None
     logprobs: int = 5
     ignore_eos: bool = False
-    capture: bool = True  # False: no rows are captured for these requests (an experiment reads tokens and scores)
+    # False: no rows are captured for these requests (an experiment reads tokens and scores; a scan only the
+    # features of attached SAEs, which still come)
+    capture: bool = True
     # the logprob of each of these tokens wherever the model predicts (the prompt's last position, then every
     # generated one): RequestStep.scores
     score_token_ids: tuple[int, ...] = ()
@@ -199,7 +201,7 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True) -> set[str]:
         req.intervention_log += [(position, list(ivs)) for position, ivs in step.intervention_log]
         if step.scores is not None:
             req.scores.update(zip(step.scores[0].tolist(), step.scores[1]))
-        for sae, (positions, ids, activations) in step.features.items():
+        for sae, (positions, ids, activations) in (step.features.items() if keep_rows else ()):
             req.features.setdefault(sae, FeatureRows(ids.shape[1])).append(positions, ids, activations)
         if keep_rows:
             for hook, rows in step.rows.items():

@@ -147,7 +147,8 @@ def scan(session: SessionProtocol, documents: list[str], spec: ScanSpec, state: 
     every ``save_every_s`` and at the end, or when ``cancelled()`` (checked between batches)."""
     limit = session.options.max_model_len - 1
     started, saved = time.perf_counter(), time.perf_counter()
-    sampling = Sampling(max_tokens=1, temperature=0.0, logprobs=0, ignore_eos=True)
+    # an SAE's features come without the hook's rows (they never leave the device)
+    sampling = Sampling(max_tokens=1, temperature=0.0, logprobs=0, ignore_eos=True, capture=spec.sae is None)
     while state.documents_done < len(documents) and not cancelled():
         first = state.documents_done
         batch = [_fitted(session, documents[i], limit, i, state) for i in range(first, min(first + spec.batch,

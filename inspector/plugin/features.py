@@ -15,21 +15,21 @@ class DeviceSae:
     def __init__(self, attached: AttachedSae, device: torch.device, dtype: torch.dtype):
         self.attached, self.config = attached, attached.config
         self.k = min(attached.k, self.config.d_sae)
+        # the decoder stays on disk: steering reads the rows it needs (capture.sae.decoder_row)
         self.weights = {name: torch.from_numpy(a).to(device=device, dtype=dtype)
-                        for name, a in load_weights(self.config).items()}
+                        for name, a in load_weights(self.config).items() if name != "W_dec"}
 
     @torch.inference_mode()
     def strongest(self, rows: torch.Tensor) -> torch.Tensor:
         """[2, rows, k] float32: each row's k strongest active features' activations, then their ids
         (-1 and 0 where fewer are active), strongest first."""
-        out = torch.empty(2, rows.shape[0], self.k, dtype=torch.float32, device=rows.device)
-        for start in range(0, rows.shape[0], CHUNK_ROWS):
-            acts = self._encode(rows[start:start + CHUNK_ROWS]).float()
-            values, ids = acts.topk(self.k, dim=1)
-            active = values > 0
-            out[0, start:start + CHUNK_ROWS] = torch.where(active, values, 0.0)
-            out[1, start:start + CHUNK_ROWS] = torch.where(active, ids.float(), -1.0)
-        return out
+        pieces = [self._strongest(rows[start:start + CHUNK_ROWS]) for start in range(0, rows.shape[0], CHUNK_ROWS)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def _strongest(self, rows: torch.Tensor) -> torch.Tensor:
+        values, ids = self._encode(rows).topk(self.k, dim=1)  # activations are >= 0: inactive ones are 0
+        values = values.float()
+        return torch.stack([values, torch.where(values > 0, ids.float(), -1.0)])
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         w, c = self.weights, self.config

@@ -23,7 +23,7 @@ from inspector.capture.interventions import Intervention, validate
 from inspector.capture.sae import AttachedSae
 
 from . import hookpoints as hp
-from .config import SCORES, PluginConfig, feature_keys
+from .config import FEATURES, SCORES, PluginConfig, feature_keys
 from .copyout import CopyOut, Transfer
 from .features import DeviceSae
 from .gather import QueuedForward, rows_by_request
@@ -282,12 +282,14 @@ class InspectorRuntime:
         self._logits_step = step
 
     def after_forward(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
-        """Queue the copy of this forward's live rows to the host: one per stack of same-width hooks."""
-        if self._no_capture and self._no_capture.issuperset(step.req_ids):
-            return  # no row of it is wanted
+        """Queue the copy of this forward's live rows to the host: one per stack of same-width hooks, and
+        each attached SAE's strongest features of its hook's rows."""
+        rows_wanted = not (self._no_capture and self._no_capture.issuperset(step.req_ids))
+        if not rows_wanted and not self.saes:
+            return  # nothing of it is wanted
         n = step.num_tokens
-        tensors = [stack.tensor[:, :n] for stack in self._stacks]
-        names = [list(stack.names) for stack in self._stacks]
+        tensors = [stack.tensor[:, :n] for stack in self._stacks] if rows_wanted else []
+        names = [list(stack.names) for stack in self._stacks] if rows_wanted else []
         for name, sae in self.saes.items():  # encoded now, on the device: only the strongest features leave it
             tensors.append(sae.strongest(self.active[sae.attached.hook].buffer[:n]))
             names.append(list(feature_keys(name)))
@@ -362,8 +364,8 @@ class InspectorRuntime:
             ready += 1
         taken, self._pending = self._pending[:ready], self._pending[ready:]
         rows = rows_by_request([forward for forward, _ in taken])
-        for rid in self._no_capture & rows.keys():
-            del rows[rid]
+        for rid in self._no_capture & rows.keys():  # features are not rows: they stay
+            rows[rid] = {key: r for key, r in rows[rid].items() if key.startswith(FEATURES)}
         scores, self._scores = self._scores, {}
         for rid, found in scores.items():
             rows.setdefault(rid, {})[SCORES] = {"positions": np.array([p for p, _ in found], dtype=np.int64),
