@@ -144,7 +144,9 @@ class FakeSession(Experiments):
         self.installed = self._resolve(patterns)
         self.options = replace(self.options, hooks=tuple(patterns))
         self.run.hooks.update(self.installed)
-        self._interventions = [iv for iv in self._interventions if iv.hook in self.installed]
+        wanted = self._pending if self._pending is not None else self._interventions  # as Session does
+        self._interventions = [iv for iv in wanted if iv.hook in self.installed]
+        self._pending = list(self._interventions)
         self.saes = {name: sae for name, sae in self.saes.items() if sae.hook in self.installed}
         self._sae_weights = {name: self._sae_weights[name] for name in self.saes}
         if self.options.mode == "compiled":

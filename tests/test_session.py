@@ -207,8 +207,11 @@ def test_compiled_hook_change_restarts_and_keeps_the_run(sessions, kind):
     session, _ = sessions[kind]
     collect(session, PROMPTS[:1], Sampling(max_tokens=2))
     kept, first = dict(session.run.requests), list(session.options.hooks)
+    session.set_interventions([Intervention("blocks.1.hook_resid_post", scale=0.5)])
+    session.set_interventions([])  # not applied yet when the hooks change: it must not be lost
     try:
         assert session.set_hooks(["blocks.1.mlp.hook_post"]) is True
+        assert session.interventions == []
         assert list(session.installed) == ["model.layers.1.mlp.down_proj.mlp_post"]
         assert session.run.requests.keys() == kept.keys()
         with pytest.raises(ValueError, match="matches no hook point"):

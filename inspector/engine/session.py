@@ -258,8 +258,9 @@ class Session(Experiments):
             _, self.installed = _describe(self._llm)
             self.run = run
         self.run.hooks.update(self.installed)
-        with self._lock:
-            self._interventions = [iv for iv in self._interventions if iv.hook in self.installed]
+        with self._lock:  # the set last given (one not applied yet included), less what lost its hook
+            wanted = self._pending if self._pending is not None else self._interventions
+            self._interventions = [iv for iv in wanted if iv.hook in self.installed]
             self._pending = list(self._interventions)
         attached, self.saes = self.saes, {}
         for sae in attached.values():  # on the hooks still installed (a restarted engine has none attached)
