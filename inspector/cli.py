@@ -223,7 +223,8 @@ def scan(args) -> int:
     hook = args.hook or (sae.hook if sae else None)
     if not hook:
         raise ValueError("say which hook to scan (--hook), or give an SAE whose config names one (--sae)")
-    args.hooks = [hook]
+    if not args.server:  # a server's hooks are its own: the hook must be one it captures
+        args.hooks = [hook]
     settings = {"model": args.model, "corpus": str(corpus.resolve()), "documents": len(documents),
                 "corpus_sha256": hashlib.sha256(corpus.read_bytes()).hexdigest(), "hook": hook,
                 "sae": sae.as_dict() if sae else None, "sae_k": args.sae_k if sae else None, "top": args.top}
@@ -250,7 +251,9 @@ def scan(args) -> int:
 
     previous = signal.signal(signal.SIGINT, interrupted)
     try:
-        installed = next(name for name, p in session.installed.items() if p.matches(hook) or name == hook)
+        installed = next((name for name, p in session.installed.items() if p.matches(hook) or name == hook), None)
+        if installed is None:
+            raise ValueError(f"the engine does not capture {hook}: start the server with it among its --hooks")
         attached = session.attach_sae(sae.path, installed, args.sae_k) if sae else None
         units = sae.d_sae if sae else session.installed[installed].width
         state = state or ScanState(units, args.top)

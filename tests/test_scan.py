@@ -150,6 +150,8 @@ def test_the_scan_command_writes_resumes_and_refuses_other_settings(compiled_ser
     sae = write_sae(tmp_path / "res1", "jumprelu", 128, 512, "blocks.1.hook_resid_post", seed=2)
     out = tmp_path / "scan.h5"
     common = ["scan", "--server", compiled_server[0], "--corpus", str(corpus), "--sae", str(sae), "--out", str(out)]
+    with connect(compiled_server[0]) as session:
+        hooks = set(session.installed)
     summary = json.loads(inspector(*common, "--top", "5", "--json").stdout)
     assert summary["complete"] and summary["documents_done"] == len(DOCUMENTS) and summary["units"] == 512
     state, settings, vocabulary = read_scan(out)
@@ -160,6 +162,8 @@ def test_the_scan_command_writes_resumes_and_refuses_other_settings(compiled_ser
     assert "complete already" in again.stdout
     refused = inspector(*common, "--top", "7", check=False)
     assert refused.returncode == 1 and "other settings (top differ)" in refused.stderr
+    with connect(compiled_server[0]) as session:
+        assert set(session.installed) == hooks  # the shared server's hooks are as they were
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"txt": "x"}\n')
     refused = inspector("scan", "--corpus", str(bad), "--hook", "blocks.1.hook_resid_post", "--out",
