@@ -38,6 +38,7 @@ def synthetic_scan(units: int = 64, top: int = 6, documents: int = 30, length: i
         state.add(np.asarray(hits_units), np.asarray(hits_acts), document, np.asarray(hits_positions), tokens)
         state.documents_done += 1
         state.tokens_done += length
+    state.flush()  # as a scan does after each batch
     return state, {"model": "demo", "corpus": "/corpora/python.txt", "documents": documents,
                    "hook": "blocks.1.hook_resid_post", "sae": None, "sae_k": 16, "top": top}
 

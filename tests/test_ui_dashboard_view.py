@@ -125,6 +125,7 @@ def test_token_text_is_escaped_and_the_activating_token_highlighted(qtbot, ui_se
     """A window of HTML-like tokens shows as text: nothing of it is markup."""
     state = ScanState(2, 2)
     state.add(np.array([1]), np.array([2.5]), 3, np.array([BEFORE]), np.arange(12))
+    state.flush()
     vocabulary = {i: f"<b{i}>" for i in range(12)}
     vocabulary[BEFORE] = " <i>&amp;"
     write_scan(state, {"hook": HOOK, "sae": None, "documents": 4}, vocabulary, tmp_path / "tags.h5")

@@ -30,6 +30,7 @@ def hand_made_scan() -> ScanState:
     positions = [p for pairs in hits.values() for p, _ in pairs]
     activations = [a for pairs in hits.values() for _, a in pairs]
     state.add(np.array(units), np.array(activations), 0, np.array(positions), DOCUMENT)
+    state.flush()
     return state
 
 
@@ -47,6 +48,7 @@ def test_a_features_top_tokens_are_its_most_frequent_activating_tokens():
 def test_tokens_that_read_the_same_make_one_piece_and_unknown_ids_say_so():
     state = ScanState(1, 3)
     state.add(np.zeros(3, int), np.array([3.0, 2.0, 1.0]), 0, np.array([0, 7, 4]), DOCUMENT)
+    state.flush()
     assert scan_labels(state, VOCABULARY) == {0: "def · class"}  # " def" and " def " are one piece
     assert scan_labels(state, {}) == {0: "<10> · <14> · <13>"}
 
