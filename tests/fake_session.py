@@ -20,14 +20,14 @@ from dataclasses import replace
 import numpy as np
 
 from inspector.capture.attention import AttentionGeometry
-from inspector.capture.hooks import HookPoint, installed_name
+from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
 from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError,
                                         SessionOptions, StepEvent, checked_interventions, fold_event)
 from inspector.capture.run import Run, TopToken
-from inspector.capture.sae import CONFIG_FILE, AttachedSae, encode, load_weights, read_sae, strongest
+from inspector.capture.sae import AttachedSae, checked_attachment, encode, load_weights, strongest
 from inspector.experiments.methods import Experiments
 
 FAKE_VOCAB_SIZE = 1024  # the fake's token ids stay below it
@@ -188,24 +188,14 @@ class FakeSession(Experiments):
         return [sum(map(ord, text[i:i + 3])) % 1000 for i in range(0, len(text), 3)]
 
     def attach_sae(self, path, hook: str | None = None, k: int = 32) -> AttachedSae:
-        """As the real session: the same checks, in the same order, with the same messages."""
+        """As the real session: the same checks (``checked_attachment``)."""
         self._require_alive()
         self.threads.add(threading.get_ident())
-        config = read_sae(path)
-        if not hook and not config.hook:
-            raise ValueError(f"{config.name}: its {CONFIG_FILE} names no hook; say which hook it reads")
-        hook = installed_name(hook or config.hook, self.installed)
-        if config.name in self.saes:
-            raise ValueError(f"an SAE named {config.name!r} is attached already")
-        if not 0 < k <= 1024:
-            raise ValueError(f"k must be within 1..1024, got {k}")
-        info = self.installed[hook]
-        if config.d_in != info.width:
-            raise ValueError(f"SAE {config.name} reads {config.d_in}-wide rows, but {info.alias} is {info.width} wide")
-        self._sae_weights[config.name] = load_weights(config)
-        self.saes[config.name] = AttachedSae(config, hook, k)
-        self.run.metadata["saes"] = [sae.as_dict() for sae in self.saes.values()]
-        return self.saes[config.name]
+        sae = checked_attachment(path, hook, k, self.installed, self.saes)
+        self._sae_weights[sae.name] = load_weights(sae.config)
+        self.saes[sae.name] = sae
+        self.run.metadata["saes"] = [s.as_dict() for s in self.saes.values()]
+        return sae
 
     def detach_sae(self, name: str) -> None:
         self._require_alive()

@@ -213,3 +213,22 @@ class AttachedSae:
         activation (an intervention like any other: per request, per position, no recompiling)."""
         return Intervention(self.hook, bias=float(strength) * decoder_row(self.config, feature),
                             request_id=request_id, positions=positions)
+
+
+def checked_attachment(path, hook: str | None, k: int, installed: dict, attached: dict) -> AttachedSae:
+    """What every session checks before attaching the SAE in ``path`` to ``hook`` (an installed hook's
+    name or alias; default: the one the SAE's config names): SaeError or ValueError with the reason."""
+    from .hooks import installed_name
+
+    config = read_sae(path)
+    if not hook and not config.hook:
+        raise ValueError(f"{config.name}: its {CONFIG_FILE} names no hook; say which hook it reads")
+    hook = installed_name(hook or config.hook, installed)
+    if config.name in attached:
+        raise ValueError(f"an SAE named {config.name!r} is attached already")
+    if not 0 < k <= 1024:
+        raise ValueError(f"k must be within 1..1024, got {k}")
+    if config.d_in != installed[hook].width:
+        raise ValueError(f"SAE {config.name} reads {config.d_in}-wide rows, but {installed[hook].alias} is "
+                         f"{installed[hook].width} wide")
+    return AttachedSae(config, hook, k)

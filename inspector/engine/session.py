@@ -20,7 +20,7 @@ import numpy as np
 from typing import Callable, Iterator
 
 from inspector import __version__
-from inspector.capture.hooks import HookPoint, installed_name
+from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
@@ -30,7 +30,7 @@ from inspector.capture.protocol import (MODES, BootProgress, RequestStart, Reque
                                         fold_event)
 from inspector.capture.run import Run, TopToken
 from inspector.experiments.methods import Experiments
-from inspector.capture.sae import CONFIG_FILE, AttachedSae, read_sae
+from inspector.capture.sae import AttachedSae, checked_attachment
 from inspector.plugin.config import FEATURES, PLUGIN_MISSING, SCORES, feature_keys
 from inspector.plugin.gather import merge_ranks
 
@@ -278,18 +278,11 @@ class Session(Experiments):
         ``k`` strongest features arrive in step events (``RequestStep.features``) and in ``run``. SaeError
         or ValueError, naming what does not fit, and nothing attached."""
         self._require_alive()
-        config = read_sae(path)
-        if not hook and not config.hook:
-            raise ValueError(f"{config.name}: its {CONFIG_FILE} names no hook; say which hook it reads")
-        hook = installed_name(hook or config.hook, self.installed)
-        if config.name in self.saes:
-            raise ValueError(f"an SAE named {config.name!r} is attached already")
-        if not 0 < k <= 1024:
-            raise ValueError(f"k must be within 1..1024, got {k}")
-        self._llm.collective_rpc("inspector_attach_sae", args=(config.as_dict(), hook, k))
-        self.saes[config.name] = AttachedSae(config, hook, k)
-        self.run.metadata["saes"] = [sae.as_dict() for sae in self.saes.values()]
-        return self.saes[config.name]
+        sae = checked_attachment(path, hook, k, self.installed, self.saes)
+        self._llm.collective_rpc("inspector_attach_sae", args=(sae.config.as_dict(), sae.hook, sae.k))
+        self.saes[sae.name] = sae
+        self.run.metadata["saes"] = [s.as_dict() for s in self.saes.values()]
+        return sae
 
     def detach_sae(self, name: str) -> None:
         self._require_alive()
