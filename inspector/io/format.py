@@ -3,12 +3,15 @@ text attributes and JSON. The layout itself is documented in ``docs/capture-form
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno as _errno
 import json
 import os
 import re
+import tempfile
 from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -195,3 +198,26 @@ def read_texts(dataset) -> np.ndarray:
     for i in dataset.attrs.get("json_escaped", []):
         flat[int(i)] = json.loads(flat[int(i)])
     return flat.reshape(texts.shape)
+
+
+@contextlib.contextmanager
+def replaced_whole(path: Path, format_name: str, version: int):
+    """An HDF5 file to write whole, with its ``format`` and ``format_version``: a hidden temp file beside
+    ``path``, renamed onto it when the block ends, removed if it fails (CaptureFileError for OS errors)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        raise CaptureFileError(f"cannot write {path}: {os_reason(e)}", path, os_reason(e)) from None
+    try:
+        with h5py.File(tmp, "w", libver=("v110", "v110")) as f:
+            f.attrs["format"] = format_name
+            f.attrs["format_version"] = np.int64(version)
+            yield f
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise CaptureFileError(f"cannot write {path}: {os_reason(e)}", path, os_reason(e)) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

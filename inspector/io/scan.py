@@ -5,8 +5,6 @@ into place at every save, so an interrupted scan leaves the last complete save t
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import h5py
@@ -14,7 +12,7 @@ import numpy as np
 
 from inspector.experiments.scan import ScanState
 
-from .format import CaptureFileError, get_text, os_reason, read_texts, set_text, to_json, write_texts
+from .format import CaptureFileError, get_text, read_texts, replaced_whole, set_text, to_json, write_texts
 
 SCAN_FORMAT = "activation-inspector-scan"
 SCAN_VERSION = 1
@@ -25,34 +23,19 @@ def write_scan(state: ScanState, settings: dict, vocabulary: dict[int, str], pat
     """``settings``: what the scan ran on (model, corpus and its fingerprint, hook, SAE, …), JSON;
     ``vocabulary``: the texts of the token ids in the windows."""
     path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-        os.close(fd)
-    except OSError as e:
-        raise CaptureFileError(f"cannot write {path}: {os_reason(e)}", path, os_reason(e)) from None
-    try:
-        with h5py.File(tmp, "w", libver=("v110", "v110")) as f:
-            f.attrs["format"] = SCAN_FORMAT
-            f.attrs["format_version"] = np.int64(SCAN_VERSION)
-            set_text(f, "settings", to_json(settings, "the scan's settings"))
-            for name in ("documents_done", "tokens_done", "units", "top"):
-                f.attrs[name] = np.int64(getattr(state, name))
-            for name in ARRAYS:
-                f.create_dataset(name, data=getattr(state, name))
-            if state.edges is not None:
-                f.create_dataset("histogram_edges", data=np.asarray(state.edges, np.float64))
-            f.create_dataset("truncated_documents", data=np.asarray(state.truncated, np.int64))
-            ids = np.asarray(sorted(vocabulary), np.int64)
-            g = f.create_group("vocabulary")
-            g.create_dataset("ids", data=ids)
-            write_texts(g, "texts", [vocabulary[int(i)] for i in ids])
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise CaptureFileError(f"cannot write {path}: {os_reason(e)}", path, os_reason(e)) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replaced_whole(path, SCAN_FORMAT, SCAN_VERSION) as f:
+        set_text(f, "settings", to_json(settings, "the scan's settings"))
+        for name in ("documents_done", "tokens_done", "units", "top"):
+            f.attrs[name] = np.int64(getattr(state, name))
+        for name in ARRAYS:
+            f.create_dataset(name, data=getattr(state, name))
+        if state.edges is not None:
+            f.create_dataset("histogram_edges", data=np.asarray(state.edges, np.float64))
+        f.create_dataset("truncated_documents", data=np.asarray(state.truncated, np.int64))
+        ids = np.asarray(sorted(vocabulary), np.int64)
+        g = f.create_group("vocabulary")
+        g.create_dataset("ids", data=ids)
+        write_texts(g, "texts", [vocabulary[int(i)] for i in ids])
     return path
 
 

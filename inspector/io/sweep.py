@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import h5py
@@ -13,7 +12,7 @@ import numpy as np
 
 from inspector.experiments.patching import Metric, PatchSpec, SweepResult
 
-from .format import CaptureFileError, get_text, os_reason, read_texts, set_text, to_json, write_texts
+from .format import CaptureFileError, get_text, os_reason, read_texts, replaced_whole, set_text, to_json, write_texts
 
 SWEEP_FORMAT = "activation-inspector-sweep"
 SWEEP_VERSION = 1
@@ -28,36 +27,21 @@ def write_sweep(result: SweepResult, path: str | os.PathLike, metadata: dict | N
                 "answer": spec.metric.answer, "foil": spec.metric.foil, "metric": spec.metric.describe(),
                 "hooks": list(spec.hooks), "positions": None if spec.positions is None else list(spec.positions),
                 "engine_calls": result.engine_calls, "cells_per_call": result.cells_per_call, **result.settings}
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-        os.close(fd)
-    except OSError as e:
-        raise CaptureFileError(f"cannot write {path}: {os_reason(e)}", path, os_reason(e)) from None
-    try:
-        with h5py.File(tmp, "w", libver=("v110", "v110")) as f:
-            f.attrs["format"] = SWEEP_FORMAT
-            f.attrs["format_version"] = np.int64(SWEEP_VERSION)
-            set_text(f, "metadata", to_json(metadata or {}, "the sweep's metadata"))
-            set_text(f, "settings", to_json(settings, "the sweep's settings"))
-            f.attrs["clean_metric"] = np.float64(result.clean_metric)
-            f.attrs["corrupted_metric"] = np.float64(result.corrupted_metric)
-            f.attrs["complete"] = np.uint8(result.complete)
-            write_texts(f, "hooks", result.hooks)
-            f.create_dataset("positions", data=np.asarray(result.positions, np.int64))
-            f.create_dataset("raw", data=np.asarray(result.raw, np.float64))
-            f.create_dataset("normalized", data=np.asarray(result.normalized, np.float64))
-            f.create_dataset("source", data=np.asarray(result.source, np.float32))
-            for name in PROMPTS:
-                g = f.create_group(f"prompts/{name}")
-                g.create_dataset("token_ids", data=np.asarray(result.token_ids[name], np.int64))
-                write_texts(g, "token_texts", result.token_texts[name])
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise CaptureFileError(f"cannot write {path}: {os_reason(e)}", path, os_reason(e)) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replaced_whole(path, SWEEP_FORMAT, SWEEP_VERSION) as f:
+        set_text(f, "metadata", to_json(metadata or {}, "the sweep's metadata"))
+        set_text(f, "settings", to_json(settings, "the sweep's settings"))
+        f.attrs["clean_metric"] = np.float64(result.clean_metric)
+        f.attrs["corrupted_metric"] = np.float64(result.corrupted_metric)
+        f.attrs["complete"] = np.uint8(result.complete)
+        write_texts(f, "hooks", result.hooks)
+        f.create_dataset("positions", data=np.asarray(result.positions, np.int64))
+        f.create_dataset("raw", data=np.asarray(result.raw, np.float64))
+        f.create_dataset("normalized", data=np.asarray(result.normalized, np.float64))
+        f.create_dataset("source", data=np.asarray(result.source, np.float32))
+        for name in PROMPTS:
+            g = f.create_group(f"prompts/{name}")
+            g.create_dataset("token_ids", data=np.asarray(result.token_ids[name], np.int64))
+            write_texts(g, "token_texts", result.token_texts[name])
     return path
 
 
