@@ -275,6 +275,10 @@ class FakeSession(Experiments):
                 if iv.hook == name:
                     mask = np.ones(len(positions), bool) if iv.positions is None else np.isin(positions, iv.positions)
                     values[mask] = values[mask] * iv.vector("scale", info.width) + iv.vector("bias", info.width)
+                    if iv.clamp is not None:  # as the engine clamps (hookpoints.clamp_delta)
+                        pre = values[mask] @ iv.clamp.encoder + iv.clamp.offset
+                        wanted = iv.clamp.value - pre * (pre > iv.clamp.floor)
+                        values[mask] += (wanted[:, None] * iv.clamp.decoder).astype(values.dtype)
             rows[name] = (positions, token_ids, values)
         scores = None
         if sampling.score_token_ids:

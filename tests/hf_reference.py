@@ -259,15 +259,27 @@ def in_child_process(function: str, *args) -> object:
 
 
 @torch.no_grad()
-def steered(model_dir, token_ids: list[int], layer: int, vector: np.ndarray) -> dict[str, np.ndarray]:
+def steered(model_dir, token_ids: list[int], layer: int, vector: np.ndarray, clamp: dict | None = None
+            ) -> dict[str, np.ndarray]:
     """Every block's output and the logits with ``vector`` added to block ``layer``'s output by a
-    forward hook: the steering an intervention at ``blocks.{layer}.hook_resid_post`` with that bias does."""
+    forward hook: the steering an intervention at ``blocks.{layer}.hook_resid_post`` with that bias does.
+    ``clamp`` (a ``FeatureClamp.as_dict()``): then also that SAE feature clamped, written out here as
+    the SAE's reconstruction with the feature set to the value plus the SAE's error."""
     model = load(str(model_dir))
     blocks, outputs = _blocks(model), []
     add = torch.from_numpy(np.asarray(vector, np.float32))
 
+    def edit(x):
+        x = x + add
+        if clamp is None:
+            return x
+        encoder, decoder = (torch.tensor(clamp[k], dtype=torch.float32) for k in ("encoder", "decoder"))
+        pre = x @ encoder + clamp["offset"]
+        activation = torch.where(pre > clamp["floor"], pre, torch.zeros_like(pre))
+        return x + (clamp["value"] - activation)[..., None] * decoder
+
     def steer(module, args, out):
-        return (out[0] + add, *out[1:]) if isinstance(out, tuple) else out + add
+        return (edit(out[0]), *out[1:]) if isinstance(out, tuple) else edit(out)
 
     handles = [blocks[layer].register_forward_hook(steer)]
     handles += [b.register_forward_hook(lambda m, a, out: outputs.append(

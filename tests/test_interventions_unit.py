@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from inspector.capture.interventions import Intervention, validate
+from inspector.capture.interventions import Intervention, check_clamp_capacity, validate
 from inspector.plugin.slots import SlotPlanner, compose
 
 
@@ -106,3 +106,42 @@ def test_as_dict_round_trips_and_scopes():
     assert one.applies_to("req3") and not one.applies_to("req4") and Intervention("h").applies_to("req4")
     with pytest.raises(ValueError, match="unknown intervention fields"):
         Intervention.from_dict({"hook": "h", "colour": "red"})
+
+
+def clamp(value=2.0, scale=1.0, width=4):
+    return {"encoder": np.arange(width) * scale, "offset": 0.5, "floor": 0.0, "decoder": np.ones(width),
+            "value": value, "label": "sae/3"}
+
+
+def test_a_feature_clamp_round_trips_and_is_its_own_effect():
+    a = iv(clamp=clamp())
+    for d in (a.as_dict(), a.as_dict(arrays=True)):
+        back = Intervention.from_dict(d)
+        assert back == a and hash(back) == hash(a) and back.clamp.label == "sae/3"
+    assert iv(clamp=clamp(3.0)) != a and iv() != a  # another value, no clamp: other effects
+    assert iv(clamp=clamp(3.0)).clamp.direction == a.clamp.direction
+    planner = SlotPlanner(max_slots=4)
+    planner.set([a, iv(clamp=clamp(3.0), request_id="b")])
+    slots, writes = planner.plan(["a", "b"], np.array([0, 1, 2]), np.array([0, 0]))
+    assert slots["h"][0] != slots["h"][1] and len(writes) == 2
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"clamp": clamp(), "scale": 2.0}, "a feature clamp on 'h' stands alone"),
+    ({"clamp": clamp(width=3)}, "encoder of the feature clamp on 'h' has 3 values but the hook point is 4 wide"),
+    ({"clamp": {**clamp(), "value": float("nan")}}, "the value of a feature clamp must be finite"),
+    ({"clamp": {**clamp(), "decoder": 1.0}}, "the decoder of a feature clamp must be a vector"),
+    ({"clamp": {"encoder": [1.0]}}, "missing \\['decoder', 'floor', 'offset', 'value'\\]"),
+])
+def test_a_bad_feature_clamp_is_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        validate(iv(**kw), {"h": 4}, 16, True)
+
+
+def test_an_engine_clamps_as_many_features_per_hook_as_it_was_booted_for():
+    same_feature = [iv(clamp=clamp(v)) for v in (1.0, 2.0, 3.0)]
+    check_clamp_capacity(same_feature, 1)  # one feature, three values
+    with pytest.raises(ValueError, match="2 features clamped at 'h', more than the engine's 1"):
+        check_clamp_capacity([iv(clamp=clamp()), iv(clamp=clamp(scale=2.0))], 1)
+    with pytest.raises(ValueError, match="booted with feature_clamps=0"):
+        check_clamp_capacity(same_feature, 0)

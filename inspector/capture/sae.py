@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .interventions import Intervention
+from .interventions import FeatureClamp, Intervention
 
 CONFIG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"
 ARCHITECTURES = ("standard", "topk", "jumprelu")
@@ -102,6 +102,36 @@ def decoder_row(config: SaeConfig, feature: int) -> np.ndarray:
         raise ValueError(f"{config.name}: feature {feature} is outside 0..{config.d_sae - 1}")
     with safe_open(str(Path(config.path) / WEIGHTS_FILE), framework="np") as f:
         return np.asarray(f.get_slice("W_dec")[feature:feature + 1], np.float64)[0]
+
+
+def feature_clamp(config: SaeConfig, feature: int, value: float) -> FeatureClamp:
+    """What clamping ``feature`` to ``value`` needs, read alone from the file: its encoder column, bias
+    (with ``b_dec`` folded in), threshold and decoder row. A top-k feature's activation depends on every
+    other feature's, and a normalised SAE's on the row's norm: neither is a single direction, so both
+    are refused (steer those by strength)."""
+    from safetensors import safe_open
+
+    if config.architecture == "topk":
+        raise ValueError(f"{config.name}: a top-k SAE's feature cannot be clamped (whether it is active depends on "
+                         "all the others); steer it by strength instead")
+    if config.normalize_activations not in ("none", "expected_average_only_in"):
+        raise ValueError(f"{config.name}: its inputs are normalised ({config.normalize_activations}), so a feature "
+                         "is not one direction and cannot be clamped; steer it by strength instead")
+    decoder = decoder_row(config, feature)  # checks the feature's range
+    with safe_open(str(Path(config.path) / WEIGHTS_FILE), framework="np") as f:
+        def read(name, *index):
+            return np.asarray(f.get_slice(name)[index], np.float64) if name in f.keys() else None
+
+        encoder = read("W_enc", slice(None), slice(feature, feature + 1))[:, 0]
+        offset = float(read("b_enc", slice(feature, feature + 1))[0])
+        if config.apply_b_dec_to_input:
+            offset -= float(read("b_dec", slice(None)) @ encoder)
+        floor = 0.0
+        if config.architecture == "jumprelu":
+            threshold = read("threshold", slice(feature, feature + 1))
+            floor = max(float(threshold[0]) if threshold is not None
+                        else float(np.exp(read("log_threshold", slice(feature, feature + 1))[0])), 0.0)
+    return FeatureClamp(encoder, offset, floor, decoder, value, f"{config.name}/{feature}")
 
 
 def encode(config: SaeConfig, weights: dict[str, np.ndarray], x) -> np.ndarray:
@@ -213,6 +243,13 @@ class AttachedSae:
         activation (an intervention like any other: per request, per position, no recompiling)."""
         return Intervention(self.hook, bias=float(strength) * decoder_row(self.config, feature),
                             request_id=request_id, positions=positions)
+
+    def clamping(self, feature: int, value: float, request_id: str | None = None,
+                 positions: tuple[int, ...] | None = None) -> Intervention:
+        """Feature clamping: the feature's activation set to ``value`` in every row it applies to, the
+        rest of the row kept (``FeatureClamp``); per request, per position, no recompiling."""
+        return Intervention(self.hook, clamp=feature_clamp(self.config, feature, value), request_id=request_id,
+                            positions=positions)
 
 
 def checked_attachment(path, hook: str | None, k: int, installed: dict, attached: dict) -> AttachedSae:

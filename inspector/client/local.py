@@ -29,7 +29,7 @@ def serve_command(options: SessionOptions, listen: str) -> list[str]:
             "--hooks", *options.hooks, "--dtype", options.dtype, "--max-model-len", str(options.max_model_len),
             "--max-num-batched-tokens", str(options.max_num_batched_tokens),
             "--engine-args", json.dumps(options.engine_args), "--listen", listen,
-            "--exit-when-idle", str(EXIT_WHEN_IDLE_S),
+            "--exit-when-idle", str(EXIT_WHEN_IDLE_S), "--feature-clamps", str(options.feature_clamps),
             *([] if options.enable_position_interventions else ["--no-position-interventions"])]
 
 

@@ -14,7 +14,7 @@ INSPECTOR_ENGINE_ARGS = {"enforce_eager", "enable_prefix_caching", "worker_exten
 def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",
              dtype: str = "float32", max_num_batched_tokens: int = 512, max_model_len: int = 1024,
              enable_position_interventions: bool = False, hook_patterns: tuple[str, ...] = (),
-             max_slots: int = DEFAULT_MAX_SLOTS, **engine_args):
+             max_slots: int = DEFAULT_MAX_SLOTS, feature_clamps: int = 0, **engine_args):
     """An ``LLM`` whose worker has the hooks in ``capture_specs`` and ``hook_patterns`` installed.
 
     Prefix caching is off: it skips prompt rows and would let K/V computed under an intervention
@@ -39,7 +39,7 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     plugin.register()
     plugin.configure(capture_specs or {}, max_num_batched_tokens, getattr(torch, dtype),
                      enable_batching=mode == "eager", enable_position_interventions=enable_position_interventions,
-                     hook_patterns=hook_patterns, max_slots=max_slots)
+                     hook_patterns=hook_patterns, max_slots=max_slots, feature_clamps=feature_clamps)
     try:
         with worker_environment(int(engine_args.get("tensor_parallel_size", 1))):
             return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,

@@ -431,7 +431,7 @@ def _boot(options: SessionOptions, path, report: Callable[[BootProgress], None])
         return boot_llm(str(path), mode=options.mode, dtype=options.dtype, hook_patterns=tuple(options.hooks),
                         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
                         enable_position_interventions=options.enable_position_interventions,
-                        max_slots=options.max_slots,
+                        max_slots=options.max_slots, feature_clamps=options.feature_clamps,
                         **options.engine_args)
     except Exception as e:
         raise SessionError(f"could not start the engine on {path}: {_root_cause(e)}") from e

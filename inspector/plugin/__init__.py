@@ -30,7 +30,7 @@ def register() -> None:
 
 def configure(capture_specs: dict[str, tuple[str, int]], max_num_batched_tokens: int, dtype: torch.dtype,
               enable_batching: bool = False, enable_position_interventions: bool = False,
-              hook_patterns: tuple[str, ...] = (), max_slots: int = DEFAULT_MAX_SLOTS) -> None:
+              hook_patterns: tuple[str, ...] = (), max_slots: int = DEFAULT_MAX_SLOTS, feature_clamps: int = 0) -> None:
     """Set the hook specs (name → (module dot-path, width)) for the next engine boot in this process
     and its children. ``enable_batching`` selects the eager flavour (boot with ``enforce_eager=True``).
     ``hook_patterns`` (our extension) adds hook points by name, alias or glob, resolved in the worker
@@ -38,7 +38,7 @@ def configure(capture_specs: dict[str, tuple[str, int]], max_num_batched_tokens:
     dtype_name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
     config = PluginConfig({name: (str(path), int(width)) for name, (path, width) in capture_specs.items()},
                           int(max_num_batched_tokens), dtype_name, bool(enable_batching),
-                          bool(enable_position_interventions), tuple(hook_patterns), int(max_slots))
+                          bool(enable_position_interventions), tuple(hook_patterns), int(max_slots), int(feature_clamps))
     validate(config)
     os.environ[ENV_VAR] = config.to_env()
 

@@ -35,6 +35,7 @@ class PluginConfig:
     enable_position_interventions: bool = False
     hook_patterns: tuple[str, ...] = ()  # names, aliases or globs, resolved in the worker
     max_slots: int = DEFAULT_MAX_SLOTS
+    feature_clamps: int = 0  # per hook, features an intervention set may clamp (0: no clamp tables, no cost)
 
     @property
     def eager(self) -> bool:
@@ -63,6 +64,8 @@ def validate(config: PluginConfig) -> None:
         raise ValueError(f"dtype must be one of {DTYPES}, got {config.dtype!r}")
     if not 2 <= config.max_slots <= 4096:
         raise ValueError(f"max_slots must be between 2 and 4096, got {config.max_slots}")
+    if not 0 <= config.feature_clamps <= 64:
+        raise ValueError(f"feature_clamps must be between 0 and 64, got {config.feature_clamps}")
     for name, spec in config.capture_specs.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"hook names must be non-empty strings, got {name!r}")

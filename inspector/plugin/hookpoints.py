@@ -16,7 +16,9 @@ A hook point is a module plus a *site*, the rule that turns that module's call i
   to ``[tokens, heads × head_size]`` where a model passes them per head).
 
 Replacement is written as a delta, ``h' = h * S + (r * (S - 1) + B)``, so that the residual stream
-becomes ``(h + r) * S + B`` while an identity (S = 1, B = 0) leaves every value bit-identical.
+becomes ``(h + r) * S + B`` while an identity (S = 1, B = 0) leaves every value bit-identical. Feature
+clamps (``capture.interventions.FeatureClamp``) then add ``(value - a(x)) * decoder`` to the value
+that flows on, zero for rows whose slot clamps nothing.
 """
 
 from __future__ import annotations
@@ -156,6 +158,15 @@ def _affine_delta(h, r, scale, bias):
     return h * scale + (r * (scale - 1) + bias)
 
 
+def clamp_delta(flowing, rows, encoder, decoder, offset, floor, value, on):
+    """What a hook's feature clamps add to each row: ``encoder``/``decoder`` [clamps, width] and
+    ``offset``/``floor`` [clamps] say the features; ``value``/``on`` [slots, clamps] say which each slot
+    clamps and to what; ``rows`` [rows]: each row's slot."""
+    p = flowing @ encoder.t() + offset
+    wanted = (value.index_select(0, rows) - p * (p > floor)) * on.index_select(0, rows)
+    return wanted @ decoder
+
+
 def row_count(site: Site, tensor) -> int:
     """Tokens in a tensor at ``site``: its first dimension, the second where a batch of one leads."""
     return tensor.shape[1] if site.batched else tensor.shape[0]
@@ -168,14 +179,21 @@ def read_output(site: Site, output):
     return v[0] if site.batched else v
 
 
-def replace_output(site: Site, output, scale, bias):
-    """Apply the affine at an output site; returns (new output, the value that now flows on). A
-    leading batch of one broadcasts against the per-row scale and bias."""
+def replace_output(site: Site, output, scale, bias, clamp=None):
+    """Apply the affine (then ``clamp``: ``clamp_delta``'s arguments after the first, or None) at an
+    output site; returns (new output, the value that now flows on). A leading batch of one broadcasts
+    against the per-row scale and bias."""
     if site.how == "output_pair_sum":
         h, r = output[0], output[1]
         h2 = _affine_delta(h, r, scale, bias)
-        return (h2, r, *output[2:]), h2 + r
+        flowing = h2 + r
+        if clamp is not None:
+            delta = clamp_delta(flowing, *clamp)
+            h2, flowing = h2 + delta, flowing + delta
+        return (h2, r, *output[2:]), flowing
     v = (output[0] if isinstance(output, tuple) else output) * scale + bias
+    if clamp is not None:
+        v = v + clamp_delta(v[0] if site.batched else v, *clamp)
     new = (v, *output[1:]) if isinstance(output, tuple) else v
     return new, (v[0] if site.batched else v)
 
@@ -195,14 +213,20 @@ def read_input(site: Site, args):
     return _rows(site, h) if r is None else h + r
 
 
-def replace_input(site: Site, args, scale, bias):
-    """Apply the affine at an input site; returns (new args, the value that now flows on)."""
+def replace_input(site: Site, args, scale, bias, clamp=None):
+    """Apply the affine (then ``clamp``, as at an output site) at an input site; returns (new args, the
+    value that now flows on)."""
     h, r = _pair_args(site, args)
     if r is None:
         flowing = _affine_delta(_rows(site, h), None, scale, bias)
+        if clamp is not None:
+            flowing = flowing + clamp_delta(flowing, *clamp)
         h2 = flowing.view(h.shape)
     else:
         h2 = _affine_delta(h, r, scale, bias)
         flowing = h2 + r
+        if clamp is not None:
+            delta = clamp_delta(flowing, *clamp)
+            h2, flowing = h2 + delta, flowing + delta
     i = site.arg_index
     return (*args[:i], h2, *args[i + 1:]), flowing

@@ -1,7 +1,8 @@
 """Per-worker capture and intervention state: hooks, static buffers, slot tables, step records.
 
 Hooks write each forward's rows into static ``[max_tokens, width]`` buffers and apply
-``value * scale[slot] + bias[slot]`` with the slot gathered per row from ``row_slot``. In the compiled
+``value * scale[slot] + bias[slot]`` (then the slot's feature clamps, ``clamps``) with the slot gathered
+per row from ``row_slot``. In the compiled
 flavour both are traced into the graph, so the hooks' Python never runs again: everything that
 varies (which request owns which row, which interventions apply) is written into those buffers
 *between* forwards by ``before_forward``, and ``after_forward`` queues one copy of the live rows to
@@ -19,10 +20,11 @@ import torch
 from torch import nn
 
 from inspector.capture.hooks import HookPoint
-from inspector.capture.interventions import Intervention, validate
+from inspector.capture.interventions import Intervention, check_clamp_capacity, validate
 from inspector.capture.sae import AttachedSae
 
 from . import hookpoints as hp
+from .clamps import ClampTable
 from .config import FEATURES, SCORES, PluginConfig, feature_keys
 from .copyout import CopyOut, Transfer
 from .features import DeviceSae
@@ -56,10 +58,12 @@ class ActiveHook:
     bias: torch.Tensor
     row_slot: torch.Tensor  # [max_tokens]: each row's slot in scale/bias, written between forwards
     prefix: str
+    clamps: ClampTable | None = None  # None: its features cannot be clamped (none asked for at boot, or sharded)
     handle: torch.utils.hooks.RemovableHandle | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        found = {"scale": self.scale, "bias": self.bias, "row_slot": self.row_slot}
+        found = {"scale": self.scale, "bias": self.bias, "row_slot": self.row_slot,
+                 **(self.clamps.tensors() if self.clamps else {})}
         return found if self.buffer is None else {"rows": self.buffer, **found}
 
     def attach(self, module: nn.Module) -> None:
@@ -99,6 +103,7 @@ class InspectorRuntime:
         self._affine_in_graph = not config.eager
         self._has_interventions = False
         self._slotted: set[str] = set()  # hooks whose row_slot is not all zeros
+        self._clamped: set[str] = set()  # hooks whose interventions clamp features
         self._copy_out = CopyOut(device)
         self._no_capture: set[str] = set()  # requests whose rows nobody reads (per-request options)
         self._score_ids: dict[str, np.ndarray] = {}  # request -> tokens whose logprobs it wants
@@ -180,6 +185,8 @@ class InspectorRuntime:
                 bias=torch.zeros(self.config.max_slots, site.local_width(point), dtype=self.dtype, device=self.device),
                 row_slot=torch.zeros(self.max_tokens, dtype=torch.long, device=self.device),
                 prefix=f"_inspector_{point.kind}",
+                clamps=(ClampTable.allocate(self.config.feature_clamps, self.config.max_slots, point.width, self.dtype,
+                                            self.device) if self.config.feature_clamps and site.shards == 1 else None),
             )
         module = self.model.get_submodule(point.module_path)
         hook.attach(module)
@@ -191,8 +198,8 @@ class InspectorRuntime:
 
     def allocated_bytes(self) -> int:
         """Device memory held for the installed hooks: capture buffers and intervention tables."""
-        tensors = [*(s.tensor for s in self._stacks),
-                   *(t for h in self.active.values() for t in (h.scale, h.bias, h.row_slot))]  # rows: in the stacks
+        tensors = [*(s.tensor for s in self._stacks),  # rows: in the stacks
+                   *(t for h in self.active.values() for name, t in h.tensors().items() if name != "rows")]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def remove(self, names: list[str]) -> None:
@@ -232,17 +239,21 @@ class InspectorRuntime:
     def _use_affine(self) -> bool:
         return self._affine_in_graph or self._has_interventions
 
-    @staticmethod
-    def _gather(prefix: str, module, n):
+    def _gather(self, hook: ActiveHook, module, n):
+        """Each row's scale and bias, and what ``hookpoints.clamp_delta`` needs (None: no clamps here)."""
+        prefix = hook.prefix
         rows = getattr(module, f"{prefix}_row_slot").narrow(0, 0, n)
+        clamp = None
+        if hook.clamps is not None and (self._affine_in_graph or hook.point.name in self._clamped):
+            clamp = (rows, *(getattr(module, f"{prefix}_{name}") for name in hook.clamps.tensors()))
         return (getattr(module, f"{prefix}_scale").index_select(0, rows),
-                getattr(module, f"{prefix}_bias").index_select(0, rows))
+                getattr(module, f"{prefix}_bias").index_select(0, rows), clamp)
 
     def _on_output(self, hook: ActiveHook, module, args, output):
         site, prefix = hook.site, hook.prefix
         if self._use_affine():
             n = hp.row_count(site, output[0] if isinstance(output, tuple) else output)
-            output, value = hp.replace_output(site, output, *self._gather(prefix, module, n))
+            output, value = hp.replace_output(site, output, *self._gather(hook, module, n))
         else:
             value, output = hp.read_output(site, output), None
         if hook.buffer is not None:
@@ -253,7 +264,7 @@ class InspectorRuntime:
         site, prefix = hook.site, hook.prefix
         if self._use_affine():
             n = hp.row_count(site, args[site.arg_index])
-            args, value = hp.replace_input(site, args, *self._gather(prefix, module, n))
+            args, value = hp.replace_input(site, args, *self._gather(hook, module, n))
         else:
             value, args = hp.read_input(site, args), None
         if hook.buffer is not None:
@@ -273,6 +284,8 @@ class InspectorRuntime:
                 scale, bias = compose(ivs, name, hook.point.width)
                 hook.scale[slot].copy_(torch.from_numpy(scale[columns]))
                 hook.bias[slot].copy_(torch.from_numpy(bias[columns]))
+                if hook.clamps is not None:
+                    hook.clamps.write_slot(slot, ivs)
             for name in self._slotted - slots.keys():
                 if name in self.active:  # not removed since
                     self.active[name].row_slot.zero_()
@@ -342,11 +355,18 @@ class InspectorRuntime:
         widths = {name: hook.point.width for name, hook in self.active.items()}
         for iv in interventions:
             validate(iv, widths, self.max_model_len, self.config.enable_position_interventions)
+            if iv.clamp is not None and self.active[iv.hook].site.shards > 1:
+                raise ValueError(f"a feature clamp on {self.active[iv.hook].point.alias}, which is split over the "
+                                 "tensor-parallel ranks; clamp features of a replicated point")
+        check_clamp_capacity(interventions, self.config.feature_clamps)
         self.planner.set(interventions)
         with torch.inference_mode():
-            for hook in self.active.values():
+            for name, hook in self.active.items():
                 hook.scale[1:].fill_(1)
                 hook.bias[1:].zero_()
+                if hook.clamps is not None:
+                    hook.clamps.set_directions([iv.clamp for iv in interventions if iv.hook == name and iv.clamp])
+        self._clamped = {self.active[iv.hook].point.name for iv in interventions if iv.clamp is not None}
         self._has_interventions = bool(interventions)
 
     def drain(self, wait: bool = True) -> dict[str, dict[str, dict[str, np.ndarray]]]:

@@ -5,6 +5,8 @@ A row per feature (the request's strongest, by their largest activation), a colu
 among the token's strongest. Hover reads a cell out and lists that token's strongest features on the
 side; clicking a row's label, a cell or a listed feature selects the feature, outlines its row and
 plots its activation across the tokens below; a click on a cell also selects its token everywhere.
+Below the plot the selected feature can steer the model (its decoder direction added with a strength,
+or the feature clamped to a value): a row in the interventions table, live from the next forward.
 Features are named by their labels where the SAE has any (its labels.json, or the top tokens of a scan
 of it).
 """
@@ -15,8 +17,8 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QSignalBlocker, Qt, Signal
 from PySide6.QtGui import QFontDatabase
-from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QPushButton,
-                               QSizePolicy, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, QListWidget, QListWidgetItem,
+                               QPushButton, QSizePolicy, QVBoxLayout, QWidget)
 
 from inspector.viewer.features import ACTIVATION, NO_SAE, FeaturesShown
 
@@ -27,6 +29,7 @@ from .heatmap import quiet_axes, stack_view
 LEGEND = "activation (blank: not among the token's strongest)"
 PICK_A_FEATURE = "Click a feature (a row, a cell or one in the list) to plot it across the tokens"
 SIDE_W, TRACE_H = 230, 120
+STEER_HOW = {"add": "add × its direction", "clamp": "clamp to"}  # the ways a feature steers: their labels
 GRID_MIN_TOKENS = 6  # token columns always in view beside the feature labels
 
 
@@ -35,6 +38,7 @@ class FeaturesView(QWidget):
     settingsChanged = Signal()  # another SAE was chosen: the window feeds its features
     detachRequested = Signal(str)  # the SAE shown, by name
     featureSelected = Signal(int)  # the user picked a feature of the SAE shown (the Dashboard may follow)
+    steerRequested = Signal(str, int, str, float)  # SAE, feature, a key of STEER_HOW, strength or value
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -70,6 +74,15 @@ class FeaturesView(QWidget):
         self.token_title = QLabel(wordWrap=True)
         self.token_list = QListWidget(toolTip="Click a feature to plot it across the tokens")
         self.token_list.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        self.steer_how = QComboBox(toolTip="Add the feature's decoder direction times the number, or set the "
+                                           "feature's activation to the number (0 ablates it) keeping the rest")
+        for key, label in STEER_HOW.items():
+            self.steer_how.addItem(label, key)
+        self.steer_value = QDoubleSpinBox(decimals=2, minimum=-1000.0, maximum=1000.0, value=4.0, singleStep=0.5)
+        self.steer_button = QPushButton("Steer", enabled=False,
+                                        toolTip="A row in the interventions table, for all requests from the next "
+                                                "forward on (edit its scope there)")
+        self._can_steer = False
         self.readout = QLabel(" ")
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         for line in (self.trace_title, self.readout):  # a long feature label never widens the window
@@ -88,6 +101,12 @@ class FeaturesView(QWidget):
         grid_column.addWidget(self.cells, 1)
         grid_column.addWidget(self.trace_title)
         grid_column.addWidget(self.trace_plot)
+        steer = QHBoxLayout()
+        steer.addWidget(QLabel("Steer with the selected feature:"))
+        for widget in (self.steer_how, self.steer_value, self.steer_button):
+            steer.addWidget(widget)
+        steer.addStretch(1)
+        grid_column.addLayout(steer)
         side = QWidget()
         side.setFixedWidth(SIDE_W)
         side_column = QVBoxLayout(side)
@@ -105,6 +124,7 @@ class FeaturesView(QWidget):
 
         self.sae_box.currentTextChanged.connect(self._emit_settings)
         self.detach_button.clicked.connect(self._detach_clicked)
+        self.steer_button.clicked.connect(self._steer_clicked)
         self.cells.cellClicked.connect(self._cell_clicked)
         self.cells.cellHovered.connect(self._cell_hovered)
         self.cells.labelClicked.connect(self._label_clicked)
@@ -130,11 +150,17 @@ class FeaturesView(QWidget):
         if self.shown.sae is not None:
             self.detachRequested.emit(self.shown.sae)
 
+    def _steer_clicked(self) -> None:
+        if self.shown.sae is not None and self.selected_feature is not None:
+            self.steerRequested.emit(self.shown.sae, self.selected_feature, self.steer_how.currentData(),
+                                     self.steer_value.value())
+
     # ------------------------------------------------------------------ data
-    def show_features(self, shown: FeaturesShown, position: int | None, can_detach: bool) -> None:
+    def show_features(self, shown: FeaturesShown, position: int | None, can_detach: bool, can_steer: bool) -> None:
         """Draw ``shown``: its grid, or its message where it has none. ``position``: the token selected
         in the window (the side list follows it when it changes); ``can_detach``: the SAE shown is
-        attached to the engine now, and the engine is idle."""
+        attached to the engine now, and the engine is idle; ``can_steer``: it is attached now."""
+        self._can_steer = can_steer
         if shown.sae != self.shown.sae:
             self.selected_feature = None  # a feature id means another feature in another SAE
         self.shown = shown
@@ -160,6 +186,7 @@ class FeaturesView(QWidget):
 
     def _show_selection(self) -> None:
         grid = self.shown.grid
+        self.steer_button.setEnabled(self._can_steer and self.selected_feature is not None)
         self.cells.highlighted_row = grid.row_of(self.selected_feature) if grid is not None else None
         self.cells.viewport().update()
         self._show_token_list()

@@ -105,7 +105,8 @@ class InterventionTableModel(QAbstractTableModel):
             info = self.hooks.get(row.hook)
             tip = [f"hook {row.hook}" + (f" ({info.alias}, width {info.width})" if info else ""),
                    f"scope {SCOPE_LABELS[row.scope]}", f"scale {row.value_text('scale')}",
-                   f"bias {row.value_text('bias')}"]
+                   f"clamps feature {row.clamp.label} to {row.clamp.value:g}" if row.clamp is not None
+                   else f"bias {row.value_text('bias')}"]
             if row.problem:
                 tip.append(f"not applied: {row.problem}")
             if row.source:
@@ -450,15 +451,20 @@ class InterventionsPanel(QWidget):
         self._steering_done(self.sender(), code)
 
     def _steering_done(self, dialog: SteeringDialog, code: int) -> None:
-        if code != QDialog.DialogCode.Accepted or dialog.result_vector is None:
-            return
-        hook = dialog.hook_box.currentData()
+        if code == QDialog.DialogCode.Accepted and dialog.result_vector is not None:
+            self.add_steering(dialog.hook_box.currentData(), dialog.description, bias=dialog.result_vector)
+
+    def add_steering(self, hook: str, source: str, **fields) -> int:
+        """A new row steering ``hook`` (``fields``: a bias vector, or a feature clamp), saying where it came
+        from; -1 and a message if it cannot be added."""
         if self.model.hooks and hook not in self.model.hooks:
             self.show_message(f"{hook} is not captured by the engine now; check it in the model tree first.")
-            return
-        i = self.add_row(hook=hook)
+            return -1
+        i = self.add_row(hook=hook, **fields)
         if i >= 0:
-            self.set_vector(i, "bias", dialog.result_vector, dialog.description)
+            self.model.rows[i] = replace(self.model.rows[i], source=source)
+            self.model.dataChanged.emit(self.model.index(i, 0), self.model.index(i, len(COLUMNS) - 1))
+        return i
 
     def _edited(self) -> None:
         self.clear_message()

@@ -232,6 +232,7 @@ class MainWindow(QMainWindow):
         self.experts_view.settingsChanged.connect(self._invalidate_views)
         self.features_view.settingsChanged.connect(self._invalidate_views)
         self.features_view.detachRequested.connect(self.detach_sae)
+        self.features_view.steerRequested.connect(self.steer_with_feature)
         self.features_view.featureSelected.connect(self._feature_selected)
         self.attention_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.captureRequested.connect(self._capture_hooks)
@@ -338,6 +339,23 @@ class MainWindow(QMainWindow):
 
     def detach_sae(self, name: str) -> bool:
         return self.controller.detach_sae(name)
+
+    def steer_with_feature(self, sae: str, feature: int, how: str, value: float) -> int:
+        """A row in the interventions table that steers with feature ``feature`` of the attached SAE
+        ``sae`` (``how``: a key of features_view.STEER_HOW); the row's index, or -1 and the reason shown."""
+        attached = self.controller.info.saes.get(sae) if self.controller.info is not None else None
+        if attached is None:
+            self.interventions.show_message(f"{sae} is not attached to the engine now; attach it first.")
+            return -1
+        try:
+            if how == "clamp":
+                clamp = attached.clamping(feature, value).clamp
+                return self.interventions.add_steering(attached.hook, f"clamp {clamp.label} to {value:g}", clamp=clamp)
+            return self.interventions.add_steering(attached.hook, f"{value:g} × feature {sae}/{feature}",
+                                                   bias=attached.steering(feature, value).bias)
+        except ValueError as e:
+            self.interventions.show_message(str(e))
+            return -1
 
     def restart_engine(self) -> None:
         if self.controller.enabled(Action.RESTART):
@@ -778,7 +796,7 @@ class MainWindow(QMainWindow):
         else:
             shown = show_features(view, rid, self.features_view.sae(), attached, c.labels)
         self.features_view.show_features(shown, view.selection.position,
-                                         shown.sae in attached and c.enabled(Action.EDIT_SAES))
+                                         shown.sae in attached and c.enabled(Action.EDIT_SAES), shown.sae in attached)
 
     def _capture_hooks(self, hooks: list) -> None:
         """A tab's capture button (Attention, Patching): tick ``hooks`` in the model tree and apply them

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from inspector.capture.interventions import Intervention
+from inspector.capture.interventions import FeatureClamp, Intervention
 from inspector.capture.positions import format_positions, parse_positions
 from inspector.capture.vectors import check_vector
 
@@ -48,10 +48,13 @@ class InterventionRow:
     scale: float | np.ndarray = 1.0
     bias: float | np.ndarray = 0.0
     source: str = ""  # where a vector came from (file name, steering recipe)
+    clamp: FeatureClamp | None = None  # a row that clamps an SAE feature: its Bias column is the value
     problem: str = ""  # set when the row no longer fits the engine (e.g. hook gone after a restart)
 
     # ---- display ----
     def value_text(self, which: str) -> str:
+        if self.clamp is not None and which == "bias":
+            return f"clamp {self.clamp.value:g}"
         v = getattr(self, which)
         if isinstance(v, np.ndarray):
             return f"vector[{v.shape[0]}] ‖{np.linalg.norm(v):.3g}‖"
@@ -64,7 +67,11 @@ class InterventionRow:
     def with_field(self, name: str, value, width: int | None) -> "InterventionRow":
         if name == "enabled":
             return replace(self, enabled=bool(value))
+        if name == "clamp":
+            return replace(self, clamp=value)
         if name == "hook":
+            if self.clamp is not None and str(value) != self.hook:
+                raise ValueError(f"this row clamps feature {self.clamp.label}, which reads {self.hook} only")
             return replace(self, hook=str(value), problem="")
         if name == "scope":
             if value not in SCOPES:
@@ -77,6 +84,11 @@ class InterventionRow:
                 return replace(self, positions=None)
             ps = value if isinstance(value, tuple) else parse_positions(str(value))
             return replace(self, positions=tuple(int(p) for p in ps))
+        if name in ("scale", "bias") and self.clamp is not None:
+            if name == "scale":
+                raise ValueError("a clamp row has no scale: scale this hook in a row of its own")
+            text = str(value).removeprefix("clamp ") if isinstance(value, str) else value
+            return replace(self, clamp=replace(self.clamp, value=parse_scalar(text, "the clamp's value")))
         if name in ("scale", "bias"):
             if isinstance(value, np.ndarray) or isinstance(value, (list, tuple)):
                 return replace(self, **{name: check_vector(value, width, name).astype(np.float32)})
@@ -96,6 +108,9 @@ class InterventionRow:
                 check_vector(v, width, which)
             else:
                 parse_scalar(v, which)
+        if self.clamp is not None:
+            for which in ("encoder", "decoder"):
+                check_vector(getattr(self.clamp, which), width, f"the clamp's {which}")
         if self.scope in ("request", "request+positions") and not self.request_id:
             raise ValueError("scope 'this request' needs a request: select one in the view first")
         if self.scope in ("positions", "request+positions") and not self.positions:
@@ -108,7 +123,7 @@ class InterventionRow:
         rid = self.request_id if self.scope in ("request", "request+positions") else None
         pos = self.positions if self.scope in ("positions", "request+positions") else None
         return Intervention(hook=self.hook, scale=val(self.scale), bias=val(self.bias), request_id=rid,
-                            positions=tuple(pos) if pos else None)
+                            positions=tuple(pos) if pos else None, clamp=self.clamp)
 
 
 def active_interventions(rows: list[InterventionRow], widths: dict[str, int]) -> list[Intervention]:
