@@ -12,6 +12,10 @@ it (after every step, waiting for copies in flight only when requests finish, or
 each send a slice of a hook).
 
     python3 bench/plugin_bench.py --preset llama3-8b --tensor-parallel-size 2 --configs vanilla compiled sharded
+
+"clamps" is the session's default (room to clamp SAE features at every hook); "vanilla-ieee" is vanilla
+vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
+"vanilla", Triton's TF32 default: the cost of that precision, with ``--dtype float32`` on a GPU).
 """
 
 from __future__ import annotations
@@ -25,15 +29,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inspector.capture.interventions import DEFAULT_MAX_SLOTS  # noqa: E402
+from inspector.capture.interventions import DEFAULT_FEATURE_CLAMPS, DEFAULT_MAX_SLOTS  # noqa: E402
 
 RESIDUAL = ("blocks.*.hook_resid_post",)
-# name: (engine mode, hook patterns, whether every drain waits for the copies in flight)
-CONFIGS = {"vanilla": ("compiled", (), False), "compiled": ("compiled", RESIDUAL, False), "eager": ("eager", RESIDUAL, False),
-           "sharded": ("compiled", (*RESIDUAL, "blocks.*.mlp.hook_post"), True)}
+
+
+class Config(NamedTuple):
+    mode: str
+    hooks: tuple[str, ...] = ()  # none: vanilla vLLM
+    waits: bool = False  # every drain waits for the copies in flight
+    plugin: dict = {}  # more boot_llm arguments
+    env: dict = {}  # set in the engine's process before it boots
+
+
+CONFIGS = {"vanilla": Config("compiled"), "compiled": Config("compiled", RESIDUAL), "eager": Config("eager", RESIDUAL),
+           "sharded": Config("compiled", (*RESIDUAL, "blocks.*.mlp.hook_post"), True),
+           "clamps": Config("compiled", RESIDUAL, plugin={"feature_clamps": DEFAULT_FEATURE_CLAMPS}),
+           "vanilla-ieee": Config("compiled", env={"TRITON_F32_DEFAULT": "ieee"})}
 PRESETS = {
     # name: (model, dtype, max_num_batched_tokens, prompt tokens, runs as (batch, new tokens))
     "cpu": (dict(arch="llama", hidden=512, heads=8, kv_heads=8, layers=8, intermediate=1536, vocab=512),
@@ -84,6 +100,8 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle engines must not spin on the shared cores
     use_caches(cache_root)
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "0"  # as users run it: vLLM's cache on (cold on the first boot)
+    config = CONFIGS[name]
+    os.environ.update(config.env)
     prepare_environment()
     import numpy as np
     import torch
@@ -92,14 +110,16 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
     from inspector.engine.boot import boot_llm
 
     _, dtype, max_batched, prompt_len, _ = PRESETS[preset]
-    mode, hooks, waits = CONFIGS[name]
+    extra = dict(extra)
+    dtype = extra.pop("dtype", dtype)
+    mode, hooks, waits = config.mode, config.hooks, config.waits
     cuda = torch.cuda.is_available()
     args = dict(dtype=dtype, max_num_batched_tokens=max_batched, max_model_len=1024, **extra)
     if cuda:
         args["gpu_memory_utilization"] = gpu_util
     t0 = time.perf_counter()
     if hooks:
-        llm = boot_llm(path, mode=mode, hook_patterns=hooks, **args)
+        llm = boot_llm(path, mode=mode, hook_patterns=hooks, **config.plugin, **args)
     else:
         llm = LLM(model=path, enable_prefix_caching=False, enforce_eager=mode == "eager", **args)
     boot_s = time.perf_counter() - t0
@@ -184,13 +204,17 @@ def main() -> None:
                         help="per engine; the three engines share one GPU")
     parser.add_argument("--configs", nargs="+", default=["vanilla", "compiled", "eager"], choices=list(CONFIGS))
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="instead of the preset's")
     parser.add_argument("--no-warm-boots", action="store_true", help="boot each configuration once (cold caches)")
     args = parser.parse_args()
 
     path, extra = model_dir(args.preset)
     if args.tensor_parallel_size > 1:
         extra["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.dtype:
+        extra["dtype"] = args.dtype
     spec, dtype, max_batched, prompt_len, runs = PRESETS[args.preset]
+    dtype = args.dtype or dtype
     ctx = mp.get_context("spawn")
     workers, boot = {}, {}
     roots = {name: tempfile.mkdtemp(prefix=f"bench-cache-{name}-") for name in args.configs}

@@ -86,7 +86,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, sae_dir: str, do
             def run():
                 state = ScanState(sae.config.d_sae, 20)
                 t = time.perf_counter()
-                scan(session, documents, ScanSpec(hook, sae.name, top=20, batch=64), state)
+                scan(session, documents, ScanSpec(hook, sae.name, top=20), state)
                 return state.tokens_done / (time.perf_counter() - t)
         else:
             batch, new = decode

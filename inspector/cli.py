@@ -269,7 +269,7 @@ def scan(args) -> int:
             ids = np.unique(s.top_windows[s.top_windows >= 0])
             write_scan(s, settings, dict(zip(ids.tolist(), session.token_texts(ids) if len(ids) else [])), out)
 
-        run_scan(session, documents, ScanSpec(installed, attached.name if attached else None, args.top, args.batch),
+        run_scan(session, documents, ScanSpec(installed, attached.name if attached else None, args.top, args.batch_tokens),
                  state, shown, lambda: stop["asked"], save)
         seconds = time.perf_counter() - started
     finally:
@@ -585,7 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--sae-k", type=int, default=64, metavar="K",
                     help="features the engine sends per token (default 64): a feature counts where it is among them")
     sc.add_argument("--top", type=int, default=20, help="contexts kept per feature or neuron (default 20)")
-    sc.add_argument("--batch", type=int, default=16, help="documents per engine call (default 16)")
+    sc.add_argument("--batch-tokens", type=int, default=0, metavar="N",
+                    help="prompt tokens per engine call, documents added until it is reached (default: 8 engine "
+                         "steps' worth, so that the steps stay full; a scan of neurons at most 256 MiB of rows)")
     sc.add_argument("--out", required=True, help="the scan file (.h5); an unfinished one is resumed")
     sc.add_argument("--restart", action="store_true", help="start over even if --out holds an unfinished scan")
     sc.add_argument("--json", action="store_true", help="print a JSON summary on stdout")

@@ -135,3 +135,22 @@ def test_cpu_tensor_parallelism_gives_each_rank_its_cores(cores, ranks, groups):
     assert cpu_groups(cores, ranks) == groups
     with pytest.raises(ValueError, match="needs at least 4 CPU cores"):
         cpu_groups(cores[:3], 4)
+
+
+def test_a_float32_engine_computes_in_float32_and_a_users_setting_wins(monkeypatch):
+    """Triton's dots take float32 inputs as TF32 by default on a GPU: a float32 engine asks for IEEE
+    float32 (its workers inherit the environment); a bfloat16 engine is left as it was, and a
+    TRITON_F32_DEFAULT the user set is never changed."""
+    import torch
+
+    from inspector.engine.environment import TRITON_F32, engine_precision
+
+    monkeypatch.delenv(TRITON_F32, raising=False)
+    engine_precision("float32")
+    assert os.environ[TRITON_F32] == "ieee" and torch.get_float32_matmul_precision() == "highest"
+    engine_precision("bfloat16")
+    assert TRITON_F32 not in os.environ  # ours, taken back
+    monkeypatch.setenv(TRITON_F32, "tf32")
+    for dtype in ("float32", "bfloat16"):
+        engine_precision(dtype)
+        assert os.environ[TRITON_F32] == "tf32"

@@ -43,6 +43,20 @@ def test_every_point_installed_in_compiled_mode(llm):
     assert all(isinstance(path, str) and isinstance(cls, str) for path, cls in info["modules"])
 
 
+def test_a_float32_engine_computes_in_float32(llm):
+    """In force where it matters (on CUDA, checked by tests/gpu/run_gpu_checks.py): Triton's dots in IEEE
+    float32, torch's matmuls without TF32."""
+    import os
+
+    import torch
+
+    assert os.environ["TRITON_F32_DEFAULT"] == "ieee" and torch.get_float32_matmul_precision() == "highest"
+    if torch.cuda.is_available():
+        import triton
+
+        assert triton.knobs.language.fp32_default == "ieee" and not torch.backends.cuda.matmul.allow_tf32
+
+
 def test_hook_memory_is_booked_as_model_memory(llm, tiny_models):
     """vLLM sizes the KV cache from what it measured as the model's memory: the hooks' buffers must
     be part of it, or the engine would exceed gpu_memory_utilization by their size."""

@@ -103,14 +103,17 @@ def scanned(compiled_server, tmp_path_factory):
         list(session.generate(DOCUMENTS, Sampling(max_tokens=1, logprobs=0)))
         rows = [session.run.requests[rid].hooks[HOOK] for rid in list(session.run.requests)]
         state = ScanState(1024, 6)
-        spec = ScanSpec(HOOK, sae.name, top=6, batch=5)
-        scan(session, DOCUMENTS, spec, state, cancelled=lambda: state.documents_done >= 8,
+        spec = ScanSpec(HOOK, sae.name, top=6, batch_tokens=30)  # a few documents a batch
+        batches = []
+        scan(session, DOCUMENTS, spec, state, progress=lambda s, _: batches.append(s.documents_done),
+             cancelled=lambda: state.documents_done >= 8,
              save=lambda s: write_scan(s, {"hook": HOOK}, {}, root / "scan.h5"))
-        assert state.documents_done == 10  # stopped between batches
+        assert 8 <= state.documents_done < len(DOCUMENTS)  # stopped between batches (the one running is kept)
+        assert len(batches) > 2 and batches[-1] == state.documents_done
         resumed, settings, _ = read_scan(root / "scan.h5")
         assert settings == {"hook": HOOK}
         scan(session, DOCUMENTS, spec, resumed)
-        neurons = scan(session, DOCUMENTS, ScanSpec(HOOK, None, top=3, batch=16), ScanState(128, 3))
+        neurons = scan(session, DOCUMENTS, ScanSpec(HOOK, None, top=3), ScanState(128, 3))
         session.detach_sae(sae.name)
     return sae_dir, rows, resumed, neurons
 

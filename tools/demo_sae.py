@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         print(f"held-out: fraction of variance explained {fve:.3f}, L0 {l0:.1f}, dead {dead:.1%}", flush=True)
         sae = session.attach_sae(out, k=args.k)
         documents = chunks(heldout_texts)
-        state = scan(session, documents, ScanSpec(hook, sae.name, top=10, batch=32), ScanState(args.d_sae, 10))
+        state = scan(session, documents, ScanSpec(hook, sae.name, top=10), ScanState(args.d_sae, 10))
         ids = np.unique(state.top_windows[state.top_windows >= 0])
         write_scan(state, {"model": "demo", "corpus": "the demo model's held-out stdlib files", "documents":
                            len(documents), "hook": HOOK, "sae": config.as_dict(), "sae_k": args.k, "top": 10},

@@ -1,7 +1,8 @@
 """Regenerate the screenshots in docs/screenshots/ with the real engine (offscreen).
 
     packaging/dev run python tools/screenshots.py [--model demo|tiny|PATH] [--out docs/screenshots]
-                                                  [--only main remote lens attention compare patching]
+                                                  [--only main remote lens attention compare patching
+                                                          experts features dashboard]
 
 Shots: booting.png (staged boot progress), generating.png (a batch mid-generation, heatmap
 growing), interventions.png (a steering vector and a scaled hook, their marks on the heatmap),
@@ -12,7 +13,9 @@ attention.png (a head's pattern and one token's row of every head, from captured
 compare.png (a prompt run clean and steered, side by side, with their divergence): "compare";
 patching.png (an activation-patching sweep over layers × positions, a cell's patched run below): "patching";
 experts.png (a mixture-of-experts model's routing, tokens × experts, on the tiny OLMoE the tests build, since
-the demo model has no experts): "experts".
+the demo model has no experts): "experts"; features.png (the demo SAE's features of a Python prompt, a
+feature selected and plotted across the tokens): "features"; dashboard.png (the demo SAE's shipped scan
+as a dashboard, a feature's top examples and histogram): "dashboard".
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-GROUPS = ["main", "remote", "lens", "attention", "compare", "patching", "experts"]
+GROUPS = ["main", "remote", "lens", "attention", "compare", "patching", "experts", "features", "dashboard"]
 
 
 def main(argv=None) -> int:
@@ -75,6 +78,10 @@ def main(argv=None) -> int:
         shoot_patching(model, out, w, h, pump, app)
     if "experts" in args.only:
         shoot_experts(out, w, h, pump, app)
+    if "features" in args.only:
+        shoot_features(model, out, w, h, pump, app)
+    if "dashboard" in args.only:
+        shoot_dashboard(out, w, h, app)
     return 0
 
 
@@ -295,6 +302,65 @@ def shoot_experts(out: Path, w: int, h: int, pump, app) -> None:
     view.cells.horizontalScrollBar().setValue(0)  # from the first token (a live grid follows the newest)
     view.cells.cellHovered.emit(int(view.cells.grid.ids[3, 0]), 3)  # the top expert of the fourth token
     save(win, app, out / "experts.png", refresh=False)  # the hover read-out stays
+    win.close()
+
+
+def shoot_features(model: str, out: Path, w: int, h: int, pump, app) -> None:
+    """The Features tab: the demo SAE attached to the demo model, a Python prompt generated, and the
+    feature that fires on most of its tokens selected (its row outlined, its activation plotted), with
+    the labels from the SAE's shipped scan."""
+    import numpy as np
+
+    from inspector.client.local import start_local_server
+    from inspector.ui.main_window import MainWindow
+
+    win = MainWindow(start_local_server)
+    win.resize(w, h)
+    win.show()
+    win.interventions_dock.hide()  # room for the tokens
+    win.tabs.parentWidget().setSizes([800, 90])
+    win.open_model(model, mode="compiled", hooks=["blocks.*.hook_resid_post"])
+    pump(lambda: win.state.value != "booting", 300)
+    win.attach_demo_sae()
+    pump(lambda: bool(win.controller.info.saes), 120)
+    win.tabs.setCurrentWidget(win.features_view)
+    win.prompt.prompts.setPlainText("def read_config(path):\n    with open(path) as f:\n        return")
+    win.prompt.max_tokens.setValue(16)
+    win.prompt.ignore_eos.setChecked(True)
+    win.generate()
+    pump(lambda: win.state.value != "generating")
+    win.refresh()
+    view = win.features_view
+    grid = view.cells.grid
+    view.cells.horizontalScrollBar().setValue(0)
+    row = int(np.argmax([(grid.trace(int(f)) > 0).sum() for f in grid.features[:12]]))
+    view.cells.cellClicked.emit(row, int(np.argmax(grid.trace(int(grid.features[row])))))
+    save(win, app, out / "features.png")
+    win.interventions_dock.show()  # the settings keep the window's layout
+    win.close()
+
+
+def shoot_dashboard(out: Path, w: int, h: int, app) -> None:
+    """The Dashboard tab on the demo SAE's shipped scan (no engine needed): feature 565, which fires on
+    "may", "must" and "not" in docstrings (found by listing the strongest features whose top tokens are
+    a few words), its examples with the token highlighted and its histogram."""
+    from inspector.capture.resources import demo_sae_path
+    from inspector.client.local import start_local_server
+    from inspector.ui.main_window import MainWindow
+
+    win = MainWindow(start_local_server)
+    win.resize(w, h)
+    win.show()
+    docks = (win.tree_dock, win.interventions_dock, win.prompt_dock)
+    for dock in docks:  # room for the examples
+        dock.hide()
+    win.tabs.parentWidget().setSizes([800, 90])
+    assert win.open_scan(str(demo_sae_path() / "scan.h5"))
+    app.processEvents()
+    win.dashboard_view.select_unit(565)
+    save(win, app, out / "dashboard.png")
+    for dock in docks:
+        dock.show()  # the settings keep the window's layout
     win.close()
 
 

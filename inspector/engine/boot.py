@@ -5,7 +5,7 @@ from __future__ import annotations
 from inspector.capture.interventions import DEFAULT_MAX_SLOTS
 from inspector.capture.protocol import MODES
 
-from .environment import prepare_environment, worker_environment
+from .environment import engine_precision, prepare_environment, worker_environment
 
 
 INSPECTOR_ENGINE_ARGS = {"enforce_eager", "enable_prefix_caching", "worker_extension_cls"}
@@ -31,6 +31,7 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
         raise ValueError(f"pipeline_parallel_size={engine_args['pipeline_parallel_size']}: the inspector cannot capture "
                          "under pipeline parallelism (each stage holds only some layers); use tensor_parallel_size")
     prepare_environment()
+    engine_precision(dtype)
     import torch
     from vllm import LLM
 

