@@ -13,7 +13,7 @@ each send a slice of a hook).
 
     python3 bench/plugin_bench.py --preset llama3-8b --tensor-parallel-size 2 --configs vanilla compiled sharded
 
-"clamps" is the session's default (room to clamp SAE features at every hook); "vanilla-ieee" is vanilla
+"clamps" has room to clamp 4 SAE features at every hook; "vanilla-ieee" is vanilla
 vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
 "vanilla", Triton's TF32 default: the cost of that precision, with ``--dtype float32`` on a GPU).
 """
@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inspector.capture.interventions import DEFAULT_FEATURE_CLAMPS, DEFAULT_MAX_SLOTS  # noqa: E402
+from inspector.capture.interventions import DEFAULT_MAX_SLOTS  # noqa: E402
 
 RESIDUAL = ("blocks.*.hook_resid_post",)
 
@@ -48,7 +48,7 @@ class Config(NamedTuple):
 
 CONFIGS = {"vanilla": Config("compiled"), "compiled": Config("compiled", RESIDUAL), "eager": Config("eager", RESIDUAL),
            "sharded": Config("compiled", (*RESIDUAL, "blocks.*.mlp.hook_post"), True),
-           "clamps": Config("compiled", RESIDUAL, plugin={"feature_clamps": DEFAULT_FEATURE_CLAMPS}),
+           "clamps": Config("compiled", RESIDUAL, plugin={"feature_clamps": 4}),
            "vanilla-ieee": Config("compiled", env={"TRITON_F32_DEFAULT": "ieee"})}
 PRESETS = {
     # name: (model, dtype, max_num_batched_tokens, prompt tokens, runs as (batch, new tokens))

@@ -18,7 +18,7 @@ import numpy as np
 
 from inspector import __version__
 from inspector.capture.hooks import RESIDUAL_KINDS
-from inspector.capture.interventions import DEFAULT_FEATURE_CLAMPS, Intervention
+from inspector.capture.interventions import Intervention
 from inspector.capture.lens import MAX_K
 from inspector.capture.positions import parse_positions
 from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol
@@ -520,9 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-batched-tokens", type=int, default=512)
     srv.add_argument("--engine-args", default="{}", help="more vLLM engine arguments, as JSON")
     srv.add_argument("--no-position-interventions", action="store_true")
-    srv.add_argument("--feature-clamps", type=int, default=DEFAULT_FEATURE_CLAMPS, metavar="N",
-                     help="per hook, the SAE features one set of interventions may clamp to a value (0: none, and "
-                          f"no cost in the compiled graph; default {DEFAULT_FEATURE_CLAMPS})"),
+    srv.add_argument("--feature-clamps", type=int, default=0, metavar="N",
+                     help="room, per hook, for N SAE features clamped to a value at once (default 0: none; the room "
+                          "costs every compiled forward, a few percent of a decode step)")
     srv.add_argument("--max-backlog-mib", type=float, default=256,
                      help="the engine waits for a client this far behind; one that stops reading for 5 s with this "
                           "much waiting is disconnected (default 256)")

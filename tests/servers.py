@@ -14,6 +14,7 @@ from pathlib import Path
 from engines import ENGINE_ARGS
 
 HOOKS = ("blocks.*.hook_resid_post", "hook_embed")
+FEATURE_CLAMPS = 2  # room to clamp SAE features (tests/test_sae.py)
 
 
 @contextlib.contextmanager
@@ -25,7 +26,7 @@ def running_server(model_dir, mode: str = "compiled", hooks=HOOKS, listen: str |
     log_path = home / "server.log"
     command = [sys.executable, "-m", "inspector.cli", "serve", "--model", str(model_dir), "--mode", mode,
                "--hooks", *hooks, "--max-model-len", "256", "--max-num-batched-tokens", "64", "--listen", url,
-               "--engine-args", json.dumps(ENGINE_ARGS), *extra]
+               "--engine-args", json.dumps(ENGINE_ARGS), "--feature-clamps", str(FEATURE_CLAMPS), *extra]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -5,7 +5,7 @@
 
 from fake_session import FakeSession
 from engines import ENGINE_ARGS
-from servers import HOOKS  # the server fixture boots with the same
+from servers import FEATURE_CLAMPS, HOOKS  # the server fixture boots with the same
 from inspector.capture.protocol import Sampling, SessionOptions
 from inspector.client import connect
 from inspector.engine.session import Session
@@ -16,7 +16,7 @@ KINDS = ("real", "fake", "remote")
 
 def options(model_dir, mode="compiled", **kw):
     return SessionOptions(model=str(model_dir), mode=mode, max_model_len=256, max_num_batched_tokens=64,
-                          hooks=HOOKS, engine_args=ENGINE_ARGS, **kw)
+                          hooks=HOOKS, engine_args=ENGINE_ARGS, feature_clamps=FEATURE_CLAMPS, **kw)
 
 
 def open_session(kind, model_dir, server_url=None):

@@ -66,7 +66,7 @@ def test_the_kept_top_and_histograms_equal_a_brute_force_pass():
             d, p = state.top_documents[u, j], state.top_positions[u, j]
             units_d, acts_d, _, pos_d, tokens_d = seen[d]
             assert ((units_d == u) & (acts_d == kept[j]) & (pos_d == p)).any()
-            np.testing.assert_array_equal(state.top_windows[u, j], windows_at(tokens_d, [p])[0])
+            np.testing.assert_array_equal(state.top_windows[u, j], windows_at([tokens_d], [p], [0])[0])
     assert state.histogram.sum() == len(acts)
     np.testing.assert_array_equal(state.histogram.sum(axis=1), np.bincount(units, minlength=50))
 
@@ -85,10 +85,11 @@ def test_dense_rows_keep_each_neurons_strongest_rows():
 
 
 def test_windows_stop_at_the_documents_ends():
-    window = windows_at(np.array([5, 6, 7]), [0, 2])
-    assert window.shape == (2, BEFORE + 1 + AFTER)
+    window = windows_at([np.array([1, 2]), np.array([5, 6, 7])], [0, 2, 1], [1, 1, 0])
+    assert window.shape == (3, BEFORE + 1 + AFTER)
     assert window[0].tolist() == [-1] * BEFORE + [5, 6, 7, -1]
     assert window[1].tolist() == [-1] * (BEFORE - 2) + [5, 6, 7] + [-1] * AFTER
+    assert window[2].tolist() == [-1] * (BEFORE - 1) + [1, 2] + [-1] * AFTER
 
 
 @pytest.fixture(scope="module")

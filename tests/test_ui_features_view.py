@@ -148,7 +148,15 @@ def test_a_click_on_a_cell_a_label_or_a_listed_feature_selects_that_feature(qtbo
 def test_steer_adds_a_row_that_steers_the_next_generation_with_the_selected_feature(qtbot, ui_settings, tmp_path,
                                                                                       how):
     path = write_sae(tmp_path / "relu_sae", "standard", 128, 512, HOOK)  # a top-k feature cannot be clamped
-    w, view = attached_and_generated(qtbot, path)
+    w = make_window(qtbot, boot=False)
+    w.settings.feature_clamps = 2  # Engine ▸ Room for Feature Clamps…, before the model is opened
+    w.open_model("demo", mode="compiled", retain_rows=True)
+    wait_state(qtbot, w, "ready")
+    assert w.controller.session.options.feature_clamps == 2
+    attach(qtbot, w, path)
+    generate(qtbot, w)
+    view = show_tab(w)
+    view.cells.horizontalScrollBar().setValue(0)
     assert not view.steer_button.isEnabled()  # no feature selected yet
     qtbot.mouseClick(view.cells.viewport(), Qt.MouseButton.LeftButton, pos=view.cells.cell_rect(0, 2).center())
     feature = view.selected_feature
@@ -163,7 +171,7 @@ def test_steer_adds_a_row_that_steers_the_next_generation_with_the_selected_feat
         assert row.source == f"2.5 × feature relu_sae/{feature}" and iv.clamp is None
         np.testing.assert_allclose(iv.bias, 2.5 * weights["W_dec"][feature], rtol=1e-6)
     else:
-        assert row.source == f"clamp relu_sae/{feature} to 2.5" 
+        assert row.source == f"clamp relu_sae/{feature} to 2.5"
         assert iv.clamp.direction == feature_clamp(config, feature, 2.5).direction and iv.clamp.value == 2.5
         assert w.interventions.model.data(w.interventions.model.index(0, 6)) == "clamp 2.5"
         assert w.interventions.edit(0, "Bias", "0")  # the Bias cell edits the clamp's value: 0 ablates it
@@ -175,6 +183,17 @@ def test_steer_adds_a_row_that_steers_the_next_generation_with_the_selected_feat
     generate(qtbot, w)  # the same prompt, steered
     after = w.shown.run.requests[w.shown.selection.request].hooks[hook].values
     assert not np.allclose(before, after)
+
+
+def test_a_clamp_on_an_engine_without_room_for_it_says_how_to_make_room(qtbot, ui_settings, tmp_path):
+    path = write_sae(tmp_path / "relu_sae", "standard", 128, 512, HOOK)
+    w, view = attached_and_generated(qtbot, path)  # the default: no room for clamps
+    qtbot.mouseClick(view.cells.viewport(), Qt.MouseButton.LeftButton, pos=view.cells.cell_rect(0, 2).center())
+    view.steer_how.setCurrentIndex(view.steer_how.findData("clamp"))
+    qtbot.mouseClick(view.steer_button, Qt.MouseButton.LeftButton)
+    assert not w.interventions.model.rows and not w.controller.session.interventions
+    assert "booted without room for feature clamps" in w.interventions.last_message
+    assert "Engine ▸ Room for Feature Clamps…" in w.interventions.last_message
 
 
 def test_detach_stops_the_encoding_and_keeps_what_was_captured(qtbot, ui_settings, sae_dir):

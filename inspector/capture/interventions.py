@@ -18,9 +18,6 @@ DEFAULT_MAX_SLOTS = 128
 
 
 Vector = float | np.ndarray  # a number for every feature, or one per feature (read-only float64)
-# Per hook, the distinct features one intervention set may clamp (each costs two rows of the hook's width
-# on the device, and two thin matrix products per forward in the compiled graph).
-DEFAULT_FEATURE_CLAMPS = 4
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,6 +194,9 @@ def check_clamp_capacity(interventions: list[Intervention], capacity: int) -> No
             directions.setdefault(iv.hook, set()).add(iv.clamp.direction)
     for hook, found in directions.items():
         if len(found) > capacity:
-            raise ValueError(f"{len(found)} features clamped at {hook!r}, more than the engine's {capacity} "
-                             "(boot with a larger feature_clamps)" if capacity else
-                             f"a feature clamp on {hook!r}, but this engine was booted with feature_clamps=0")
+            how = ("SessionOptions.feature_clamps, inspector serve --feature-clamps N, or the app's Engine ▸ Room for "
+                   "Feature Clamps…, then restart")
+            raise ValueError(f"{len(found)} features clamped at {hook!r}, more than the engine's {capacity}: boot it "
+                             f"with room for more ({how})" if capacity else
+                             f"a feature clamp on {hook!r}, but this engine was booted without room for feature "
+                             f"clamps ({how})")

@@ -4,8 +4,10 @@ with where they occurred and the tokens around them, and a histogram of every ac
 kept is units × ``top`` whatever the corpus's size, and it is all there is to resume from.
 
 A batch is sized in prompt tokens, several engine steps' worth, so that the engine's steps stay full
-(a batch's last step is its only part-filled one); what a batch found is taken in on a thread of its
-own while the engine runs the next one.
+(a batch's last step is its only part-filled one). Each document is taken in on a thread of its own as
+soon as the engine finishes it, while the engine goes on; candidates for the tops are merged once
+there are ``MERGE_ENTRIES`` of them (bounded memory), and the tokens around an activation are looked
+up only for those that make a top.
 
 With an SAE, the activations seen are each token's strongest features as the engine sends them
 (``k`` per token): a feature's histogram counts the tokens where it was among them.
@@ -26,6 +28,7 @@ BEFORE, AFTER = 8, 3  # tokens kept around each top activation
 BINS = 48  # histogram bins between the edges, plus one below and one above
 STEPS_PER_BATCH = 8  # engine steps' worth of prompt tokens per batch, by default
 ROWS_BATCH_BYTES = 256 << 20  # a neuron scan's batch brings its rows to the host: at most this much of them
+MERGE_ENTRIES = 1 << 20  # candidates for the tops held before they are merged in
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,9 @@ class ScanState:
     tokens_done: int = 0
     truncated: list[int] = field(default_factory=list)  # documents cut to fit the engine's context
     _bins: list = field(default_factory=list, repr=False)  # added since the last flush: histogram cells
-    _pending: list = field(default_factory=list, repr=False)  # and candidates for the tops
+    _pending: list = field(default_factory=list, repr=False)  # and candidates for the tops (``_candidates``)
+    _documents: list = field(default_factory=list, repr=False)  # and their documents' token ids
+    _held: int = field(default=0, repr=False)  # candidates in _pending
 
     def __post_init__(self):
         if self.top_activations is None:
@@ -78,6 +83,8 @@ class ScanState:
         self._count(units, activations)
         better = activations > self.top_activations[units, -1]  # only these can enter a unit's top
         self._candidates(units[better], activations[better], document, np.asarray(positions)[better], tokens)
+        if self._held >= MERGE_ENTRIES:
+            self.flush()
 
     def add_rows(self, values: np.ndarray, document: int, positions: np.ndarray, tokens: np.ndarray) -> None:
         """A document's dense rows [rows, units] (a hook's neurons): every value counts in the histograms,
@@ -92,6 +99,8 @@ class ScanState:
         unit_ids = np.broadcast_to(np.arange(units), best.shape)
         better = chosen > self.top_activations[unit_ids, -1]
         self._candidates(unit_ids[better], chosen[better], document, np.asarray(positions)[best[better]], tokens)
+        if self._held >= MERGE_ENTRIES:
+            self.flush()
 
     def flush(self) -> None:
         """Take in what was added since the last flush: one histogram update and one merge of the
@@ -102,7 +111,7 @@ class ScanState:
                 self.histogram.shape)
         if self._pending:
             self._merge(*(np.concatenate(column) for column in zip(*self._pending)))
-        self._bins, self._pending = [], []
+        self._bins, self._pending, self._documents, self._held = [], [], [], 0
 
     def _count(self, units: np.ndarray, activations: np.ndarray) -> None:
         if self.edges is None:
@@ -112,27 +121,33 @@ class ScanState:
     def _candidates(self, units, activations, document: int, positions, tokens) -> None:
         if len(units):
             self._pending.append((units, activations, np.full(len(units), document, np.int64),
-                                  positions.astype(np.int32), windows_at(tokens, positions)))
+                                  positions.astype(np.int32), np.full(len(units), len(self._documents), np.int64)))
+            self._documents.append(np.asarray(tokens, np.int32))
+            self._held += len(units)
 
-    def _merge(self, units, activations, documents, positions, windows) -> None:
-        """Each touched unit's top: its kept entries and the candidates, strongest first."""
+    def _merge(self, units, activations, documents, positions, sources) -> None:
+        """Each touched unit's top: its kept entries and the candidates (``sources``: each one's index in
+        ``_documents``), strongest first; the tokens around a candidate are looked up once it is kept."""
         touched = np.unique(units)
-        n = self.top
+        n, kept_before = self.top, len(touched) * self.top
         all_units = np.concatenate([np.repeat(touched, n), units])
         all_acts = np.concatenate([self.top_activations[touched].ravel(), activations])
         all_docs = np.concatenate([self.top_documents[touched].ravel(), documents])
         all_pos = np.concatenate([self.top_positions[touched].ravel(), positions])
-        all_windows = np.concatenate([self.top_windows[touched].reshape(-1, windows.shape[1]), windows])
-        order = np.lexsort((-all_acts, all_units))
+        order = np.argsort(_strongest_first(all_units, all_acts), kind="stable")
         sorted_units = all_units[order]
         first = np.flatnonzero(np.r_[True, sorted_units[1:] != sorted_units[:-1]])
         rank = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
         keep = order[rank < n]
+        old, new = keep[keep < kept_before], keep[keep >= kept_before]
+        windows = np.empty((len(keep), BEFORE + 1 + AFTER), np.int32)
+        windows[keep < kept_before] = self.top_windows[touched].reshape(-1, windows.shape[1])[old]
+        windows[keep >= kept_before] = windows_at(self._documents, all_pos[new], sources[new - kept_before])
         rows, cols = all_units[keep], rank[rank < n]
         self.top_activations[rows, cols] = all_acts[keep]
         self.top_documents[rows, cols] = all_docs[keep]
         self.top_positions[rows, cols] = all_pos[keep]
-        self.top_windows[rows, cols] = all_windows[keep]
+        self.top_windows[rows, cols] = windows
 
 
 def histogram_edges(first: np.ndarray) -> np.ndarray:
@@ -145,12 +160,23 @@ def histogram_edges(first: np.ndarray) -> np.ndarray:
     return np.linspace(lo, hi + span / 2, BINS + 1)
 
 
-def windows_at(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """[len(positions), BEFORE + 1 + AFTER] token ids around each position (-1 outside the document)."""
-    tokens = np.asarray(tokens, np.int32)
-    at = np.asarray(positions, np.int64)[:, None] + np.arange(-BEFORE, AFTER + 1)
-    inside = (at >= 0) & (at < len(tokens))
-    return np.where(inside, tokens[np.clip(at, 0, len(tokens) - 1)], -1).astype(np.int32)
+def _strongest_first(units: np.ndarray, activations: np.ndarray) -> np.ndarray:
+    """One sort key: by unit, then by activation from the strongest (a float32's bits made to order as
+    the numbers do, then turned around), so that one integer sort stands for a sort on two keys."""
+    bits = np.ascontiguousarray(activations, np.float32).view(np.uint32)
+    ordered = np.where(bits >> 31, ~bits, bits | np.uint32(1 << 31))
+    return (units.astype(np.uint64) << np.uint64(32)) | (~ordered).astype(np.uint64)
+
+
+def windows_at(documents: list[np.ndarray], positions: np.ndarray, which: np.ndarray) -> np.ndarray:
+    """[len(positions), BEFORE + 1 + AFTER] token ids around each position (-1 outside the document):
+    position ``i`` in ``documents[which[i]]``."""
+    pad = [np.full(BEFORE, -1, np.int32), np.full(AFTER, -1, np.int32)]
+    lengths = np.array([len(d) + BEFORE + AFTER for d in documents], np.int64)
+    padded = np.concatenate([piece for d in documents for piece in (pad[0], np.asarray(d, np.int32), pad[1])])
+    starts = np.cumsum(lengths) - lengths
+    window = np.lib.stride_tricks.sliding_window_view(padded, BEFORE + 1 + AFTER)
+    return window[starts[np.asarray(which, np.int64)] + np.asarray(positions, np.int64)]
 
 
 def scan(session: SessionProtocol, documents: list[str], spec: ScanSpec, state: ScanState,
@@ -158,17 +184,17 @@ def scan(session: SessionProtocol, documents: list[str], spec: ScanSpec, state: 
          cancelled: Callable[[], bool] = lambda: False, save: Callable[[ScanState], None] = lambda state: None,
          save_every_s: float = 30.0) -> ScanState:
     """Go on from ``state.documents_done``: batches of documents (``spec.tokens_per_batch``), each
-    prefilled (one token generated, nothing of it captured beyond the prompt), and taken in while the
-    next runs; ``save(state)`` after a batch at most every ``save_every_s`` and at the end, or when
-    ``cancelled()`` (checked between batches: the batch running then is finished and kept)."""
+    prefilled (one token generated, nothing of it captured beyond the prompt), each document taken in
+    as the engine finishes it; ``save(state)`` after a batch at most every ``save_every_s`` and at the
+    end, or when ``cancelled()`` (checked between batches: the batch running then is finished and kept)."""
     options = session.options
     budget = spec.tokens_per_batch(options.max_num_batched_tokens, session.installed[spec.hook].width)
     started, saved = time.perf_counter(), time.perf_counter()
     # an SAE's features come without the hook's rows (they never leave the device)
     sampling = Sampling(max_tokens=1, temperature=0.0, logprobs=0, ignore_eos=True, capture=spec.sae is None)
     following = state.documents_done  # the first document of the next batch
-    taking_in: Future | None = None  # the batch before, being taken in
-    with ThreadPoolExecutor(1, thread_name_prefix="scan-take-in") as taker:
+    taken_in: Future | None = None  # the batch before, once all of it is taken in
+    with ThreadPoolExecutor(1, thread_name_prefix="scan-take-in") as taker:  # in order: one thread
         while following < len(documents) and not cancelled():
             first, batch, truncated = following, [], []
             while following < len(documents) and (not batch or sum(n for _, n in batch) < budget):
@@ -176,22 +202,27 @@ def scan(session: SessionProtocol, documents: list[str], spec: ScanSpec, state: 
                 if batch[-1][0] != documents[following]:
                     truncated.append(following)
                 following += 1
-            found = _prefill(session, [text for text, _ in batch], sampling)
-            if taking_in is not None:
-                taking_in.result()  # one batch at a time, in order (and its error, if any, here)
+            taking_in = _prefill(session, [text for text, _ in batch], sampling,
+                                 lambda document, steps, tokens: taker.submit(_add_document, state, spec, steps,
+                                                                              first + document, tokens))
+            if taken_in is not None:
+                taken_in.result()
                 saved = _report(state, started, saved, save_every_s, progress, save)
-            taking_in = taker.submit(_take_in, state, spec, found, first, truncated)
-        if taking_in is not None:
-            taking_in.result()
+            taken_in = taker.submit(_batch_done, state, taking_in, following, truncated)
+        if taken_in is not None:
+            taken_in.result()
             progress(state, time.perf_counter() - started)
     save(state)
     return state
 
 
-def _prefill(session: SessionProtocol, batch: list[str], sampling: Sampling) -> list[tuple[list, np.ndarray]]:
-    """Each document's steps and prompt tokens, in the batch's order."""
+def _prefill(session: SessionProtocol, batch: list[str], sampling: Sampling,
+             finished: Callable[[int, list, np.ndarray], Future]) -> list[Future]:
+    """Prefill the batch; ``finished(i, steps, prompt tokens)`` as each document ``i`` of it finishes.
+    Returns what those calls returned."""
     ids = session.upcoming_request_ids(len(batch))
-    tokens, pieces = {}, {rid: [] for rid in ids}
+    index = {rid: i for i, rid in enumerate(ids)}
+    tokens, pieces, taking_in = {}, {rid: [] for rid in ids}, []
     session.new_run()
     for event in session.generate(batch, sampling):
         for start in event.started:
@@ -199,16 +230,19 @@ def _prefill(session: SessionProtocol, batch: list[str], sampling: Sampling) -> 
         for step in event.requests:
             if step.request_id in pieces:
                 pieces[step.request_id].append(step)
-    return [(pieces[rid], tokens[rid]) for rid in ids]
+                if step.finished:
+                    rid = step.request_id
+                    taking_in.append(finished(index[rid], pieces.pop(rid), tokens[rid]))
+    return taking_in
 
 
-def _take_in(state: ScanState, spec: ScanSpec, found: list[tuple[list, np.ndarray]], first: int,
-             truncated: list[int]) -> None:
-    for i, (steps, tokens) in enumerate(found):
-        _add_document(state, spec, steps, first + i, tokens)
+def _batch_done(state: ScanState, taking_in: list[Future], done: int, truncated: list[int]) -> None:
+    """After a batch's documents were taken in (queued before this on the same thread)."""
+    for future in taking_in:
+        future.result()  # an error taking one in, here
     state.flush()
     state.truncated += truncated
-    state.documents_done = first + len(found)
+    state.documents_done = done
 
 
 def _report(state: ScanState, started: float, saved: float, save_every_s: float, progress, save) -> float:

@@ -194,6 +194,7 @@ class MainWindow(QMainWindow):
         self.act_restart = e.addAction("&Restart Engine", self.restart_engine)
         self.act_stop = e.addAction("&Stop Generation", self.controller.stop)
         e.addAction("&Tensor Parallel Size…", self.choose_tensor_parallel_size)
+        e.addAction("Room for &Feature Clamps…", self.choose_feature_clamps)
         e.addSeparator()
         self.act_attach_sae = e.addAction("Attach &SAE…", self.attach_sae_dialog)
         self.act_attach_demo_sae = e.addAction("Attach &Demo SAE", self.attach_demo_sae)
@@ -284,6 +285,7 @@ class MainWindow(QMainWindow):
     # ================================================================== user actions
     def open_model(self, model: str, mode: str | None = None, hooks=None, **options) -> bool:
         options.setdefault("engine_args", self._parallel_engine_args())
+        options.setdefault("feature_clamps", self.settings.feature_clamps)
         return self.controller.open_model(model, mode or self.tree.mode(), hooks, **options)
 
     def _parallel_engine_args(self) -> dict:
@@ -301,6 +303,17 @@ class MainWindow(QMainWindow):
     def set_tensor_parallel_size(self, size: int) -> None:
         self.settings.tensor_parallel_size = size
         self.status(f"Tensor parallel size {size}: applies when a model is opened or the engine restarts", 8000)
+
+    def choose_feature_clamps(self) -> None:
+        count, ok = QInputDialog.getInt(
+            self, "Room for Feature Clamps", "How many SAE features may be clamped to a value at once, per hook\n"
+            "(Features tab ▸ Steer ▸ clamp to). The room costs every forward of a compiled engine\n"
+            "(a few percent of a decode step); 0: none. It applies when a model is opened or the engine restarts.",
+            self.settings.feature_clamps, 0, 64)
+        if ok:
+            self.settings.feature_clamps = count
+            self.status(f"Room for {count} feature clamps per hook: applies when a model is opened or the engine "
+                        "restarts", 8000)
 
     def open_model_dialog(self) -> None:
         start = self.settings.last_model or self.settings.last_dir
@@ -362,7 +375,8 @@ class MainWindow(QMainWindow):
             engine_args = {k: v for k, v in (self.controller.options.engine_args if self.controller.options else {}).items()
                            if k != "tensor_parallel_size"}
             self.controller.reopen(hooks=self.tree.checked() or None,
-                                   engine_args={**engine_args, **self._parallel_engine_args()})
+                                   engine_args={**engine_args, **self._parallel_engine_args()},
+                                   feature_clamps=self.settings.feature_clamps)
 
     def change_mode(self, mode: str) -> None:
         if self.controller.options is None or self.state in (AppState.NO_MODEL, AppState.DEAD):

@@ -80,6 +80,17 @@ class Settings:
         self._q.setValue("engine/tensor_parallel_size", str(int(size)))
 
     @property
+    def feature_clamps(self) -> int:
+        try:
+            return max(0, int(self._str("engine/feature_clamps", "0")))
+        except ValueError:
+            return 0
+
+    @feature_clamps.setter
+    def feature_clamps(self, count: int) -> None:
+        self._q.setValue("engine/feature_clamps", str(int(count)))
+
+    @property
     def last_model(self) -> str:
         return self._str("models/last", "")
 
