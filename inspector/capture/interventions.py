@@ -37,7 +37,7 @@ class FeatureClamp:
 
     def __post_init__(self):
         for which in ("encoder", "decoder"):
-            v = _as_vector(getattr(self, which))
+            v = _as_vector(getattr(self, which), f"the {which} of a feature clamp")
             if isinstance(v, float):
                 raise ValueError(f"the {which} of a feature clamp must be a vector")
             object.__setattr__(self, which, v)
@@ -143,14 +143,14 @@ class Intervention:
         return self.request_id in (None, request_id)
 
 
-def _as_vector(v) -> Vector:
+def _as_vector(v, what: str = "scale and bias") -> Vector:
     if isinstance(v, np.ndarray) and v.dtype == np.float64 and v.ndim == 1 and not v.flags.writeable:
         return v  # already one of ours: shared, never copied
     arr = np.array(v, dtype=np.float64)
     if arr.ndim == 0:
         return float(arr)
     if arr.ndim > 1:
-        raise ValueError(f"scale and bias must be scalars or 1-D vectors, got shape {arr.shape}")
+        raise ValueError(f"{what} must be scalars or 1-D vectors, got shape {arr.shape}")
     arr.setflags(write=False)
     return arr
 
