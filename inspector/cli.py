@@ -586,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="features the engine sends per token (default 64): a feature counts where it is among them")
     sc.add_argument("--top", type=int, default=20, help="contexts kept per feature or neuron (default 20)")
     sc.add_argument("--batch-tokens", type=int, default=0, metavar="N",
-                    help="prompt tokens per engine call, documents added until it is reached (default: 8 engine "
+                    help="prompt tokens per engine call, documents added until it is reached (default: 32 engine "
                          "steps' worth, so that the steps stay full; a scan of neurons at most 256 MiB of rows)")
     sc.add_argument("--out", required=True, help="the scan file (.h5); an unfinished one is resumed")
     sc.add_argument("--restart", action="store_true", help="start over even if --out holds an unfinished scan")

@@ -27,11 +27,21 @@ class DeviceSae:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def _strongest(self, rows: torch.Tensor) -> torch.Tensor:
-        values, ids = self._encode(rows).topk(self.k, dim=1)  # activations are >= 0: inactive ones are 0
-        values = values.float()
+        """The ReLU commutes with the top-k (it keeps the order of what it keeps), so it is applied to the
+        k found rather than to every feature; a top-k SAE's own top-k already holds the strongest."""
+        c = self.config
+        pre = self._pre_activations(rows)
+        if c.architecture == "jumprelu":
+            pre = pre * (pre > self.weights["threshold"])
+        k = min(self.k, c.k) if c.architecture == "topk" else self.k
+        values, ids = pre.topk(k, dim=1)
+        values = values.float().clamp_min(0)
+        if k < self.k:  # the SAE keeps fewer features active than asked for: the rest are inactive
+            values = torch.nn.functional.pad(values, (0, self.k - k))
+            ids = torch.nn.functional.pad(ids, (0, self.k - k))
         return torch.stack([values, torch.where(values > 0, ids.float(), -1.0)])
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+    def _pre_activations(self, x: torch.Tensor) -> torch.Tensor:
         w, c = self.weights, self.config
         x = x.to(w["W_enc"].dtype)
         if c.normalize_activations == "constant_norm_rescale":
@@ -41,9 +51,4 @@ class DeviceSae:
             x = x / (x.std(dim=1, keepdim=True) + 1e-5)
         if c.apply_b_dec_to_input:
             x = x - w["b_dec"]
-        pre = x @ w["W_enc"] + w["b_enc"]
-        if c.architecture == "topk":
-            values, ids = pre.topk(c.k, dim=1)
-            return torch.zeros_like(pre).scatter_(1, ids, values.clamp_min(0))
-        acts = pre.clamp_min(0)
-        return acts * (pre > w["threshold"]) if c.architecture == "jumprelu" else acts
+        return torch.addmm(w["b_enc"], x, w["W_enc"])
