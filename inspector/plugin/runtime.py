@@ -2,12 +2,11 @@
 
 Hooks write each forward's rows into static ``[max_tokens, width]`` buffers and apply
 ``value * scale[slot] + bias[slot]`` (then the slot's feature clamps, ``clamps``) with the slot gathered
-per row from ``row_slot``. In the compiled
-flavour both are traced into the graph, so the hooks' Python never runs again: everything that
-varies (which request owns which row, which interventions apply) is written into those buffers
-*between* forwards by ``before_forward``, and ``after_forward`` queues one copy of the live rows to
-the host per stack of same-width hooks (``copyout``). Splitting rows per request (``gather``) waits
-until the driver drains, keeping the per-step work small.
+per row from ``row_slot``. In the compiled flavour both are traced into the graph, so the hooks'
+Python never runs again: everything that varies (which request owns which row, which interventions
+apply) is written into those buffers *between* forwards by ``before_forward``, and ``after_forward``
+queues one copy of the live rows to the host per stack of same-width hooks (``copyout``). Splitting
+rows per request (``gather``) waits until the driver drains, keeping the per-step work small.
 """
 
 from __future__ import annotations
