@@ -22,7 +22,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.lens import MAX_K
 from inspector.capture.positions import parse_positions
 from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol
-from inspector.capture.sae import read_sae
+from inspector.capture.sae import decoder_row, feature_clamp, read_sae
 from inspector.capture.vectors import load_vector
 from inspector.experiments.compare import compare, upcoming_twins
 
@@ -75,7 +75,7 @@ def open_session(args, progress, retain_rows: bool) -> SessionProtocol:
         return session
     options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks or DEFAULT_HOOKS),
                              dtype=args.dtype, max_model_len=args.max_model_len, retain_rows=retain_rows,
-                             engine_args=parallel_args(args))
+                             engine_args=parallel_args(args), feature_clamps=getattr(args, "feature_clamps", 0))
     return engine_session(options, progress)
 
 
@@ -103,6 +103,20 @@ def parse_intervention(text: str, prompts: int) -> dict:
         except ValueError as e:
             raise ValueError(f"--intervene {text!r}: {e}") from None
     return iv
+
+
+def parse_feature_steering(text: str, how: str) -> tuple[str, int, float]:
+    """``SAE:FEATURE=NUMBER`` (SAE: an --sae directory's name) as (SAE, feature, number)."""
+    flag = f"--{how}-feature"
+    name, _, rest = text.rpartition(":")
+    feature, _, number = rest.partition("=")
+    try:
+        if not name:
+            raise ValueError("no SAE named")
+        return name, int(feature), float(number)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected SAE:FEATURE=NUMBER, the SAE named as its directory "
+                         f"(e.g. {flag} my_sae:17=4.0)") from None
 
 
 class TerminalProgress:
@@ -136,11 +150,23 @@ def capture(args) -> int:
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompt-file")
     interventions = [parse_intervention(text, len(prompts)) for text in args.intervene or []]
+    steered = [(how, *parse_feature_steering(text, how)) for how in ("steer", "clamp")
+               for text in getattr(args, f"{how}_feature") or []]
     if args.lens and not 1 <= args.lens <= MAX_K:
         raise ValueError(f"--lens takes K from 1 to {MAX_K}, got {args.lens}")
     out = Path(args.out)
     check_target(out)  # before the engine boots: a bad path costs no boot
     saes = [read_sae(path) for path in args.sae or []]  # checked before the engine boots, too
+    unknown = sorted({name for _, name, _, _ in steered} - {sae.name for sae in saes})
+    if unknown:
+        raise ValueError(f"--steer-feature/--clamp-feature name {', '.join(unknown)}, not an --sae directory's name")
+    by_name = {sae.name: sae for sae in saes}
+    for how, name, feature, number in steered:  # refused before the engine boots:
+        if how == "clamp":
+            feature_clamp(by_name[name], feature, number)  # a feature that cannot be clamped, or out of range
+        else:
+            decoder_row(by_name[name], feature)  # a feature out of range
+    args.feature_clamps = sum(how == "clamp" for how, *_ in steered)  # room for them, in an engine of our own
     if saes and not args.server:  # the hooks they read are captured as well (a server's are its own)
         args.hooks = list(dict.fromkeys([*(args.hooks or DEFAULT_HOOKS), *(sae.hook for sae in saes if sae.hook)]))
     progress = TerminalProgress()
@@ -148,14 +174,15 @@ def capture(args) -> int:
                         logprobs=args.logprobs)
     session = open_session(args, progress.stage, retain_rows=False)
     try:
-        for sae in saes:
-            session.attach_sae(sae.path, k=args.sae_k)
+        attached = {sae.name: session.attach_sae(sae.path, k=args.sae_k) for sae in saes}
         twins = upcoming_twins(session, len(prompts)) if args.compare else []
         ids = [t.intervened for t in twins] or session.upcoming_request_ids(len(prompts))
         for iv in interventions:
             if "request_id" in iv:
                 iv["request_id"] = ids[iv["request_id"]]
-        interventions = [Intervention.from_dict(iv) for iv in interventions]
+        interventions = [Intervention.from_dict(iv) for iv in interventions] + [
+            attached[name].steering(feature, number) if how == "steer" else attached[name].clamping(feature, number)
+            for how, name, feature, number in steered]
         if args.compare:
             events = compare(session, prompts, interventions, sampling)[1]
         else:
@@ -546,6 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an SAE in SAELens's format (cfg.json, sae_weights.safetensors; repeat for more): each "
                           "token's strongest features at the hook its config names (captured too) go into the file")
     cap.add_argument("--sae-k", type=int, default=32, metavar="K", help="features kept per token and SAE (default 32)")
+    cap.add_argument("--steer-feature", action="append", metavar="SAE:FEATURE=STRENGTH",
+                     help="add STRENGTH times the feature's decoder direction at its SAE's hook, for every request "
+                          "(SAE: an --sae directory's name; repeat for more)")
+    cap.add_argument("--clamp-feature", action="append", metavar="SAE:FEATURE=VALUE",
+                     help="set the feature's activation to VALUE at its SAE's hook, keeping the rest of the row "
+                          "(0 ablates it; ReLU and JumpReLU SAEs; a server needs room: serve --feature-clamps)")
     cap.add_argument("--out", required=True, help="the HDF5 file to write")
     cap.add_argument("--intervene", action="append", metavar="HOOK:scale=…,bias=…",
                      help="an intervention; keys: scale, bias (number or .npy), positions (3-5;8), request (index)")

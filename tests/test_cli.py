@@ -182,3 +182,30 @@ def test_capture_with_an_sae_stores_each_tokens_strongest_features(compiled_serv
     refused = inspector("capture", "--model", "demo", "--prompt", "x", "--sae", str(tmp_path), "--out",
                         str(tmp_path / "no.h5"), check=False)
     assert refused.returncode == 1 and "no cfg.json" in refused.stderr
+
+
+def test_capture_clamps_a_feature_of_an_sae_it_attached(compiled_server, tmp_path):
+    """--compare runs the prompt clean and clamped side by side: the clamped twin's prompt rows at the
+    SAE's hook are the clean ones with the feature set to the value (the SAE's reconstruction with it,
+    plus its error)."""
+    from sae_files import write_sae
+
+    from inspector.capture.sae import encode, load_weights, read_sae
+
+    sae = write_sae(tmp_path / "relu", "jumprelu", 128, 512, "blocks.1.hook_resid_post", seed=3)
+    out = tmp_path / "clamped.h5"
+    inspector("capture", "--server", compiled_server[0], "--prompt", "def f(a, b):", "--max-tokens", "3",
+              "--sae", str(sae), "--clamp-feature", "relu:7=2.5", "--compare", "--out", str(out))
+    clean, clamped = read_run(out).requests.values()
+    assert (clean.twin_role, clamped.twin_role) == ("clean", "intervened")
+    (logged,) = clamped.intervention_log[0][1]
+    assert logged["clamp"]["label"] == "relu/7" and logged["clamp"]["value"] == 2.5
+    hook, n = "model.layers.1.resid_post", len(clean.prompt_token_ids)
+    rows = np.asarray(clean.hooks[hook].values)[:n]
+    config, weights = read_sae(sae), load_weights(read_sae(sae))
+    want = rows + (2.5 - encode(config, weights, rows)[:, 7])[:, None] * weights["W_dec"][7]
+    np.testing.assert_allclose(np.asarray(clamped.hooks[hook].values)[:n], want, rtol=1e-5, atol=1e-5)
+    for bad, message in (("relu7=2", "expected SAE:FEATURE=NUMBER"), ("other:7=2", "other, not an --sae")):
+        refused = inspector("capture", "--server", compiled_server[0], "--prompt", "x", "--sae", str(sae),
+                            "--clamp-feature", bad, "--out", str(tmp_path / "no.h5"), check=False)
+        assert refused.returncode == 1 and message in refused.stderr
