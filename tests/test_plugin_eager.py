@@ -47,10 +47,11 @@ def test_hooks_added_and_removed_live(llm):
     assert set(caps["r0"]) == set(RESID)
 
 
-def test_per_request_intervention_applied_directly(llm):
+def clean_and_steered(llm, interventions):
+    """PROMPTS run clean, then with ``interventions`` (scoped to request r1), after which they are
+    cleared; request r0 must be untouched, to the bit."""
     clean = generate(llm, PROMPTS)
-    rpc(llm, "inspector_set_interventions",
-        [{"hook": "blocks.0.hook_resid_post", "scale": 0.5, "bias": 0.25, "request_id": "r1"}])
+    rpc(llm, "inspector_set_interventions", interventions)
     try:
         steered = generate(llm, PROMPTS)
     finally:
@@ -58,6 +59,12 @@ def test_per_request_intervention_applied_directly(llm):
     assert steered[0]["r0"] == clean[0]["r0"]
     np.testing.assert_array_equal(steered[1]["r0"]["blocks.1.hook_resid_post"]["values"],
                                   clean[1]["r0"]["blocks.1.hook_resid_post"]["values"])
+    return clean, steered
+
+
+def test_per_request_intervention_applied_directly(llm):
+    clean, steered = clean_and_steered(
+        llm, [{"hook": "blocks.0.hook_resid_post", "scale": 0.5, "bias": 0.25, "request_id": "r1"}])
     got = steered[1]["r1"]["blocks.0.hook_resid_post"]["values"]
     ref = clean[1]["r1"]["blocks.0.hook_resid_post"]["values"]
     n_prompt = len(clean[0]["r1"][0])
@@ -72,15 +79,7 @@ def test_a_feature_clamp_applies_to_its_request_only(llm):
         return {"hook": "blocks.0.hook_resid_post", "request_id": "r1",
                 "clamp": {"encoder": encoder, "offset": 0.1, "floor": 0.05, "decoder": decoder, "value": value}}
 
-    clean = generate(llm, PROMPTS)
-    rpc(llm, "inspector_set_interventions", [clamp(2.0)])
-    try:
-        clamped = generate(llm, PROMPTS)
-    finally:
-        rpc(llm, "inspector_clear_interventions")
-    assert clamped[0]["r0"] == clean[0]["r0"]
-    np.testing.assert_array_equal(clamped[1]["r0"]["blocks.1.hook_resid_post"]["values"],
-                                  clean[1]["r0"]["blocks.1.hook_resid_post"]["values"])
+    clean, clamped = clean_and_steered(llm, [clamp(2.0)])
     n_prompt = len(clean[0]["r1"][0])
     x = clean[1]["r1"]["blocks.0.hook_resid_post"]["values"][:n_prompt].astype(np.float64)
     pre = x @ encoder + 0.1

@@ -203,13 +203,15 @@ def scan(session: SessionProtocol, documents: list[str], spec: ScanSpec, state: 
     # one thread: documents are taken in in order
     with ThreadPoolExecutor(1, thread_name_prefix="scan-take-in", initializer=_yield_to_the_engine) as taker:
         while following < len(documents) and not cancelled():
-            first, batch, truncated = following, [], []
-            while following < len(documents) and (not batch or sum(n for _, n in batch) < budget):
-                batch.append(_fitted(session, documents[following], options.max_model_len - 1))
-                if batch[-1][0] != documents[following]:
+            first, batch, truncated, tokens = following, [], [], 0
+            while following < len(documents) and (not batch or tokens < budget):
+                text, n = _fitted(session, documents[following], options.max_model_len - 1)
+                batch.append(text)
+                tokens += n
+                if text != documents[following]:
                     truncated.append(following)
                 following += 1
-            taking_in = _prefill(session, [text for text, _ in batch], sampling,
+            taking_in = _prefill(session, batch, sampling,
                                  lambda document, steps, tokens: taker.submit(_add_document, state, spec, steps,
                                                                               first + document, tokens))
             if taken_in is not None:

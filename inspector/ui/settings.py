@@ -43,6 +43,13 @@ class Settings:
         v = self._q.value(key, default)
         return default if v is None else str(v)
 
+    def _int(self, key: str, least: int) -> int:
+        """A whole number of at least ``least`` (``least`` where unset or not a number)."""
+        try:
+            return max(least, int(self._str(key, str(least))))
+        except ValueError:
+            return least
+
     def _list(self, key: str) -> list[str]:
         v = self._q.value(key, [])
         if v is None or v == "":
@@ -70,10 +77,7 @@ class Settings:
 
     @property
     def tensor_parallel_size(self) -> int:
-        try:
-            return max(1, int(self._str("engine/tensor_parallel_size", "1")))
-        except ValueError:
-            return 1
+        return self._int("engine/tensor_parallel_size", 1)
 
     @tensor_parallel_size.setter
     def tensor_parallel_size(self, size: int) -> None:
@@ -81,10 +85,7 @@ class Settings:
 
     @property
     def feature_clamps(self) -> int:
-        try:
-            return max(0, int(self._str("engine/feature_clamps", "0")))
-        except ValueError:
-            return 0
+        return self._int("engine/feature_clamps", 0)
 
     @feature_clamps.setter
     def feature_clamps(self, count: int) -> None:
