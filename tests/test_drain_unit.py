@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from inspector.capture.dtypes import BFLOAT16
+
 from inspector.plugin.config import PluginConfig
 from inspector.plugin.copyout import Transfer
 from inspector.plugin.gather import QueuedForward, rows_by_request
@@ -60,8 +62,8 @@ def test_drain_without_wait_takes_only_landed_steps_in_order():
     assert rest["r0"]["a"]["positions"].tolist() == [3, 4]
     assert rest["r1"]["a"]["positions"].tolist() == [3]
     r0 = rest["r0"]["b"]
-    assert r0["values"].dtype == np.float32  # bfloat16 arrives as float32
-    assert r0["values"][:, 0].tolist() == [3.0, 4.0]
+    assert r0["values"].dtype == BFLOAT16  # bfloat16 stays bfloat16 (no conversion on the host)
+    assert r0["values"].astype(np.float32)[:, 0].tolist() == [3.0, 4.0]
     assert r0["token_ids"].tolist() == [1003, 1004]
     assert runtime.drain() == {}
 
@@ -115,5 +117,6 @@ def test_drained_rows_are_each_requests_rows_in_order(dtype):
         for hook, rows in hooks.items():
             assert got[rid][hook]["positions"].tolist() == [p for p, _, _ in rows] == list(range(len(rows)))
             assert got[rid][hook]["token_ids"].tolist() == [t for _, t, _ in rows]
-            assert got[rid][hook]["values"].dtype == np.float32
-            np.testing.assert_array_equal(got[rid][hook]["values"], np.stack([v for _, _, v in rows]))
+            assert got[rid][hook]["values"].dtype == (BFLOAT16 if dtype == torch.bfloat16 else np.float32)
+            np.testing.assert_array_equal(got[rid][hook]["values"].astype(np.float32),
+                                          np.stack([v for _, _, v in rows]))

@@ -17,6 +17,7 @@ import pytest
 
 from inspector.capture.hooks import HookPoint
 from inspector.capture.run import HookRows, LensRows, RequestCapture, Run, TopToken
+from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.io import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, CaptureWriter, H5Array, LazyHookRows,
                           open_run, read_run, write_run)
 from inspector.io.format import chunk_cols_for, chunk_rows_for, escape_name, unescape_name
@@ -44,7 +45,7 @@ def special_values(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
     return v
 
 
-def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3)) -> Run:
+def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3), dtype=np.float32) -> Run:
     rng = np.random.default_rng(seed)
     hooks = {name: HookPoint(name, f"L{layer}.{name[-8:]}", f"model.{name}", "resid", width, layer, "bfloat16")
              for name, width, layer in HOOK_SPECS}
@@ -70,10 +71,12 @@ def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3)) -> Run:
                                                      "request_id": None, "positions": None}])],
             finish_reason=None if r == 2 else "length")
         for name, width, _ in HOOK_SPECS:
-            hr = HookRows(width)
+            hr = HookRows(width, dtype=dtype)
             n = n_rows if name != "..." else min(n_rows, 2)
             if n:
-                hr.append(np.arange(n, dtype=np.int64), rng.integers(0, 50_000, n), special_values(rng, n, width))
+                with np.errstate(over="ignore"):  # float16: 3.4e38 becomes inf, a special value too
+                    values = special_values(rng, n, width).astype(dtype)
+                hr.append(np.arange(n, dtype=np.int64), rng.integers(0, 50_000, n), values)
             req.hooks[name] = hr
             if n and name in ("model.layers.0.resid_post", "odd/name%with.slash"):  # a lens, escaped name too
                 lens = req.lens[name] = LensRows(3)
@@ -87,8 +90,8 @@ def make_run(seed: int = 0, rows=(300, 1, 0), generated=(40, 0, 3)) -> Run:
 
 def bits(a) -> np.ndarray:
     a = np.asarray(a)
-    assert a.dtype == np.float32, a.dtype
-    return a.view(np.uint32)
+    assert a.dtype in ROW_DTYPES.values(), a.dtype
+    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
 
 
 def assert_runs_equal(a: Run, b: Run) -> None:
@@ -103,7 +106,7 @@ def assert_runs_equal(a: Run, b: Run) -> None:
         assert list(ra.hooks) == list(rb.hooks)
         for name, ha in ra.hooks.items():
             hb = rb.hooks[name]
-            assert ha.width == hb.width and len(ha) == len(hb)
+            assert ha.width == hb.width and len(ha) == len(hb) and ha.dtype == hb.dtype
             assert np.array_equal(ha.positions, hb.positions) and np.array_equal(ha.token_ids, hb.token_ids)
             assert np.array_equal(bits(ha.values), bits(hb.values)), (rid, name)
         assert list(ra.lens) == list(rb.lens)
@@ -119,8 +122,9 @@ def listing(d: Path) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ round trip
 
-def test_round_trip_bit_for_bit(tmp_path):
-    run = make_run()
+@pytest.mark.parametrize("dtype", ROW_DTYPES.values(), ids=ROW_DTYPES)
+def test_round_trip_bit_for_bit(tmp_path, dtype):
+    run = make_run(dtype=dtype)
     path = tmp_path / "run.h5"
     seen = []
     assert write_run(run, path, progress=seen.append) == path
@@ -141,7 +145,11 @@ def test_round_trip_bit_for_bit(tmp_path):
         assert g.attrs["request_id"] == "req-0-\u00e9"
         v = g["hooks/model.layers.1.mlp.down_proj/values"]
         # width split in equal parts, ~256 KiB
-        assert v.dtype == np.float32 and v.chunks == (119, 550) and v.maxshape == (None, 1100)
+        assert v.dtype == (np.uint16 if dtype == BFLOAT16 else dtype) and v.maxshape == (None, 1100)
+        assert v.chunks == (119, 550) and v.attrs.get("dtype") == ("bfloat16" if dtype == BFLOAT16 else None)
+        if dtype == BFLOAT16:  # the documented way to read it without our code
+            expected = np.asarray(run.requests["req-0-\u00e9"].hooks["model.layers.1.mlp.down_proj"].values, np.float32)
+            np.testing.assert_array_equal((v[...].astype(np.uint32) << 16).view(np.float32), expected)
         assert v.compression is None
         assert g["token_texts"].asstr()[1] == " caf\u00e9"
         assert g["top_logprob_ids"].shape[0] == 40 and g["is_prompt"][:5].all()
@@ -307,12 +315,33 @@ def test_truncated_file(tmp_path, small_file):
     assert str(path) in str(e.value)
 
 
+def test_a_version_1_file_opens(tmp_path, small_file):
+    """Version 1 differed only in storing every value as float32, as a float32 engine's file still does."""
+    path = tmp_path / "v1.h5"
+    shutil.copy(small_file, path)
+    with h5py.File(path, "a") as f:
+        f.attrs["format_version"] = np.int64(1)
+    assert_runs_equal(read_run(small_file), read_run(path))
+
+
+def test_bfloat16_bits_without_their_dtype_attribute_are_damage(tmp_path, small_file):
+    path = tmp_path / "bits.h5"
+    shutil.copy(small_file, path)
+    with h5py.File(path, "a") as f:
+        group = f["requests/0/hooks/model.layers.0.resid_post"]
+        values = group["values"][...]
+        del group["values"]
+        group["values"] = values.view(np.uint32).astype(np.uint16)
+    with open_run(path) as rf, pytest.raises(CaptureFileError, match="not float32, float16 or bfloat16"):
+        rf.run.requests[next(iter(rf.run.requests))].hooks["model.layers.0.resid_post"].values
+
+
 def test_newer_version(tmp_path, small_file):
     path = tmp_path / "future.h5"
     shutil.copy(small_file, path)
     with h5py.File(path, "a") as f:
         f.attrs["format_version"] = np.int64(FORMAT_VERSION + 1)
-    with pytest.raises(CaptureFileError, match=r"format version 2, newer .*update Activation Inspector"):
+    with pytest.raises(CaptureFileError, match=rf"format version {FORMAT_VERSION + 1}, newer .*update Activation Inspector"):
         read_run(path)
 
 

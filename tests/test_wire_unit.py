@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import zmq
 
+from inspector.capture.dtypes import BFLOAT16
 from inspector.capture.protocol import RequestStart, RequestStep, StepEvent
 from inspector.client.connection import Connection, ServerGone
 from inspector.net.wire import MAX_MESSAGE_BYTES, Message, WireError, decode, encode, event_from_body, \
@@ -87,6 +88,14 @@ def test_a_message_of_small_arrays_is_one_frame_and_one_with_a_large_array_sends
     assert body["a"][1].flags.c_contiguous
 
 
+@pytest.mark.parametrize("rows", [4, 400])  # inside the header, and as a frame of its own
+def test_bfloat16_rows_cross_the_wire_as_bfloat16_bit_for_bit(rows):
+    values = np.random.default_rng(0).standard_normal((rows, 64)).astype(BFLOAT16)
+    got = decode(encode(Message("t", {"values": values}, 1))).body["values"]
+    assert got.dtype == BFLOAT16
+    np.testing.assert_array_equal(got.view(np.uint16), values.view(np.uint16))
+
+
 def test_a_connection_closed_at_once_ends_cleanly_even_when_the_server_refuses_its_handshake():
     """A client's socket thread pings on its first tick; a close right after connecting, to a server
     that never completes the handshake, must not leave the socket (and so the process's exit) hanging."""
@@ -110,11 +119,12 @@ def test_a_connection_closed_at_once_ends_cleanly_even_when_the_server_refuses_i
 
 
 @pytest.mark.parametrize("order", ["as in memory", "reversed"])
-def test_a_steps_rows_join_by_hook_as_a_view_when_they_lie_in_order_and_come_back_to_their_requests(order):
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
+def test_a_steps_rows_join_by_hook_as_a_view_when_they_lie_in_order_and_come_back_to_their_requests(order, dtype):
     """The drain hands out consecutive slices of one block: sent as one frame, not copied; requests in
     another order than memory must still get their own rows back."""
     batch, width = 8, 4096
-    block = np.random.default_rng(0).standard_normal((2, batch, width), dtype=np.float32)
+    block = np.random.default_rng(0).standard_normal((2, batch, width), dtype=np.float32).astype(dtype)
     positions, tokens = np.arange(batch), np.arange(batch) + 100
     indices = list(range(batch)) if order == "as in memory" else list(range(batch))[::-1]
     steps = tuple(RequestStep(f"r{i}", rows={f"h{h}": (positions[i:i + 1], tokens[i:i + 1], block[h, i:i + 1])

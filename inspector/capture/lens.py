@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from .dtypes import is_float_rows
+
 MAX_K = 100
 
 
@@ -63,7 +65,7 @@ def checked_lens_request(values, k: int, chosen, width: int, vocab: int) -> tupl
     values = np.asarray(values)
     if values.ndim != 2 or values.shape[1] != width or not len(values):
         raise ValueError(f"the lens takes residual-stream rows [rows, {width}], got an array of shape {values.shape}")
-    if not np.issubdtype(values.dtype, np.floating) or not np.isfinite(values).all():
+    if not is_float_rows(values.dtype) or not np.isfinite(values).all():
         raise ValueError("the lens takes finite floating-point rows")
     if not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= min(MAX_K, vocab)):
         raise ValueError(f"k must be an integer from 1 to {min(MAX_K, vocab)}, got {k!r}")

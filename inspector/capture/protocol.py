@@ -71,7 +71,7 @@ class Sampling:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], token ids [n], values [n, width] float32
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], token ids [n], values [n, width] (dtypes.ROW_DTYPES)
 Features = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], ids [n, k] int32, activations [n, k] float32
 
 
@@ -211,7 +211,8 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True) -> set[str]:
             for hook, rows in step.rows.items():
                 if hook not in req.hooks:
                     expected = len(req.prompt_token_ids) + int(req.sampling.get("max_tokens") or 0)
-                    req.hooks[hook] = HookRows(rows[2].shape[1], max(min(expected, MAX_EXPECTED_ROWS), len(rows[0])))
+                    req.hooks[hook] = HookRows(rows[2].shape[1], max(min(expected, MAX_EXPECTED_ROWS), len(rows[0])),
+                                               rows[2].dtype)
                 req.hooks[hook].append(*rows)
         if step.finished:
             req.finish_reason = step.finish_reason

@@ -25,15 +25,20 @@ class TopToken(NamedTuple):
 
 
 class HookRows:
-    """Rows of one hook for one request, appended step by step."""
+    """Rows of one hook for one request, appended step by step, kept in the engine's dtype
+    (``dtypes.ROW_DTYPES``: a bf16 engine's rows stay bfloat16)."""
 
-    def __init__(self, width: int, expected_rows: int = 16):
+    def __init__(self, width: int, expected_rows: int = 16, dtype=np.float32):
         """``expected_rows``: room made at once (a request's prompt and token budget), so rows are
         copied once instead of again at every regrowth; untouched room costs address space, not memory."""
         self.width = width
         self._positions = GrowableArray(np.int64, capacity=expected_rows)
         self._token_ids = GrowableArray(np.int64, capacity=expected_rows)
-        self._values = GrowableArray(np.float32, (width,), capacity=expected_rows)
+        self._values = GrowableArray(np.dtype(dtype), (width,), capacity=expected_rows)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._values.dtype
 
     def append(self, positions, token_ids, values) -> None:
         values = np.asarray(values)

@@ -13,6 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
+from inspector.capture.dtypes import as_float32
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import Sampling, SessionProtocol, StepEvent
 from inspector.capture.run import HookRows, RequestCapture, Run, TopToken
@@ -128,8 +129,8 @@ def difference(clean: HookRows, intervened: HookRows) -> tuple[np.ndarray, np.nd
     positions = np.array(sorted(a.keys() & b.keys()), dtype=np.int64)
     if not len(positions):
         return positions, np.zeros((0, clean.width), np.float32)
-    rows_a = np.asarray(clean.values)[[a[p] for p in positions.tolist()]]
-    rows_b = np.asarray(intervened.values)[[b[p] for p in positions.tolist()]]
+    rows_a = as_float32(np.asarray(clean.values)[[a[p] for p in positions.tolist()]])
+    rows_b = as_float32(np.asarray(intervened.values)[[b[p] for p in positions.tolist()]])
     return positions, rows_b - rows_a
 
 

@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 
 FORMAT_NAME = "activation-inspector-capture"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: values in the engine's dtype (bfloat16 as its bits); 1: float32
 
 # Chunks of ~256 KiB: [rows, cols] with cols = the width split in equal parts of <= 1024 and rows =
 # 256 KiB / (4 * cols), within [64, 4096]. HDF5 stores a partly filled chunk at full size (we do not

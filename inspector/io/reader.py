@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 
 from inspector.capture.attention import AttentionGeometry
+from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.capture.routing import Routing
 from inspector.capture.hooks import HookPoint
 from inspector.capture.run import FeatureRows, HookRows, LensRows, RequestCapture, Run, TopToken
@@ -20,12 +21,14 @@ from .format import FORMAT_NAME, FORMAT_VERSION, CaptureFileError, get_text, os_
 
 
 class H5Array:
-    """A read-only, h5py-backed array: ``shape``, ``dtype``, slicing and ``np.asarray()`` read on demand."""
+    """A read-only, h5py-backed array: ``shape``, ``dtype``, slicing and ``np.asarray()`` read on demand.
+    A dataset of bfloat16 bit patterns (its ``dtype`` attribute says "bfloat16") reads as bfloat16."""
 
     def __init__(self, dataset: h5py.Dataset, owner: "RunFile"):
         self._dataset, self._owner = dataset, owner
         self.shape: tuple[int, ...] = tuple(dataset.shape)
-        self.dtype = dataset.dtype
+        self._bf16 = dataset.dtype == np.uint16 and get_text(dataset, "dtype") == "bfloat16"
+        self.dtype = BFLOAT16 if self._bf16 else dataset.dtype
 
     ndim = property(lambda self: len(self.shape))
     size = property(lambda self: int(np.prod(self.shape)))
@@ -35,6 +38,10 @@ class H5Array:
         return self.shape[0]
 
     def __getitem__(self, key) -> np.ndarray:
+        out = self._read(key)
+        return out.view(BFLOAT16) if self._bf16 else out
+
+    def _read(self, key) -> np.ndarray:
         self._owner._check_open()
         try:
             return self._dataset[key]
@@ -90,9 +97,10 @@ class LazyHookRows(HookRows):
                     raise self._damaged("has no 'values' dataset")
                 if d.ndim != 2 or d.shape[1] != self.width:
                     raise self._damaged(f"holds values of shape {d.shape}, not [rows, {self.width}]")
-                if d.dtype.kind != "f":
-                    raise self._damaged(f"holds values of type {d.dtype}, not float")
-                self._lazy_values = H5Array(d, self._owner)
+                values = H5Array(d, self._owner)
+                if values.dtype not in ROW_DTYPES.values():
+                    raise self._damaged(f"holds values of type {d.dtype}, not float32, float16 or bfloat16")
+                self._lazy_values = values
             except CaptureFileError:
                 raise
             except Exception as exc:  # noqa: BLE001 - unreadable dataset header
@@ -129,11 +137,15 @@ class LazyHookRows(HookRows):
     def __len__(self) -> int:
         return self.values.shape[0]
 
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
     def append(self, *args, **kwargs):
         raise TypeError("hook rows read from a capture file are read-only; use read_run() for an in-memory copy")
 
     def load(self) -> HookRows:
-        rows = HookRows(self.width)
+        rows = HookRows(self.width, dtype=self.dtype)
         if len(self):
             rows.append(self.positions, self.token_ids, self.values.read())
         return rows

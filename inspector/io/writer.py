@@ -20,6 +20,7 @@ import numpy as np
 
 from inspector import __version__ as APP_VERSION
 from inspector.capture.arrays import GrowableArray
+from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.capture.hooks import HookPoint
 from inspector.capture.routing import Routing, route
 from inspector.capture.run import FeatureRows, LensRows, RequestCapture, Run, TopToken
@@ -57,11 +58,11 @@ class _HookBuffer:
     """One (request, hook): values not yet written (< one chunk, written chunk-aligned) and all its
     positions/token ids (16 bytes a row, kept in memory and written when the request finishes)."""
 
-    __slots__ = ("name", "width", "chunk_rows", "chunk_cols", "pending", "rows_written", "positions",
+    __slots__ = ("name", "width", "dtype", "chunk_rows", "chunk_cols", "pending", "rows_written", "positions",
                  "token_ids", "idx_written", "d_values", "d_positions", "d_token_ids")
 
-    def __init__(self, name: str, width: int):
-        self.name, self.width = name, width
+    def __init__(self, name: str, width: int, dtype: np.dtype):
+        self.name, self.width, self.dtype = name, width, dtype
         self.chunk_rows, self.chunk_cols = chunk_rows_for(width), chunk_cols_for(width)
         self.pending = self.new_pending()
         self.rows_written = 0
@@ -70,7 +71,7 @@ class _HookBuffer:
         self.d_values = self.d_positions = self.d_token_ids = None
 
     def new_pending(self) -> GrowableArray:
-        return GrowableArray(np.float32, (self.width,), capacity=0, max_capacity=self.chunk_rows)
+        return GrowableArray(self.dtype, (self.width,), capacity=0, max_capacity=self.chunk_rows)
 
     def gap(self) -> int:
         """Rows from what is written to the next chunk boundary, in 1..chunk_rows."""
@@ -325,7 +326,9 @@ class CaptureWriter:
             self.release(req.request_id)
 
     def append_rows(self, request_id: str, hook: str, positions, token_ids, values) -> None:
-        """Append ``values[n, width]`` (float32; other floats are converted) with their positions/token ids.
+        """Append ``values[n, width]`` with their positions/token ids. A hook's values are stored in the
+        dtype of its first rows if that is a row dtype (``dtypes.ROW_DTYPES``: float32, float16,
+        bfloat16), else as float32; later rows are converted to it.
 
         Called once per decode step per (request, hook), so it is kept lean (~10 us for one row).
         """
@@ -339,9 +342,11 @@ class CaptureWriter:
             info = self._hooks.get(hook)
             if info is None:
                 raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
-            buf = req.buffers[hook] = _HookBuffer(hook, int(info.width))
-        if type(values) is not np.ndarray or values.dtype != np.float32:
-            values = np.asarray(values).astype(np.float32, copy=False)
+            dtype = np.asarray(values).dtype
+            buf = req.buffers[hook] = _HookBuffer(hook, int(info.width),
+                                                  dtype if dtype in ROW_DTYPES.values() else np.dtype(np.float32))
+        if type(values) is not np.ndarray or values.dtype != buf.dtype:
+            values = np.asarray(values).astype(buf.dtype, copy=False)
         if type(positions) is not np.ndarray or positions.dtype != np.int64 or positions.ndim != 1:
             positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if type(token_ids) is not np.ndarray or token_ids.dtype != np.int64 or token_ids.ndim != 1:
@@ -356,7 +361,7 @@ class CaptureWriter:
             buf.token_ids.append(token_ids)
             if n and len(buf.pending) + n < buf.gap():  # the common decode step: just buffer it
                 buf.pending.append(values)
-                self._buffered += n * buf.width * 4
+                self._buffered += values.nbytes
             elif n:
                 self._push(req, buf, values)
             if self._buffered > self._budget:
@@ -421,7 +426,7 @@ class CaptureWriter:
                 continue
             take = min(gap - len(buf.pending), n - i)
             buf.pending.append(v[i: i + take])
-            self._buffered += take * buf.width * 4
+            self._buffered += take * buf.width * buf.dtype.itemsize
             i += take
             if len(buf.pending) == gap:
                 self._flush(req, buf, final=False)
@@ -430,7 +435,7 @@ class CaptureWriter:
         c = len(buf.pending)
         if c or (final and buf.d_values is None):
             self._write_values(req, buf, buf.pending.view(), exact=final and buf.d_values is None)
-            self._buffered -= c * buf.width * 4
+            self._buffered -= c * buf.width * buf.dtype.itemsize
             buf.pending.clear()
         if final:
             buf.pending = buf.new_pending()  # frees the chunk's memory
@@ -451,16 +456,21 @@ class CaptureWriter:
             g = req.group["hooks"].create_group(link)
             if link != buf.name:  # the hook's own name, where the link name had to be escaped
                 set_text(g, "name", buf.name)
+            bf16 = buf.dtype == BFLOAT16
             buf.d_values = g.create_dataset("values", shape=(0, buf.width), maxshape=(None, buf.width),
-                                            dtype="<f4", chunks=(buf.chunk_rows, buf.chunk_cols),
-                                            **self._compression)
+                                            dtype="<u2" if bf16 else buf.dtype.newbyteorder("<"),
+                                            chunks=(buf.chunk_rows, buf.chunk_cols), **self._compression)
+            if bf16:  # HDF5 has no bfloat16: its bit patterns, named
+                set_text(buf.d_values, "dtype", "bfloat16")
+        if v.dtype == BFLOAT16:
+            v = v.view(np.uint16)
         n = len(v)
         if n == 0:
             return
         a, b, rows, cols, width = buf.rows_written, buf.rows_written + n, buf.chunk_rows, buf.chunk_cols, buf.width
         d = buf.d_values
         d.id.set_extent((b, width))
-        if not self._compression and a % rows == 0 and n % rows == 0 and v.dtype == np.dtype("<f4"):
+        if not self._compression and a % rows == 0 and n % rows == 0:
             # whole chunks: hand HDF5 the chunk bytes directly (no selection, no gather copy)
             for r0 in range(0, n, rows):
                 block = v[r0: r0 + rows]
@@ -470,7 +480,7 @@ class CaptureWriter:
                     elif c0 + cols <= width:
                         data = np.ascontiguousarray(block[:, c0: c0 + cols])
                     else:  # the last column chunk sticks out: pad it like HDF5 would
-                        data = np.zeros((rows, cols), np.float32)
+                        data = np.zeros((rows, cols), v.dtype)
                         data[:, : width - c0] = block[:, c0:]
                     d.id.write_direct_chunk((a + r0, c0), data)
         else:
@@ -573,7 +583,10 @@ def _named_group(parent, name: str):
 def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,
               **writer_options) -> Path:
     """Write a whole Run (in memory or lazily opened) to ``path``; returns the final path."""
-    total = sum(len(rows) * (rows.width * 4 + 16) for req in run.requests.values() for rows in req.hooks.values())
+    def row_bytes(rows) -> int:
+        return rows.width * rows.dtype.itemsize + 16
+
+    total = sum(len(rows) * row_bytes(rows) for req in run.requests.values() for rows in req.hooks.values())
     done = 0
     if progress:
         progress(0.0)
@@ -585,14 +598,14 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
                 n = len(rows)
                 positions, token_ids, values = rows.positions, rows.token_ids, rows.values
                 chunk = chunk_rows_for(rows.width)
-                step = max(chunk, (WRITE_PIECE_BYTES // (rows.width * 4)) // chunk * chunk)
+                step = max(chunk, (WRITE_PIECE_BYTES // row_bytes(rows)) // chunk * chunk)
                 if n == 0:
                     writer.append_rows(req.request_id, name, positions, token_ids,
-                                       np.zeros((0, rows.width), np.float32))
+                                       np.zeros((0, rows.width), rows.dtype))
                 for a in range(0, n, step):
                     b = min(n, a + step)
                     writer.append_rows(req.request_id, name, positions[a:b], token_ids[a:b], np.asarray(values[a:b]))
-                    done += (b - a) * (rows.width * 4 + 16)
+                    done += (b - a) * row_bytes(rows)
                     if progress and total:
                         progress(min(1.0, done / total))
             for name, lens in req.lens.items():

@@ -19,11 +19,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from inspector.capture.dtypes import BFLOAT16
 from inspector.capture.hooks import HookPoint
 from inspector.capture.protocol import BootProgress, RequestStart, RequestStep, StepEvent
 from inspector.capture.run import TopToken
 
-VERSION = 1
+VERSION = 2  # 2: arrays may be bfloat16
 # What a client may send a server in one message (a clear error beyond). A server's messages to its
 # client carry the rows that client asked for, as many as a step has: they are not limited.
 MAX_FRAMES = 4096
@@ -32,7 +33,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 # A message whose arrays are all smaller than this travels as one frame (see ``encode``).
 INLINE_BYTES = 64 << 10
 JOIN_VIEW_BYTES = INLINE_BYTES  # a join smaller than this is copied (into the header, anyway)
-ARRAY_DTYPES = {"<f4", "<f8", "<f2", "<i8", "<i4", "|u1", "|b1"}
+# numpy's dtype strings, and "bfloat16" (ml_dtypes' numpy bfloat16, whose own string is an anonymous "<V2")
+ARRAY_DTYPES = {**{name: np.dtype(name) for name in ("<f4", "<f8", "<f2", "<i8", "<i4", "|u1", "|b1")},
+                "bfloat16": BFLOAT16}
 _ND = "__nd__"
 _SCALARS = {int, float, str, bool, type(None), bytes}
 
@@ -77,14 +80,15 @@ def _encode(message: Message, inline: bool) -> list:
     def other(value):
         if isinstance(value, np.ndarray):
             array = value if value.flags.c_contiguous else np.ascontiguousarray(value)
+            raw = array.view(np.uint16) if array.dtype == BFLOAT16 else array  # the buffer protocol lacks bfloat16
             if inline:
                 if array.nbytes >= INLINE_BYTES:
                     raise _LargeArray
-                return {_ND: [memoryview(array).cast("B"), array.dtype.str, list(array.shape)]}
+                return {_ND: [memoryview(raw).cast("B"), _dtype_name(array.dtype), list(array.shape)]}
             if id(value) not in index:
-                frames.append(array)
+                frames.append(raw)
                 index[id(value)] = len(frames)
-            return {_ND: [index[id(value)], array.dtype.str, list(array.shape)]}
+            return {_ND: [index[id(value)], _dtype_name(array.dtype), list(array.shape)]}
         if isinstance(value, np.generic):
             return value.item()
         if isinstance(value, str):  # a str subclass (version objects)
@@ -151,9 +155,13 @@ def _array(ref, buffers: list[memoryview]) -> np.ndarray:
         raise WireError("bad-message", f"arrays of dtype {dtype!r} are not accepted")
     buffer = memoryview(data) if isinstance(data, bytes) else buffers[data]
     where = "its bytes" if isinstance(data, bytes) else f"frame {data}"
-    if math.prod(shape) * np.dtype(dtype).itemsize != buffer.nbytes:
+    if math.prod(shape) * ARRAY_DTYPES[dtype].itemsize != buffer.nbytes:
         raise WireError("bad-message", f"{where} hold {buffer.nbytes} bytes, not an array {shape} of {dtype}")
-    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    return np.frombuffer(buffer, dtype=ARRAY_DTYPES[dtype]).reshape(shape)
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return "bfloat16" if dtype == BFLOAT16 else dtype.str
 
 
 # ------------------------------------------------------------------------------------ typed values
@@ -225,7 +233,7 @@ def _consecutive(arrays: list[np.ndarray]) -> bool:
         for a in arrays:
             if a.dtype != dtype or a.shape[1:] != row:
                 return False
-            start = ctypes.addressof(ctypes.c_char.from_buffer(a))
+            start = ctypes.addressof(ctypes.c_char.from_buffer(a if dtype != BFLOAT16 else a.view(np.uint16)))
             if end is not None and start != end:
                 return False
             end = start + a.nbytes

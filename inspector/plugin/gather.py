@@ -2,7 +2,8 @@
 
 Each forward's host copy holds, per stack of same-width hooks, ``[hooks, rows, width]`` for the
 whole batch. Per stack, the drained forwards' rows are copied into one array of our own in request
-order (converting bfloat16 to float32, since numpy has no bfloat16), one strided copy per forward
+order, in the engine's dtype (bfloat16 as ``ml_dtypes``' numpy bfloat16: no conversion on the step
+path), one strided copy per forward
 when its rows land evenly spaced (always, for a single forward or for decode steps); each request
 and hook then gets a view of it. The number of copies must not grow with the batch: every copy
 costs a wake-up of the host's threads (measurements: docs/performance-notes.md).
@@ -15,6 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from inspector.capture.dtypes import BFLOAT16
 
 Rows = dict[str, np.ndarray]  # positions, token_ids, values
 
@@ -82,19 +85,23 @@ def _token_ids(f: QueuedForward) -> np.ndarray:
 
 def _ordered_values(pieces: list[torch.Tensor], dest_rows: list[np.ndarray]) -> np.ndarray:
     """``[hooks, rows, width]`` pieces in one array of our own (the pinned blocks are reused), piece
-    i's rows at ``dest_rows[i]``; float32 for bfloat16."""
+    i's rows at ``dest_rows[i]``."""
     first = pieces[0]
-    dtype = torch.float32 if first.dtype == torch.bfloat16 else first.dtype
-    if len(pieces) == 1 and first.dtype == dtype and not first.is_pinned():
-        return first.numpy()  # a private copy already, in order (CPU device): a view will do
-    out = torch.empty((first.shape[0], sum(len(d) for d in dest_rows), first.shape[2]), dtype=dtype)
+    if len(pieces) == 1 and not first.is_pinned():
+        return _numpy(first)  # a private copy already, in order (CPU device): a view will do
+    out = torch.empty((first.shape[0], sum(len(d) for d in dest_rows), first.shape[2]), dtype=first.dtype)
     for piece, dest in zip(pieces, dest_rows):
         step = int(dest[1] - dest[0]) if len(dest) > 1 else 1
         if len(dest) and step > 0 and (np.diff(dest) == step).all():
             out[:, dest[0]:dest[-1] + 1:step].copy_(piece)
         elif len(dest):
-            out.index_copy_(1, torch.from_numpy(dest), piece.to(dtype))
-    return out.numpy()
+            out.index_copy_(1, torch.from_numpy(dest), piece)
+    return _numpy(out)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A view; numpy's bfloat16 is ``ml_dtypes``', which torch does not know: the bits are viewed as it."""
+    return t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def merge_ranks(per_rank: list[dict[str, dict[str, Rows]]], sharded: set[str]) -> dict[str, dict[str, Rows]]:
