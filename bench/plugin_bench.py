@@ -164,13 +164,14 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
                 first.add(out.request_id)
             drain(finishing=False)
         t1 = time.perf_counter()
-        steps, drain_s = 0, 0.0
+        prefill_drain_s, steps, drain_s = drain_s, 0, 0.0
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
             drain(finishing=not engine.has_unfinished_requests())
         t2 = time.perf_counter()
         conn.send({"prefill_tok_s": batch * prompt_len / (t1 - t0), "decode_tok_s": batch * steps / (t2 - t1),
+                   "prefill_drain_ms": 1000 * prefill_drain_s,
                    "ms_per_step": 1000 * (t2 - t1) / max(steps, 1),
                    "drain_ms_per_step": 1000 * drain_s / max(steps, 1),
                    "rss_mib": _rss_mib(),
@@ -263,6 +264,11 @@ def main() -> None:
                          f"{med(name, run, 'ms_per_step'):8.2f} {med(name, run, 'drain_ms_per_step'):6.2f}"
                          for run in runs)
         print(f"{name:9s} {boot[name]['boot_s']:7.1f} {cells}")
+    for name in args.configs:
+        print(f"{name} per rep: " + "; ".join(
+            f"{b}x{n} prefill tok/s " + " ".join(f"{r['prefill_tok_s']:.0f}" for r in results[(name, (b, n))])
+            + " (its drains, ms: " + " ".join(f"{r['prefill_drain_ms']:.1f}" for r in results[(name, (b, n))]) + ")"
+            for b, n in runs))
     if "vanilla" in args.configs:
         print()
         for name in args.configs[1:]:

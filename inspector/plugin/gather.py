@@ -1,12 +1,12 @@
 """Turning drained forwards into rows per request and hook, with a few large copies.
 
 Each forward's host copy holds, per stack of same-width hooks, ``[hooks, rows, width]`` for the
-whole batch. Per stack, the drained forwards' rows are copied into one array of our own in request
-order, in the engine's dtype (bfloat16 as ``ml_dtypes``' numpy bfloat16: no conversion on the step
-path), one strided copy per forward
-when its rows land evenly spaced (always, for a single forward or for decode steps); each request
-and hook then gets a view of it. The number of copies must not grow with the batch: every copy
-costs a wake-up of the host's threads (measurements: docs/performance-notes.md).
+whole batch, in the engine's dtype (bfloat16 as ``ml_dtypes``' numpy bfloat16: no conversion on the
+step path). A drain of one forward hands that copy out as it is (its rows are in request order);
+several forwards are joined per stack into one array of our own in request order, one strided copy per
+forward when its rows land evenly spaced (always, for decode steps). Each request and hook then gets a
+view. The number of copies must not grow with the batch: every copy costs a wake-up of the host's
+threads (measurements: docs/performance-notes.md).
 """
 
 from __future__ import annotations
@@ -84,11 +84,12 @@ def _token_ids(f: QueuedForward) -> np.ndarray:
 
 
 def _ordered_values(pieces: list[torch.Tensor], dest_rows: list[np.ndarray]) -> np.ndarray:
-    """``[hooks, rows, width]`` pieces in one array of our own (the pinned blocks are reused), piece
-    i's rows at ``dest_rows[i]``."""
+    """``[hooks, rows, width]`` pieces in one array, piece i's rows at ``dest_rows[i]``. One piece already
+    in order (a drain of one forward: most drains, and every large one) is handed out as it landed, with
+    no host copy; its pinned block goes back to torch's host allocator once nothing refers to it."""
     first = pieces[0]
-    if len(pieces) == 1 and not first.is_pinned():
-        return _numpy(first)  # a private copy already, in order (CPU device): a view will do
+    if len(pieces) == 1 and (len(dest_rows[0]) < 2 or (np.diff(dest_rows[0]) == 1).all()):
+        return _numpy(first)
     out = torch.empty((first.shape[0], sum(len(d) for d in dest_rows), first.shape[2]), dtype=first.dtype)
     for piece, dest in zip(pieces, dest_rows):
         step = int(dest[1] - dest[0]) if len(dest) > 1 else 1

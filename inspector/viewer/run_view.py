@@ -86,7 +86,7 @@ class RunView:
                                                                                    values.shape[1])
                 if self.run.hooks[hook].kind in RESIDUAL_KINDS and len(values):
                     norms = self._norms.setdefault((step.request_id, hook), GrowableArray(np.float32))
-                    norms.append(np.linalg.norm(values, axis=1))
+                    norms.append(np.linalg.norm(as_float32(values), axis=1))
         if changed:
             self.revision += 1
             if self.selection.request not in self.run.requests:
