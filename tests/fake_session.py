@@ -25,7 +25,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
 from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError,
-                                        SessionOptions, StepEvent, checked_interventions, fold_event)
+                                        SessionOptions, StepEvent, NewRows, checked_interventions, fold_event)
 from inspector.capture.run import Run, TopToken
 from inspector.capture.sae import AttachedSae, checked_attachment, encode, load_weights, strongest
 from inspector.experiments.methods import Experiments
@@ -120,6 +120,10 @@ class FakeSession(Experiments):
                                  "engine_mode": self.options.mode, "dtype": self.options.dtype,
                                  "saes": [sae.as_dict() for sae in self.saes.values()]},
                        hooks=dict(self.installed))
+        self._new_rows = None
+
+    def write_through(self, new_rows: NewRows) -> None:
+        self._new_rows = new_rows
 
     def upcoming_request_ids(self, n: int) -> list[str]:
         return [f"req{self._next_id + i}" for i in range(n)]
@@ -315,5 +319,5 @@ class FakeSession(Experiments):
 
     def _event(self, step: int, started: tuple, steps: list[RequestStep]) -> StepEvent:
         event = StepEvent(step, tuple(steps), started)
-        fold_event(self.run, event, keep_rows=self.options.retain_rows)
+        fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
         return event

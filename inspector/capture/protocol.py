@@ -72,6 +72,7 @@ class Sampling:
 
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], token ids [n], values [n, width] (dtypes.ROW_DTYPES)
+NewRows = Callable[[RequestCapture, HookPoint, np.dtype], HookRows]  # a (request, hook)'s first rows: where they go
 Features = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], ids [n, k] int32, activations [n, k] float32
 
 
@@ -164,7 +165,13 @@ class SessionProtocol(Protocol):
 
     def detach_sae(self, name: str) -> None: ...
 
-    def new_run(self) -> None: ...
+    def new_run(self) -> None:
+        """A new, empty ``run`` (rows in memory again: see ``write_through``)."""
+
+    def write_through(self, new_rows: NewRows) -> None:
+        """From now on, ``run`` keeps rows of new (request, hook) pairs where ``new_rows`` puts them
+        (``inspector.io.spool.RowSpool.rows``: written through to a file, read back on demand), not in
+        memory; until ``new_run``."""
 
     def close(self) -> None: ...
 
@@ -189,8 +196,10 @@ def checked_interventions(interventions: list[Intervention], installed: dict[str
 MAX_EXPECTED_ROWS = 4096  # room made at once per request and hook; a longer request grows as it goes
 
 
-def fold_event(run: Run, event: StepEvent, keep_rows: bool = True) -> set[str]:
-    """Add what ``event`` says to ``run``; returns the ids of the requests it changed."""
+def fold_event(run: Run, event: StepEvent, keep_rows: bool = True, new_rows: NewRows | None = None) -> set[str]:
+    """Add what ``event`` says to ``run``; returns the ids of the requests it changed. ``new_rows`` makes
+    the rows a hook's first rows for a request go to (default: ``HookRows`` in memory; a write-through
+    run's go to a file, ``inspector.io.spool``)."""
     for start in event.started:
         run.requests[start.request_id] = RequestCapture(
             start.request_id, start.prompt, list(start.prompt_token_ids), dict(start.sampling),
@@ -209,7 +218,10 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True) -> set[str]:
             req.features.setdefault(sae, FeatureRows(ids.shape[1])).append(positions, ids, activations)
         if keep_rows:
             for hook, rows in step.rows.items():
-                if hook not in req.hooks:
+                if hook not in req.hooks and new_rows is not None:
+                    info = run.hooks.get(hook) or HookPoint(hook, hook, "", "unknown", rows[2].shape[1])
+                    req.hooks[hook] = new_rows(req, info, rows[2].dtype)
+                elif hook not in req.hooks:
                     expected = len(req.prompt_token_ids) + int(req.sampling.get("max_tokens") or 0)
                     req.hooks[hook] = HookRows(rows[2].shape[1], max(min(expected, MAX_EXPECTED_ROWS), len(rows[0])),
                                                rows[2].dtype)

@@ -1,4 +1,5 @@
-"""Files the app ships: the demo model and the icons, in a source checkout or an installed wheel."""
+"""Files the app ships (the demo model and the icons, in a source checkout or an installed wheel) and
+where it keeps its own (the cache)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,8 @@ def icon_path(size: int = 256) -> Path:
     """The app icon: the SVG for size 0, else the PNG of that size."""
     icons = resources_dir() / "icons"
     return icons / ("activation-inspector.svg" if size == 0 else f"activation-inspector-{size}.png")
+
+
+def cache_root() -> Path:
+    """Built test models, write-through runs' scratch files; $INSPECTOR_CACHE overrides."""
+    return Path(os.environ.get("INSPECTOR_CACHE", Path.home() / ".cache" / "activation-inspector"))

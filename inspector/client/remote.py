@@ -14,7 +14,7 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import Attribution, Lens
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent,
-                                        checked_interventions, fold_event)
+                                        NewRows, checked_interventions, fold_event)
 from inspector.capture.run import Run
 from inspector.capture.sae import AttachedSae, SaeConfig
 from inspector.experiments.methods import Experiments
@@ -120,6 +120,10 @@ class RemoteSession(Experiments):
     def new_run(self) -> None:
         self.run = Run(metadata={**self.metadata, "saes": [s.as_dict() for s in self.saes.values()]},
                        hooks=dict(self.installed))
+        self._new_rows = None
+
+    def write_through(self, new_rows: NewRows) -> None:
+        self._new_rows = new_rows
 
     def upcoming_request_ids(self, n: int) -> list[str]:
         return [f"req{self._next_id + i}" for i in range(n)]
@@ -138,7 +142,7 @@ class RemoteSession(Experiments):
                     if message.type == "error":
                         self._raise(message)
                     event = event_from_body(message.body)
-                    fold_event(self.run, event, keep_rows=self.options.retain_rows)
+                    fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
                     yield event
         except (ServerGone, WireError) as e:
             raise SessionError(f"{self._gone_reason() or e}. Everything received so far is kept; connect again (or "

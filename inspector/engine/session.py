@@ -27,7 +27,7 @@ from inspector.capture.lens import (Attribution, Lens, checked_attribution_reque
 from inspector.capture.models import model_config, resolve_model
 from inspector.capture.protocol import (MODES, BootProgress, RequestStart, RequestStep, Rows, Sampling,
                                         SessionError, SessionOptions, StepEvent, checked_interventions,
-                                        fold_event)
+                                        NewRows, fold_event)
 from inspector.capture.run import Run, TopToken
 from inspector.experiments.methods import Experiments
 from inspector.capture.sae import AttachedSae, checked_attachment
@@ -111,6 +111,10 @@ class Session(Experiments):
 
     def new_run(self) -> None:
         self.run = Run(metadata=self._metadata(), hooks=dict(self.installed))
+        self._new_rows = None
+
+    def write_through(self, new_rows: NewRows) -> None:
+        self._new_rows = new_rows
 
     # --- generation ---
 
@@ -374,7 +378,7 @@ class Session(Experiments):
                 self._over.append(rid)
         self._steps += 1
         event = StepEvent(self._steps - 1, tuple(steps), started)
-        fold_event(self.run, event, keep_rows=self.options.retain_rows)
+        fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
         return event
 
     def _rows(self, rid: str, capture: dict) -> Rows:

@@ -144,6 +144,9 @@ class LazyHookRows(HookRows):
     def append(self, *args, **kwargs):
         raise TypeError("hook rows read from a capture file are read-only; use read_run() for an in-memory copy")
 
+    def snapshot(self) -> "LazyHookRows":
+        return self  # never grows
+
     def load(self) -> HookRows:
         rows = HookRows(self.width, dtype=self.dtype)
         if len(self):

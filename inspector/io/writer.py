@@ -148,21 +148,36 @@ class CaptureWriter:
                                ("created", created.isoformat() if hasattr(created, "isoformat") else created),
                                ("metadata", meta_json)):
                 set_text(f, key, value)
-            hooks_group = f.create_group("hooks")
+            f.create_group("hooks")
             for index, (name, info) in enumerate(self._hooks.items()):
-                g = hooks_group.create_group(escape_name(name))
-                set_text(g, "name", name)
-                for key in ("alias", "module_path", "kind"):
-                    set_text(g, key, getattr(info, key))
-                g.attrs["width"] = np.int64(info.width)
-                g.attrs["layer"] = np.int64(info.layer)
-                set_text(g, "source_dtype", info.dtype)
-                if info.attention is not None:
-                    set_text(g, "attention", json.dumps(asdict(info.attention)))
-                if info.routing is not None:
-                    set_text(g, "routing", json.dumps(info.routing.as_dict()))
-                g.attrs["index"] = np.int64(index)
+                self._write_hook(index, name, info)
             f.create_group("requests")
+
+    def _write_hook(self, index: int, name: str, info: HookPoint) -> None:
+        g = self._file["hooks"].create_group(escape_name(name))
+        set_text(g, "name", name)
+        for key in ("alias", "module_path", "kind"):
+            set_text(g, key, getattr(info, key))
+        g.attrs["width"] = np.int64(info.width)
+        g.attrs["layer"] = np.int64(info.layer)
+        set_text(g, "source_dtype", info.dtype)
+        if info.attention is not None:
+            set_text(g, "attention", json.dumps(asdict(info.attention)))
+        if info.routing is not None:
+            set_text(g, "routing", json.dumps(info.routing.as_dict()))
+        g.attrs["index"] = np.int64(index)
+
+    def add_hook(self, name: str, info: HookPoint) -> None:
+        """A hook that was not known at opening (a live run learns its hooks as rows come)."""
+        self._check_open()
+        if name in self._hooks:
+            raise ValueError(f"hook {name!r} was already added")
+        escape_name(name)
+        if int(info.width) < 1:
+            raise ValueError(f"hook {name!r} has width {info.width}; it must be at least 1")
+        with self._guard(f"adding hook {name!r}"):
+            self._write_hook(len(self._hooks), name, info)
+        self._hooks[name] = info
 
     # -- lifecycle
 
@@ -406,6 +421,22 @@ class CaptureWriter:
         state = self._request(request_id)
         with self._guard(f"writing the rows of request {state.snapshot.request_id!r}"):
             self._flush_request(state, final=True)
+
+    def read_values(self, request_id: str, hook: str, rows: slice, columns: slice = slice(None)) -> np.ndarray:
+        """Rows ``rows`` (a slice with step 1 within the rows appended) of a (request, hook) as appended
+        so far, in their stored dtype: those written from the file, the rest from the buffer. What a
+        write-through run reads back (``inspector.io.spool``)."""
+        self._check_open()
+        buf = self._request(request_id).buffers[hook]
+        a, b = rows.start, rows.stop
+        parts = []
+        if a < buf.rows_written:
+            with self._guard(f"reading back rows of hook {hook!r}"):
+                part = buf.d_values[a:min(b, buf.rows_written), columns]
+            parts.append(part.view(BFLOAT16) if buf.dtype == BFLOAT16 else part)
+        if b > buf.rows_written:
+            parts.append(buf.pending.view()[max(a, buf.rows_written) - buf.rows_written:b - buf.rows_written, columns])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _request(self, request_id) -> _Request:
         state = self._requests.get(str(request_id))

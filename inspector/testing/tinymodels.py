@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from inspector.capture.resources import cache_root
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3",
                  "gpt_neox", "olmo2", "phi", "mixtral", "olmoe", "qwen2_moe")
@@ -45,10 +46,6 @@ class TinySpec:
     def cache_key(self) -> str:
         blob = json.dumps({**asdict(self), "format": BUILD_FORMAT, "python": sys.version_info[:2]}, sort_keys=True)
         return f"{self.arch}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("INSPECTOR_CACHE", Path.home() / ".cache" / "activation-inspector"))
 
 
 def stdlib_corpus(max_bytes: int = 2_000_000) -> list[str]:

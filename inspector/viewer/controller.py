@@ -39,6 +39,9 @@ from .patching import PatchingSweep, SweepRequest
 from .run_view import RunSource, RunView
 
 DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
+# A live run that could keep more rows than this in memory writes its new rows through to a scratch file
+# (RunView.write_through), so that a long run fits: 100,000 tokens of 32 hooks of 4,096 bf16 are 26 GB.
+WRITE_THROUGH_BYTES = 512 << 20
 
 
 class AppState(enum.Enum):
@@ -191,6 +194,7 @@ class Controller:
         self.patched_cell: Intervention | None = None  # the intervention of the patched run generating now
         self.labels = LabelBook()  # the features' labels of every SAE shown
         self.scan: ScanDashboard | None = None  # the scan the Dashboard shows
+        self.write_through_bytes = WRITE_THROUGH_BYTES
 
     # ================================================================== state
     def enabled(self, action: Action) -> bool:
@@ -334,6 +338,7 @@ class Controller:
         if self.shown is not self.live:
             self.show(self.live)
         copies = 2 if compare else 1
+        self._write_through_if_long(prompts, sampling.max_tokens, copies)
         self.generation = GenerationProgress(time.perf_counter(), 0, sampling.max_tokens * len(prompts) * copies)
         self._select_new = True
         self._set_state(AppState.GENERATING)
@@ -356,6 +361,19 @@ class Controller:
             job, *args, self._lens_box, on_partial=functools.partial(self._generation_news, self.live),
             on_done=self._generated, on_exception=self._generation_failed)
         return True
+
+    def _write_through_if_long(self, prompts: list[str], max_tokens: int, copies: int) -> None:
+        """Rows go to disk from this generation on if the run could outgrow ``write_through_bytes``
+        (a prompt has at most about as many tokens as characters)."""
+        if self.live.spool is not None or self.info is None:
+            return
+        width = sum(h.width for h in self.info.installed.values())
+        itemsize = 4 if self.info.options.dtype == "float32" else 2
+        coming = sum(len(p) + max_tokens for p in prompts) * copies * width * itemsize
+        if self.live.bytes_kept() + coming > self.write_through_bytes:
+            self.live.write_through(resources.cache_root() / "spool")
+            self.view.status(f"A long run: its rows go to {self.live.spool.path} as they come (read back as "
+                             "you look), so that memory stays free. Export saves them.", 10000)
 
     def stop(self) -> None:
         """Works at any moment: before the first step, mid-generation; a no-op when idle."""
@@ -715,9 +733,10 @@ class Controller:
     def _new_run(self) -> None:
         if self.session is not None:
             self.engine.start(jobs.new_run, self.session)
-        info = self.info
+        info, dropped = self.info, self.live
         self.live = RunView.live(info.metadata, info.installed, list(info.catalogue)) if info else RunView.live({}, {})
         self.show(self.live)
+        dropped.close()
 
     def open_capture(self, path: str) -> bool:
         """Reopen an .h5 capture without any model or engine; values stay on disk until viewed."""
@@ -800,6 +819,8 @@ class Controller:
         self._stop_sweep()
         self._close_session()
         done = wait()
+        for view in (self.live, *self.earlier):
+            view.close()
         if self.run_file is not None:
             self.run_file.close()
             self.run_file = None

@@ -2,9 +2,10 @@
 
 The live run is rebuilt on the GUI thread from the session's step events (``fold_event``), so the GUI
 never reads a run another thread writes. Its hook rows grow in place (``HookRows``), so a view of
-the first n rows costs nothing and nothing is re-concatenated per frame. A reopened capture is a
-``Run`` whose values are lazy h5py-backed arrays; one (request, hook) is loaded into memory only
-when a view asks for it.
+the first n rows costs nothing and nothing is re-concatenated per frame. A long live run writes its
+rows through to a scratch capture file instead (``write_through``: only positions and token ids stay
+in memory) and views read back what they show. A reopened capture is a ``Run`` whose values are lazy
+h5py-backed arrays; one (request, hook) is loaded into memory only when a view asks for it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from inspector.capture.arrays import GrowableArray
+from inspector.capture.dtypes import as_float32
 from inspector.capture.hooks import RESIDUAL_KINDS, HookPoint
 from inspector.capture.protocol import StepEvent, fold_event
 from inspector.capture.run import HookRows, RequestCapture, Run
 from inspector.capture.sae import AttachedSae
+from inspector.io.spool import RowSpool
 
 from .labels import hook_sort_key, short_hook_label
 from .lens import RunLens
@@ -53,6 +56,7 @@ class RunView:
         self._norms: dict[tuple[str, str], GrowableArray] = {}  # live: per-row L2 norms, grown with the rows
         self._file_norms: dict[tuple[str, str], np.ndarray] = {}
         self._loaded: OrderedDict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self.spool: RowSpool | None = None  # where new rows go, if they are written through
         if source is RunSource.FILE:
             self.selection.request = next(iter(run.requests), None)
             hooks = self.hooks_for(self.selection.request)
@@ -76,14 +80,27 @@ class RunView:
         if sae.as_dict() not in listed:
             listed.append(sae.as_dict())
 
+    def write_through(self, directory) -> None:
+        """From now on, new rows (a request's first at a hook) go to a scratch capture file in
+        ``directory``, removed by ``close``; rows already kept stay in memory."""
+        if self.spool is None:
+            self.spool = RowSpool(directory, self.run.metadata)
+
+    def close(self) -> None:
+        """The run is dropped: remove its scratch file, if it has one."""
+        if self.spool is not None:
+            self.spool.close()
+
     def apply(self, event: StepEvent) -> set[str]:
         """Fold one step event into the run; returns the request ids it changed."""
-        changed = fold_event(self.run, event)
         for step in event.requests:
             for hook, (_, _, values) in step.rows.items():
                 if hook not in self.run.hooks:
                     self.run.hooks[hook] = self.catalogue.get(hook) or HookPoint(hook, hook, "", "unknown",
                                                                                    values.shape[1])
+        changed = fold_event(self.run, event, new_rows=self.spool.rows if self.spool else None)
+        for step in event.requests:
+            for hook, (_, _, values) in step.rows.items():
                 if self.run.hooks[hook].kind in RESIDUAL_KINDS and len(values):
                     norms = self._norms.setdefault((step.request_id, hook), GrowableArray(np.float32))
                     norms.append(np.linalg.norm(as_float32(values), axis=1))
@@ -254,11 +271,16 @@ class RunView:
                 token_texts=list(req.token_texts), logprobs=list(req.logprobs),
                 top_logprobs=[list(t) for t in req.top_logprobs],
                 intervention_log=[(p, [dict(d) for d in ivs]) for p, ivs in req.intervention_log],
-                hooks={h: rows.snapshot() if type(rows) is HookRows else rows for h, rows in req.hooks.items()},
+                hooks={h: rows.snapshot() for h, rows in req.hooks.items()},
                 lens=dict(req.lens),  # a reopened file's lens: read, never grown
                 twin_role=req.twin_role, twin_of=req.twin_of, finish_reason=req.finish_reason)
         return Run(metadata=copy.deepcopy(run.metadata), hooks=dict(run.hooks), requests=requests,
                    vocabulary=dict(run.vocabulary))
+
+    def bytes_kept(self) -> int:
+        """Bytes of row values held in memory."""
+        return sum(len(rows) * rows.width * rows.dtype.itemsize for req in self.run.requests.values()
+                   for rows in req.hooks.values() if type(rows) is HookRows)
 
     def total_rows(self) -> int:
         return sum(len(rows) for req in self.run.requests.values() for rows in req.hooks.values())
