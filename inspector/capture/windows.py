@@ -87,7 +87,10 @@ def parse_window_option(text: str) -> tuple[str, str]:
     pattern = pattern.strip() if equals else "*"
     if not pattern:
         raise ValueError(f"--window {text!r}: the hook pattern before '=' is empty")
-    return pattern, str(CaptureWindow.parse(window))
+    try:
+        return pattern, str(CaptureWindow.parse(window))
+    except ValueError as e:
+        raise ValueError(f"--window {text!r}: {e} ({SYNTAX})") from None
 
 
 def windows_from_patterns(pairs, installed: dict[str, HookPoint]) -> dict[str, CaptureWindow]:
