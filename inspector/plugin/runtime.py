@@ -332,41 +332,50 @@ class InspectorRuntime:
         for rid, rows in spans:
             if rid in self._windows:
                 self._ran_to[rid] = int(step.positions[rows.stop - 1]) + 1
+        prompt_len = {rid: self._windows[rid][0] for rid, _ in spans if rid in self._windows}
         masks: dict[tuple, np.ndarray] = {}  # each request's window (None: no rows) -> the rows kept
         groups: dict[bytes, tuple[np.ndarray, dict[int, list[int]]]] = {}  # rows kept -> (them, stack -> hooks)
         for s, stack in enumerate(self._stacks):
             for h, name in enumerate(stack.names):
                 if name is None:
                     continue
-                windows = tuple(None if rid in self._no_capture else
-                                self._windows[rid][1].get(name, ALL) if rid in self._windows else ALL
-                                for rid, _ in spans)
+                windows = tuple(None if rid in self._no_capture else self._windows[rid][1].get(name, ALL)
+                                if rid in prompt_len else ALL for rid, _ in spans)
                 keep = masks.get(windows)
                 if keep is None:
                     keep = masks[windows] = np.zeros(step.num_tokens, dtype=bool)
                     for window, (rid, rows) in zip(windows, spans):
                         if window is not None:
-                            keep[rows] = window.keeps(step.positions[rows], self._windows.get(rid, (0,))[0])
+                            keep[rows] = window.keeps(step.positions[rows], prompt_len.get(rid, 0))
                 groups.setdefault(keep.tobytes(), (keep, {}))[1].setdefault(s, []).append(h)
+        n = step.num_tokens
         with torch.inference_mode():
             for keep, members in groups.values():
                 kept = np.flatnonzero(keep)
                 if not len(kept):
                     continue
-                rows = torch.from_numpy(kept).to(self.device)
+                rows = None if len(kept) == n else self._to_device(kept)  # None: all of them
                 tensors, names = [], []
                 for s, hooks in members.items():
                     stack = self._stacks[s]
                     if len(hooks) == sum(name is not None for name in stack.names):  # all of its hooks
-                        tensors.append(stack.tensor.index_select(1, rows))
+                        tensors.append(stack.tensor[:, :n] if rows is None else stack.tensor.index_select(1, rows))
                         names.append(list(stack.names))
-                    else:
-                        tensors.append(stack.tensor[torch.tensor(hooks, device=self.device)[:, None], rows[None, :]])
-                        names.append([stack.names[h] for h in hooks])
+                        continue
+                    some = self._to_device(np.array(hooks))
+                    tensors.append(stack.tensor[:, :n].index_select(0, some) if rows is None
+                                   else stack.tensor[some[:, None], rows[None, :]])  # one gather
+                    names.append([stack.names[h] for h in hooks])
                 if input_ids is not None:
-                    tensors.append(input_ids.index_select(0, rows))
+                    tensors.append(input_ids[:n] if rows is None else input_ids.index_select(0, rows))
                 starts = np.concatenate([[0], np.cumsum(keep)])[bounds]  # each request's kept rows
                 self._queue(QueuedForward(step.req_ids, starts, step.positions[kept], names, []), tensors)
+
+    def _to_device(self, index: np.ndarray) -> torch.Tensor:
+        """An index for the device, sent without waiting for the forward queued before it (a copy from
+        pageable memory would wait for the stream)."""
+        index = torch.from_numpy(index.astype(np.int64, copy=False))
+        return index.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else index
 
     def on_logits(self, logits: torch.Tensor | None) -> None:
         """The model's logits of a forward, one row per request (its last row): keep the logprobs of
@@ -411,12 +420,9 @@ class InspectorRuntime:
                     self._score_ids[rid] = ids
                 else:
                     self._score_ids.pop(rid, None)
-            if "windows" in option:
-                windows = {name: CaptureWindow.parse(text) for name, text in option["windows"].items()}
-                unknown = windows.keys() - self.active.keys()
-                if unknown:
-                    raise ValueError(f"capture windows for hooks that are not installed: {sorted(unknown)}")
-                windows = {name: w for name, w in windows.items() if not w.is_all}
+            if "windows" in option:  # a hook removed since (eager mode) is never looked up
+                windows = {name: w for name, w in ((name, CaptureWindow.parse(text))
+                                                   for name, text in option["windows"].items()) if not w.is_all}
                 if windows:
                     self._windows[rid] = (int(option["prompt_tokens"]), windows)
                 else:
