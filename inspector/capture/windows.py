@@ -7,6 +7,7 @@ worker and by the tests alike.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,3 +105,17 @@ def windows_from_patterns(pairs, installed: dict[str, HookPoint]) -> dict[str, C
             raise ValueError(f"window pattern {pattern!r} matches no captured hook")
         windows.update(dict.fromkeys(hits, window))
     return {name: window for name, window in windows.items() if not window.is_all}
+
+
+@contextlib.contextmanager
+def every_row(session):
+    """The session's capture windows set aside while an experiment reads every row of its hooks (a
+    patching sweep's source run, a neuron scan): the user's windows are for what they look at."""
+    kept = dict(session.windows)
+    if kept:
+        session.set_windows({})
+    try:
+        yield
+    finally:
+        if kept and session.alive:
+            session.set_windows(kept)
