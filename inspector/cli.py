@@ -24,6 +24,7 @@ from inspector.capture.positions import parse_positions
 from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol
 from inspector.capture.sae import decoder_row, feature_clamp, read_sae
 from inspector.capture.vectors import load_vector
+from inspector.capture.windows import parse_window_option, windows_from_patterns
 from inspector.experiments.compare import compare, upcoming_twins
 
 COMMANDS = ("attention", "capture", "hooks", "patch", "scan", "serve")
@@ -154,6 +155,7 @@ def capture(args) -> int:
                for text in getattr(args, f"{how}_feature") or []]
     if args.lens and not 1 <= args.lens <= MAX_K:
         raise ValueError(f"--lens takes K from 1 to {MAX_K}, got {args.lens}")
+    windows = [parse_window_option(text) for text in args.window or []]  # checked before the engine boots
     out = Path(args.out)
     check_target(out)  # before the engine boots: a bad path costs no boot
     saes = [read_sae(path) for path in args.sae or []]  # checked before the engine boots, too
@@ -174,6 +176,7 @@ def capture(args) -> int:
                         logprobs=args.logprobs)
     session = open_session(args, progress.stage, retain_rows=False)
     try:
+        session.set_windows(windows_from_patterns(windows, session.installed))
         attached = {sae.name: session.attach_sae(sae.path, k=args.sae_k) for sae in saes}
         twins = upcoming_twins(session, len(prompts)) if args.compare else []
         ids = [t.intervened for t in twins] or session.upcoming_request_ids(len(prompts))
@@ -214,6 +217,7 @@ def capture(args) -> int:
             "model": str(session.run.metadata["model_path"]),
             "mode": session.options.mode,
             "hooks": list(session.installed),
+            "windows": {name: str(window) for name, window in session.windows.items()},
             "requests": [{"id": r.request_id, "prompt": r.prompt,
                           "text": "".join(r.token_texts[len(r.prompt_token_ids):]),
                           "tokens": len(r.token_ids), "finish_reason": r.finish_reason,
@@ -491,6 +495,7 @@ def serve(args) -> int:
         raise ValueError(f"--engine-args is not JSON: {e}") from None
     options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks or DEFAULT_HOOKS),
                              dtype=args.dtype, max_model_len=args.max_model_len,
+                             windows=tuple(parse_window_option(text) for text in args.window or []),
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_position_interventions=not args.no_position_interventions,
                              feature_clamps=args.feature_clamps, retain_rows=False, engine_args={**engine_args, **parallel_args(args)})
@@ -507,6 +512,17 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--max-model-len", type=int, default=1024)
     add_parallel_option(parser)
+
+
+def add_window_option(parser: argparse.ArgumentParser, whose: str) -> None:
+    parser.add_argument("--window", action="append", metavar="[PATTERN=]WINDOW",
+                        help=f"capture only some rows of the hooks matching PATTERN (a glob over hook names and "
+                             f"aliases, as --hooks; without it: every captured hook), {whose}; the engine drops the "
+                             "other rows on its device. WINDOW: 'all' (every row, the default), 'generated' (the rows "
+                             "that predict the generated tokens: the prompt's last position and every generated "
+                             "token's), 'last:N' (the prompt's last N positions and every one after), 'every:K' "
+                             "(positions 0, K, 2K, ...). Repeatable; a later one overrides an earlier one for the "
+                             "hooks both match. The file's positions datasets list the rows kept")
 
 
 def add_parallel_option(parser: argparse.ArgumentParser) -> None:
@@ -545,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--keygen", metavar="DIR", help="write a server key pair (or, with --client, a client's) and exit")
     srv.add_argument("--client", metavar="NAME", help="with --keygen: make a key pair for client NAME and allow it")
     srv.add_argument("--max-num-batched-tokens", type=int, default=512)
+    add_window_option(srv, "the default of every client (a client may give its own)")
     srv.add_argument("--engine-args", default="{}", help="more vLLM engine arguments, as JSON")
     srv.add_argument("--no-position-interventions", action="store_true")
     srv.add_argument("--feature-clamps", type=int, default=0, metavar="N",
@@ -580,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="set the feature's activation to VALUE at its SAE's hook, keeping the rest of the row "
                           "(0 ablates it; ReLU and JumpReLU SAEs; a server needs room: serve --feature-clamps)")
     cap.add_argument("--out", required=True, help="the HDF5 file to write")
+    add_window_option(cap, "for every request")
     cap.add_argument("--intervene", action="append", metavar="HOOK:scale=…,bias=…",
                      help="an intervention; keys: scale, bias (number or .npy), positions (3-5;8), request (index)")
     cap.add_argument("--json", action="store_true", help="print a JSON summary on stdout")

@@ -10,7 +10,7 @@ import numpy as np
 
 import hf_reference
 from inspector.capture.attention import attention_weights
-from inspector.capture.hooks import HookPoint
+from inspector.capture.hooks import HookPoint, installed_name
 from inspector.engine.boot import boot_llm, shutdown_llm
 
 
@@ -154,3 +154,60 @@ def assert_sweep_matches_transformers(result, points, model_dir, arch, reference
     for name in ("clean", "corrupted"):
         plain, = call("patched_logprobs", model_dir, arch, result.token_ids[name], [None], ids)
         assert abs(getattr(result, f"{name}_metric") - result.spec.metric.of(plain)) < PATCH_TOL
+
+
+def assert_windows_keep_exactly_their_rows(session, prompts, hooks, windows=("generated", "last:3", "every:2"),
+                                           sampling=None):
+    """Each window on ``hooks`` (the session's other hooks capture all) keeps exactly the rows of the same
+    run with every window "all" at the positions ``CaptureWindow.keeps`` promises, bit for bit."""
+    from inspector.capture.protocol import Sampling
+    from inspector.capture.windows import CaptureWindow
+
+    sampling = sampling or Sampling(max_tokens=4, ignore_eos=True)
+
+    def run_with(given):
+        session.set_windows(given)
+        session.new_run()
+        for _ in session.generate(prompts, sampling):
+            pass
+        return list(session.run.requests.values())
+
+    names = {installed_name(h, session.installed) for h in hooks}
+    base = run_with({})
+    assert len({len(r.prompt_token_ids) for r in base}) > 1, "the prompts must differ in length"
+    for text in windows:
+        window = CaptureWindow.parse(text)
+        requests = run_with({hook: window for hook in hooks})
+        for got, want in zip(requests, base):
+            assert got.generated_token_ids == want.generated_token_ids
+            assert got.windows == dict.fromkeys(names, text)
+            for hook, rows in want.hooks.items():
+                keep = (window.keeps(rows.positions, len(want.prompt_token_ids)) if hook in names
+                        else np.ones(len(rows), dtype=bool))
+                kept = got.hooks[hook]
+                np.testing.assert_array_equal(kept.positions, rows.positions[keep], err_msg=f"{text} {hook}")
+                np.testing.assert_array_equal(kept.token_ids, rows.token_ids[keep], err_msg=f"{text} {hook}")
+                np.testing.assert_array_equal(kept.values, rows.values[keep], err_msg=f"{text} {hook}")
+    session.set_windows({})
+
+
+def assert_window_change_applies_between_forwards(session, prompt, hook):
+    """A window given while a request runs applies from a later forward on, and the run records it."""
+    from inspector.capture.protocol import Sampling
+    from inspector.capture.windows import CaptureWindow
+
+    session.set_windows({})
+    session.new_run()
+    events = session.generate([prompt], Sampling(max_tokens=8, ignore_eos=True))
+    next(events)  # the prefill
+    session.set_windows({hook: CaptureWindow.parse("every:3")})
+    for _ in events:
+        pass
+    request = next(iter(session.run.requests.values()))
+    positions = request.hooks[installed_name(hook, session.installed)].positions
+    prompt_len, total = len(request.prompt_token_ids), len(request.token_ids)
+    assert positions[:prompt_len].tolist() == list(range(prompt_len))  # before the change: all
+    late = positions[positions >= prompt_len + 2]  # a forward already queued may still capture all
+    assert len(late) and (late % 3 == 0).all() and set(range(prompt_len + 2, total - 1)) - set(late.tolist())
+    assert request.windows == {installed_name(hook, session.installed): "every:3"}
+    session.set_windows({})

@@ -28,6 +28,7 @@ from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep,
                                         SessionOptions, StepEvent, NewRows, checked_interventions, fold_event)
 from inspector.capture.run import Run, TopToken
 from inspector.capture.sae import AttachedSae, checked_attachment, encode, load_weights, strongest
+from inspector.capture.windows import ALL, CaptureWindow, checked_windows, windows_from_patterns
 from inspector.experiments.methods import Experiments
 
 FAKE_VOCAB_SIZE = 1024  # the fake's token ids stay below it
@@ -99,6 +100,8 @@ class FakeSession(Experiments):
         self._interventions: list[Intervention] = []
         self.saes: dict[str, AttachedSae] = {}
         self._sae_weights: dict[str, dict[str, np.ndarray]] = {}  # by SAE name, read once when attached
+        self.windows: dict[str, CaptureWindow] = windows_from_patterns(options.windows, self.installed)
+        self._windows_changed = False  # since the last step: the open requests take them at the next
         self.new_run()
 
     @classmethod
@@ -142,10 +145,16 @@ class FakeSession(Experiments):
         with self._lock:
             self._pending = checked
 
+    def set_windows(self, windows: dict[str, CaptureWindow]) -> None:
+        checked = checked_windows(windows, self.installed)
+        with self._lock:
+            self.windows, self._windows_changed = checked, True
+
     def set_hooks(self, patterns: list[str]) -> bool:
         self._require_alive()
         self.threads.add(threading.get_ident())
         self.installed = self._resolve(patterns)
+        self.windows = {name: w for name, w in self.windows.items() if name in self.installed}
         self.options = replace(self.options, hooks=tuple(patterns))
         self.run.hooks.update(self.installed)
         wanted = self._pending if self._pending is not None else self._interventions  # as Session does
@@ -220,7 +229,9 @@ class FakeSession(Experiments):
         self._stop.clear()
         ids = self.upcoming_request_ids(len(prompts))
         type(self)._next_id += len(ids)
-        started = tuple(self._start(rid, prompt, sampling) for rid, prompt in zip(ids, prompts))
+        with self._lock:
+            windows = {rid: dict(self.windows) for rid in ids}
+        started = tuple(self._start(rid, prompt, sampling, windows[rid]) for rid, prompt in zip(ids, prompts))
         # per open request: positions of its next forward, its tokens, the interventions its log last noted
         todo = {s.request_id: list(range(len(s.prompt_token_ids))) for s in started}
         tokens = {s.request_id: list(s.prompt_token_ids) for s in started}
@@ -239,7 +250,11 @@ class FakeSession(Experiments):
             with self._lock:
                 if self._pending is not None:
                     self._interventions, self._pending = self._pending, None
-            steps = [self._step(rid, todo, tokens[rid], prompt_lens[rid], noted, sampling) for rid in list(todo)]
+                changed, self._windows_changed = self._windows_changed, False
+                if changed:
+                    windows = {rid: dict(self.windows) for rid in windows}
+            steps = [self._step(rid, todo, tokens[rid], prompt_lens[rid], noted, sampling, windows[rid], changed)
+                     for rid in list(todo)]
             yield self._event(step, started, steps)
             started = ()
             if not todo:
@@ -259,12 +274,13 @@ class FakeSession(Experiments):
             out.update({h.name: h for h in hits})
         return out
 
-    def _start(self, rid: str, prompt: str, sampling: Sampling) -> RequestStart:
+    def _start(self, rid: str, prompt: str, sampling: Sampling, windows: dict[str, CaptureWindow]) -> RequestStart:
         texts = tuple(prompt[i:i + 3] for i in range(0, len(prompt), 3)) or (" ",)
-        return RequestStart(rid, prompt, tuple(sum(map(ord, t)) % 1000 for t in texts), texts, sampling.as_dict())
+        return RequestStart(rid, prompt, tuple(sum(map(ord, t)) % 1000 for t in texts), texts, sampling.as_dict(),
+                            {name: str(w) for name, w in windows.items()})
 
     def _step(self, rid: str, todo: dict, tokens: list[int], prompt_len: int, noted: dict,
-              sampling: Sampling) -> RequestStep:
+              sampling: Sampling, windows: dict[str, CaptureWindow], windows_changed: bool) -> RequestStep:
         positions = np.array(todo[rid], dtype=np.int64)
         token_ids = np.array([tokens[p] for p in positions], dtype=np.int64)
         mine = tuple(iv for iv in self._interventions if iv.applies_to(rid))
@@ -290,6 +306,10 @@ class FakeSession(Experiments):
         features = {name: self._features(sae, *rows[sae.hook]) for name, sae in self.saes.items() if sae.hook in rows}
         if not sampling.capture:
             rows, features = {}, {}
+        for name in windows.keys() & rows.keys():  # as the engine keeps them, after the forward
+            keep = windows.get(name, ALL).keeps(positions, prompt_len)
+            rows[name] = tuple(a[keep] for a in rows[name])
+        rows = {name: r for name, r in rows.items() if len(r[0])}
         n_generated = len(tokens) - prompt_len
         # an intervention in effect moves the choice one word on: a comparison's twins part where it starts
         choice = (n_generated + prompt_len + bool(mine)) % len(VOCAB)
@@ -302,7 +322,8 @@ class FakeSession(Experiments):
         if finished:
             del todo[rid]
         return RequestStep(rid, (token,), (text,), (logprob,), (top,), rows, log, finished,
-                           "length" if finished else None, scores, features)
+                           "length" if finished else None, scores, features,
+                           {name: str(w) for name, w in windows.items()} if windows_changed else None)
 
     def _features(self, sae: AttachedSae, positions: np.ndarray, token_ids: np.ndarray, values: np.ndarray) -> tuple:
         """(positions, ids, activations) of each row's ``sae.k`` strongest features, as the engine sends them."""

@@ -99,6 +99,10 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     result = inspector("capture", "--prompt", "x", "--intervene", "blocks.0.hook_resid_post:positions=4-2",
                        "--out", str(tmp_path / "r.h5"), check=False)
     assert result.returncode == 1 and "runs backwards" in result.stderr
+    result = inspector("capture", "--prompt", "x", "--window", "blocks.*=every:0", "--out", str(tmp_path / "r.h5"),
+                       check=False)
+    assert result.returncode == 1 and "--window 'blocks.*=every:0'" in result.stderr and ">= 1" in result.stderr
+    assert "[resolving]" not in result.stderr
     result = inspector("capture", "--prompt", "x", "--lens", "101", "--out", str(tmp_path / "r.h5"), check=False)
     assert result.returncode == 1 and "--lens takes K from 1 to 100" in result.stderr
     assert "[resolving]" not in result.stderr
@@ -209,3 +213,23 @@ def test_capture_clamps_a_feature_of_an_sae_it_attached(compiled_server, tmp_pat
         refused = inspector("capture", "--server", compiled_server[0], "--prompt", "x", "--sae", str(sae),
                             "--clamp-feature", bad, "--out", str(tmp_path / "no.h5"), check=False)
         assert refused.returncode == 1 and message in refused.stderr
+
+
+def test_capture_windows_keep_the_rows_they_promise_in_the_file(compiled_server, tmp_path):
+    """On the shared test server: the windowed file's rows are the all-window file's at the kept positions."""
+    from inspector.capture.windows import CaptureWindow
+
+    common = ["capture", "--server", compiled_server[0], "--prompt", "def f(a, b):", "--prompt", "import ",
+              "--max-tokens", "4"]
+    inspector(*common, "--out", str(tmp_path / "all.h5"))
+    summary = json.loads(inspector(*common, "--window", "generated", "--window", "blocks.0.*=every:2",
+                                   "--out", str(tmp_path / "windowed.h5"), "--json").stdout)
+    assert summary["windows"] == {"model.layers.0.resid_post": "every:2", "model.layers.1.resid_post": "generated",
+                                  "model.embed_tokens.embed": "generated"}
+    whole, windowed = read_run(tmp_path / "all.h5"), read_run(tmp_path / "windowed.h5")
+    for want, got in zip(whole.requests.values(), windowed.requests.values()):
+        assert got.windows == summary["windows"]
+        for hook, rows in want.hooks.items():
+            keep = CaptureWindow.parse(got.windows[hook]).keeps(rows.positions, len(want.prompt_token_ids))
+            assert got.hooks[hook].positions.tolist() == rows.positions[keep].tolist()
+            np.testing.assert_array_equal(got.hooks[hook].values[:], rows.values[:][keep])

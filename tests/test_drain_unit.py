@@ -120,3 +120,42 @@ def test_drained_rows_are_each_requests_rows_in_order(dtype):
             assert got[rid][hook]["values"].dtype == (BFLOAT16 if dtype == torch.bfloat16 else np.float32)
             np.testing.assert_array_equal(got[rid][hook]["values"].astype(np.float32),
                                           np.stack([v for _, _, v in rows]))
+
+
+def test_windowed_steps_keep_each_hooks_promised_rows_in_order():
+    """Hooks of two widths, requests with and without windows, and steps whose hooks group differently
+    (so the sub-forwards of one drain alternate): every hook gets exactly the rows its window keeps."""
+    from inspector.capture.windows import CaptureWindow
+    from inspector.plugin.runtime import RowStack, StepInfo
+
+    runtime = _runtime()
+    runtime._stacks = [RowStack(torch.zeros(2, 64, 3), ["a", "b"]), RowStack(torch.zeros(1, 64, 5), ["c"])]
+    windows = {"r0": {"a": "generated", "c": "every:2"}, "r1": {"a": "last:2", "b": "last:2"}}
+    prompts = {"r0": 5, "r1": 3, "r2": 4}
+    runtime.set_request_options({rid: {"windows": w, "prompt_tokens": prompts[rid]} for rid, w in windows.items()}
+                                | {"r3": {"capture": False}}, [])
+    done = dict.fromkeys(prompts, 0) | {"r3": 0}
+    for counts in ({"r0": 3, "r1": 3, "r2": 2, "r3": 1}, {"r0": 2, "r2": 2, "r3": 1}, {"r0": 1, "r1": 1, "r2": 1},
+                   {"r0": 1, "r1": 1, "r2": 1, "r3": 1}):
+        positions = np.concatenate([np.arange(done[rid], done[rid] + c) for rid, c in counts.items()])
+        for rid, c in counts.items():
+            done[rid] += c
+        n = len(positions)
+        owner = np.concatenate([[int(rid[1])] * c for rid, c in counts.items()])
+        for stack in runtime._stacks:  # a row's value: its hook, request and position
+            for h in range(stack.tensor.shape[0]):
+                stack.tensor[h, :n] = torch.tensor(h * 1000 + owner * 100 + positions, dtype=torch.float32)[:, None]
+        step = StepInfo(list(counts), np.concatenate([[0], np.cumsum(list(counts.values()))]), positions)
+        runtime.after_forward(step, torch.tensor(positions + 7))
+    rows = runtime.drain()
+    assert "r3" not in rows
+    for rid in ("r0", "r1", "r2"):
+        for h, hook in enumerate("abc"):
+            window = CaptureWindow.parse(windows.get(rid, {}).get(hook, "all"))
+            everything = np.arange(done[rid])
+            expected = everything[window.keeps(everything, prompts[rid])]
+            got = rows[rid][hook]
+            assert got["positions"].tolist() == expected.tolist(), (rid, hook)
+            assert got["token_ids"].tolist() == (expected + 7).tolist()
+            number = (h if hook != "c" else 0) * 1000 + int(rid[1]) * 100
+            np.testing.assert_array_equal(got["values"], np.repeat(number + expected[:, None], got["values"].shape[1], 1))

@@ -12,6 +12,7 @@ from engines import assert_sweep_matches_transformers, same_length_prompts
 from session_kinds import GREEDY, KINDS, collect
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import Sampling
+from inspector.capture.windows import CaptureWindow
 from inspector.experiments.compare import (compare, difference, first_divergence, logprob_change, scoped_to_intervened,
                                            token_kl, twins_of, upcoming_twins)
 from inspector.experiments.patching import Metric, PatchSpec, patch
@@ -46,15 +47,18 @@ def test_a_patching_sweep_is_one_engine_call_with_progress_and_leaves_the_sessio
         sessions, kind, tiny_models):
     session, _ = sessions[kind]
     session.set_interventions([STEER])
+    windows = {"model.layers.0.resid_post": CaptureWindow("generated")}  # set aside: the sweep reads every row
+    session.set_windows(windows)
     session.new_run()
     clean, corrupted = same_length_prompts(session)
     reports = []
     try:
         result = session.patch(PatchSpec(clean, corrupted, LAYERS, Metric(10, 20)),
                                lambda r, message: reports.append((r.done, message)))
-        assert session.interventions == [STEER] and not session.run.requests
+        assert session.interventions == [STEER] and session.windows == windows and not session.run.requests
     finally:
         session.set_interventions([])
+        session.set_windows({})
     assert result.complete and result.engine_calls == 1 and not result.stopped
     done = [d for d, _ in reports]
     assert done == sorted(done) and done[-1] == result.raw.size and "engine call 1 of 1" in reports[-1][1]

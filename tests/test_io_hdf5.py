@@ -101,7 +101,7 @@ def assert_runs_equal(a: Run, b: Run) -> None:
     for rid, ra in a.requests.items():
         rb = b.requests[rid]
         for field in ("request_id", "prompt", "prompt_token_ids", "sampling", "generated_token_ids", "token_texts",
-                      "logprobs", "top_logprobs", "intervention_log", "finish_reason"):
+                      "logprobs", "top_logprobs", "intervention_log", "finish_reason", "windows"):
             assert getattr(ra, field) == getattr(rb, field), (rid, field)
         assert list(ra.hooks) == list(rb.hooks)
         for name, ha in ra.hooks.items():
@@ -569,3 +569,25 @@ def test_sae_features_round_trip_written_whole_or_streamed(tmp_path):
             got, want = back.requests[rid].features["res/1"], req.features["res/1"]
             for column in ("positions", "ids", "activations"):
                 np.testing.assert_array_equal(getattr(got, column), getattr(want, column))
+
+
+def test_capture_windows_round_trip_with_their_positions(tmp_path):
+    """A windowed hook's group says its window; its positions are the rows kept, sparse as they are."""
+    run = make_run(rows=(12, 6, 0), generated=(4, 2, 3))
+    first, second = list(run.requests.values())[:2]
+    windowed = HOOK_SPECS[0][0]
+    rows = first.hooks[windowed]
+    kept = rows.positions % 3 == 0
+    first.hooks[windowed] = HookRows(rows.width)
+    first.hooks[windowed].append(rows.positions[kept], rows.token_ids[kept], rows.values[kept])
+    first.windows = {windowed: "every:3"}
+    second.windows = {windowed: "generated"}
+    path = write_run(run, tmp_path / "windows.h5")
+    back = read_run(path)
+    assert_runs_equal(run, back)
+    assert back.requests[first.request_id].windows == {windowed: "every:3"}
+    assert back.requests[second.request_id].windows == {windowed: "generated"}
+    assert back.requests[first.request_id].hooks[windowed].positions.tolist() == rows.positions[kept].tolist()
+    with h5py.File(path) as f:
+        assert f[f"requests/0/hooks/{windowed}"].attrs["window"] == "every:3"
+        assert "window" not in f[f"requests/0/hooks/{HOOK_SPECS[1][0]}"].attrs  # all: no attribute

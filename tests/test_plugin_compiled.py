@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 import hf_reference
-from engines import PARITY_TOL, assert_greedy_matches, booted, generate, rel_l2, rpc
+from engines import (PARITY_TOL, assert_greedy_matches, assert_window_change_applies_between_forwards,
+                     assert_windows_keep_exactly_their_rows, booted, generate,
+                     rel_l2, rpc, session_on)
 from inspector.plugin import vllm_compat
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Parser(object):\n    def"]
@@ -227,3 +229,10 @@ def test_hooks_are_fixed_in_compiled_mode(llm):
 def test_reading_drains(llm):
     generate(llm, PROMPTS[:1], max_tokens=2)
     assert rpc(llm, "inspector_drain") == {}
+
+
+def test_capture_windows_keep_exactly_their_rows_in_a_batch_with_chunked_prefill(llm, model_dir):
+    session = session_on(llm, model_dir)
+    hooks = ["blocks.0.hook_resid_post", "blocks.1.mlp.hook_post", "blocks.1.attn.hook_k", "hook_embed"]
+    assert_windows_keep_exactly_their_rows(session, [PROMPTS[0], LONG_PROMPT, PROMPTS[2]], hooks[:3])
+    assert_window_change_applies_between_forwards(session, PROMPTS[1], hooks[0])

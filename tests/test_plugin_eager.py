@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import hf_reference
-from engines import PARITY_TOL, assert_greedy_matches, booted, generate, rel_l2, rpc
+from engines import (PARITY_TOL, assert_greedy_matches, assert_window_change_applies_between_forwards,
+                     assert_windows_keep_exactly_their_rows, booted, generate, rel_l2, rpc, session_on)
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys"]
 RESID = {f"blocks.{i}.hook_resid_post": (f"model.layers.{i}", 128) for i in range(2)}
@@ -109,3 +110,13 @@ def test_bad_hook_specs_refused_live(llm, specs, message):
 def test_position_interventions_need_the_flag(llm):
     with pytest.raises(ValueError, match="enable_position_interventions"):
         rpc(llm, "inspector_set_interventions", [{"hook": "blocks.0.hook_resid_post", "positions": [1]}])
+
+
+def test_capture_windows_keep_exactly_their_rows_in_eager_mode(llm, tiny_models):
+    """Last in the module: it changes the hook set."""
+    session = session_on(llm, tiny_models["llama"], mode="eager")
+    session.set_hooks(["blocks.*.hook_resid_post", "blocks.0.mlp.hook_post", "blocks.1.attn.hook_q"])
+    long_prompt = "\n".join(f"x_{i} = compute({i}, key='v{i}')" for i in range(7))  # chunked prefill
+    assert_windows_keep_exactly_their_rows(session, [PROMPTS[0], long_prompt, PROMPTS[1]],
+                                           ["blocks.1.hook_resid_post", "blocks.0.mlp.hook_post"])
+    assert_window_change_applies_between_forwards(session, PROMPTS[1], "blocks.1.attn.hook_q")

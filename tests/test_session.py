@@ -14,11 +14,14 @@ import pytest
 import torch
 
 import hf_reference
-from engines import PARITY_TOL, assert_attribution_matches, assert_lens_matches, rel_l2, rpc
+from engines import (PARITY_TOL, assert_attribution_matches, assert_lens_matches, assert_windows_keep_exactly_their_rows,
+                     rel_l2, rpc)
 from session_kinds import KINDS, collect
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import BOOT_STAGES, Sampling, fold_event
 from inspector.capture.run import Run
+from inspector.capture.windows import CaptureWindow
+from inspector.client import connect
 from inspector.io import read_run, write_run
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Parser(object):"]
@@ -219,6 +222,36 @@ def test_compiled_hook_change_restarts_and_keeps_the_run(sessions, kind):
         assert session.alive
     finally:
         session.set_hooks(first)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_capture_windows_keep_exactly_their_rows_and_bad_ones_change_nothing(sessions, kind):
+    session, _ = sessions[kind]
+    assert session.windows == {}
+    with pytest.raises(ValueError, match="not an installed hook"):
+        session.set_windows({"blocks.0.hook_resid_post": CaptureWindow("generated"), "blocks.0.mlp.hook_post": "all"})
+    with pytest.raises(ValueError, match="window"):
+        session.set_windows({"blocks.0.hook_resid_post": "every:0"})
+    assert session.windows == {}
+    assert_windows_keep_exactly_their_rows(session, [PROMPTS[0], "import "], ["blocks.0.hook_resid_post", "hook_embed"])
+
+
+def test_a_clients_windows_are_its_own(sessions, compiled_server):
+    """Two clients of one server: one's windows never touch the other's rows."""
+    windowed, _ = sessions["remote"]
+    other = connect(compiled_server[0])
+    try:
+        windowed.set_windows({"hook_embed": CaptureWindow("generated")})
+        collect(other, PROMPTS[:1], Sampling(max_tokens=3, ignore_eos=True))
+        collect(windowed, PROMPTS[:1], Sampling(max_tokens=3, ignore_eos=True))
+        mine, theirs = (next(iter(s.run.requests.values())) for s in (windowed, other))
+        assert other.windows == {} and theirs.windows == {} and mine.windows == {"model.embed_tokens.embed": "generated"}
+        n = len(theirs.prompt_token_ids)
+        assert theirs.hooks["model.embed_tokens.embed"].positions.tolist() == list(range(n + 2))
+        assert mine.hooks["model.embed_tokens.embed"].positions.tolist() == [n - 1, n, n + 1]
+    finally:
+        windowed.set_windows({})
+        other.close()
 
 
 # ------------------------------------------------------------------------------ what only a real engine shows

@@ -365,3 +365,53 @@ def test_the_tensor_parallel_size_is_an_engine_option_kept_in_the_settings(qtbot
     wait_state(qtbot, window, "ready")
     assert session(window).options.engine_args == {}
     assert any(a.text() == "&Tensor Parallel Size…" for a in window.menuBar().actions()[1].menu().actions())
+
+
+def test_a_capture_window_chosen_next_to_a_hooks_check_box_keeps_only_its_rows(qtbot, ui_settings):
+    from PySide6.QtWidgets import QAbstractItemDelegate, QComboBox
+
+    from inspector.capture.windows import CaptureWindow
+    from inspector.ui.model_tree import WINDOW_COLUMN
+
+    window = make_window(qtbot, hooks=["blocks.*.hook_resid_post"])
+    tree, hook, other = window.tree, "model.layers.0.resid_post", "model.layers.1.resid_post"
+    assert tree.tree.header().visualIndex(WINDOW_COLUMN) == 1  # beside the check box
+    index = tree.leaf_index(hook).siblingAtColumn(WINDOW_COLUMN)
+    assert index.data() == "all"
+    tree.tree.scrollTo(index)
+    tree.tree.edit(index)  # the user double-clicks the cell: an editable combo box of windows
+    editor = next(box for box in tree.tree.viewport().findChildren(QComboBox) if box.isVisible())
+    assert [editor.itemText(i) for i in range(editor.count())] == ["all", "generated", "last:16", "every:4"]
+    editor.setCurrentText("generated")
+    with qtbot.waitSignal(tree.windowsChanged):
+        tree.tree.commitData(editor)
+    tree.tree.closeEditor(editor, QAbstractItemDelegate.EndEditHint.NoHint)
+    assert index.data() == "generated" and window.controller.windows == {hook: CaptureWindow("generated")}
+    assert session(window).windows == {hook: CaptureWindow("generated")}
+
+    generate(qtbot, window, "abcdefghi", max_tokens=5)
+    req = session(window).run.requests["req0"]
+    prompt_len = len(req.prompt_token_ids)
+    assert req.windows == {hook: "generated"}
+    assert req.hooks[hook].positions.tolist() == list(range(prompt_len - 1, len(req.token_ids) - 1))
+    assert req.hooks[other].positions.tolist() == list(range(len(req.token_ids) - 1))
+    window.select_hook(hook)
+    window.refresh()
+    assert window.heatmap.column_count() == len(req.hooks[hook])
+    np.testing.assert_array_equal(window.heatmap.displayed_data(), req.hooks[hook].values)
+    window.select_position(0)
+    assert "outside this hook's capture window generated" in window.statusBar().currentMessage()
+
+    tree.set_window(other, "every:0")  # typed wrong: refused, the cell shows the window in force
+    assert tree._window_item(other).text() == "all" and ">= 1" in tree.summary.text()
+    tree.set_window(other, "every:2")
+    tree.set_window(hook, "all")
+    assert session(window).windows == {other: CaptureWindow("every", 2)}
+    generate(qtbot, window, "abcdefghi", max_tokens=5)
+    req = session(window).run.requests["req1"]
+    assert req.windows == {other: "every:2"} and len(req.hooks[hook]) == len(req.token_ids) - 1
+    assert req.hooks[other].positions.tolist() == list(range(0, len(req.token_ids) - 1, 2))
+    window.select_request("req1")
+    window.select_hook(other)
+    window.refresh()
+    assert window.heatmap.position_axis.x_of(4) == 2 and window.heatmap.position_axis.x_of(3) is None

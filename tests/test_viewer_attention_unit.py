@@ -126,3 +126,25 @@ def test_withdrawn_queries_and_keys_are_not_offered_and_the_reason_is_given():
     catalogue = [replace(h, withdrawn=reason) if h.kind in ("q", "k") else h for h in CATALOGUE]
     shown = AttentionPatterns().show(live_view(kinds=("resid_post",), catalogue=catalogue), "r", None, 0, None)
     assert f"withdrawn at boot: {reason}" in shown.message and not shown.to_capture
+
+
+@pytest.mark.parametrize("windows, shown", [({"k": "generated"}, False), ({"q": "every:2"}, False),
+                                            ({"q": "generated"}, True), ({"q": "last:3", "k": "all"}, True)])
+def test_capture_windows_that_leave_out_rows_a_pattern_needs_say_so(windows, shown):
+    view = live_view()
+    req = view.run.requests["r"]
+    layer0 = {h.kind: h for h in QK.values() if h.layer == 0}
+    req.windows = {layer0[kind].name: text for kind, text in windows.items()}
+    if "q" in windows and windows["q"] != "all":  # the rows the window kept
+        from inspector.capture.windows import CaptureWindow
+
+        rows = req.hooks[layer0["q"].name]
+        keep = CaptureWindow.parse(windows["q"]).keeps(rows.positions, len(req.prompt_token_ids))
+        req.hooks[layer0["q"].name] = kept = HookRows(rows.width)
+        kept.append(rows.positions[keep], rows.token_ids[keep], rows.values[keep])
+    result = AttentionPatterns().show(view, "r", 0, 0, None)
+    if shown:
+        assert not result.message and len(result.pattern) == len(req.hooks[layer0["q"].name])
+        assert result.query_positions[0] == req.hooks[layer0["q"].name].positions[0]
+    else:
+        assert "capture window" in result.message and "with the window 'all'" in result.message

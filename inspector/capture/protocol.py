@@ -19,6 +19,7 @@ from .interventions import DEFAULT_MAX_SLOTS, Intervention, check_clamp_capacity
 from .lens import Attribution, Lens
 from .sae import AttachedSae
 from .run import FeatureRows, HookRows, RequestCapture, Run, TopToken
+from .windows import CaptureWindow
 
 MODES = ("compiled", "eager")
 BOOT_STAGES = ("resolving", "loading", "compiling", "ready")
@@ -48,6 +49,9 @@ class SessionOptions:
     # per hook, the SAE features one intervention set may clamp; each hook's room for them costs every compiled
     # forward (on an H200, 9% of a batch-1 decode step with 32 hooks), so there is none unless asked for
     feature_clamps: int = 0
+    # capture windows applied when the session opens: (glob pattern over installed hook names and aliases,
+    # window text as in inspector.capture.windows), a later pair overriding an earlier one; unnamed hooks: all
+    windows: tuple[tuple[str, str], ...] = ()
     engine_args: dict = field(default_factory=dict)
 
 
@@ -85,6 +89,7 @@ class RequestStart:
     prompt_token_ids: tuple[int, ...]
     prompt_texts: tuple[str, ...]
     sampling: dict
+    windows: dict = field(default_factory=dict)  # hook -> capture window text; hooks not named: all
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class RequestStep:
     # (positions [n], logprobs [n, len(score_token_ids)]): at each position predicted from in this step
     scores: tuple[np.ndarray, np.ndarray] | None = None
     features: dict[str, Features] = field(default_factory=dict)  # attached SAE -> its strongest features
+    windows: dict[str, str] | None = None  # capture windows changed: in force from this step's forward on
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,7 @@ class SessionProtocol(Protocol):
     alive: bool  # False once closed or failed (a remote one also once its server stops answering)
     interventions: list[Intervention]  # the set last given to set_interventions
     saes: dict[str, AttachedSae]  # by name: SAEs encoding installed hooks' rows in the engine
+    windows: dict[str, CaptureWindow]  # installed hook -> its capture window (hooks not named: all)
 
     def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]: ...
 
@@ -134,6 +141,11 @@ class SessionProtocol(Protocol):
 
     def set_interventions(self, interventions: list[Intervention]) -> None:
         """Validated at once (ValueError with the reason, nothing changed); applied before the next forward."""
+
+    def set_windows(self, windows: dict[str, CaptureWindow]) -> None:
+        """Capture windows by installed hook name or alias (hooks not named: all). Validated at once
+        (ValueError, nothing changed); thread-safe; applies from the next forward on, to running requests
+        and later ones."""
 
     def set_hooks(self, patterns: list[str]) -> bool:
         """Change the hook set; True if that restarted the engine (compiled mode). The run is kept."""
@@ -203,7 +215,7 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True, new_rows: New
     for start in event.started:
         run.requests[start.request_id] = RequestCapture(
             start.request_id, start.prompt, list(start.prompt_token_ids), dict(start.sampling),
-            token_texts=list(start.prompt_texts))
+            token_texts=list(start.prompt_texts), windows=dict(start.windows))
     changed = {start.request_id for start in event.started}
     for step in event.requests:
         req = run.requests[step.request_id]
@@ -212,6 +224,8 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True, new_rows: New
         req.logprobs += step.logprobs
         req.top_logprobs += [list(top) for top in step.top_logprobs]
         req.intervention_log += [(position, list(ivs)) for position, ivs in step.intervention_log]
+        if step.windows is not None:
+            req.windows = dict(step.windows)
         if step.scores is not None:
             req.scores.update(zip(step.scores[0].tolist(), step.scores[1]))
         for sae, (positions, ids, activations) in (step.features.items() if keep_rows else ()):

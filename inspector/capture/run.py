@@ -152,6 +152,9 @@ class RequestCapture:
     # position -> logprobs of sampling["score_token_ids"] predicted there, if asked for
     scores: dict[int, np.ndarray] = field(default_factory=dict)
     features: dict[str, FeatureRows] = field(default_factory=dict)  # by attached SAE
+    # hook -> the capture window in force (the last one given, if it changed while the request ran); hooks
+    # not named: all. The rows' positions say which were kept.
+    windows: dict[str, str] = field(default_factory=dict)
     twin_role: str | None = None  # a comparison's "clean" or "intervened" run of a prompt (experiments.compare)
     twin_of: str | None = None  # the other twin's request id
     finish_reason: str | None = None

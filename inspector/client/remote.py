@@ -17,6 +17,7 @@ from inspector.capture.protocol import (BootProgress, Sampling, SessionError, Se
                                         NewRows, checked_interventions, fold_event)
 from inspector.capture.run import Run
 from inspector.capture.sae import AttachedSae, SaeConfig
+from inspector.capture.windows import CaptureWindow, checked_windows
 from inspector.experiments.methods import Experiments
 from inspector.net.keys import ClientKeys
 from inspector.net.wire import (Message, WireError, convert, event_from_body, hooks_from_body, progress_from_body,
@@ -104,6 +105,7 @@ class RemoteSession(Experiments):
         self.installed: dict[str, HookPoint] = {h.name: h for h in hooks_from_body(list(body["installed"].values()))}
         self.metadata: dict = dict(body["metadata"])
         self.saes: dict[str, AttachedSae] = {sae.name: sae for sae in map(_attached, body.get("saes", []))}
+        self.windows: dict[str, CaptureWindow] = checked_windows(body.get("windows", {}), self.installed)
 
     @property
     def alive(self) -> bool:
@@ -167,6 +169,13 @@ class RemoteSession(Experiments):
         self._require_alive()
         self._interventions = checked_interventions(interventions, self.installed, self.options)
         self._conn.send(Message("set_interventions", {"interventions": [iv.as_dict() for iv in interventions]}))
+
+    def set_windows(self, windows: dict[str, CaptureWindow]) -> None:
+        """Checked here at once (ValueError), and again by the server; this client's own: they apply to
+        its requests only."""
+        self._require_alive()
+        self.windows = checked_windows(windows, self.installed)
+        self._conn.send(Message("set_windows", {"windows": {name: str(w) for name, w in self.windows.items()}}))
 
     def set_hooks(self, patterns: list[str]) -> bool:
         self._require_alive()

@@ -31,6 +31,7 @@ from inspector.capture.protocol import (MODES, BootProgress, RequestStart, Reque
 from inspector.capture.run import Run, TopToken
 from inspector.experiments.methods import Experiments
 from inspector.capture.sae import AttachedSae, checked_attachment
+from inspector.capture.windows import CaptureWindow, checked_windows, windows_from_patterns
 from inspector.plugin.config import FEATURES, PLUGIN_MISSING, SCORES, feature_keys
 from inspector.plugin.gather import merge_ranks
 
@@ -68,6 +69,10 @@ class Session(Experiments):
         self._over: list[str] = []  # finished ones it may forget
         self._steps = 0
         self.saes: dict[str, AttachedSae] = {}  # by name: encoding an installed hook's rows in the engine
+        self.windows: dict[str, CaptureWindow] = windows_from_patterns(options.windows, installed)
+        self._window_changes: list[tuple[dict[str, CaptureWindow], list[str] | None]] = []  # for the next step
+        self._prompt_tokens: dict[str, int] = {}  # open request -> its prompt's length (windows count from it)
+        self._unsent_windows: dict[str, dict[str, str]] = {}  # request -> windows changed, for the next event
         self.new_run()
 
     # --- opening and closing ---
@@ -94,6 +99,11 @@ class Session(Experiments):
                                    "in its checkout, as the README's set-up does) rather than putting it on "
                                    "PYTHONPATH") from None
             raise
+        try:
+            windows_from_patterns(options.windows, installed)
+        except ValueError as e:
+            shutdown_llm(llm)
+            raise SessionError(str(e)) from None
         report(BootProgress("ready", f"{path.name} ready ({options.mode}, {len(installed)} hooks)"))
         return cls(options, llm, path, catalogue, installed)
 
@@ -134,11 +144,12 @@ class Session(Experiments):
 
     # --- the engine loop: generate() drives it for one caller, a server for many ---
 
-    def submit(self, prompts: list[str], sampling: Sampling, request_ids: list[str] | None = None
-               ) -> list[RequestStart]:
+    def submit(self, prompts: list[str], sampling: Sampling, request_ids: list[str] | None = None,
+               windows: dict[str, CaptureWindow] | None = None) -> list[RequestStart]:
         """Add requests to the running batch; they start with the next ``step()``. ``request_ids``:
-        the caller's own (unique) ids, else the next ``req<N>``. ValueError if vLLM refuses one (then
-        none is added)."""
+        the caller's own (unique) ids, else the next ``req<N>``; ``windows``: their capture windows
+        (checked, by installed name), else ``self.windows``. ValueError if vLLM refuses one (then none
+        is added)."""
         self._require_alive()
         if not prompts:
             raise ValueError("nothing to generate: no prompts")
@@ -150,8 +161,9 @@ class Session(Experiments):
             raise ValueError(f"request ids must be new and one per prompt, got {ids}")
         if request_ids is None:
             type(self)._next_id += len(ids)
-        starts = [self._start(rid, prompt, sampling) for rid, prompt in zip(ids, prompts)]
-        self._send_request_options(ids, sampling)
+        windows = {name: str(w) for name, w in (self.windows if windows is None else windows).items()}
+        starts = [self._start(rid, prompt, sampling, windows) for rid, prompt in zip(ids, prompts)]
+        self._send_request_options(starts, sampling)
         engine = self._llm.llm_engine
         for k, start in enumerate(starts):
             try:
@@ -160,8 +172,9 @@ class Session(Experiments):
             except Exception as e:
                 engine.abort_request(ids[:k])
                 raise ValueError(f"request refused: {e}") from None
-        for rid in ids:
-            self._computed[rid] = 0
+        for start in starts:
+            self._computed[start.request_id] = 0
+            self._prompt_tokens[start.request_id] = len(start.prompt_token_ids)
         self._open += ids
         self._unstarted += starts
         self._apply_interventions(self._open, force=True)  # the new requests' log starts now
@@ -200,6 +213,7 @@ class Session(Experiments):
         is dead; the rows of the forwards that finished are in ``run``)."""
         self._require_alive()
         self._apply_interventions(self._open)
+        self._apply_windows()
         try:
             outputs = [out for out in self._llm.llm_engine.step() if out.request_id in self._open]
             # Rows still copying arrive with a later step, except a finishing request's: wait for those.
@@ -242,6 +256,16 @@ class Session(Experiments):
         with self._lock:
             self._pending = checked
 
+    def set_windows(self, windows: dict[str, CaptureWindow], request_ids: list[str] | None = None) -> None:
+        """Thread-safe. Capture windows by installed hook name or alias (hooks not named: all), checked at
+        once (ValueError, nothing changed); from the next forward on they apply to the open requests and
+        later ones, or (``request_ids``, a server's client) to those open requests only."""
+        checked = checked_windows(windows, self.installed)
+        with self._lock:
+            if request_ids is None:
+                self.windows = checked
+            self._window_changes.append((checked, None if request_ids is None else list(request_ids)))
+
     def set_hooks(self, patterns: list[str]) -> bool:
         """Change the hook set. Eager: live, returns False. Compiled: restarts the engine (the hooks
         are traced into the graph), returns True. The current run is kept either way."""
@@ -262,6 +286,7 @@ class Session(Experiments):
             _, self.installed = _describe(self._llm)
             self.run = run
         self.run.hooks.update(self.installed)
+        self.windows = {name: w for name, w in self.windows.items() if name in self.installed}
         with self._lock:  # the set last given (one not applied yet included), less what lost its hook
             wanted = self._pending if self._pending is not None else self._interventions
             self._interventions = [iv for iv in wanted if iv.hook in self.installed]
@@ -300,23 +325,41 @@ class Session(Experiments):
         if not self.alive or self._llm is None:
             raise SessionError("this session is closed or its engine failed; open a new session")
 
-    def _start(self, rid: str, prompt: str, sampling: Sampling) -> RequestStart:
+    def _start(self, rid: str, prompt: str, sampling: Sampling, windows: dict[str, str]) -> RequestStart:
         """Tokenized here, as vLLM would (``encode`` with special tokens), so the prompt's tokens are
         known before the first step."""
         ids = tuple(self._tokenizer.encode(prompt))
-        return RequestStart(rid, prompt, ids, tuple(self._text(t) for t in ids), sampling.as_dict())
+        return RequestStart(rid, prompt, ids, tuple(self._text(t) for t in ids), sampling.as_dict(), windows)
 
-    def _send_request_options(self, ids: list[str], sampling: Sampling) -> None:
-        """Tell the worker which of the new requests want no rows or want scores (before their first
-        forward), and which earlier ones are over."""
-        wanted = not sampling.capture or bool(sampling.score_token_ids)
+    def _send_request_options(self, starts: list[RequestStart], sampling: Sampling) -> None:
+        """Tell the worker which of the new requests want no rows, scores or capture windows (before
+        their first forward), and which earlier ones are over."""
+        wanted = not sampling.capture or bool(sampling.score_token_ids) or bool(starts[0].windows)
         if not wanted and not self._over:
             return
-        options = {rid: {"capture": sampling.capture, "score_token_ids": list(sampling.score_token_ids)}
-                   for rid in ids} if wanted else {}
+        options = {s.request_id: {"capture": sampling.capture, "score_token_ids": list(sampling.score_token_ids),
+                                  **({"windows": s.windows, "prompt_tokens": len(s.prompt_token_ids)}
+                                     if s.windows else {})}
+                   for s in starts} if wanted else {}
+        self._send_options(options)
+
+    def _send_options(self, options: dict[str, dict]) -> None:
         self._llm.collective_rpc("inspector_request_options", args=(options, self._over))
         self._over = []
         self._optioned.update(options)
+
+    def _apply_windows(self) -> None:
+        """Send the windows changed since the last step to the worker, for the open requests they name."""
+        with self._lock:
+            changes, self._window_changes = self._window_changes, []
+        options = {}
+        for windows, request_ids in changes:
+            texts = {name: str(w) for name, w in windows.items()}
+            for rid in self._open if request_ids is None else [r for r in request_ids if r in self._prompt_tokens]:
+                options[rid] = {"windows": texts, "prompt_tokens": self._prompt_tokens[rid]}
+                self._unsent_windows[rid] = texts
+        if options:
+            self._send_options(options)
 
     def _apply_interventions(self, open_ids: list[str], force: bool = False) -> None:
         """Push a pending intervention set to the worker and note, per request, from which position it
@@ -353,7 +396,8 @@ class Session(Experiments):
         into ``run`` as it is made."""
         finish = finish or {}
         started, self._unstarted = tuple(self._unstarted), []
-        order = [s.request_id for s in started] + [*captures, *outputs, *self._unsent_log, *finish]
+        order = [s.request_id for s in started] + [*captures, *outputs, *self._unsent_log, *self._unsent_windows,
+                                                   *finish]
         steps = []
         for rid in dict.fromkeys(order):
             if rid not in self._computed:
@@ -367,12 +411,14 @@ class Session(Experiments):
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,
                                      finish_reason=finish.get(rid), features=features,
+                                     windows=self._unsent_windows.pop(rid, None),
                                      scores=None if scores is None else (scores["positions"], scores["values"]),
                                      **tokens))
         self._open = [rid for rid in self._open if rid not in finish]
         for rid in finish:  # a long-lived session (a server's) forgets requests that are over
             self._computed.pop(rid, None)
             self._logged.pop(rid, None)
+            self._prompt_tokens.pop(rid, None)
             if rid in self._optioned:
                 self._optioned.discard(rid)
                 self._over.append(rid)

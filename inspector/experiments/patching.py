@@ -20,6 +20,7 @@ import numpy as np
 from inspector.capture.hooks import installed_name
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import Sampling, SessionProtocol, StepEvent
+from inspector.capture.windows import every_row
 
 DIRECTIONS = ("denoise", "noise")  # clean → corrupted, corrupted → clean
 
@@ -180,12 +181,13 @@ def _baselines(session: SessionProtocol, spec: PatchSpec, hooks: list[str], metr
     rids = session.upcoming_request_ids(2)
     names = dict(zip(rids, ("clean", "corrupted")))
     starts, rows, scores, stopped = {}, {}, {}, False
-    for event in session.generate([spec.clean, spec.corrupted], _sampling(metric_ids, capture=True)):
-        stopped |= _collect(event, names, starts, scores)
-        for step in event.requests:
-            for hook, (positions, _, values) in step.rows.items():
-                if hook in hooks:
-                    rows.setdefault((names[step.request_id], hook), []).append((positions, values))
+    with every_row(session):
+        for event in session.generate([spec.clean, spec.corrupted], _sampling(metric_ids, capture=True)):
+            stopped |= _collect(event, names, starts, scores)
+            for step in event.requests:
+                for hook, (positions, _, values) in step.rows.items():
+                    if hook in hooks:
+                        rows.setdefault((names[step.request_id], hook), []).append((positions, values))
     n = len(starts["clean"].prompt_token_ids)
     if len(starts["corrupted"].prompt_token_ids) != n:
         raise ValueError("the clean and corrupted prompts must be as many tokens long")

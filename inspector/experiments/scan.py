@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from inspector.capture.protocol import Sampling, SessionProtocol
+from inspector.capture.windows import every_row
 
 BEFORE, AFTER = 8, 3  # tokens kept around each top activation
 BINS = 48  # histogram bins between the edges, plus one below and one above
@@ -201,7 +202,8 @@ def scan(session: SessionProtocol, documents: list[str], spec: ScanSpec, state: 
     following = state.documents_done  # the first document of the next batch
     taken_in: Future | None = None  # the batch before, once all of it is taken in
     # one thread: documents are taken in in order
-    with ThreadPoolExecutor(1, thread_name_prefix="scan-take-in", initializer=_yield_to_the_engine) as taker:
+    with every_row(session), ThreadPoolExecutor(1, thread_name_prefix="scan-take-in",
+                                                initializer=_yield_to_the_engine) as taker:
         while following < len(documents) and not cancelled():
             first, batch, truncated, tokens = following, [], [], 0
             while following < len(documents) and (not batch or tokens < budget):

@@ -406,6 +406,8 @@ def _build_run(f: h5py.File, path: Path, owner: RunFile) -> Run:
             if missing:
                 raise damaged(f"{hg.name} has no {sorted(missing)} dataset(s)")
             hook_rows.append((order[name], name, LazyHookRows(hg, hooks[name].width, owner)))
+            if get_text(hg, "window"):
+                req.windows[name] = get_text(hg, "window")
         hook_rows.sort(key=lambda x: x[0])
         req.hooks = {name: rows for _, name, rows in hook_rows}
         req.lens = read_lens(g)

@@ -94,6 +94,7 @@ class _Snapshot:
                                          f"the intervention log of request {req.request_id!r}")
         self.finish_reason = None if req.finish_reason is None else str(req.finish_reason)
         self.twin_role, self.twin_of = req.twin_role, req.twin_of
+        self.windows = {str(hook): str(window) for hook, window in req.windows.items()}
 
 
 class _Request:
@@ -584,6 +585,9 @@ class CaptureWriter:
             set_text(g, "finish_reason", s.finish_reason)
         elif "finish_reason" in g.attrs:
             del g.attrs["finish_reason"]
+        for name, buf in req.buffers.items():
+            if buf.d_values is not None and name in s.windows:
+                set_text(buf.d_values.parent, "window", s.windows[name])
         if "lens" in g:
             del g["lens"]
         if req.lens:

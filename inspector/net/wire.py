@@ -250,7 +250,8 @@ def _step_to_body(step: RequestStep) -> dict:
             "finished": step.finished, "finish_reason": step.finish_reason,
             "rows": {hook: len(rows[0]) for hook, rows in step.rows.items()},
             "scores": None if step.scores is None else list(step.scores),
-            "features": {name: list(features) for name, features in step.features.items()}}
+            "features": {name: list(features) for name, features in step.features.items()},
+            "windows": step.windows}
 
 
 def event_from_body(body: dict) -> StepEvent:
@@ -283,7 +284,8 @@ def _request_step(d: dict, rows: dict) -> RequestStep:
     return RequestStep(str(d["request_id"]), tuple(d["new_token_ids"]), tuple(d["new_texts"]), tuple(d["logprobs"]),
                        top, rows, log, bool(d["finished"]), d["finish_reason"],
                        None if scores is None else (scores[0], scores[1]),
-                       {str(name): (f[0], f[1], f[2]) for name, f in features.items()})
+                       {str(name): (f[0], f[1], f[2]) for name, f in features.items()},
+                       None if d.get("windows") is None else {str(k): str(v) for k, v in d["windows"].items()})
 
 
 def hooks_from_body(points: list) -> list[HookPoint]:

@@ -21,6 +21,7 @@ from torch import nn
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention, check_clamp_capacity, validate
 from inspector.capture.sae import AttachedSae
+from inspector.capture.windows import ALL, CaptureWindow
 
 from . import hookpoints as hp
 from .clamps import ClampTable
@@ -106,6 +107,8 @@ class InspectorRuntime:
         self._copy_out = CopyOut(device)
         self._no_capture: set[str] = set()  # requests whose rows nobody reads (per-request options)
         self._score_ids: dict[str, np.ndarray] = {}  # request -> tokens whose logprobs it wants
+        self._windows: dict[str, tuple[int, dict[str, CaptureWindow]]] = {}  # request -> (prompt length, windows)
+        self._ran_to: dict[str, int] = {}  # windowed request -> the position after its last forward's rows
         self._scores: dict[str, list[tuple[int, np.ndarray]]] = {}  # undrained: request -> (position, logprobs)
         self._logits_step: StepInfo | None = None  # the forward whose logits come next
         self.saes: dict[str, DeviceSae] = {}  # attached SAEs whose hook's rows this rank sends
@@ -299,19 +302,80 @@ class InspectorRuntime:
         rows_wanted = not (self._no_capture and self._no_capture.issuperset(step.req_ids))
         if not rows_wanted and not self.saes:
             return  # nothing of it is wanted
+        windowed = rows_wanted and bool(self._windows) and not self._windows.keys().isdisjoint(step.req_ids)
         n = step.num_tokens
-        tensors = [stack.tensor[:, :n] for stack in self._stacks] if rows_wanted else []
-        names = [list(stack.names) for stack in self._stacks] if rows_wanted else []
+        tensors = [stack.tensor[:, :n] for stack in self._stacks] if rows_wanted and not windowed else []
+        names = [list(stack.names) for stack in self._stacks] if rows_wanted and not windowed else []
         for name, sae in self.saes.items():  # encoded now, on the device: only the strongest features leave it
             tensors.append(sae.strongest(self.active[sae.attached.hook].buffer[:n]))
             names.append(list(feature_keys(name)))
+        if windowed:
+            self._queue_windowed(step, input_ids)
+        if not tensors:
+            return
         if input_ids is not None:
             tensors.append(input_ids[:n])
+        self._queue(QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, []), tensors)
+
+    def _queue(self, forward: QueuedForward, tensors: list[torch.Tensor]) -> None:
         # Staging on the device takes n / max_tokens of the buffers' memory while the copy runs: do it
         # for decode-sized steps only, so that it stays within a few percent.
-        transfer = self._copy_out.queue(tensors, stage=n * 64 <= self.max_tokens)
-        self._pending.append((QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, transfer.host),
-                              transfer))
+        transfer = self._copy_out.queue(tensors, stage=len(forward.positions) * 64 <= self.max_tokens)
+        self._pending.append((forward._replace(host=transfer.host), transfer))
+
+    def _queue_windowed(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
+        """Rows of a step where some request has a capture window: the rows each hook keeps are chosen
+        here (on the host), hooks keeping the same rows are grouped, and each group's rows are gathered
+        on the device and sent as a forward of their own, so rows outside the windows never leave it."""
+        bounds = step.query_start_loc
+        spans = [(rid, slice(a, b)) for rid, a, b in zip(step.req_ids, bounds[:-1], bounds[1:]) if b > a]
+        for rid, rows in spans:
+            if rid in self._windows:
+                self._ran_to[rid] = int(step.positions[rows.stop - 1]) + 1
+        prompt_len = {rid: self._windows[rid][0] for rid, _ in spans if rid in self._windows}
+        masks: dict[tuple, np.ndarray] = {}  # each request's window (None: no rows) -> the rows kept
+        groups: dict[bytes, tuple[np.ndarray, dict[int, list[int]]]] = {}  # rows kept -> (them, stack -> hooks)
+        for s, stack in enumerate(self._stacks):
+            for h, name in enumerate(stack.names):
+                if name is None:
+                    continue
+                windows = tuple(None if rid in self._no_capture else self._windows[rid][1].get(name, ALL)
+                                if rid in prompt_len else ALL for rid, _ in spans)
+                keep = masks.get(windows)
+                if keep is None:
+                    keep = masks[windows] = np.zeros(step.num_tokens, dtype=bool)
+                    for window, (rid, rows) in zip(windows, spans):
+                        if window is not None:
+                            keep[rows] = window.keeps(step.positions[rows], prompt_len.get(rid, 0))
+                groups.setdefault(keep.tobytes(), (keep, {}))[1].setdefault(s, []).append(h)
+        n = step.num_tokens
+        with torch.inference_mode():
+            for keep, members in groups.values():
+                kept = np.flatnonzero(keep)
+                if not len(kept):
+                    continue
+                rows = None if len(kept) == n else self._to_device(kept)  # None: all of them
+                tensors, names = [], []
+                for s, hooks in members.items():
+                    stack = self._stacks[s]
+                    if len(hooks) == sum(name is not None for name in stack.names):  # all of its hooks
+                        tensors.append(stack.tensor[:, :n] if rows is None else stack.tensor.index_select(1, rows))
+                        names.append(list(stack.names))
+                        continue
+                    some = self._to_device(np.array(hooks))
+                    tensors.append(stack.tensor[:, :n].index_select(0, some) if rows is None
+                                   else stack.tensor[some[:, None], rows[None, :]])  # one gather
+                    names.append([stack.names[h] for h in hooks])
+                if input_ids is not None:
+                    tensors.append(input_ids[:n] if rows is None else input_ids.index_select(0, rows))
+                starts = np.concatenate([[0], np.cumsum(keep)])[bounds]  # each request's kept rows
+                self._queue(QueuedForward(step.req_ids, starts, step.positions[kept], names, []), tensors)
+
+    def _to_device(self, index: np.ndarray) -> torch.Tensor:
+        """An index for the device, sent without waiting for the forward queued before it (a copy from
+        pageable memory would wait for the stream)."""
+        index = torch.from_numpy(index.astype(np.int64, copy=False))
+        return index.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else index
 
     def on_logits(self, logits: torch.Tensor | None) -> None:
         """The model's logits of a forward, one row per request (its last row): keep the logprobs of
@@ -338,17 +402,31 @@ class InspectorRuntime:
     # --- driver-facing operations (through the worker extension) ---
 
     def set_request_options(self, options: dict[str, dict], forget: list[str]) -> None:
-        """Per request: ``capture`` (False: no rows are kept) and ``score_token_ids`` (their logprobs at
-        every forward's last row of the request). ``forget``: requests that are over."""
+        """Per request, each option only where given: ``capture`` (False: no rows are kept),
+        ``score_token_ids`` (their logprobs at every forward's last row of the request), and ``windows``
+        (installed hook name -> capture window text; hooks not named keep every row) with
+        ``prompt_tokens``, the prompt's length they count from. ``forget``: requests that are over."""
         for rid in forget:
             self._no_capture.discard(rid)
             self._score_ids.pop(rid, None)
+            self._windows.pop(rid, None)
+            self._ran_to.pop(rid, None)
         for rid, option in options.items():
-            if not option.get("capture", True):
-                self._no_capture.add(rid)
-            ids = np.asarray(option.get("score_token_ids", ()), dtype=np.int64).reshape(-1)
-            if len(ids):
-                self._score_ids[rid] = ids
+            if "capture" in option:
+                (self._no_capture.discard if option["capture"] else self._no_capture.add)(rid)
+            if "score_token_ids" in option:
+                ids = np.asarray(option["score_token_ids"], dtype=np.int64).reshape(-1)
+                if len(ids):
+                    self._score_ids[rid] = ids
+                else:
+                    self._score_ids.pop(rid, None)
+            if "windows" in option:  # a hook removed since (eager mode) is never looked up
+                windows = {name: w for name, w in ((name, CaptureWindow.parse(text))
+                                                   for name, text in option["windows"].items()) if not w.is_all}
+                if windows:
+                    self._windows[rid] = (int(option["prompt_tokens"]), windows)
+                else:
+                    self._windows.pop(rid, None)
 
     def set_interventions(self, interventions: list[Intervention]) -> None:
         widths = {name: hook.point.width for name, hook in self.active.items()}
@@ -400,6 +478,8 @@ class InspectorRuntime:
             for i, rid in enumerate(forward.req_ids):
                 if rid in wanted and bounds[i + 1] > bounds[i]:
                     nxt[rid] = max(nxt.get(rid, 0), int(forward.positions[bounds[i + 1] - 1]) + 1)
+        for rid in wanted & self._ran_to.keys():  # a window may have kept none of a forward's rows
+            nxt[rid] = max(nxt.get(rid, 0), self._ran_to[rid])
         return nxt
 
     def describe(self) -> dict:

@@ -21,6 +21,7 @@ from inspector.capture.hooks import HookPoint, installed_name
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import RequestStep, Sampling, SessionError, StepEvent, checked_interventions
 from inspector.capture.sae import read_sae
+from inspector.capture.windows import CaptureWindow, checked_windows
 from inspector.net.wire import Message, WireError, convert, event_to_body, to_builtins
 
 SEPARATOR = "/"
@@ -47,6 +48,7 @@ class Client:
     calls: dict[int, Call] = field(default_factory=dict)
     owner: dict[str, int] = field(default_factory=dict)  # its open request -> the call it belongs to
     saes: set[str] = field(default_factory=set)  # the engine's SAEs whose features it gets (it attached them)
+    windows: dict[str, CaptureWindow] = field(default_factory=dict)  # its capture windows, by installed hook
 
     def internal(self, rid: str) -> str:
         return f"{self.tag}{SEPARATOR}{rid}"
@@ -70,7 +72,7 @@ class Hub:
         handlers = {"hello": self._hello, "generate": self._generate, "stop": self._stop, "bye": self._bye,
                     "set_interventions": self._set_interventions, "set_hooks": self._set_hooks, "lens": self._lens,
                     "attribution": self._attribution, "attach_sae": self._attach_sae, "detach_sae": self._detach_sae,
-                    "token_texts": self._token_texts, "tokenize": self._tokenize}
+                    "token_texts": self._token_texts, "tokenize": self._tokenize, "set_windows": self._set_windows}
         if message.type not in handlers:
             self.send(key, error(message, "unknown-type", f"unknown message type {message.type!r}"))
             return
@@ -128,7 +130,8 @@ class Hub:
         client = self.clients.get(key)
         if client is None:
             eager = self.session.options.mode == "eager"
-            client = Client(key, f"c{next(self._tags)}", set(self.session.installed) if eager else None)
+            client = Client(key, f"c{next(self._tags)}", set(self.session.installed) if eager else None,
+                            windows=dict(self.session.windows))  # the server's default (--window)
             self.clients[key] = client
         self.send(key, Message("welcome", self.describe(client), message.id))
 
@@ -137,7 +140,7 @@ class Hub:
         options = dataclasses.replace(s.options, engine_args={}, retain_rows=True)
         return {"options": to_builtins(options), "catalogue": to_builtins(s.catalogue),
                 "installed": to_builtins(self.installed_for(client)), "metadata": s.run.metadata,
-                "clients": len(self.clients),
+                "clients": len(self.clients), "windows": {name: str(w) for name, w in client.windows.items()},
                 "saes": [s.saes[name].as_dict() for name in sorted(client.saes) if name in s.saes]}
 
     def installed_for(self, client: Client) -> dict[str, HookPoint]:
@@ -162,7 +165,7 @@ class Hub:
         client.owner.update({rid: message.id for rid in ids})
         self._push_interventions()  # scoped to the new requests too, before their first forward
         try:
-            self.session.submit(prompts, sampling, [client.internal(rid) for rid in ids])
+            self.session.submit(prompts, sampling, [client.internal(rid) for rid in ids], client.windows)
         except ValueError:
             del client.calls[call.id]
             for rid in ids:
@@ -193,6 +196,15 @@ class Hub:
         self._push_interventions()
         self.send(client.key, Message("ok", {}, message.id))
 
+    def _set_windows(self, client: Client, message: Message) -> None:
+        """The client's capture windows, for its open requests (from the next forward) and later ones."""
+        given = message.body.get("windows")
+        if not (isinstance(given, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in given.items())):
+            raise WireError("invalid", "set_windows needs 'windows', a map of hook name or alias to window text")
+        client.windows = checked_windows(given, self.installed_for(client))  # ValueError: an error reply
+        self.session.set_windows(client.windows, [client.internal(rid) for rid in client.owner])
+        self.send(client.key, Message("ok", {}, message.id))
+
     def _installed_name(self, client: Client, name_or_alias: str) -> str:
         return installed_name(name_or_alias, self.installed_for(client))
 
@@ -218,6 +230,7 @@ class Hub:
             client.hooks = {h.name for h in s.catalogue if any(h.matches(p) for p in patterns)}
             self._push_hooks()
         client.interventions = [iv for iv in client.interventions if iv.hook in self.installed_for(client)]
+        client.windows = {name: w for name, w in client.windows.items() if name in self.installed_for(client)}
         self._push_interventions()
         self.send(client.key, Message("ok", {"restarted": restarted, **self.describe(client)}, message.id))
 

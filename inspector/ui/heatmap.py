@@ -128,7 +128,8 @@ class HeatmapWidget(QWidget):
                                      dtype=np.uint8)
         self.track.addItem(self.track_img)
 
-        self.plot = self.glw.addPlot(row=1, col=0)
+        self.position_axis = PositionAxis("bottom")
+        self.plot = self.glw.addPlot(row=1, col=0, axisItems={"bottom": self.position_axis})
         self.plot.setLabel("bottom", "token position")
         self.plot.setLabel("left", "feature")
         self.plot.getAxis("left").setWidth(58)
@@ -198,6 +199,10 @@ class HeatmapWidget(QWidget):
             self.plot.setLabel("left", f"feature · {hook_label}" if hook_label else "feature")
         self._hook_label = hook_label
         self._p0 = int(positions[0]) if len(positions) else 0
+        # a capture window keeps rows at some positions only: then the rows stand side by side, each
+        # labelled with its position
+        sparse = len(positions) > 1 and int(positions[-1]) - self._p0 != len(positions) - 1
+        self.position_axis.show_rows(positions if sparse else None, self._p0, new_source)
         if new_source:
             self._source_id = source_id
             self._pool.invalidate()
@@ -300,7 +305,11 @@ class HeatmapWidget(QWidget):
                 self.track_img.clear()
             self.track_marks = np.zeros(0, dtype=np.uint8)
             return
-        m = marks[self._p0:self._p0 + n].astype(np.uint8)
+        if self.position_axis.positions is None:
+            m = marks[self._p0:self._p0 + n].astype(np.uint8)
+        else:  # each shown row's position
+            at = self._positions[:n]
+            m = np.where(at < len(marks), marks[np.minimum(at, len(marks) - 1)], 0).astype(np.uint8)
         self.track_marks = m
         rgba = self._mark_colors[np.minimum(m, 2)].reshape(len(m), 1, 4)
         self.track_img.setImage(rgba, autoLevels=False, levels=(0, 255))
@@ -446,10 +455,11 @@ class HeatmapWidget(QWidget):
         self._selected_row_changed()
 
     def _selected_row_changed(self) -> None:
-        if self._selected is None:
+        x = None if self._selected is None else self.position_axis.x_of(self._selected)
+        if x is None:
             self.selection.hide()
             return
-        self.selection.setRegion((self._selected, self._selected + 1))
+        self.selection.setRegion((x, x + 1))
         self.selection.show()
 
     # ------------------------------------------------------------------ hover and click
@@ -495,6 +505,35 @@ class HeatmapWidget(QWidget):
             position = int(self._positions[row]) if row < len(self._positions) else row + self._p0
             self.select_position(position)
             self.positionClicked.emit(position)
+
+
+class PositionAxis(pg.AxisItem):
+    """The token axis: x is the position, except where rows are sparse (a capture window), where row k
+    stands at x = p0 + k and is labelled with its position."""
+
+    positions: np.ndarray | None = None  # None: x is the position
+    p0 = 0
+
+    def show_rows(self, positions: np.ndarray | None, p0: int, new_source: bool) -> None:
+        """Rows that grow keep their labels (new ones come with a new range, which redraws the axis)."""
+        stale = (positions is None) != (self.positions is None) or (positions is not None and (new_source or p0 != self.p0))
+        self.positions, self.p0 = positions, p0
+        if stale:
+            self.picture = None
+            self.update()
+
+    def x_of(self, position: int) -> int | None:
+        """Where a position's row stands (None: no row there)."""
+        if self.positions is None:
+            return position
+        i = int(np.searchsorted(self.positions, position))
+        return self.p0 + i if i < len(self.positions) and self.positions[i] == position else None
+
+    def tickStrings(self, values, scale, spacing):
+        if self.positions is None:
+            return super().tickStrings(values, scale, spacing)
+        rows = [int(round(v)) - self.p0 for v in values]
+        return [str(int(self.positions[r])) if 0 <= r < len(self.positions) else "" for r in rows]
 
 
 def quiet_axes(view: pg.GraphicsView) -> None:

@@ -247,6 +247,7 @@ class MainWindow(QMainWindow):
         self.lower_tabs.currentChanged.connect(self._invalidate_views)
         self.heatmap.colormapChanged.connect(self._colormap_changed)
         self.tree.applyRequested.connect(self.controller.apply_hooks)
+        self.tree.windowsChanged.connect(self.controller.set_windows)
         self.tree.modeChangeRequested.connect(self.change_mode)
         self.tree.hookActivated.connect(self._tree_hook_activated)
         self.interventions.interventionsChanged.connect(self._interventions_edited)
@@ -470,7 +471,10 @@ class MainWindow(QMainWindow):
         texts = view.token_texts(view.selection.request)
         if 0 <= position < len(texts):
             row = view.row_of_position(view.selection.request, view.selection.hook, position)
-            where = f"row {row}" if row is not None else "no row (last token is never fed back)"
+            req = view.request(view.selection.request)
+            window = req.windows.get(view.selection.hook) if req is not None else None
+            where = (f"row {row}" if row is not None else f"no row (outside this hook's capture window {window})"
+                     if window else "no row (last token is never fed back)")
             self.status(f"Token {position}: {display_token(texts[position])!r} · {where}", 6000)
 
     def _request_chosen(self, index: int) -> None:

@@ -2,7 +2,8 @@
 
 Hook points (``HookPoint``) are grouped by the components of their module path; a module node checks
 or unchecks everything below it (tri-state). Each leaf shows its kind, width and TransformerLens-style
-alias. Presets and glob patterns add to (or, for "None", clear) the checked set. The checked set is
+alias, and its capture window (which rows to keep: all, generated, last:N, every:K), edited in place
+with a combo box and sent to the engine at once. Presets and glob patterns add to (or, for "None", clear) the checked set. The checked set is
 what the user *wants*; ``installed`` is what the engine captures now. In eager mode changes apply on
 their own after a short pause; in compiled mode the Apply button asks first (the engine restarts).
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 from PySide6.QtCore import QSignalBlocker, QSortFilterProxyModel, Qt, QTimer, Signal
 from PySide6.QtGui import QBrush, QColor, QFont, QStandardItem, QStandardItemModel
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QMenu, QPushButton,
-                               QToolButton, QTreeView, QVBoxLayout, QWidget)
+                               QStyledItemDelegate, QToolButton, QTreeView, QVBoxLayout, QWidget)
 
 from inspector.capture.hooks import HookPoint
+from inspector.capture.windows import ALL, CaptureWindow
 
 NAME_ROLE = Qt.ItemDataRole.UserRole + 1
 PRESETS = {
@@ -23,6 +25,12 @@ PRESETS = {
     "All MLP out": lambda h: h.kind == "mlp_out",
     "All residual (pre, mid, post)": lambda h: h.kind in ("resid_pre", "resid_mid", "resid_post"),
 }
+WINDOW_COLUMN = 3  # shown next to the check boxes (the header moves it there)
+WINDOW_CHOICES = ("all", "generated", "last:16", "every:4")
+WINDOW_TIP = ("Capture window: which rows of this hook each request keeps (the engine drops the others on its "
+              "device).\nall: every row\ngenerated: the rows that predict the generated tokens (the prompt's last "
+              "position and every generated one)\nlast:N: the prompt's last N positions and every one after\n"
+              "every:K: positions 0, K, 2K, …\nType another N or K to use it.")
 MODES = {"compiled": "compiled — fastest; hook set fixed (changes restart the engine)",
          "eager": "eager — slower; hook changes apply live"}
 
@@ -36,8 +44,24 @@ class HookFilterProxy(QSortFilterProxyModel):
         self.setAutoAcceptChildRows(True)
 
 
+class WindowDelegate(QStyledItemDelegate):
+    """A hook's capture window: an editable combo box of the usual ones (any last:N or every:K may be typed)."""
+
+    def createEditor(self, parent, option, index):
+        box = QComboBox(parent, editable=True, toolTip=WINDOW_TIP)
+        box.addItems(WINDOW_CHOICES)
+        return box
+
+    def setEditorData(self, editor, index):
+        editor.setCurrentText(index.data())
+
+    def setModelData(self, editor, model, index):
+        model.setData(index, editor.currentText().strip())
+
+
 class ModelTreeWidget(QWidget):
     checkedChanged = Signal()
+    windowsChanged = Signal(dict)  # hook name -> CaptureWindow, the hooks that keep some rows only
     applyRequested = Signal(list)  # hook names wanted
     modeChangeRequested = Signal(str)
     hookActivated = Signal(str)  # a hook point was selected (show it in the heatmap)
@@ -47,6 +71,7 @@ class ModelTreeWidget(QWidget):
         self._infos: dict[str, HookPoint] = {}
         self._leaves: dict[str, QStandardItem] = {}
         self._installed: set[str] = set()
+        self._windows: dict[str, CaptureWindow] = {}  # the hooks that keep some rows only
         self._mode = "compiled"
         self._busy = False
 
@@ -72,8 +97,9 @@ class ModelTreeWidget(QWidget):
         self.glob_check = QToolButton(text="Check", toolTip="Check every hook point whose name or alias matches")
         self.glob_uncheck = QToolButton(text="Uncheck", toolTip="Uncheck every matching hook point")
 
-        self.model = QStandardItemModel(0, 3, self)
-        self.model.setHorizontalHeaderLabels(["Module / hook point", "Width", "Alias"])
+        self.model = QStandardItemModel(0, 4, self)
+        self.model.setHorizontalHeaderLabels(["Module / hook point", "Width", "Alias", "Window"])
+        self.model.horizontalHeaderItem(WINDOW_COLUMN).setToolTip(WINDOW_TIP)
         self.proxy = HookFilterProxy(self)
         self.proxy.setSourceModel(self.model)
         self.tree = QTreeView()
@@ -84,6 +110,11 @@ class ModelTreeWidget(QWidget):
         header.setStretchLastSection(True)
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Interactive)
         header.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(WINDOW_COLUMN, QHeaderView.ResizeMode.ResizeToContents)
+        header.moveSection(WINDOW_COLUMN, 1)
+        self.tree.setItemDelegateForColumn(WINDOW_COLUMN, WindowDelegate(self.tree))
+        self.tree.setEditTriggers(QTreeView.EditTrigger.DoubleClicked | QTreeView.EditTrigger.SelectedClicked
+                                  | QTreeView.EditTrigger.EditKeyPressed)
 
         self.summary = QLabel("No model loaded")
         self.summary.setWordWrap(True)
@@ -141,7 +172,7 @@ class ModelTreeWidget(QWidget):
                                       Qt.ItemFlag.ItemIsUserCheckable)
                         node.setCheckState(Qt.CheckState.Unchecked)
                         node.setToolTip(path)
-                        cells = [node, QStandardItem(""), QStandardItem("")]
+                        cells = [node, QStandardItem(""), QStandardItem(""), QStandardItem("")]
                         for c in cells[1:]:
                             c.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable)
                         parent.appendRow(cells)
@@ -163,10 +194,14 @@ class ModelTreeWidget(QWidget):
                 width.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 alias = QStandardItem(info.alias)
                 alias.setForeground(QBrush(QColor(70, 70, 160)))
-                for c in (width, alias):
+                window = QStandardItem(str(self._windows.get(info.name, ALL)))
+                for c in (width, alias, window):
                     c.setData(info.name, NAME_ROLE)
                     c.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable)
-                parent.appendRow([leaf, width, alias])
+                if not info.withdrawn:
+                    window.setFlags(window.flags() | Qt.ItemFlag.ItemIsEditable)
+                    window.setToolTip(WINDOW_TIP)
+                parent.appendRow([leaf, width, alias, window])
                 if not info.withdrawn:
                     self._leaves[info.name] = leaf
         self.model.layoutChanged.emit()
@@ -204,6 +239,33 @@ class ModelTreeWidget(QWidget):
     def set_hook_checked(self, name: str, on: bool) -> None:
         """A click on one leaf's check box (tests use it; the user clicks)."""
         self._leaves[name].setCheckState(Qt.CheckState.Checked if on else Qt.CheckState.Unchecked)
+
+    def windows(self) -> dict[str, CaptureWindow]:
+        return dict(self._windows)
+
+    def set_window(self, name: str, text: str) -> None:
+        """A hook's window, as if typed in its Window cell (tests use it; the user edits the cell)."""
+        self._window_item(name).setText(text)
+
+    def _window_item(self, name: str) -> QStandardItem:
+        leaf = self._leaves[name]
+        return (leaf.parent() or self.model.invisibleRootItem()).child(leaf.row(), WINDOW_COLUMN)
+
+    def _window_edited(self, item: QStandardItem) -> None:
+        name = item.data(NAME_ROLE)
+        try:
+            window = CaptureWindow.parse(item.text())
+        except ValueError as exc:
+            self.summary.setText(str(exc))
+            window = self._windows.get(name, ALL)  # the cell shows the window in force again
+        else:
+            self._windows.pop(name, None)
+            if not window.is_all:
+                self._windows[name] = window
+            self.windowsChanged.emit(self.windows())
+        with QSignalBlocker(self.model):
+            item.setText(str(window))
+        self.tree.viewport().update()
 
     def apply_preset(self, name: str) -> None:
         if name == "None":
@@ -265,6 +327,10 @@ class ModelTreeWidget(QWidget):
             self.tree.expandAll()
 
     def _item_changed(self, item: QStandardItem) -> None:
+        if item.column() == WINDOW_COLUMN:
+            if item.data(NAME_ROLE) is not None:
+                self._window_edited(item)
+            return
         if item.data(NAME_ROLE) is None and item.column() == 0 and item.hasChildren():
             state = item.checkState()
             if state != Qt.CheckState.PartiallyChecked:  # a module node was clicked: apply to its subtree

@@ -16,6 +16,7 @@ import numpy as np
 
 from inspector.capture.attention import attention_weights
 from inspector.capture.hooks import ATTENTION_KINDS, HookPoint
+from inspector.capture.windows import CaptureWindow
 
 from .labels import display_token
 from .run_view import RunSource, RunView
@@ -129,6 +130,9 @@ class AttentionPatterns:
         if geometry is None:
             return AttentionShown(f"Layer {layer}: the capture says nothing of its attention's geometry (heads, "
                                   "scale, window), so no pattern is recomputed")
+        windowed = _windowed(req, layer, captured)
+        if windowed:
+            return AttentionShown(windowed, layer=layer)
         head = min(max(head, 0), geometry.heads - 1)
         (q_positions, q), (k_positions, k) = view.rows(rid, captured[QUERY].name), view.rows(rid, captured[KEY].name)
         try:
@@ -165,6 +169,18 @@ class AttentionPatterns:
                                         geometry)[:, 0, :]
             self._query_weights = (key, weights)
         return query, self._query_weights[1], ""
+
+
+def _windowed(req, layer: int, captured: dict[str, HookPoint]) -> str:
+    """Why a capture window leaves no pattern to draw ("" if none does): a query attends to every key
+    before it, so the keys must have every row; the pattern's rows must be consecutive queries."""
+    for kind, point in captured.items():
+        window = CaptureWindow.parse(req.windows.get(point.name, "all"))
+        if (kind == KEY and not window.is_all) or (kind == QUERY and window.kind == "every" and window.n > 1):
+            return (f"Layer {layer}: its {WHAT[kind]} were captured through the capture window {window}, which "
+                    f"leaves out {WHAT[kind]} the pattern needs; capture {point.alias} with the window 'all'"
+                    + (" (queries may use generated or last:N)" if kind == QUERY else ""))
+    return ""
 
 
 def _not_captured(view: RunView, rid: str, layer: int | None, captured: dict[str, HookPoint],

@@ -24,6 +24,7 @@ from inspector.capture.models import DEMO, model_path_problem
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionFactory,
                                         SessionOptions, SessionProtocol, StepEvent)
 from inspector.capture.sae import AttachedSae
+from inspector.capture.windows import CaptureWindow
 from inspector.experiments.compare import Twins, mark_twins, scoped_to_intervened, upcoming_twins
 from inspector.experiments.patching import SweepResult
 
@@ -177,6 +178,7 @@ class Controller:
         self.earlier: list[RunView] = []  # live runs of models opened before this one
         self.run_file = None  # the open capture file behind a shown FILE run (inspector.io.RunFile)
         self.interventions: list[Intervention] = []
+        self.windows: dict[str, CaptureWindow] = {}  # the user's capture windows, by hook (installed or not)
         self.compared: list[Twins] | None = None  # the twins of the comparison generating now
         self._compared_with: list[Intervention] = []  # the interventions its job was given
         self.boot_started, self.boot_stage = 0.0, ""
@@ -295,6 +297,7 @@ class Controller:
         self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}",
                          8000)
         self._reapply_interventions("opening the model")
+        self._send_windows()
 
     def _boot_failed(self, exc: BaseException) -> None:
         self.session = self.info = None
@@ -467,6 +470,7 @@ class Controller:
         self.view.status(f"{len(self.info.installed)} hook points captured ({how}).", 8000)
         if restarted:
             self._reapply_interventions("changing hook points")
+        self._send_windows()
 
     def _hooks_failed(self, exc: BaseException) -> None:
         alive = self.session is not None and self.session.alive
@@ -498,6 +502,21 @@ class Controller:
             where = f"to the intervened twins {where}" if self.compared else where
             where = "after the patched run" if self.patched_cell else where
             self.view.status(f"{len(interventions)} intervention(s) set; they apply {where}.", 6000)
+
+    def set_windows(self, windows: dict[str, CaptureWindow]) -> None:
+        """Capture windows by hook name; the installed hooks' go to the engine at once (from the next
+        forward of a generation running now), the others once their hooks are captured."""
+        self.windows = {name: w for name, w in windows.items() if not w.is_all}
+        if self.state in (AppState.READY, AppState.GENERATING) and self._send_windows():
+            where = "from the next token" if self.state is AppState.GENERATING else "on the next generation"
+            self.view.status(f"Capture windows set; they apply {where}.", 6000)
+
+    def _send_windows(self) -> bool:
+        """The user's windows of the installed hooks to the engine; whether there was a session to send them to."""
+        if self.session is None or not self.session.alive:
+            return False
+        self.session.set_windows({n: w for n, w in self.windows.items() if n in self.session.installed})
+        return True
 
     def _as_sent(self, interventions: list[Intervention]) -> list[Intervention]:
         """What the engine gets: while a comparison generates, the set for its intervened twins only."""

@@ -1,0 +1,121 @@
+"""Capture windows: which positions' rows of a hook a request keeps (numpy only).
+
+Users rarely look at every row; a window keeps only the rows they will read, and the engine drops the
+others on the device. ``CaptureWindow.keeps`` is the one definition of a window, used by the engine's
+worker and by the tests alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .hooks import HookPoint, installed_name
+
+KINDS = ("all", "generated", "last", "every")
+SYNTAX = "all, generated, last:N or every:K (N, K >= 1)"
+
+
+@dataclass(frozen=True)
+class CaptureWindow:
+    """``all``: every position. ``generated``: the rows that predict generated tokens, positions >=
+    prompt_len - 1. ``last`` (``last:N``): the prompt's last N positions and every one after, positions
+    >= prompt_len - N. ``every`` (``every:K``): positions p with p % K == 0."""
+
+    kind: str = "all"
+    n: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown capture window {self.kind!r}: use {SYNTAX}")
+        if self.kind in ("last", "every") and not (isinstance(self.n, int) and self.n >= 1):
+            raise ValueError(f"capture window {self.kind}:{self.n}: the number must be a whole number >= 1")
+        if self.kind in ("all", "generated") and self.n != 0:
+            raise ValueError(f"capture window {self.kind} takes no number")
+
+    @classmethod
+    def parse(cls, text: str) -> "CaptureWindow":
+        kind, colon, number = str(text).strip().partition(":")
+        if kind in ("last", "every"):
+            if not colon or not number.strip().isdigit():
+                raise ValueError(f"capture window {text!r}: {kind} needs a number, as in {kind}:4")
+            return cls(kind, int(number))
+        if colon:
+            raise ValueError(f"capture window {text!r}: {kind} takes no number")
+        return cls(kind)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.n}" if self.kind in ("last", "every") else self.kind
+
+    @property
+    def is_all(self) -> bool:
+        return self.kind == "all"
+
+    def keeps(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        """For each position (of a request whose prompt has ``prompt_len`` tokens), whether its row is kept."""
+        positions = np.asarray(positions)
+        if self.kind == "all":
+            return np.ones(positions.shape, dtype=bool)
+        if self.kind == "generated":
+            return positions >= prompt_len - 1
+        if self.kind == "last":
+            return positions >= prompt_len - self.n
+        return positions % self.n == 0
+
+
+ALL = CaptureWindow()
+
+
+def checked_windows(windows: dict[str, CaptureWindow | str], installed: dict[str, HookPoint]
+                    ) -> dict[str, CaptureWindow]:
+    """``windows`` by installed hook name (given by name or alias), "all" left out; ValueError for an
+    unknown hook or a bad window."""
+    checked = {}
+    for hook, window in windows.items():
+        name = installed_name(hook, installed)
+        window = window if isinstance(window, CaptureWindow) else CaptureWindow.parse(window)
+        if name in checked and checked[name] != window:
+            raise ValueError(f"hook {hook!r} is given two windows: {checked[name]} and {window}")
+        checked[name] = window
+    return {name: window for name, window in checked.items() if not window.is_all}
+
+
+def parse_window_option(text: str) -> tuple[str, str]:
+    """``[PATTERN=]WINDOW`` (the CLI's ``--window``) as (pattern, window text); ValueError if bad."""
+    pattern, equals, window = text.rpartition("=")
+    pattern = pattern.strip() if equals else "*"
+    if not pattern:
+        raise ValueError(f"--window {text!r}: the hook pattern before '=' is empty")
+    try:
+        return pattern, str(CaptureWindow.parse(window))
+    except ValueError as e:
+        raise ValueError(f"--window {text!r}: {e} ({SYNTAX})") from None
+
+
+def windows_from_patterns(pairs, installed: dict[str, HookPoint]) -> dict[str, CaptureWindow]:
+    """(glob pattern over hook names and aliases, window text) pairs as windows by installed hook; a
+    later pair overrides an earlier one. ValueError for a pattern that matches no installed hook."""
+    windows = {}
+    for pattern, text in pairs:
+        window = CaptureWindow.parse(text)
+        hits = [name for name, point in installed.items() if point.matches(pattern)]
+        if not hits:
+            raise ValueError(f"window pattern {pattern!r} matches no captured hook")
+        windows.update(dict.fromkeys(hits, window))
+    return {name: window for name, window in windows.items() if not window.is_all}
+
+
+@contextlib.contextmanager
+def every_row(session):
+    """The session's capture windows set aside while an experiment reads every row of its hooks (a
+    patching sweep's source run, a neuron scan): the user's windows are for what they look at."""
+    kept = dict(session.windows)
+    if kept:
+        session.set_windows({})
+    try:
+        yield
+    finally:
+        if kept and session.alive:
+            session.set_windows(kept)
