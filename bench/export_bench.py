@@ -1,9 +1,11 @@
 """Export throughput of capture files vs raw h5py, and time to open + read one hook (not a test).
 
     nice .venv/bin/python bench/export_bench.py [--requests 4 --hooks 16 --rows 4096 --width 1024 --reps 3]
+                                               [--dtype float32|bfloat16|float16]
 
 Writes a synthetic run (default 4 requests x 16 hooks x 4096 rows x 1024 wide float32 = 1 GiB) with
-  raw        h5py.create_dataset(data=...) per (request, hook), contiguous, no compression (the baseline)
+  raw        h5py.create_dataset(data=...) per (request, hook), contiguous, no compression (the baseline;
+             bfloat16 rows as their uint16 bits, the same bytes our files hold)
   write_run  our CaptureWriter, whole arrays (write_run)
   stream     our CaptureWriter, a 512-row prefill then one row per decode step per (request, hook)
 alternating the order per repetition (os.sync() before each, untimed), medians reported; our writers run with fsync=False like the raw
@@ -31,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES  # noqa: E402
 from inspector.capture.hooks import HookPoint  # noqa: E402
 from inspector.capture.run import RequestCapture, Run  # noqa: E402
 from inspector.io import CaptureWriter, open_run, write_run  # noqa: E402
@@ -48,9 +51,9 @@ class Rows:
         return len(self.values)
 
 
-def build(n_req: int, n_hooks: int, rows: int, width: int) -> tuple[Run, int]:
+def build(n_req: int, n_hooks: int, rows: int, width: int, dtype=np.float32) -> tuple[Run, int]:
     rng = np.random.default_rng(0)
-    pool = [rng.standard_normal((rows, width), dtype=np.float32) for _ in range(8)]
+    pool = [rng.standard_normal((rows, width), dtype=np.float32).astype(dtype) for _ in range(8)]
     hooks = {f"model.layers.{h}.resid_post": HookPoint(f"model.layers.{h}.resid_post", f"L{h}", f"model.layers.{h}",
                                                       "resid", width, h, "bfloat16") for h in range(n_hooks)}
     run = Run(metadata={"model_path": "synthetic", "engine_mode": "bench"}, hooks=hooks)
@@ -59,7 +62,7 @@ def build(n_req: int, n_hooks: int, rows: int, width: int) -> tuple[Run, int]:
                              generated_token_ids=list(range(rows - 15)), finish_reason="length")
         req.hooks = {name: Rows(pool[(r * n_hooks + h) % len(pool)]) for h, name in enumerate(hooks)}
         run.requests[req.request_id] = req
-    total = n_req * n_hooks * rows * width * 4
+    total = n_req * n_hooks * rows * width * np.dtype(dtype).itemsize
     return run, total
 
 
@@ -68,7 +71,8 @@ def raw_h5py(run: Run, path: Path) -> None:
         for r, req in enumerate(run.requests.values()):
             for name, rows in req.hooks.items():
                 g = f.create_group(f"requests/{r}/hooks/{name}")
-                g.create_dataset("values", data=rows.values)
+                g.create_dataset("values", data=rows.values.view(np.uint16) if rows.values.dtype == BFLOAT16
+                                 else rows.values)
                 g.create_dataset("positions", data=rows.positions)
                 g.create_dataset("token_ids", data=rows.token_ids)
 
@@ -108,13 +112,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dtype", choices=sorted(ROW_DTYPES), default="float32")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir; files are deleted)")
     args = ap.parse_args()
 
-    run, total = build(args.requests, args.hooks, args.rows, args.width)
+    run, total = build(args.requests, args.hooks, args.rows, args.width, ROW_DTYPES[args.dtype])
     mb = total / 1e6
     print(f"synthetic run: {args.requests} requests x {args.hooks} hooks x {args.rows} rows x {args.width} "
-          f"float32 = {mb:,.0f} MB of values (random normal)")
+          f"{args.dtype} = {mb:,.0f} MB of values (random normal)")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="export-bench-") as tmp:
         d = Path(tmp)
         times: dict[str, list[float]] = {"raw h5py": [], "write_run": [], "stream (1 row/step)": []}
@@ -166,7 +171,8 @@ def main() -> None:
         column = rows.values[:, 100]
         t_col = time.perf_counter() - t0
         expect = run.requests[rid].hooks[hook].values
-        assert np.array_equal(block, expect) and np.array_equal(column, expect[:, 100])
+        assert np.array_equal(block.view(np.uint8), expect.view(np.uint8))
+        assert np.array_equal(column.view(np.uint8), np.ascontiguousarray(expect[:, 100]).view(np.uint8))
         rf.close()
         print(f"\nopen_run({path.stat().st_size / 1e9:.2f} GB file): {t_open * 1e3:.1f} ms; "
               f"read one hook of one request [{args.rows}, {args.width}]: {t_hook * 1e3:.1f} ms; "
@@ -175,7 +181,7 @@ def main() -> None:
         path.unlink()
 
         print("\ncompression (1 request x 4 hooks = 64 MiB, write_run):")
-        small, small_total = build(1, 4, args.rows, args.width)
+        small, small_total = build(1, 4, args.rows, args.width, ROW_DTYPES[args.dtype])
         for comp in (None, "lzf", "gzip"):
             p = d / "c.h5"
             dt = timed(lambda: write_run(small, p, compression=comp, fsync=False))

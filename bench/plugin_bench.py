@@ -13,7 +13,9 @@ each send a slice of a hook).
 
     python3 bench/plugin_bench.py --preset llama3-8b --tensor-parallel-size 2 --configs vanilla compiled sharded
 
-"clamps" has room to clamp 4 SAE features at every hook; "vanilla-ieee" is vanilla
+"clamps" has room to clamp 4 SAE features at every hook; "generated" captures with the "generated"
+capture window (the last prompt position and every generated token; the prompt's other rows never
+leave the device); "vanilla-ieee" is vanilla
 vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
 "vanilla", Triton's TF32 default: the cost of that precision, with ``--dtype float32`` on a GPU).
 """
@@ -44,12 +46,14 @@ class Config(NamedTuple):
     waits: bool = False  # every drain waits for the copies in flight
     plugin: dict = {}  # more boot_llm arguments
     env: dict = {}  # set in the engine's process before it boots
+    window: str = "all"  # every request's capture window at every hook (inspector.capture.windows)
 
 
 CONFIGS = {"vanilla": Config("compiled"), "compiled": Config("compiled", RESIDUAL), "eager": Config("eager", RESIDUAL),
            "sharded": Config("compiled", (*RESIDUAL, "blocks.*.mlp.hook_post"), True),
            "clamps": Config("compiled", RESIDUAL, plugin={"feature_clamps": 4}),
-           "vanilla-ieee": Config("compiled", env={"TRITON_F32_DEFAULT": "ieee"})}
+           "vanilla-ieee": Config("compiled", env={"TRITON_F32_DEFAULT": "ieee"}),
+           "generated": Config("compiled", RESIDUAL, window="generated")}
 PRESETS = {
     # name: (model, dtype, max_num_batched_tokens, prompt tokens, runs as (batch, new tokens))
     "cpu": (dict(arch="llama", hidden=512, heads=8, kv_heads=8, layers=8, intermediate=1536, vocab=512),
@@ -143,6 +147,11 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             break
         _, batch, new_tokens = msg
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        if config.window != "all":  # as the session sends them: before the requests' first forward
+            installed = llm.collective_rpc("inspector_describe")[0]["installed"]
+            llm.collective_rpc("inspector_request_options", kwargs={"forget": [], "options": {
+                f"{run_no}-{i}": {"windows": dict.fromkeys(installed, config.window), "prompt_tokens": prompt_len}
+                for i in range(batch)}})
         for i in range(batch):
             ids = rng.integers(10, vocab - 10, prompt_len).tolist()
             engine.add_request(f"{run_no}-{i}", {"prompt_token_ids": ids}, params)

@@ -302,7 +302,8 @@ class InspectorRuntime:
         rows_wanted = not (self._no_capture and self._no_capture.issuperset(step.req_ids))
         if not rows_wanted and not self.saes:
             return  # nothing of it is wanted
-        windowed = rows_wanted and bool(self._windows) and not self._windows.keys().isdisjoint(step.req_ids)
+        windowed = (rows_wanted and bool(self._windows) and not self._windows.keys().isdisjoint(step.req_ids)
+                    and not self._windows_keep_all(step))
         n = step.num_tokens
         tensors = [stack.tensor[:, :n] for stack in self._stacks] if rows_wanted and not windowed else []
         names = [list(stack.names) for stack in self._stacks] if rows_wanted and not windowed else []
@@ -322,6 +323,17 @@ class InspectorRuntime:
         # for decode-sized steps only, so that it stays within a few percent.
         transfer = self._copy_out.queue(tensors, stage=len(forward.positions) * 64 <= self.max_tokens)
         self._pending.append((forward._replace(host=transfer.host), transfer))
+
+    def _windows_keep_all(self, step: StepInfo) -> bool:
+        """Whether every window keeps all of this step's rows (a decode step under "generated", say): then
+        the step is sent as it is, without choosing rows hook by hook."""
+        bounds = step.query_start_loc
+        for rid, a, b in zip(step.req_ids, bounds[:-1], bounds[1:]):
+            if rid in self._windows and b > a:
+                prompt_len, windows = self._windows[rid]
+                if not all(w.keeps(step.positions[a:b], prompt_len).all() for w in set(windows.values())):
+                    return False
+        return True
 
     def _queue_windowed(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
         """Rows of a step where some request has a capture window: the rows each hook keeps are chosen
@@ -463,6 +475,8 @@ class InspectorRuntime:
         rows = rows_by_request([forward for forward, _ in taken])
         for rid in self._no_capture & rows.keys():  # features are not rows: they stay
             rows[rid] = {key: r for key, r in rows[rid].items() if key.startswith(FEATURES)}
+            if not rows[rid]:
+                del rows[rid]
         scores, self._scores = self._scores, {}
         for rid, found in scores.items():
             rows.setdefault(rid, {})[SCORES] = {"positions": np.array([p for p, _ in found], dtype=np.int64),

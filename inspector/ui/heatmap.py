@@ -9,6 +9,8 @@ another hook). Hovering reads out the raw (unpooled) value under the cursor.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import numpy as np
@@ -21,6 +23,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QGraphicsIt
 from inspector.viewer.labels import display_token
 from .color_image import ColorImageItem
 from .image_pool import PooledImage, choose_key, follow_extent, robust_levels
+from .tasks import TaskRunner
 
 COLORMAPS = ("cividis", "viridis", "CET-CBD1", "CET-CBL2", "inferno", "plasma", "magma", "turbo")
 COLORMAP_HINTS = {"cividis": "colour-blind safe", "viridis": "colour-blind safe",
@@ -51,6 +54,9 @@ class HeatmapWidget(QWidget):
         self._source_id = None
         self._p0 = 0
         self._pool = PooledImage()
+        self._pooler: TaskRunner | None = None  # pools rows read from disk, off the GUI thread
+        self._pooling = False  # a pooling job is out
+        self._wanted: tuple | None = None  # what to pool when it is back: (values, key, source)
         self._frame = None
         self._levels = (0.0, 1.0)
         self._follow = True
@@ -205,7 +211,7 @@ class HeatmapWidget(QWidget):
         self.position_axis.show_rows(positions if sparse else None, self._p0, new_source)
         if new_source:
             self._source_id = source_id
-            self._pool.invalidate()
+            self._pool = PooledImage()  # not invalidated in place: a pooling job may still hold it
             self._levels_stale = True
             self._selected_row_changed()
         if width != old_width or new_source:
@@ -269,11 +275,40 @@ class HeatmapWidget(QWidget):
         (x0, x1), (y0, y1) = self.vb.viewRange()
         pw, ph = self._pixel_size()
         key = choose_key(n, width, (x0 - self._p0, x1 - self._p0), (y0, y1), pw, ph)
-        frame = self._pool.update(self._values, key, self._source_id)
+        if isinstance(self._values, np.ndarray):
+            self._show_frame(self._pool.update(self._values, key, self._source_id), self._pool.last_reset, n)
+            return
+        # Rows read back from a file (a write-through run, a reopened capture): pooled off the GUI thread,
+        # so that reading them never stalls a frame; the image shown so far stays until they are pooled.
+        self._wanted = (self._values, key, self._source_id)
+        if not self._pooling:
+            self._pool_next()
+
+    def _pool_next(self) -> None:
+        wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return
+        if self._pooler is None:
+            self._pooler = TaskRunner("heatmap pooling", self)
+        self._pooling = True
+        self._pooler.start(_pool_rows, self._pool, *wanted, on_done=self._pooled, on_exception=self._pool_failed)
+
+    def _pooled(self, result) -> None:
+        self._pooling = False
+        frame, reset, source_id, n = result
+        if source_id == self._source_id:  # a newer request may be waiting: this image is still better than none
+            self._show_frame(frame, reset, n)
+        self._pool_next()
+
+    def _pool_failed(self, exc: BaseException) -> None:
+        self._pooling = False
+        self.empty_text.setText(f"Cannot read the rows: {exc}")
+        self.empty_text.setVisible(True)
+
+    def _show_frame(self, frame, reset: bool, n: int) -> None:
         if frame is None:
             return
         self._frame = frame
-        reset = self._pool.last_reset
         mode = self.levels_box.currentText()
         if mode != "fixed":  # new bins of the same data (a zoom, a longer run) keep the levels' pace
             self._auto_levels(frame.image, mode == "auto ±", force=self._levels_stale)
@@ -284,6 +319,11 @@ class HeatmapWidget(QWidget):
             self.cbar.setLevels(self._levels, update_items=False)
         self._render_marks(n)
         self.paint_count += 1
+
+    def closeEvent(self, event) -> None:
+        if self._pooler is not None:
+            self._pooler.shutdown(2000)
+        super().closeEvent(event)
 
     def _auto_levels(self, image: np.ndarray, symmetric: bool, force: bool) -> None:
         """Robust levels, re-estimated at most 4 times a second and adopted only when they move by more
@@ -559,3 +599,12 @@ def stack_view(widget, bar, plot_area, readout) -> None:
     layout.addLayout(bar)
     layout.addWidget(plot_area, 1)
     layout.addWidget(readout)
+
+
+def _pool_rows(pool: PooledImage, values, key, source_id, _state) -> tuple:
+    """A pooling job (on the heatmap's pooling thread): the frame (its image copied: the next job writes
+    the pool's), whether it was rebuilt, for what."""
+    frame = pool.update(values, key, source_id)
+    if frame is not None:
+        frame = dataclasses.replace(frame, image=frame.image.copy())
+    return frame, pool.last_reset, source_id, len(values)
