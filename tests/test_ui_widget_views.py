@@ -298,3 +298,43 @@ def test_color_image_colours_incrementally_like_a_full_recolour(qtbot, ui_settin
     before = a.recolour_count
     a.setLevels((-2.0, 2.0))  # a level change recolours everything, once
     assert a.recolour_count == before + 1 and not np.array_equal(a.rgb(), b.rgb())
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["one bin a row", "pooled"])
+def test_heatmap_of_written_through_rows_shows_what_rows_in_memory_show(qtbot, ui_settings, tmp_path, wide):
+    """Rows read back from a write-through run's file are pooled and coloured off the GUI thread; the
+    picture must be the one the same rows give from memory, while scrolling too."""
+    from inspector.capture.dtypes import BFLOAT16
+    from inspector.capture.hooks import HookPoint
+    from inspector.capture.run import RequestCapture
+    from inspector.io.spool import RowSpool
+    from inspector.ui.heatmap import HeatmapWidget
+
+    n, width = (3000, 2048) if wide else (300, 40)
+    full = np.random.default_rng(3).normal(size=(n, width)).astype(BFLOAT16)
+    kept, spool = HookRows(width, dtype=BFLOAT16), RowSpool(tmp_path, {})
+    spooled = spool.rows(RequestCapture("r", "p", [], {}), HookPoint("h", "h", "m", "resid_post", width, 0), BFLOAT16)
+    for rows in (kept, spooled):
+        for a in range(0, n, 700):  # some rows written, the last ones still in the writer's buffer
+            rows.append(np.arange(a, min(n, a + 700)), np.zeros(min(n, a + 700) - a), full[a:a + 700])
+    widgets = []
+    for rows, source in ((kept, "memory"), (spooled, "disk")):
+        w = HeatmapWidget()
+        keep(qtbot, w)
+        w.resize(900, 600)
+        w.show()
+        qtbot.waitExposed(w)
+        w.set_data(rows.positions, rows.values, [f"t{i}" for i in range(n + 1)], source)
+        widgets.append(w)
+    memory, disk = widgets
+    for x0 in (None, n // 3):
+        if x0 is not None:  # scroll both to the same window, then let the view rest (it pools again)
+            for w in widgets:
+                w.vb.setXRange(x0, x0 + n // 4, padding=0)
+                w.render()
+        qtbot.waitUntil(lambda: disk.image_array() is not None and disk._wanted is None and not disk._pooling)
+        np.testing.assert_array_equal(disk.image_array(), memory.image_array())
+        assert disk.levels() == memory.levels()
+        np.testing.assert_array_equal(disk.img.rgb(), memory.img.rgb())
+    assert "value" in disk.readout_at(5.5, 3.5) and disk.readout_at(5.5, 3.5) == memory.readout_at(5.5, 3.5)
+    spool.close()

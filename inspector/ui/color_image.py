@@ -92,15 +92,23 @@ class ColorImageItem(pg.GraphicsObject):
         self._make_qimage()
         self.update()
 
+    def set_coloured(self, image: np.ndarray, rgb: np.ndarray, rect: QRectF, levels: tuple[float, float]) -> None:
+        """Show ``image`` already coloured (``rgb = colour(image, *levels, self.lut)``, made off the GUI
+        thread: a whole frame of bins takes tens of milliseconds to colour)."""
+        self._levels, self._image, self._rgb, self._coloured = (float(levels[0]), float(levels[1])), image, rgb, len(image)
+        if rect != self._rect:
+            self.prepareGeometryChange()
+            self._rect = QRectF(rect)
+        self._make_qimage()
+        self.update()
+
+    @property
+    def lut(self) -> np.ndarray:
+        return self._lut
+
     def _colour(self, a: int, b: int) -> None:
-        if b <= a or self._image is None:
-            return
-        lo, hi = self._levels
-        scale = 255.0 / (hi - lo) if hi > lo else 0.0
-        block = self._image[a:b]
-        idx = np.nan_to_num((block - lo) * scale, nan=0.0, posinf=255.0, neginf=0.0)
-        np.clip(idx, 0, 255, out=idx)
-        self._rgb[:, a:b] = self._lut[idx.astype(np.uint8)].T
+        if b > a and self._image is not None:
+            self._rgb[:, a:b] = colour(self._image[a:b], *self._levels, self._lut)
 
     def _recolour_all(self) -> None:
         if self._image is not None:
@@ -131,3 +139,16 @@ class ColorImageItem(pg.GraphicsObject):
         if self._qimage is None:
             return
         painter.drawImage(self._rect, self._qimage, QRectF(0, 0, self._qimage.width(), self._qimage.height()))
+
+
+def colour(image: np.ndarray, lo: float, hi: float, lut: np.ndarray, piece: int = 256) -> np.ndarray:
+    """[token bins, feature bins] floats as [feature bins, token bins] 0xAARRGGBB through ``lut`` (256
+    colours spanning lo..hi; NaN as the lowest). In pieces of ``piece`` token bins: off the GUI thread,
+    no step may hold the GIL long (indexing by the colour table does)."""
+    scale = 255.0 / (hi - lo) if hi > lo else 0.0
+    out = np.empty((image.shape[1], image.shape[0]), dtype=np.uint32)
+    for a in range(0, image.shape[0], piece):
+        idx = np.nan_to_num((image[a:a + piece] - lo) * scale, nan=0.0, posinf=255.0, neginf=0.0)
+        np.clip(idx, 0, 255, out=idx)
+        out[:, a:a + piece] = lut[idx.astype(np.uint8)].T
+    return out

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QGraphicsIt
                                QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from inspector.viewer.labels import display_token
-from .color_image import ColorImageItem
+from .color_image import ColorImageItem, colour
 from .image_pool import PooledImage, choose_key, follow_extent, robust_levels
 from .tasks import TaskRunner
 
@@ -291,13 +291,23 @@ class HeatmapWidget(QWidget):
         if self._pooler is None:
             self._pooler = TaskRunner("heatmap pooling", self)
         self._pooling = True
-        self._pooler.start(_pool_rows, self._pool, *wanted, on_done=self._pooled, on_exception=self._pool_failed)
+        self._pooler.start(_pool_rows, self._pool, *wanted, self._levels, self.img.lut, on_done=self._pooled,
+                           on_exception=self._pool_failed)
 
     def _pooled(self, result) -> None:
         self._pooling = False
-        frame, reset, source_id, n = result
-        if source_id == self._source_id:  # a newer request may be waiting: this image is still better than none
-            self._show_frame(frame, reset, n)
+        frame, rgb, levels, source_id, n = result
+        if frame is not None and source_id == self._source_id:  # shown even if a newer request waits: better than none
+            self._frame = frame
+            mode = self.levels_box.currentText()
+            if mode != "fixed":
+                self._auto_levels(frame.image, mode == "auto ±", force=self._levels_stale)
+                self._levels_stale = False
+                if self._levels != levels and self._wanted is None:  # coloured at the old levels: again, off this thread
+                    self._wanted = (self._values, self._pool.key, self._source_id)
+            self.img.set_coloured(frame.image, rgb, QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height),
+                                  levels)
+            self._finish_frame(n)
         self._pool_next()
 
     def _pool_failed(self, exc: BaseException) -> None:
@@ -315,6 +325,9 @@ class HeatmapWidget(QWidget):
             self._levels_stale = False
         self.img.set_frame(frame.image, QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height), reset,
                            self._levels)
+        self._finish_frame(n)
+
+    def _finish_frame(self, n: int) -> None:
         if tuple(self.cbar.levels()) != self._levels:
             self.cbar.setLevels(self._levels, update_items=False)
         self._render_marks(n)
@@ -601,10 +614,11 @@ def stack_view(widget, bar, plot_area, readout) -> None:
     layout.addWidget(readout)
 
 
-def _pool_rows(pool: PooledImage, values, key, source_id, _state) -> tuple:
+def _pool_rows(pool: PooledImage, values, key, source_id, levels, lut, _state) -> tuple:
     """A pooling job (on the heatmap's pooling thread): the frame (its image copied: the next job writes
-    the pool's), whether it was rebuilt, for what."""
+    the pool's), coloured at ``levels``, for what."""
     frame = pool.update(values, key, source_id)
-    if frame is not None:
-        frame = dataclasses.replace(frame, image=frame.image.copy())
-    return frame, pool.last_reset, source_id, len(values)
+    if frame is None:
+        return None, None, levels, source_id, len(values)
+    frame = dataclasses.replace(frame, image=frame.image.copy())
+    return frame, colour(frame.image, *levels, lut), levels, source_id, len(values)

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+READ_BYTES = 2 << 20  # rows pooled at a time
+
+
 def pow2_at_least(x: float) -> int:
     """The smallest power of two >= x (>= 1)."""
     if x <= 1:
@@ -109,10 +112,14 @@ class PooledImage:
             new = np.empty((max(total, 2 * len(self._buf)), self._buf.shape[1]), dtype=np.float32)
             new[: self._done] = self._buf[: self._done]
             self._buf = new
-        if complete > self._done:
-            a, b = k.t0 + self._done * k.tbin, k.t0 + complete * k.tbin
-            self._buf[self._done:complete] = pool_maxabs(np.asarray(values[a:b, k.f0:k.f1]), k.tbin, k.fbin)
-            self._done = complete
+        # Complete bins, read a few MiB at a time: rows read from disk hold the GIL while h5py reads them, and
+        # the GUI thread must get it back between reads (pooling runs on a thread of its own for those).
+        step = max(1, READ_BYTES // max(1, (k.f1 - k.f0) * values.dtype.itemsize * k.tbin))
+        for done in range(self._done, complete, step):
+            upto = min(complete, done + step)
+            a, b = k.t0 + done * k.tbin, k.t0 + upto * k.tbin
+            self._buf[done:upto] = pool_maxabs(np.asarray(values[a:b, k.f0:k.f1]), k.tbin, k.fbin)
+            self._done = upto
         if partial:
             a = k.t0 + complete * k.tbin
             self._buf[complete] = pool_maxabs(np.asarray(values[a:end, k.f0:k.f1]), k.tbin, k.fbin)[0]

@@ -46,6 +46,7 @@ class RunView:
     """One run and what is selected in it."""
 
     LOADED_CACHE = 6  # (request, hook) arrays of a reopened capture kept in memory
+    LOADED_BYTES = 256 << 20  # larger ones are read as they are shown
 
     def __init__(self, run: Run, source: RunSource, label: str = "", catalogue: list[HookPoint] = ()):
         self.run, self.source, self.label = run, source, label
@@ -149,13 +150,16 @@ class RunView:
         return list(req.token_texts) if req is not None else []
 
     def rows(self, rid: str | None, hook: str | None) -> tuple[np.ndarray, np.ndarray] | None:
-        """(positions [n], values [n, width]) in memory, or None if nothing was captured there."""
+        """(positions [n], values [n, width]), or None if nothing was captured there. Values are kept in
+        their stored dtype; those of a write-through run or a long reopened capture are read as sliced."""
         req = self.request(rid)
         if req is None or hook not in req.hooks:
             return None
         rows = req.hooks[hook]
         if self.source is not RunSource.FILE:
             return rows.positions, rows.values
+        if rows.values.nbytes > self.LOADED_BYTES:  # a long one stays on disk: views read what they show
+            return np.asarray(rows.positions, dtype=np.int64), rows.values
         key = (rid, hook)
         if key not in self._loaded:
             self._loaded[key] = (np.asarray(rows.positions, dtype=np.int64), np.asarray(rows.values, dtype=np.float32))
