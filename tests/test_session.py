@@ -16,13 +16,14 @@ import torch
 import hf_reference
 from engines import (PARITY_TOL, assert_attribution_matches, assert_lens_matches, assert_windows_keep_exactly_their_rows,
                      rel_l2, rpc)
-from session_kinds import KINDS, collect
+from session_kinds import GREEDY, KINDS, collect
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import BOOT_STAGES, Sampling, fold_event
 from inspector.capture.run import Run
 from inspector.capture.windows import CaptureWindow
 from inspector.client import connect
 from inspector.io import read_run, write_run
+from inspector.io.spool import RowSpool, SpooledHookRows
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Parser(object):"]
 
@@ -62,6 +63,28 @@ def test_events_alone_rebuild_the_run(sessions, kind):
         assert all(top and top[0].text for top in got.top_logprobs)
         for hook in session.installed:
             assert got.hooks[hook].positions.tolist() == list(range(len(req.token_ids) - 1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_written_through_run_reads_back_the_rows_its_events_carried(sessions, kind, tmp_path):
+    session, _ = sessions[kind]
+    session.new_run()
+    spool = RowSpool(tmp_path, session.run.metadata)
+    session.write_through(spool.rows)
+    sent = {}
+    for event in session.generate(PROMPTS, GREEDY):
+        for step in event.requests:
+            for hook, (positions, _, values) in step.rows.items():
+                sent.setdefault((step.request_id, hook), []).append((positions.copy(), values.copy()))
+    assert sent
+    for (rid, hook), parts in sent.items():
+        rows = session.run.requests[rid].hooks[hook]
+        assert isinstance(rows, SpooledHookRows)
+        np.testing.assert_array_equal(rows.positions, np.concatenate([p for p, _ in parts]))
+        np.testing.assert_array_equal(np.asarray(rows.values), np.concatenate([v for _, v in parts]))
+    session.new_run()  # rows in memory again
+    spool.close()
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("kind", KINDS)

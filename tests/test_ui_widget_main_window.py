@@ -180,6 +180,40 @@ def test_export_then_reopen_shows_identical_arrays(qtbot, ui_settings, tmp_path)
     assert window.shown is window.controller.live and len(window.shown.request_ids()) == 3
 
 
+def test_a_long_run_writes_its_rows_through_and_shows_and_exports_them_as_kept_in_memory(qtbot, ui_settings,
+                                                                                        tmp_path, monkeypatch):
+    """A run that could outgrow the app's limit keeps its rows in a scratch file: the heatmap, the
+    summary and an export show what the engine sent (its session keeps its own copy in memory), and
+    the scratch file goes with the run."""
+    from inspector.io import read_run
+    from inspector.io.spool import SpooledHookRows
+
+    monkeypatch.setenv("INSPECTOR_CACHE", str(tmp_path / "cache"))
+    window = make_window(qtbot, hooks=["blocks.*.hook_resid_post"])
+    window.controller.write_through_bytes = 1  # every run is a long one
+    generate(qtbot, window, "abcdefg\nhij", max_tokens=7)
+    live, engine = window.controller.live, window.controller.session.run
+    assert live.spool is not None and live.spool.path.parent == tmp_path / "cache" / "spool"
+    for rid, req in engine.requests.items():
+        for hook, rows in req.hooks.items():
+            assert isinstance(live.request(rid).hooks[hook], SpooledHookRows)
+            np.testing.assert_array_equal(np.asarray(live.rows(rid, hook)[1]), rows.values)
+    window.select_request("req1")
+    window.select_hook(next(iter(engine.requests["req1"].hooks)))
+    qtbot.waitUntil(lambda: window.heatmap.image_array() is not None and not window.heatmap._pooling)
+    np.testing.assert_array_equal(window.heatmap.image_array(),
+                                  next(iter(engine.requests["req1"].hooks.values())).values)
+    path = tmp_path / "run.h5"
+    assert window.export(str(path))
+    qtbot.waitUntil(lambda: not window.controller.exporting, timeout=10000)
+    exported = read_run(path)
+    for rid, req in engine.requests.items():
+        for hook, rows in req.hooks.items():
+            np.testing.assert_array_equal(exported.requests[rid].hooks[hook].values, rows.values)
+    window.controller._new_run()
+    assert not list((tmp_path / "cache" / "spool").iterdir())
+
+
 def test_export_cancel_and_failure_leave_nothing(qtbot, ui_settings, tmp_path):
     window = make_window(qtbot)
     generate(qtbot, window, "abc", max_tokens=3)
