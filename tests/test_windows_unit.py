@@ -54,3 +54,15 @@ def test_patterns_apply_in_order_and_must_match():
     assert parse_window_option("blocks.*.hook_resid_post=every:4") == ("blocks.*.hook_resid_post", "every:4")
     with pytest.raises(ValueError, match="before '='"):
         parse_window_option("=generated")
+
+
+@pytest.mark.parametrize("text", ["all", "generated", "last:1", "last:4", "last:20", "every:1", "every:3"])
+def test_keeps_all_from_is_where_a_window_starts_keeping_every_row(text):
+    window, prompt_len, positions = CaptureWindow.parse(text), 9, np.arange(40)
+    start = window.keeps_all_from(prompt_len)
+    kept = window.keeps(positions, prompt_len)
+    assert kept[positions >= start].all()
+    if 0 < start < len(positions):
+        assert not kept[int(start) - 1]
+    if np.isinf(start):
+        assert not kept.all()

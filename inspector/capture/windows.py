@@ -53,6 +53,12 @@ class CaptureWindow:
     def is_all(self) -> bool:
         return self.kind == "all"
 
+    def keeps_all_from(self, prompt_len: int) -> float:
+        """The position from which every row is kept (infinity: never; every:K skips rows for good)."""
+        if self.kind == "every":
+            return 0 if self.n == 1 else np.inf
+        return {"all": 0, "generated": prompt_len - 1, "last": prompt_len - self.n}[self.kind]
+
     def keeps(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
         """For each position (of a request whose prompt has ``prompt_len`` tokens), whether its row is kept."""
         positions = np.asarray(positions)

@@ -108,6 +108,7 @@ class InspectorRuntime:
         self._no_capture: set[str] = set()  # requests whose rows nobody reads (per-request options)
         self._score_ids: dict[str, np.ndarray] = {}  # request -> tokens whose logprobs it wants
         self._windows: dict[str, tuple[int, dict[str, CaptureWindow]]] = {}  # request -> (prompt length, windows)
+        self._whole_from: dict[str, float] = {}  # windowed request -> the position from which it keeps every row
         self._ran_to: dict[str, int] = {}  # windowed request -> the position after its last forward's rows
         self._scores: dict[str, list[tuple[int, np.ndarray]]] = {}  # undrained: request -> (position, logprobs)
         self._logits_step: StepInfo | None = None  # the forward whose logits come next
@@ -328,12 +329,9 @@ class InspectorRuntime:
         """Whether every window keeps all of this step's rows (a decode step under "generated", say): then
         the step is sent as it is, without choosing rows hook by hook."""
         bounds = step.query_start_loc
-        for rid, a, b in zip(step.req_ids, bounds[:-1], bounds[1:]):
-            if rid in self._windows and b > a:
-                prompt_len, windows = self._windows[rid]
-                if not all(w.keeps(step.positions[a:b], prompt_len).all() for w in set(windows.values())):
-                    return False
-        return True
+        firsts = step.positions[np.minimum(bounds[:-1], max(len(step.positions) - 1, 0))]
+        whole_from = np.array([self._whole_from.get(rid, 0) for rid in step.req_ids])
+        return bool(((np.diff(bounds) == 0) | (firsts >= whole_from)).all())  # a request's rows ascend
 
     def _queue_windowed(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
         """Rows of a step where some request has a capture window: the rows each hook keeps are chosen
@@ -422,6 +420,7 @@ class InspectorRuntime:
             self._no_capture.discard(rid)
             self._score_ids.pop(rid, None)
             self._windows.pop(rid, None)
+            self._whole_from.pop(rid, None)
             self._ran_to.pop(rid, None)
         for rid, option in options.items():
             if "capture" in option:
@@ -437,8 +436,10 @@ class InspectorRuntime:
                                                    for name, text in option["windows"].items()) if not w.is_all}
                 if windows:
                     self._windows[rid] = (int(option["prompt_tokens"]), windows)
+                    self._whole_from[rid] = max(w.keeps_all_from(int(option["prompt_tokens"])) for w in windows.values())
                 else:
                     self._windows.pop(rid, None)
+                    self._whole_from.pop(rid, None)
 
     def set_interventions(self, interventions: list[Intervention]) -> None:
         widths = {name: hook.point.width for name, hook in self.active.items()}
