@@ -21,7 +21,7 @@ FORMAT_NAME = "activation-inspector-capture"
 FORMAT_VERSION = 2  # 2: values in the engine's dtype (bfloat16 as its bits); 1: float32
 
 # Chunks of ~256 KiB: [rows, cols] with cols = the width split in equal parts of <= 1024 and rows =
-# 256 KiB / (4 * cols), within [64, 4096]. HDF5 stores a partly filled chunk at full size (we do not
+# 256 KiB / (itemsize * cols), within [64, 4096]. HDF5 stores a partly filled chunk at full size (we do not
 # compress), so small chunks bound the padding: <= 1 chunk row per (request, hook); none for
 # requests that end up with fewer rows than a chunk (those get a chunk of exactly their size).
 CHUNK_COLS = 1024
@@ -158,8 +158,9 @@ def chunk_cols_for(width: int) -> int:
     return -(-width // parts)
 
 
-def chunk_rows_for(width: int) -> int:
-    return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, CHUNK_TARGET_BYTES // (chunk_cols_for(width) * 4))))
+def chunk_rows_for(width: int, itemsize: int = 4) -> int:
+    """Rows of a ~256 KiB chunk: a chunk is one HDF5 call, whatever the dtype's size."""
+    return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, CHUNK_TARGET_BYTES // (chunk_cols_for(width) * itemsize))))
 
 
 def compression_kwargs(compression) -> dict:

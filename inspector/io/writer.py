@@ -63,7 +63,7 @@ class _HookBuffer:
 
     def __init__(self, name: str, width: int, dtype: np.dtype):
         self.name, self.width, self.dtype = name, width, dtype
-        self.chunk_rows, self.chunk_cols = chunk_rows_for(width), chunk_cols_for(width)
+        self.chunk_rows, self.chunk_cols = chunk_rows_for(width, dtype.itemsize), chunk_cols_for(width)
         self.pending = self.new_pending()
         self.rows_written = 0
         self.positions, self.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
@@ -619,7 +619,7 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
               **writer_options) -> Path:
     """Write a whole Run (in memory or lazily opened) to ``path``; returns the final path."""
     def row_bytes(rows) -> int:
-        return rows.width * rows.dtype.itemsize + 16
+        return rows.width * rows.values.dtype.itemsize + 16
 
     total = sum(len(rows) * row_bytes(rows) for req in run.requests.values() for rows in req.hooks.values())
     done = 0
@@ -632,11 +632,11 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
             for name, rows in req.hooks.items():
                 n = len(rows)
                 positions, token_ids, values = rows.positions, rows.token_ids, rows.values
-                chunk = chunk_rows_for(rows.width)
+                chunk = chunk_rows_for(rows.width, rows.values.dtype.itemsize)
                 step = max(chunk, (WRITE_PIECE_BYTES // row_bytes(rows)) // chunk * chunk)
                 if n == 0:
                     writer.append_rows(req.request_id, name, positions, token_ids,
-                                       np.zeros((0, rows.width), rows.dtype))
+                                       np.zeros((0, rows.width), rows.values.dtype))
                 for a in range(0, n, step):
                     b = min(n, a + step)
                     writer.append_rows(req.request_id, name, positions[a:b], token_ids[a:b], np.asarray(values[a:b]))

@@ -3,9 +3,10 @@
 Hook points (``HookPoint``) are grouped by the components of their module path; a module node checks
 or unchecks everything below it (tri-state). Each leaf shows its kind, width and TransformerLens-style
 alias, and its capture window (which rows to keep: all, generated, last:N, every:K), edited in place
-with a combo box and sent to the engine at once. Presets and glob patterns add to (or, for "None", clear) the checked set. The checked set is
-what the user *wants*; ``installed`` is what the engine captures now. In eager mode changes apply on
-their own after a short pause; in compiled mode the Apply button asks first (the engine restarts).
+with a combo box and sent to the engine at once. Presets and glob patterns add to (or, for "None",
+clear) the checked set. The checked set is what the user *wants*; ``installed`` is what the engine
+captures now. In eager mode changes apply on their own after a short pause; in compiled mode the
+Apply button asks first (the engine restarts).
 """
 
 from __future__ import annotations
