@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-GROUPS = ["main", "remote", "lens", "attention", "compare", "patching", "experts", "features", "dashboard"]
+GROUPS = ["main", "remote", "lens", "attention", "compare", "patching", "experts", "features", "dashboard", "windows"]
 
 
 def main(argv=None) -> int:
@@ -82,6 +82,8 @@ def main(argv=None) -> int:
         shoot_features(model, out, w, h, pump, app)
     if "dashboard" in args.only:
         shoot_dashboard(out, w, h, app)
+    if "windows" in args.only:
+        shoot_windows(model, out, w, h, pump, app)
     return 0
 
 
@@ -253,6 +255,31 @@ def generate_on(win, pump, model: str, hooks: list[str], tab, max_tokens: int) -
     win.prompt.ignore_eos.setChecked(True)
     win.generate()
     pump(lambda: win.state.value != "generating")
+
+
+def shoot_windows(model: str, out: Path, w: int, h: int, pump, app) -> None:
+    """Capture windows: block 1's residual stream every 4th position, block 2's only where tokens are
+    generated; the heatmap shows the rows kept at their positions."""
+    from inspector.client.local import start_local_server
+    from inspector.ui.main_window import MainWindow
+
+    win = MainWindow(start_local_server)
+    win.resize(w, h)
+    win.show()
+    win.open_model(model, mode="compiled", hooks=["blocks.*.hook_resid_post"])
+    pump(lambda: win.state.value != "booting", 300)
+    names = {h.alias: h.name for h in win.controller.info.catalogue}
+    win.tree.set_window(names["blocks.1.hook_resid_post"], "every:4")
+    win.tree.set_window(names["blocks.2.hook_resid_post"], "generated")
+    win.tree.filter_box.setText("resid_post")
+    win.prompt.prompts.setPlainText("def fibonacci(n):")
+    win.prompt.max_tokens.setValue(40)
+    win.prompt.ignore_eos.setChecked(True)
+    win.generate()
+    pump(lambda: win.state.value != "generating")
+    win.select_hook(names["blocks.1.hook_resid_post"])
+    save(win, app, out / "windows.png")
+    win.close()
 
 
 def shoot_attention(model: str, out: Path, w: int, h: int, pump, app) -> None:
