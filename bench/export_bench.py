@@ -1,7 +1,7 @@
 """Export throughput of capture files vs raw h5py, and time to open + read one hook (not a test).
 
     nice .venv/bin/python bench/export_bench.py [--requests 4 --hooks 16 --rows 4096 --width 1024 --reps 3]
-                                               [--dtype float32|bfloat16|float16]
+                                               [--dtype float32|bfloat16|float16] [--include-sync]
 
 Writes a synthetic run (default 4 requests x 16 hooks x 4096 rows x 1024 wide float32 = 1 GiB) with
   raw        h5py.create_dataset(data=...) per (request, hook), contiguous, no compression (the baseline;
@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", choices=sorted(ROW_DTYPES), default="float32")
+    ap.add_argument("--include-sync", action="store_true", help="time each write until os.sync() returns")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir; files are deleted)")
     args = ap.parse_args()
 
@@ -137,6 +138,10 @@ def main() -> None:
                     t0 = time.perf_counter()
                     stream_calls = ours_stream(run, path)
                     dt = time.perf_counter() - t0
+                if args.include_sync:  # until the bytes are on disk: page-cache writes alone vary 10x here
+                    t0 = time.perf_counter()
+                    os.sync()
+                    dt += time.perf_counter() - t0
                 times[name].append(dt)
                 size = path.stat().st_size
                 if not (rep == args.reps - 1 and name == "write_run"):
