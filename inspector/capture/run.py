@@ -41,13 +41,17 @@ class HookRows:
         return self._values.dtype
 
     def append(self, positions, token_ids, values) -> None:
+        values = self._checked(positions, token_ids, values)
+        self._positions.append(positions)
+        self._token_ids.append(token_ids)
+        self._values.append(values)
+
+    def _checked(self, positions, token_ids, values) -> np.ndarray:
         values = np.asarray(values)
         if values.ndim != 2 or values.shape[1] != self.width or not len(values) == len(positions) == len(token_ids):
             raise ValueError(f"rows of shape {values.shape} with {len(positions)} positions do not fit "
                              f"a hook of width {self.width}")
-        self._positions.append(positions)
-        self._token_ids.append(token_ids)
-        self._values.append(values)
+        return values
 
     def snapshot(self) -> "HookRows":
         """The rows so far, shared (no copy), for another thread: later appends never change them."""

@@ -62,13 +62,9 @@ class CaptureWindow:
     def keeps(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
         """For each position (of a request whose prompt has ``prompt_len`` tokens), whether its row is kept."""
         positions = np.asarray(positions)
-        if self.kind == "all":
-            return np.ones(positions.shape, dtype=bool)
-        if self.kind == "generated":
-            return positions >= prompt_len - 1
-        if self.kind == "last":
-            return positions >= prompt_len - self.n
-        return positions % self.n == 0
+        if self.kind == "every":
+            return positions % self.n == 0
+        return positions >= self.keeps_all_from(prompt_len)
 
 
 ALL = CaptureWindow()

@@ -34,13 +34,15 @@ class RowSpool:
         self.path = directory / f"spool-{stamp}-{secrets.token_hex(3)}.h5"
         self._writer = CaptureWriter(self.path, metadata, {}, fsync=False)
         self._lock = threading.Lock()
+        self._hooks: set[str] = set()
         self._requests: set[str] = set()
 
     def rows(self, req: RequestCapture, hook: HookPoint, dtype) -> "SpooledHookRows":
         """Empty rows of ``hook`` for ``req`` whose values go to this spool (``fold_event``'s ``new_rows``)."""
         with self._lock:
-            if hook.name not in self._writer._hooks:
+            if hook.name not in self._hooks:
                 self._writer.add_hook(hook.name, hook)
+                self._hooks.add(hook.name)
             if req.request_id not in self._requests:
                 self._writer.add_request(req)
                 self._requests.add(req.request_id)
@@ -110,18 +112,13 @@ class SpooledHookRows(HookRows):
         return self._dtype
 
     def append(self, positions, token_ids, values) -> None:
-        values = np.asarray(values)
-        if values.ndim != 2 or values.shape[1] != self.width or not len(values) == len(positions) == len(token_ids):
-            raise ValueError(f"rows of shape {values.shape} with {len(positions)} positions do not fit "
-                             f"a hook of width {self.width}")
+        values = self._checked(positions, token_ids, values)
         self._spool.append(self._request_id, self._hook, positions, token_ids, values.astype(self._dtype, copy=False))
         self._positions.append(positions)
         self._token_ids.append(token_ids)
 
     def snapshot(self) -> "SpooledHookRows":
-        copy = SpooledHookRows.__new__(SpooledHookRows)
-        copy.width, copy._dtype = self.width, self._dtype
-        copy._spool, copy._request_id, copy._hook = self._spool, self._request_id, self._hook
+        copy = SpooledHookRows(self._spool, self._request_id, self._hook, self.width, self._dtype)
         copy._positions, copy._token_ids = self._positions.snapshot(), self._token_ids.snapshot()
         return copy
 

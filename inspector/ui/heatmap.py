@@ -299,12 +299,9 @@ class HeatmapWidget(QWidget):
         frame, rgb, levels, source_id, n = result
         if frame is not None and source_id == self._source_id:  # shown even if a newer request waits: better than none
             self._frame = frame
-            mode = self.levels_box.currentText()
-            if mode != "fixed":
-                self._auto_levels(frame.image, mode == "auto ±", force=self._levels_stale)
-                self._levels_stale = False
-                if self._levels != levels and self._wanted is None:  # coloured at the old levels: again, off this thread
-                    self._wanted = (self._values, self._pool.key, self._source_id)
+            self._adopt_levels(frame.image)
+            if self._levels != levels and self._wanted is None:  # coloured at the old levels: again, off this thread
+                self._wanted = (self._values, self._pool.key, self._source_id)
             self.img.set_coloured(frame.image, rgb, QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height),
                                   levels)
             self._finish_frame(n)
@@ -319,13 +316,17 @@ class HeatmapWidget(QWidget):
         if frame is None:
             return
         self._frame = frame
-        mode = self.levels_box.currentText()
-        if mode != "fixed":  # new bins of the same data (a zoom, a longer run) keep the levels' pace
-            self._auto_levels(frame.image, mode == "auto ±", force=self._levels_stale)
-            self._levels_stale = False
+        self._adopt_levels(frame.image)
         self.img.set_frame(frame.image, QRectF(self._p0 + frame.x0, frame.y0, frame.width, frame.height), reset,
                            self._levels)
         self._finish_frame(n)
+
+    def _adopt_levels(self, image: np.ndarray) -> None:
+        """New bins of the same data (a zoom, a longer run) keep the levels' pace, unless they are fixed."""
+        mode = self.levels_box.currentText()
+        if mode != "fixed":
+            self._auto_levels(image, mode == "auto ±", force=self._levels_stale)
+            self._levels_stale = False
 
     def _finish_frame(self, n: int) -> None:
         if tuple(self.cbar.levels()) != self._levels:

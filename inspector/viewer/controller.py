@@ -19,6 +19,7 @@ from typing import Callable, Protocol
 
 from inspector import client
 from inspector.capture import resources
+from inspector.capture.dtypes import ROW_DTYPES
 from inspector.capture.interventions import Intervention
 from inspector.capture.models import DEMO, model_path_problem
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionFactory,
@@ -371,7 +372,7 @@ class Controller:
         if self.live.spool is not None or self.info is None:
             return
         width = sum(h.width for h in self.info.installed.values())
-        itemsize = 4 if self.info.options.dtype == "float32" else 2
+        itemsize = ROW_DTYPES.get(self.info.options.dtype, ROW_DTYPES["float32"]).itemsize
         coming = sum(len(p) + max_tokens for p in prompts) * copies * width * itemsize
         if self.live.bytes_kept() + coming > self.write_through_bytes:
             self.live.write_through(resources.cache_root() / "spool")
