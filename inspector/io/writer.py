@@ -54,6 +54,13 @@ def check_target(path: str | os.PathLike) -> None:
         raise _cannot_create(final, f"the directory {parent} is not writable")
 
 
+def _check_hook(name: str, info: HookPoint) -> None:
+    """ValueError for a hook a file cannot hold (its name is escaped to a group name: ValueError there too)."""
+    escape_name(name)
+    if int(info.width) < 1:
+        raise ValueError(f"hook {name!r} has width {info.width}; it must be at least 1")
+
+
 class _HookBuffer:
     """One (request, hook): values not yet written (< one chunk, written chunk-aligned) and all its
     positions/token ids (16 bytes a row, kept in memory and written when the request finishes)."""
@@ -119,9 +126,7 @@ class CaptureWriter:
         self.path = Path(os.path.abspath(os.fspath(path)))
         self._hooks: dict[str, HookPoint] = dict(hooks)
         for name, info in self._hooks.items():
-            escape_name(name)
-            if int(info.width) < 1:
-                raise ValueError(f"hook {name!r} has width {info.width}; it must be at least 1")
+            _check_hook(name, info)
         self._compression = compression_kwargs(compression)
         self._fsync = fsync
         self._budget = int(buffer_bytes)
@@ -173,9 +178,7 @@ class CaptureWriter:
         self._check_open()
         if name in self._hooks:
             raise ValueError(f"hook {name!r} was already added")
-        escape_name(name)
-        if int(info.width) < 1:
-            raise ValueError(f"hook {name!r} has width {info.width}; it must be at least 1")
+        _check_hook(name, info)
         with self._guard(f"adding hook {name!r}"):
             self._write_hook(len(self._hooks), name, info)
         self._hooks[name] = info
