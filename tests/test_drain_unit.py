@@ -4,6 +4,8 @@ The CUDA event is replaced by a stand-in whose completion the test controls; the
 (tests/gpu/run_gpu_checks.py) covers the real streams through the session tests.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 
 from inspector.capture.dtypes import BFLOAT16
 
+from inspector.plugin import vllm_compat
 from inspector.plugin.config import PluginConfig
 from inspector.plugin.copyout import Transfer
 from inspector.plugin.gather import QueuedForward, rows_by_request
@@ -159,3 +162,45 @@ def test_windowed_steps_keep_each_hooks_promised_rows_in_order():
             assert got["token_ids"].tolist() == (expected + 7).tolist()
             number = (h if hook != "c" else 0) * 1000 + int(rid[1]) * 100
             np.testing.assert_array_equal(got["values"], np.repeat(number + expected[:, None], got["values"].shape[1], 1))
+
+
+class V2Runner:
+    """vLLM's V2 model runner's call surface, logging the order of what happens in a step."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def prepare_inputs(self, rows: int):
+        self.log.append("prepare")
+        return SimpleNamespace(req_ids=["r0-abcdefgh"], num_reqs=1, query_start_loc_np=np.array([0, rows]),
+                               num_computed_tokens_np=np.array([0]), input_ids=torch.arange(rows))
+
+    def execute_model(self, output):
+        self.log.append("forward")
+        return output
+
+    def sample_tokens(self):
+        self.log.append("sample")
+        return "sampled"
+
+
+def test_v2_runner_queues_the_rows_copy_after_the_sampled_tokens_copy():
+    log = []
+    runner = V2Runner(log)
+    vllm_compat.wrap_model_forward(SimpleNamespace(model_runner=runner), lambda step: log.append("before"),
+                                   lambda step, ids: log.append(("after", step.req_ids, len(ids))))
+    runner.prepare_inputs(5)
+    assert runner.execute_model(None) is None  # sampling follows: the rows wait for it
+    assert runner.sample_tokens() == "sampled"
+    assert log == ["prepare", "before", "forward", "sample", ("after", ["r0"], 5)]
+
+    log.clear()
+    runner.prepare_inputs(1)
+    assert runner.execute_model("output") == "output"  # an output now: no sampling step follows
+    assert log == ["prepare", "before", "forward", ("after", ["r0"], 1)]
+
+    log.clear()
+    runner.prepare_inputs(2)
+    runner.execute_model(None)  # its sampling never comes (it failed): the next step sends the rows first
+    runner.prepare_inputs(3)
+    assert log == ["prepare", "before", "forward", ("after", ["r0"], 2), "prepare", "before"]

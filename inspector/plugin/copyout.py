@@ -1,12 +1,13 @@
-"""Moving each forward's captured rows to host memory without stalling the GPU.
+"""Moving each forward's captured rows to host memory while the next forward runs.
 
-A forward's rows sit in static capture buffers that the next forward overwrites, so they must leave
-before it runs. On a GPU a decode step's rows are first copied on the device (microseconds) and then
-sent to pinned host memory on a side stream, in parallel with the next forward; a large step
-(prefill) is copied straight from the buffers on the compute stream, which needs no staging memory
-of the buffers' size. Nothing here waits for the GPU: ``Transfer.ready`` says whether the copies
-have landed, ``Transfer.wait`` waits for them. The driver's drain converts the landed copies, in
-``gather`` (why not a background thread: docs/performance-notes.md).
+A forward's rows sit in static capture buffers that the next forward overwrites, so on a GPU they are
+first copied on the device into a staging arena of the buffers' size (a gigabyte in well under a
+millisecond), and sent from there to pinned host memory on a side stream, in parallel with the next
+forward: prefill steps as much as decode steps. The arena is reused by the next forward's staging
+only once the side stream has read it. Tensors made for this copy alone (a window's gathered rows,
+an SAE's features) are sent as they are. Nothing here waits for the GPU: ``Transfer.ready`` says
+whether the copies have landed, ``Transfer.wait`` waits for them. The driver's drain converts the
+landed copies, in ``gather`` (why not a background thread: docs/performance-notes.md).
 """
 
 from __future__ import annotations
@@ -37,30 +38,36 @@ class CopyOut:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._arena_read: dict[int, torch.cuda.Event] = {}  # arena's address -> the side stream's last read of it
 
-    def queue(self, tensors: list[torch.Tensor], stage: bool) -> Transfer:
-        """``stage``: copy on the device first and send from there on the side stream."""
+    def arena(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Staging memory for a static buffer's rows (None on a CPU, where copies are made at once)."""
+        return None if self.stream is None else torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+
+    def queue(self, tensors: list[torch.Tensor], arenas: list[torch.Tensor | None]) -> Transfer:
+        """Send ``tensors`` to the host. ``arenas[i]``: where to stage a view of a static buffer (from
+        ``arena``), or None for a tensor that nothing writes again (it is sent as it is)."""
         if self.stream is None:
             return Transfer([t.clone() for t in tensors])
         compute = torch.cuda.current_stream(self.device)
-        if not stage:
-            return self._copy_on(compute, tensors)
-        staged = [t.clone(memory_format=torch.contiguous_format) for t in tensors]
+        sources = []
+        for tensor, arena in zip(tensors, arenas):
+            if arena is None:
+                sources.append(tensor)
+                continue
+            read = self._arena_read.get(arena.data_ptr())
+            if read is not None:
+                compute.wait_event(read)  # the previous forward's rows have left this arena
+            sources.append(arena[:tensor.numel()].view(tensor.shape).copy_(tensor))  # contiguous: one copy out
         self.stream.wait_stream(compute)
-        transfer = self._copy_on(self.stream, staged)
-        for t in staged:  # the allocator must not hand this memory out again before the copy has read it
-            t.record_stream(self.stream)
-        return transfer
-
-    @staticmethod
-    def _copy_on(stream: torch.cuda.Stream, tensors: list[torch.Tensor]) -> Transfer:
-        with torch.cuda.stream(stream):
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for dst, src in zip(host, tensors):
-                # A strided source (a stack's first n rows of each hook) would be made contiguous in
-                # a temporary as large as itself; its per-hook slices are contiguous: send them one by one.
-                for d, s in ((dst, src),) if src.is_contiguous() else zip(dst, src):
-                    d.copy_(s, non_blocking=True)
+        with torch.cuda.stream(self.stream):
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
+            for dst, src in zip(host, sources):
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(stream)
+            event.record(self.stream)
+        for src, arena in zip(sources, arenas):
+            if arena is None:  # the allocator must not hand this memory out again before the copy has read it
+                src.record_stream(self.stream)
+        self._arena_read.update((a.data_ptr(), event) for a in arenas if a is not None)
         return Transfer(host, event)

@@ -82,6 +82,7 @@ class RowStack:
 
     tensor: torch.Tensor  # [hooks, max_tokens, width]
     names: list[str | None]  # hook per slot; None once removed
+    arena: torch.Tensor | None = None  # where a forward's rows wait for their copy to the host (``copyout``)
 
 
 class InspectorRuntime:
@@ -169,8 +170,8 @@ class InspectorRuntime:
         for width in sorted(set(copied.values())):
             names = [name for name, w in copied.items() if w == width]
             with torch.inference_mode():
-                stack = RowStack(torch.zeros(len(names), self.max_tokens, width, dtype=self.dtype,
-                                             device=self.device), list(names))
+                rows = torch.zeros(len(names), self.max_tokens, width, dtype=self.dtype, device=self.device)
+                stack = RowStack(rows, list(names), self._copy_out.arena(rows))
             self._stacks.append(stack)
             for index, name in enumerate(names):
                 self._install(name, resolved[name], stack.tensor[index])
@@ -201,7 +202,8 @@ class InspectorRuntime:
 
     def allocated_bytes(self) -> int:
         """Device memory held for the installed hooks: capture buffers and intervention tables."""
-        tensors = [*(s.tensor for s in self._stacks),  # rows: in the stacks
+        tensors = [*(s.tensor for s in self._stacks),  # rows: in the stacks, and staged for the host
+                   *(s.arena for s in self._stacks if s.arena is not None),
                    *(t for h in self.active.values() for name, t in h.tensors().items() if name != "rows")]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -306,23 +308,29 @@ class InspectorRuntime:
         windowed = (rows_wanted and bool(self._windows) and not self._windows.keys().isdisjoint(step.req_ids)
                     and not self._windows_keep_all(step))
         n = step.num_tokens
-        tensors = [stack.tensor[:, :n] for stack in self._stacks] if rows_wanted and not windowed else []
-        names = [list(stack.names) for stack in self._stacks] if rows_wanted and not windowed else []
+        whole = rows_wanted and not windowed
+        tensors = [stack.tensor[:, :n] for stack in self._stacks] if whole else []
+        arenas = [stack.arena for stack in self._stacks] if whole else []
+        names = [list(stack.names) for stack in self._stacks] if whole else []
         for name, sae in self.saes.items():  # encoded now, on the device: only the strongest features leave it
             tensors.append(sae.strongest(self.active[sae.attached.hook].buffer[:n]))
+            arenas.append(None)
             names.append(list(feature_keys(name)))
         if windowed:
             self._queue_windowed(step, input_ids)
         if not tensors:
             return
-        if input_ids is not None:
-            tensors.append(input_ids[:n])
-        self._queue(QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, []), tensors)
+        self._queue(QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, []),
+                    tensors, arenas, input_ids, None)
 
-    def _queue(self, forward: QueuedForward, tensors: list[torch.Tensor]) -> None:
-        # Staging on the device takes n / max_tokens of the buffers' memory while the copy runs: do it
-        # for decode-sized steps only, so that it stays within a few percent.
-        transfer = self._copy_out.queue(tensors, stage=len(forward.positions) * 64 <= self.max_tokens)
+    def _queue(self, forward: QueuedForward, tensors: list[torch.Tensor], arenas: list[torch.Tensor | None],
+               input_ids: torch.Tensor | None, kept: torch.Tensor | None) -> None:
+        """Send a forward's tensors and, when known, its token ids (``kept``: the rows of them it keeps;
+        None: all). The engine reuses its input ids' buffer, so they leave as a copy."""
+        if input_ids is not None:
+            ids = input_ids[:len(forward.positions)].clone() if kept is None else input_ids.index_select(0, kept)
+            tensors, arenas = [*tensors, ids], [*arenas, None]
+        transfer = self._copy_out.queue(tensors, arenas)
         self._pending.append((forward._replace(host=transfer.host), transfer))
 
     def _windows_keep_all(self, step: StepInfo) -> bool:
@@ -365,21 +373,22 @@ class InspectorRuntime:
                 if not len(kept):
                     continue
                 rows = None if len(kept) == n else self._to_device(kept)  # None: all of them
-                tensors, names = [], []
+                tensors, arenas, names = [], [], []
                 for s, hooks in members.items():
                     stack = self._stacks[s]
-                    if len(hooks) == sum(name is not None for name in stack.names):  # all of its hooks
+                    all_hooks = len(hooks) == sum(name is not None for name in stack.names)
+                    if all_hooks:
                         tensors.append(stack.tensor[:, :n] if rows is None else stack.tensor.index_select(1, rows))
                         names.append(list(stack.names))
-                        continue
-                    some = self._to_device(np.array(hooks))
-                    tensors.append(stack.tensor[:, :n].index_select(0, some) if rows is None
-                                   else stack.tensor[some[:, None], rows[None, :]])  # one gather
-                    names.append([stack.names[h] for h in hooks])
-                if input_ids is not None:
-                    tensors.append(input_ids[:n] if rows is None else input_ids.index_select(0, rows))
+                    else:
+                        some = self._to_device(np.array(hooks))
+                        tensors.append(stack.tensor[:, :n].index_select(0, some) if rows is None
+                                       else stack.tensor[some[:, None], rows[None, :]])  # one gather
+                        names.append([stack.names[h] for h in hooks])
+                    arenas.append(stack.arena if all_hooks and rows is None else None)  # a gather is a tensor of its own
                 starts = np.concatenate([[0], np.cumsum(keep)])[bounds]  # each request's kept rows
-                self._queue(QueuedForward(step.req_ids, starts, step.positions[kept], names, []), tensors)
+                self._queue(QueuedForward(step.req_ids, starts, step.positions[kept], names, []),
+                            tensors, arenas, input_ids, rows)
 
     def _to_device(self, index: np.ndarray) -> torch.Tensor:
         """An index for the device, sent without waiting for the forward queued before it (a copy from

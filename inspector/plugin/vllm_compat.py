@@ -243,7 +243,10 @@ def wrap_model_forward(worker, before: Callable[[StepInfo], None],
 
     - "V1" (CPU; GPU with ``VLLM_USE_V2_MODEL_RUNNER=0``): real steps go through ``_model_forward``.
     - "V2" (vLLM's GPU default since 0.2x): ``prepare_inputs`` builds the batch, ``execute_model``
-      runs it (or replays a full CUDA graph); dummy runs skip ``prepare_inputs``.
+      runs it (or replays a full CUDA graph); dummy runs skip ``prepare_inputs``. When
+      ``execute_model`` returns nothing, ``sample_tokens`` follows, and ``after`` waits for it: the
+      GPU copies to the host in the order they are queued, so the sampled tokens' small copy must go
+      before a prefill's gigabyte of rows, or the step would wait for the rows.
     """
     runner = worker.model_runner
     if hasattr(runner, "_model_forward"):
@@ -262,11 +265,17 @@ def wrap_model_forward(worker, before: Callable[[StepInfo], None],
         runner._model_forward = _model_forward
         return
 
-    prepare, execute = runner.prepare_inputs, runner.execute_model
+    prepare, execute, sample = runner.prepare_inputs, runner.execute_model, runner.sample_tokens
     queued: list[tuple[StepInfo, object]] = []
+
+    def flush() -> None:
+        while queued:
+            step, batch = queued.pop(0)
+            after(step, batch.input_ids)
 
     @functools.wraps(prepare)
     def prepare_inputs(*args, **kwargs):
+        flush()  # a forward whose sampling never came (it failed): its rows are still intact
         batch = prepare(*args, **kwargs)
         step = _step_info(batch.req_ids, batch.num_reqs, batch.query_start_loc_np, batch.num_computed_tokens_np)
         before(step)
@@ -276,12 +285,17 @@ def wrap_model_forward(worker, before: Callable[[StepInfo], None],
     @functools.wraps(execute)
     def execute_model(*args, **kwargs):
         output = execute(*args, **kwargs)
-        while queued:
-            step, batch = queued.pop(0)
-            after(step, batch.input_ids)
+        if output is not None:  # else ``sample_tokens`` comes next
+            flush()
         return output
 
-    runner.prepare_inputs, runner.execute_model = prepare_inputs, execute_model
+    @functools.wraps(sample)
+    def sample_tokens(*args, **kwargs):
+        output = sample(*args, **kwargs)
+        flush()
+        return output
+
+    runner.prepare_inputs, runner.execute_model, runner.sample_tokens = prepare_inputs, execute_model, sample_tokens
 
 
 def watch_logits(worker, seen: Callable[[torch.Tensor | None], None]) -> None:
