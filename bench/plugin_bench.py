@@ -140,32 +140,48 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
         return
     rng = np.random.default_rng(0)
     vocab = engine.vllm_config.model_config.get_vocab_size()
+    drain_s = 0.0
+
+    def drain(finishing: bool) -> None:
+        """As the engine session does: after every step, waiting only when requests finish."""
+        nonlocal drain_s
+        if hooks:
+            t = time.perf_counter()
+            llm.collective_rpc("inspector_drain", kwargs={"wait": finishing or waits})
+            drain_s += time.perf_counter() - t
+
+    installed = llm.collective_rpc("inspector_describe")[0]["installed"] if hooks else {}
+
+    def add(rids: list[str], params) -> None:
+        if config.window != "all":  # as the session sends them: before the requests' first forward
+            llm.collective_rpc("inspector_request_options", kwargs={"forget": [], "options": {
+                rid: {"windows": dict.fromkeys(installed, config.window), "prompt_tokens": prompt_len} for rid in rids}})
+        for rid in rids:
+            engine.add_request(rid, {"prompt_token_ids": rng.integers(10, vocab - 10, prompt_len).tolist()}, params)
+
     run_no = 0
     while True:
         msg = conn.recv()
+        run_no += 1
+        if msg[0] == "prefills":  # one request after another, each to its first token (rows still arriving)
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            times = []
+            for k in range(msg[1]):
+                t0 = time.perf_counter()
+                add([f"{run_no}-{k}"], params)
+                while engine.has_unfinished_requests():
+                    engine.step()
+                    drain(finishing=False)
+                times.append(time.perf_counter() - t0)
+            drain(finishing=True)
+            conn.send({"prefill_tok_s": prompt_len / statistics.median(times)})
+            continue
         if msg[0] != "run":
             break
         _, batch, new_tokens = msg
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        if config.window != "all":  # as the session sends them: before the requests' first forward
-            installed = llm.collective_rpc("inspector_describe")[0]["installed"]
-            llm.collective_rpc("inspector_request_options", kwargs={"forget": [], "options": {
-                f"{run_no}-{i}": {"windows": dict.fromkeys(installed, config.window), "prompt_tokens": prompt_len}
-                for i in range(batch)}})
-        for i in range(batch):
-            ids = rng.integers(10, vocab - 10, prompt_len).tolist()
-            engine.add_request(f"{run_no}-{i}", {"prompt_token_ids": ids}, params)
-        run_no += 1
+        add([f"{run_no}-{i}" for i in range(batch)],
+            SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
         drain_s = 0.0
-
-        def drain(finishing: bool) -> None:
-            """As the engine session does: after every step, waiting only when requests finish."""
-            nonlocal drain_s
-            if hooks:
-                t = time.perf_counter()
-                llm.collective_rpc("inspector_drain", kwargs={"wait": finishing or waits})
-                drain_s += time.perf_counter() - t
-
         t0 = time.perf_counter()
         first = set()
         while len(first) < batch:  # prefill: until every request has its first token
@@ -216,6 +232,8 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="instead of the preset's")
     parser.add_argument("--no-warm-boots", action="store_true", help="boot each configuration once (cold caches)")
+    parser.add_argument("--prefills", type=int, default=16,
+                        help="single-request prefills a rep, one after another (each rep: their median)")
     args = parser.parse_args()
 
     path, extra = model_dir(args.preset)
@@ -248,12 +266,15 @@ def main() -> None:
             warm_proc, _, boot[f"{name} again"] = start(name, roots[name], boot_only=True)
             warm_proc.join(timeout=120)
 
-    results = {(name, run): [] for name in args.configs for run in runs}
+    results = {(name, run): [] for name in args.configs for run in [*runs, "prefills"]}
     for rep in range(args.reps):
         for run in runs:
             for name, (proc, conn) in workers.items():
                 conn.send(("run", *run))
                 results[(name, run)].append(receive(conn, proc))
+        for name, (proc, conn) in workers.items():
+            conn.send(("prefills", args.prefills))
+            results[(name, "prefills")].append(receive(conn, proc))
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
     for proc, conn in workers.values():
         conn.send(("stop",))
@@ -278,13 +299,17 @@ def main() -> None:
             f"{b}x{n} prefill tok/s " + " ".join(f"{r['prefill_tok_s']:.0f}" for r in results[(name, (b, n))])
             + " (its drains, ms: " + " ".join(f"{r['prefill_drain_ms']:.1f}" for r in results[(name, (b, n))]) + ")"
             for b, n in runs))
+    for name in args.configs:
+        print(f"{name}: {args.prefills} single-request prefills a rep, prefill tok/s (median a rep) " +
+              " ".join(f"{r['prefill_tok_s']:.0f}" for r in results[(name, "prefills")]))
     if "vanilla" in args.configs:
         print()
         for name in args.configs[1:]:
             print(f"{name}/vanilla: " + ", ".join(
                 f"{b}x{n} prefill {med(name, (b, n), 'prefill_tok_s') / med('vanilla', (b, n), 'prefill_tok_s'):.3f} "
                 f"decode {med(name, (b, n), 'decode_tok_s') / med('vanilla', (b, n), 'decode_tok_s'):.3f}"
-                for b, n in runs))
+                for b, n in runs) + f"; single-request prefills "
+                f"{med(name, 'prefills', 'prefill_tok_s') / med('vanilla', 'prefills', 'prefill_tok_s'):.3f}")
         if boot["vanilla"]["cuda"]:
             print("GPU memory in use per device (all engines of this benchmark together): " + ", ".join(
                 f"{g:.1f}" for g in med_list(results[(args.configs[-1], runs[-1])], "gpu_used_gib")) + " GiB")
@@ -297,9 +322,9 @@ def main() -> None:
               f"{boot['compiled again']['boot_s'] / boot['vanilla again']['boot_s']:.2f} with warm ones")
         layers, width, _, _ = dims(spec)
         itemsize = 4 if dtype == "float32" else 2
-        buffers = layers * max_batched * width * itemsize / 2**20
+        buffers = layers * max_batched * width * itemsize / 2**20 * (2 if boot["vanilla"]["cuda"] else 1)  # + arenas
         tables = layers * 2 * DEFAULT_MAX_SLOTS * width * itemsize / 2**20
-        print(f"capture buffers {buffers:.1f} MiB + intervention tables {tables:.1f} MiB")
+        print(f"capture buffers (and on a GPU their staging arenas) {buffers:.1f} MiB + intervention tables {tables:.1f} MiB")
         last = runs[-1]
         if boot["vanilla"]["cuda"]:
             # Every engine gets the same memory budget and vLLM gives what is left to the KV cache, so
