@@ -38,6 +38,8 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     from inspector import plugin
 
     plugin.register()
+    if engine_args.get("distributed_executor_backend") == "ray":
+        _start_ray()
     plugin.configure(capture_specs or {}, max_num_batched_tokens, getattr(torch, dtype),
                      enable_batching=mode == "eager", enable_position_interventions=enable_position_interventions,
                      hook_patterns=hook_patterns, max_slots=max_slots, feature_clamps=feature_clamps)
@@ -48,6 +50,20 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
                        worker_extension_cls=plugin.WORKER_EXTENSION, **engine_args)
     finally:
         plugin.clear_config()
+
+
+def _start_ray() -> None:
+    """Start Ray before ``configure`` puts this boot's hook config into the environment (or join the
+    cluster that ``RAY_ADDRESS`` names or ``ray start`` began on this node, which never had it). Left to
+    vLLM, Ray would start inside the first boot and its processes would hand that boot's config down to
+    every later engine's workers: vLLM's Ray executor copies the driver's environment into a worker only
+    where a variable is missing. ``ray.init()`` is the call vLLM itself makes on CUDA."""
+    try:
+        import ray
+    except ImportError as e:
+        raise RuntimeError('distributed_executor_backend="ray" needs Ray on every node: pip install ray') from e
+    if not ray.is_initialized():
+        ray.init()
 
 
 def shutdown_llm(llm) -> None:

@@ -334,6 +334,19 @@ def compilation_count() -> int:
     return int(counters["stats"]["unique_graphs"]) + compilation_counter.num_backend_compilations
 
 
+def _remove_own_placement_group(parallel_config) -> None:
+    """Remove the Ray placement group vLLM created for an in-process engine: vLLM never does, and the
+    next Ray engine in this process would wait forever for its devices. A group vLLM took over (the
+    driver's own, from ``get_current_placement_group``) is the caller's and stays."""
+    placement_group = parallel_config.placement_group
+    if placement_group is None:  # not Ray, or the engine core ran in a process of its own
+        return
+    import ray
+
+    if ray.is_initialized() and placement_group != ray.util.get_current_placement_group():
+        ray.util.remove_placement_group(placement_group)
+
+
 def shutdown_engine(llm) -> None:
     """Stop an in-process engine and tear down vLLM's process-global state so a new one can boot.
 
@@ -345,6 +358,7 @@ def shutdown_engine(llm) -> None:
 
     engine, llm.llm_engine = llm.llm_engine, None
     engine.engine_core.shutdown()
+    _remove_own_placement_group(engine.vllm_config.parallel_config)
     del engine
     gc.collect()
     destroy_model_parallel()
