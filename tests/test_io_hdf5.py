@@ -20,7 +20,7 @@ from inspector.capture.run import HookRows, LensRows, RequestCapture, Run, TopTo
 from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.io import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, CaptureWriter, H5Array, LazyHookRows,
                           open_run, read_run, write_run)
-from inspector.io.format import chunk_cols_for, chunk_rows_for, escape_name, unescape_name
+from inspector.io.format import EXPORT_CHUNK_BYTES, chunk_cols_for, chunk_rows_for, escape_name, unescape_name
 
 H5DUMP = shutil.which("h5dump") or ("/usr/bin/h5dump" if os.path.exists("/usr/bin/h5dump") else None)
 REPO = Path(__file__).resolve().parents[1]
@@ -144,9 +144,9 @@ def test_round_trip_bit_for_bit(tmp_path, dtype):
         g = f["requests/0"]
         assert g.attrs["request_id"] == "req-0-\u00e9"
         v = g["hooks/model.layers.1.mlp.down_proj/values"]
-        # width split in equal parts, ~256 KiB
+        # width split in equal parts; written whole, a request's 300 rows fit in one ~4 MiB chunk row
         assert v.dtype == (np.uint16 if dtype == BFLOAT16 else dtype) and v.maxshape == (None, 1100)
-        assert v.chunks == ((119 if dtype.itemsize == 4 else 238), 550) and v.attrs.get("dtype") == ("bfloat16" if dtype == BFLOAT16 else None)
+        assert v.chunks == (300, 550) and v.attrs.get("dtype") == ("bfloat16" if dtype == BFLOAT16 else None)
         if dtype == BFLOAT16:  # the documented way to read it without our code
             expected = np.asarray(run.requests["req-0-\u00e9"].hooks["model.layers.1.mlp.down_proj"].values, np.float32)
             np.testing.assert_array_equal((v[...].astype(np.uint32) << 16).view(np.float32), expected)
@@ -207,7 +207,38 @@ def test_streaming_equals_one_shot(tmp_path):
     assert_runs_equal(run, one)
     for name in ("stream.h5", "tiny_buffer.h5"):
         assert_runs_equal(one, read_run(tmp_path / name))
+    with h5py.File(tmp_path / "stream.h5", "r") as streamed, h5py.File(tmp_path / "one.h5", "r") as whole:
+        values = "requests/0/hooks/model.layers.1.mlp.down_proj/values"
+        assert streamed[values].chunks == (119, 550) and whole[values].chunks == (700, 550)  # ~256 KiB; all of it
     assert listing(tmp_path) == ["one.h5", "stream.h5", "tiny_buffer.h5"]
+
+
+def test_a_whole_run_is_written_in_chunks_of_up_to_4_mib_that_split_its_rows_evenly(tmp_path):
+    run = make_run(rows=(3 * 1906 + 1, 1906, 0))  # 1,906 rows of 1,100 float32: the most a 4 MiB chunk holds
+    write_run(run, tmp_path / "whole.h5", fsync=False)
+    write_run(run, tmp_path / "lzf.h5", compression="lzf", fsync=False)
+    assert_runs_equal(run, read_run(tmp_path / "whole.h5"))
+    with h5py.File(tmp_path / "whole.h5", "r") as f, h5py.File(tmp_path / "lzf.h5", "r") as compressed:
+        values = "hooks/model.layers.1.mlp.down_proj/values"
+        assert f[f"requests/0/{values}"].chunks == (1430, 550)  # 4 chunk rows for 5,719 rows: 1 row of padding
+        assert f[f"requests/1/{values}"].chunks == (1906, 550)
+        assert compressed[f"requests/0/{values}"].chunks == (119, 550)  # a compressed chunk is read whole: small
+
+
+@pytest.mark.parametrize("compression, filters", [("lzf", {"shuffle", "lzf"}), (("gzip", 4), {"shuffle", "gzip"})])
+def test_compressed_files_read_back_bit_for_bit(tmp_path, compression, filters):
+    run = make_run(rows=(300, 1, 0))
+    write_run(run, tmp_path / "whole.h5", compression=compression, fsync=False)
+    stream(run, tmp_path / "streamed.h5", seed=4, compression=compression, fsync=False)
+    for name in ("whole.h5", "streamed.h5"):
+        assert_runs_equal(run, read_run(tmp_path / name))
+        with h5py.File(tmp_path / name, "r") as f:
+            for dataset in ("values", "positions", "token_ids"):
+                d = f[f"requests/0/hooks/model.layers.1.mlp.down_proj/{dataset}"]
+                assert set(d._filters) == filters and (d.compression_opts == 4) == (compression != "lzf")
+    with pytest.raises(ValueError, match="compression must be"):
+        CaptureWriter(tmp_path / "bad.h5", run.metadata, run.hooks, compression="zstd")
+    assert listing(tmp_path) == ["streamed.h5", "whole.h5"]
 
 
 def test_writer_argument_errors_keep_writer_usable(tmp_path):
@@ -513,6 +544,7 @@ def test_chunk_shapes():
     assert [chunk_cols_for(w) for w in (1, 64, 1024, 1100, 2560, 4096)] == [1, 64, 1024, 550, 854, 1024]
     assert chunk_rows_for(4096) == 64 and chunk_rows_for(1024) == 64
     assert chunk_rows_for(64) == 1024 and chunk_rows_for(1) == 4096
+    assert chunk_rows_for(1100, 4, EXPORT_CHUNK_BYTES) == 1906 and chunk_rows_for(4096, 2, EXPORT_CHUNK_BYTES) == 2048
 
 
 def test_a_router_hook_stores_its_rule_and_the_chosen_experts_beside_its_logits(tmp_path):

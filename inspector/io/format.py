@@ -20,12 +20,16 @@ import numpy as np
 FORMAT_NAME = "activation-inspector-capture"
 FORMAT_VERSION = 2  # 2: values in the engine's dtype (bfloat16 as its bits); 1: float32
 
-# Chunks of ~256 KiB: [rows, cols] with cols = the width split in equal parts of <= 1024 and rows =
-# 256 KiB / (itemsize * cols), within [64, 4096]. HDF5 stores a partly filled chunk at full size (we do not
-# compress), so small chunks bound the padding: <= 1 chunk row per (request, hook); none for
-# requests that end up with fewer rows than a chunk (those get a chunk of exactly their size).
+# Chunks of ~256 KiB when rows stream in: [rows, cols] with cols = the width split in equal parts of <= 1024
+# and rows = 256 KiB / (itemsize * cols), within [64, 4096]. HDF5 stores a partly filled chunk at full size
+# (we do not compress), so small chunks bound the padding: <= 1 chunk row per (request, hook); none for
+# requests that end up with fewer rows than a chunk (those get a chunk of exactly their size). A whole run
+# written at once (write_run), uncompressed, has chunks of up to ~4 MiB that split each (request, hook)'s rows
+# evenly: each chunk is an HDF5 call and an index entry (docs/performance-notes.md). Compressed chunks are
+# read whole, so those stay small.
 CHUNK_COLS = 1024
 CHUNK_TARGET_BYTES = 1 << 18
+EXPORT_CHUNK_BYTES = 1 << 22
 MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 64, 4096
 
 _TEXT_ESCAPED = "json_escaped_attrs"  # attr listing attrs stored JSON-encoded (strings HDF5 cannot hold)
@@ -158,20 +162,35 @@ def chunk_cols_for(width: int) -> int:
     return -(-width // parts)
 
 
-def chunk_rows_for(width: int, itemsize: int = 4) -> int:
-    """Rows of a ~256 KiB chunk: a chunk is one HDF5 call, whatever the dtype's size."""
-    return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, CHUNK_TARGET_BYTES // (chunk_cols_for(width) * itemsize))))
+def chunk_rows_for(width: int, itemsize: int = 4, target_bytes: int = CHUNK_TARGET_BYTES) -> int:
+    """Rows of a chunk of about ``target_bytes``: a chunk is one HDF5 call, whatever the dtype's size."""
+    return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, target_bytes // (chunk_cols_for(width) * itemsize))))
 
 
-def compression_kwargs(compression) -> dict:
-    if compression is None:
-        return {}
-    if compression == "lzf":
-        return {"compression": "lzf", "shuffle": True}
-    if compression == "gzip" or (isinstance(compression, tuple) and compression[0] == "gzip"):
-        level = 1 if compression == "gzip" else int(compression[1])
-        return {"compression": "gzip", "compression_opts": level, "shuffle": True}
-    raise ValueError(f"compression must be None, 'lzf', 'gzip' or ('gzip', level), not {compression!r}")
+def check_compression(compression) -> None:
+    if not (compression in (None, "lzf", "gzip") or (isinstance(compression, tuple) and len(compression) == 2
+                                                     and compression[0] == "gzip")):
+        raise ValueError(f"compression must be None, 'lzf', 'gzip' or ('gzip', level), not {compression!r}")
+
+
+def extendable_dataset(group: h5py.Group, name: str, dtype, shape: tuple[int, ...], chunks: tuple[int, ...],
+                       compression=None) -> h5py.Dataset:
+    """A chunked dataset that grows along its first axis, made with HDF5's own calls: h5py's
+    ``create_dataset`` spends ~45 µs of Python on each, a third of a bf16 export's cost beyond its
+    bytes (docs/performance-notes.md). Shuffle + lzf or gzip (level 1 unless given) if compressed."""
+    check_compression(compression)
+    plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    plist.set_chunk(chunks)
+    plist.set_obj_track_times(False)  # as h5py: a file's bytes do not depend on when it was written
+    if compression is not None:
+        plist.set_shuffle()
+        if compression == "lzf":
+            plist.set_filter(h5py.h5z.FILTER_LZF, h5py.h5z.FLAG_OPTIONAL)
+        else:
+            plist.set_deflate(1 if compression == "gzip" else int(compression[1]))
+    space = h5py.h5s.create_simple(shape, (h5py.h5s.UNLIMITED, *shape[1:]))
+    return h5py.Dataset(h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(np.dtype(dtype)), space,
+                                        dcpl=plist))
 
 
 def write_texts(group, name: str, texts) -> None:

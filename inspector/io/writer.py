@@ -25,8 +25,9 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.routing import Routing, route
 from inspector.capture.run import FeatureRows, LensRows, RequestCapture, Run, TopToken
 
-from .format import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, chunk_cols_for, chunk_rows_for,
-                     compression_kwargs, escape_name, os_reason, set_text, to_json, write_texts)
+from .format import (EXPORT_CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION, CaptureFileError,
+                     check_compression, chunk_cols_for, chunk_rows_for, escape_name, extendable_dataset, os_reason, set_text, to_json,
+                     write_texts)
 from .latching_file import LatchingFile
 
 INDEX_CHUNK = 4096  # chunk length of the 1-D positions/token_ids datasets
@@ -66,7 +67,7 @@ class _HookBuffer:
     positions/token ids (16 bytes a row, kept in memory and written when the request finishes)."""
 
     __slots__ = ("name", "width", "dtype", "chunk_rows", "chunk_cols", "pending", "rows_written", "positions",
-                 "token_ids", "idx_written", "d_values", "d_positions", "d_token_ids")
+                 "token_ids", "idx_written", "group", "d_values", "d_positions", "d_token_ids")
 
     def __init__(self, name: str, width: int, dtype: np.dtype):
         self.name, self.width, self.dtype = name, width, dtype
@@ -75,7 +76,7 @@ class _HookBuffer:
         self.rows_written = 0
         self.positions, self.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
         self.idx_written = 0
-        self.d_values = self.d_positions = self.d_token_ids = None
+        self.group = self.d_values = self.d_positions = self.d_token_ids = None  # the group: made with the values
 
     def new_pending(self) -> GrowableArray:
         return GrowableArray(self.dtype, (self.width,), capacity=0, max_capacity=self.chunk_rows)
@@ -127,7 +128,8 @@ class CaptureWriter:
         self._hooks: dict[str, HookPoint] = dict(hooks)
         for name, info in self._hooks.items():
             _check_hook(name, info)
-        self._compression = compression_kwargs(compression)
+        check_compression(compression)
+        self._compression = compression
         self._fsync = fsync
         self._budget = int(buffer_bytes)
         self._buffered = 0
@@ -356,14 +358,7 @@ class CaptureWriter:
         req = self._requests.get(request_id)
         if req is None:
             req = self._request(request_id)
-        buf = req.buffers.get(hook)
-        if buf is None:
-            info = self._hooks.get(hook)
-            if info is None:
-                raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
-            dtype = np.asarray(values).dtype
-            buf = req.buffers[hook] = _HookBuffer(hook, int(info.width),
-                                                  dtype if dtype in ROW_DTYPES.values() else np.dtype(np.float32))
+        buf = req.buffers.get(hook) or self._new_buffer(req, hook, np.asarray(values).dtype)
         if type(values) is not np.ndarray or values.dtype != buf.dtype:
             values = np.asarray(values).astype(buf.dtype, copy=False)
         if type(positions) is not np.ndarray or positions.dtype != np.int64 or positions.ndim != 1:
@@ -390,6 +385,26 @@ class CaptureWriter:
             self._fail(self._io.error or exc, f"appending rows of hook {hook!r}", exc)
         if self._io.error is not None:
             self._fail(self._io.error, f"appending rows of hook {hook!r}")
+
+    def _new_buffer(self, req: _Request, hook: str, dtype: np.dtype) -> _HookBuffer:
+        info = self._hooks.get(hook)
+        if info is None:
+            raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
+        buf = req.buffers[hook] = _HookBuffer(hook, int(info.width),
+                                              dtype if dtype in ROW_DTYPES.values() else np.dtype(np.float32))
+        return buf
+
+    def _fit_chunks(self, request_id: str, hook: str, rows: int, dtype: np.dtype) -> int:
+        """Size the chunks of a (request, hook) that will get exactly ``rows`` rows (write_run knows):
+        uncompressed, about 4 MiB each rather than 256 KiB (a chunk is an HDF5 call and an index entry),
+        all of one size so that the padding stays under one row per chunk. Returns a chunk's rows."""
+        req = self._request(request_id)
+        buf = req.buffers.get(hook) or self._new_buffer(req, hook, dtype)
+        if self._compression is None and buf.rows_written == 0 and not len(buf.pending):
+            pieces = max(1, -(-rows // chunk_rows_for(buf.width, buf.dtype.itemsize, EXPORT_CHUNK_BYTES)))
+            buf.chunk_rows = max(1, -(-rows // pieces))
+            buf.pending = buf.new_pending()
+        return buf.chunk_rows
 
     def append_lens(self, request_id: str, hook: str, columns: dict) -> None:
         """Append the logit lens of rows of ``hook``: ``columns`` as ``LensRows.COLUMNS`` name them."""
@@ -488,13 +503,12 @@ class CaptureWriter:
             if exact:  # everything this hook will get: chunks fit the data, no padding on disk
                 buf.chunk_rows = max(1, len(v))
             link = escape_name(buf.name)
-            g = req.group["hooks"].create_group(link)
+            g = buf.group = req.group["hooks"].create_group(link)
             if link != buf.name:  # the hook's own name, where the link name had to be escaped
                 set_text(g, "name", buf.name)
             bf16 = buf.dtype == BFLOAT16
-            buf.d_values = g.create_dataset("values", shape=(0, buf.width), maxshape=(None, buf.width),
-                                            dtype="<u2" if bf16 else buf.dtype.newbyteorder("<"),
-                                            chunks=(buf.chunk_rows, buf.chunk_cols), **self._compression)
+            buf.d_values = extendable_dataset(g, "values", "<u2" if bf16 else buf.dtype.newbyteorder("<"),
+                                              (0, buf.width), (buf.chunk_rows, buf.chunk_cols), self._compression)
             if bf16:  # HDF5 has no bfloat16: its bit patterns, named
                 set_text(buf.d_values, "dtype", "bfloat16")
         if v.dtype == BFLOAT16:
@@ -525,13 +539,14 @@ class CaptureWriter:
     def _write_index(self, buf: _HookBuffer) -> None:
         """Write positions/token ids up to the rows appended so far (called when a request finishes)."""
         n, have = len(buf.positions), buf.idx_written
-        if buf.d_positions is None:
-            g = buf.d_values.parent
+        if buf.d_positions is None:  # made with what there is
+            g = buf.group
             chunk = (max(1, min(n, INDEX_CHUNK)),)
-            buf.d_positions = g.create_dataset("positions", shape=(0,), maxshape=(None,), dtype="<i8",
-                                               chunks=chunk, **self._compression)
-            buf.d_token_ids = g.create_dataset("token_ids", shape=(0,), maxshape=(None,), dtype="<i8",
-                                               chunks=chunk, **self._compression)
+            buf.d_positions, buf.d_token_ids = (extendable_dataset(g, name, "<i8", (n,), chunk, self._compression)
+                                                for name in ("positions", "token_ids"))
+            for d, data in ((buf.d_positions, buf.positions.view()), (buf.d_token_ids, buf.token_ids.view())):
+                d.id.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
+            buf.idx_written = have = n
         if n > have:
             for d, data in ((buf.d_positions, buf.positions.view()), (buf.d_token_ids, buf.token_ids.view())):
                 d.resize(n, axis=0)
@@ -542,7 +557,7 @@ class CaptureWriter:
     def _write_expert_choice(buf: _HookBuffer, routing: Routing) -> None:
         """A router hook's chosen experts and their weights, recomputed from all its rows so far (a
         request's router logits are small: tokens × experts)."""
-        g = buf.d_values.parent
+        g = buf.group
         ids, weights = route(buf.d_values[:], routing)
         for name, data in (("expert_ids", ids), ("expert_weights", weights)):
             if name in g:
@@ -590,7 +605,7 @@ class CaptureWriter:
             del g.attrs["finish_reason"]
         for name, buf in req.buffers.items():
             if buf.d_values is not None and name in s.windows:
-                set_text(buf.d_values.parent, "window", s.windows[name])
+                set_text(buf.group, "window", s.windows[name])
         if "lens" in g:
             del g["lens"]
         if req.lens:
@@ -635,7 +650,7 @@ def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], Non
             for name, rows in req.hooks.items():
                 n = len(rows)
                 positions, token_ids, values = rows.positions, rows.token_ids, rows.values
-                chunk = chunk_rows_for(rows.width, rows.values.dtype.itemsize)
+                chunk = writer._fit_chunks(req.request_id, name, n, rows.values.dtype)
                 step = max(chunk, (WRITE_PIECE_BYTES // row_bytes(rows)) // chunk * chunk)
                 if n == 0:
                     writer.append_rows(req.request_id, name, positions, token_ids,
