@@ -125,6 +125,33 @@ def test_drained_rows_are_each_requests_rows_in_order(dtype):
                                           np.stack([v for _, _, v in rows]))
 
 
+def test_a_requests_rows_are_read_set_and_deleted_like_a_dict_and_pickle_with_their_stacks_once():
+    """What the session (scores set, features read), tensor-parallel merging (another rank's rows set)
+    and vLLM's worker processes (pickling) do with a drained request's rows."""
+    import pickle
+
+    values = torch.arange(2 * 6 * 512, dtype=torch.float32).reshape(2, 6, 512)
+    forward = QueuedForward(["r0", "r1"], np.array([0, 2, 6]), np.array([3, 4, 0, 1, 2, 3]), [["a", "b"]],
+                            [values, torch.arange(6)])
+    got = rows_by_request([forward])
+    r1 = got["r1"]
+    assert list(r1) == ["a", "b"] and len(r1) == 2 and "a" in r1 and "z" not in r1 and r1.get("z") is None
+    np.testing.assert_array_equal(r1["b"]["values"], values[1, 2:].numpy())
+    assert r1["a"]["positions"].tolist() == [0, 1, 2, 3] and r1["a"]["token_ids"].tolist() == [2, 3, 4, 5]
+    r1["scores"] = {"positions": np.array([3])}
+    r1["a"] = {**r1["a"], "values": np.zeros((4, 512))}
+    assert [hook for hook, _ in r1.items()] == list(r1) == ["a", "b", "scores"] and len(r1) == 3
+    assert not r1["a"]["values"].any() and dict(r1.items())["a"] is r1["a"]
+    del r1["b"]
+    assert list(r1) == ["a", "scores"] and "b" not in r1 and not r1["a"]["values"].any()
+    assert list(got["r0"]) == ["a", "b"]  # the stacks' index is shared: deleting from one request leaves the others
+    wire = pickle.dumps(got)
+    assert len(wire) < values.numpy().nbytes + np.zeros((4, 512)).nbytes + 2048  # the stack once, not per request
+    back = pickle.loads(wire)
+    np.testing.assert_array_equal(back["r0"]["b"]["values"], values[1, :2].numpy())
+    assert back["r1"]["scores"]["positions"].tolist() == [3]
+
+
 def test_windowed_steps_keep_each_hooks_promised_rows_in_order():
     """Hooks of two widths, requests with and without windows, and steps whose hooks group differently
     (so the sub-forwards of one drain alternate): every hook gets exactly the rows its window keeps."""

@@ -4,14 +4,16 @@ Each forward's host copy holds, per stack of same-width hooks, ``[hooks, rows, w
 whole batch, in the engine's dtype (bfloat16 as ``ml_dtypes``' numpy bfloat16: no conversion on the
 step path). A drain of one forward hands that copy out as it is (its rows are in request order);
 several forwards are joined per stack into one array of our own in request order, one strided copy per
-forward when its rows land evenly spaced (always, for decode steps). Each request and hook then gets a
-view. The number of copies must not grow with the batch: every copy costs a wake-up of the host's
-threads (measurements: docs/performance-notes.md).
+forward when its rows land evenly spaced (always, for decode steps). Each request then gets a
+``RequestRows``, whose hooks' rows are views made when read. The number of copies must not grow with
+the batch: every copy costs a wake-up of the host's threads; nor the Python objects made on the engine's
+step path (measurements: docs/performance-notes.md).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, MutableMapping
 from typing import NamedTuple
 
 import numpy as np
@@ -33,21 +35,70 @@ class QueuedForward(NamedTuple):
     host: list[torch.Tensor]
 
 
-def rows_by_request(forwards: list[QueuedForward]) -> dict[str, dict[str, Rows]]:
+class RequestRows(MutableMapping):
+    """One request's rows of a drain: hook → rows (positions, token_ids, values), each made when it is
+    read. A drain hands out one of these per request, not a mapping per request and hook: at batch 32
+    with 32 hooks those were a thousand Python objects on the engine's step path every step. Rows set
+    here (scores, another rank's) are kept as they are."""
+
+    __slots__ = ("_index", "_span", "_where", "_ids", "_set")
+
+    def __init__(self, index: dict[str, tuple[np.ndarray, int]], span: slice, where: np.ndarray, ids: np.ndarray):
+        self._index = index  # hook → (its stack, its place in it); shared by the requests of a drain
+        self._span, self._where, self._ids = span, where, ids
+        self._set: dict[str, Rows] = {}
+
+    def __getitem__(self, hook: str) -> Rows:
+        if hook in self._set:
+            return self._set[hook]
+        stack, h = self._index[hook]
+        return {"positions": self._where, "token_ids": self._ids, "values": stack[h, self._span]}
+
+    def __contains__(self, hook) -> bool:
+        return hook in self._set or hook in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._index
+        yield from (hook for hook in self._set if hook not in self._index)
+
+    def __len__(self) -> int:
+        return len(self._index) + sum(hook not in self._index for hook in self._set)
+
+    def items(self) -> list[tuple[str, Rows]]:  # every row read at once (the session's way): no lookup per hook
+        where, ids, span, made = self._where, self._ids, self._span, self._set
+        return [*((hook, made[hook] if hook in made else {"positions": where, "token_ids": ids, "values": stack[h, span]})
+                  for hook, (stack, h) in self._index.items()),
+                *((hook, rows) for hook, rows in made.items() if hook not in self._index)]
+
+    def __setitem__(self, hook: str, rows: Rows) -> None:
+        self._set[hook] = rows
+
+    def __delitem__(self, hook: str) -> None:
+        if hook in self._index:
+            self._set = {name: self[name] for name in self if name != hook}
+            self._index = {}
+        else:
+            del self._set[hook]
+
+
+def rows_by_request(forwards: list[QueuedForward]) -> dict[str, MutableMapping[str, Rows]]:
     """request id → hook → rows, over ``forwards`` in order. Forwards with the same hooks are gathered
     together; a hook set changed between them (eager mode) splits them, and a hook then covers only
     the forwards it was installed for."""
-    out: dict[str, dict[str, Rows]] = {}
+    out: dict[str, MutableMapping[str, Rows]] = {}
     for _, group in itertools.groupby(forwards, key=lambda f: f.stack_names):
         for rid, hooks in _gather(list(group)).items():
-            merged = out.setdefault(rid, {})
+            merged = out.get(rid)
+            if merged is None:
+                out[rid] = hooks
+                continue
             for name, rows in hooks.items():
                 merged[name] = rows if name not in merged else {
                     key: np.concatenate([merged[name][key], rows[key]]) for key in rows}
     return out
 
 
-def _gather(forwards: list[QueuedForward]) -> dict[str, dict[str, Rows]]:
+def _gather(forwards: list[QueuedForward]) -> dict[str, RequestRows]:
     stack_names = forwards[0].stack_names
     offsets = np.cumsum([0] + [len(f.positions) for f in forwards])
     spans: dict[str, list[np.ndarray]] = {}  # request → its rows in the forwards joined, in order
@@ -65,14 +116,12 @@ def _gather(forwards: list[QueuedForward]) -> dict[str, dict[str, Rows]]:
     positions = np.concatenate([f.positions for f in forwards])[order]
     tokens = np.concatenate([_token_ids(f) for f in forwards])[order].astype(np.int64, copy=False)
     values = [_ordered_values([f.host[k] for f in forwards], dest_rows) for k in range(len(stack_names))]
+    index = {name: (stack, h) for names, stack in zip(stack_names, values) for h, name in enumerate(names)
+             if name is not None}
     out, start = {}, 0
     for rid, parts in spans.items():
         end = start + sum(len(p) for p in parts)
-        where, ids, hooks = positions[start:end], tokens[start:end], {}
-        for names, stack in zip(stack_names, values):
-            hooks.update({name: {"positions": where, "token_ids": ids, "values": v}
-                          for name, v in zip(names, stack[:, start:end]) if name is not None})
-        out[rid] = hooks
+        out[rid] = RequestRows(index, slice(start, end), positions[start:end], tokens[start:end])
         start = end
     return out
 
