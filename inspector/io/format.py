@@ -176,8 +176,8 @@ def check_compression(compression) -> None:
 def extendable_dataset(group: h5py.Group, name: str, dtype, shape: tuple[int, ...], chunks: tuple[int, ...],
                        compression=None) -> h5py.Dataset:
     """A chunked dataset that grows along its first axis, made with HDF5's own calls: h5py's
-    ``create_dataset`` spends ~45 µs of Python on each, a third of a bf16 export's cost beyond its
-    bytes (docs/performance-notes.md). Shuffle + lzf or gzip (level 1 unless given) if compressed."""
+    ``create_dataset`` spends ~45 µs of Python on each, and an export makes three per request and hook
+    (docs/performance-notes.md). Shuffle + lzf or gzip (level 1 unless given) if compressed."""
     check_compression(compression)
     plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     plist.set_chunk(chunks)

@@ -25,8 +25,8 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.routing import Routing, route
 from inspector.capture.run import FeatureRows, LensRows, RequestCapture, Run, TopToken
 
-from .format import (EXPORT_CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION, CaptureFileError,
-                     check_compression, chunk_cols_for, chunk_rows_for, escape_name, extendable_dataset, os_reason, set_text, to_json,
+from .format import (EXPORT_CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION, CaptureFileError, check_compression,
+                     chunk_cols_for, chunk_rows_for, escape_name, extendable_dataset, os_reason, set_text, to_json,
                      write_texts)
 from .latching_file import LatchingFile
 
@@ -390,9 +390,9 @@ class CaptureWriter:
         info = self._hooks.get(hook)
         if info is None:
             raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
-        buf = req.buffers[hook] = _HookBuffer(hook, int(info.width),
-                                              dtype if dtype in ROW_DTYPES.values() else np.dtype(np.float32))
-        return buf
+        req.buffers[hook] = _HookBuffer(hook, int(info.width),
+                                        dtype if dtype in ROW_DTYPES.values() else np.dtype(np.float32))
+        return req.buffers[hook]
 
     def _fit_chunks(self, request_id: str, hook: str, rows: int, dtype: np.dtype) -> int:
         """Size the chunks of a (request, hook) that will get exactly ``rows`` rows (write_run knows):
