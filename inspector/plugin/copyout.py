@@ -6,8 +6,8 @@ millisecond), and sent from there to pinned host memory on a side stream, in par
 forward: prefill steps as much as decode steps. The arena is reused by the next forward's staging
 only once the side stream has read it. Tensors made for this copy alone (a window's gathered rows,
 an SAE's features) are sent as they are. Nothing here waits for the GPU: ``Transfer.ready`` says
-whether the copies have landed, ``Transfer.wait`` waits for them. The driver's drain converts the
-landed copies, in ``gather`` (why not a background thread: docs/performance-notes.md).
+whether the copies have landed, ``Transfer.wait`` waits for them. The driver's drain hands the landed
+copies out as they are, in ``gather`` (why not a background thread: docs/performance-notes.md).
 """
 
 from __future__ import annotations

@@ -82,7 +82,9 @@ class RequestRows(MutableMapping):
         hooks = self._hooks()
         return len(hooks) + sum(hook not in hooks for hook in self._set)
 
-    def items(self) -> list[tuple[str, Rows]]:  # every row read at once (the session's way): no lookup per hook
+    def items(self) -> list[tuple[str, Rows]]:
+        """Every hook's rows at once, the session's way: no lookup per hook, and ``_rows`` inlined (a
+        call per hook cost a batch-32 step of 32 hooks 0.08 ms more here)."""
         if len(self._spans) != 1:
             return [(hook, self[hook]) for hook in self]
         (index, rows, where, ids), made = self._spans[0], self._set
