@@ -339,6 +339,6 @@ class FakeSession(Experiments):
         return (shifted - np.log(np.exp(shifted).sum()))[list(ids)].astype(np.float32)
 
     def _event(self, step: int, started: tuple, steps: list[RequestStep]) -> StepEvent:
-        event = StepEvent(step, tuple(steps), started)
+        event = StepEvent(step, tuple(steps), started, owns_rows=True)  # each step's arrays are new
         fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
         return event

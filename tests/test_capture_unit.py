@@ -1,6 +1,8 @@
 """The shared value vocabulary (``inspector.capture``): positions, vectors, model names, growing arrays,
 and folding step events into a run."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,52 @@ def test_fold_event_rebuilds_a_run_from_events_alone():
     bare = Run(metadata={})
     fold_event(bare, first, keep_rows=False)
     assert bare.requests["req0"].hooks == {}
+
+
+def test_rows_an_event_owns_are_kept_as_they_came_and_joined_in_order_when_read():
+    """A step of many requests and hooks adds its rows without copying them (``StepEvent.owns_rows``);
+    reads see every row in order, whichever way each piece was added."""
+    run, width = Run(metadata={}), 4
+    start = RequestStart("r", "p", (1, 2), ("a", "b"), {"max_tokens": 8})
+    stack = np.arange(3 * width, dtype=np.float32).reshape(3, width)  # a forward's rows, shared by requests
+    prompt = (np.arange(2), np.array([1, 2]), stack[:2])
+    fold_event(run, StepEvent(0, (RequestStep("r", rows={"h": prompt}),), (start,), owns_rows=True))
+    rows = run.requests["r"].hooks["h"]
+    assert len(rows) == 2 and np.shares_memory(rows._kept[0][2], stack)  # not copied yet
+    fold_event(run, StepEvent(1, (RequestStep("r", rows={"h": (np.array([2]), np.array([5]), stack[2:])}),),
+                              owns_rows=True))
+    assert len(rows) == 3 and rows.values.tolist() == stack.tolist() and not rows._kept  # joined on reading
+    mine = np.full((1, width), -1.0, np.float32)
+    rows.keep(np.array([3]), np.array([6]), np.full((1, width), 9.0, np.float32))
+    rows.append(np.array([4]), np.array([7]), mine)  # copied, after the kept row
+    mine[:] = 0  # the caller writes its array again: the copy is unchanged
+    frozen = rows.snapshot()
+    rows.keep(np.array([5]), np.array([8]), np.full((1, width), 10.0, np.float32))
+    assert rows.positions.tolist() == list(range(6)) and rows.token_ids.tolist() == [1, 2, 5, 6, 7, 8]
+    assert rows.values[3:, 0].tolist() == [9.0, -1.0, 10.0] and len(frozen) == 5 and frozen.values[-1, 0] == -1.0
+    with pytest.raises(ValueError, match="do not fit a hook of width 4"):
+        rows.keep(np.arange(2), np.arange(2), np.ones((2, 3)))
+
+
+def test_kept_rows_read_from_another_thread_while_rows_are_added_arrive_whole_and_in_order():
+    rows, width, n = HookRows(2, expected_rows=8), 2, 20000
+    seen, wrong, done = [], [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            got = rows.positions[:len(rows.values)]
+            seen.append(len(got))
+            if got.tolist() != list(range(len(got))):
+                wrong.append(got)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for k in range(n):
+        rows.keep(np.array([k]), np.array([k]), np.full((1, width), k, np.float32))
+    done.set()
+    reader.join()
+    assert not wrong and len(set(seen)) > 1  # the reader saw the rows grow, always whole and in order
+    assert rows.positions.tolist() == list(range(n)) and rows.values[:, 1].tolist() == list(range(n))
 
 
 def test_hook_rows_refuse_rows_that_do_not_fit():

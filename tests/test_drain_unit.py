@@ -16,7 +16,7 @@ from inspector.capture.dtypes import BFLOAT16
 from inspector.plugin import vllm_compat
 from inspector.plugin.config import PluginConfig
 from inspector.plugin.copyout import Transfer
-from inspector.plugin.gather import QueuedForward, rows_by_request
+from inspector.plugin.gather import QueuedForward, own_copies, rows_by_request
 from inspector.plugin.runtime import InspectorRuntime
 
 
@@ -150,6 +150,31 @@ def test_a_requests_rows_are_read_set_and_deleted_like_a_dict_and_pickle_with_th
     back = pickle.loads(wire)
     np.testing.assert_array_equal(back["r0"]["b"]["values"], values[1, :2].numpy())
     assert back["r1"]["scores"]["positions"].tolist() == [3]
+
+
+def test_borrowed_rows_are_copied_once_a_stack_for_keeping_and_pickled_rows_are_not_borrowed():
+    """Rows viewing pinned copies in this process (a GPU engine in the session's process) are
+    ``borrowed``: a session that keeps rows copies each landed stack once, shared by its requests."""
+    import pickle
+
+    values = torch.arange(2 * 6 * 8, dtype=torch.float32).reshape(2, 6, 8)
+    forward = QueuedForward(["r0", "r1"], np.array([0, 2, 6]), np.array([3, 4, 0, 1, 2, 3]), [["a", "b"]],
+                            [values, torch.arange(6)])
+    got = rows_by_request([forward])
+    assert not any(rows.borrowed for rows in got.values())  # nothing pinned here
+    for rows in got.values():
+        rows.borrowed = True
+    got["r1"]["scores"] = {"positions": np.array([3]), "values": np.ones((1, 2))}
+    owned = own_copies({**got, "r2": {"scores": {"positions": np.array([5])}}})
+    assert owned["r2"] is not None and not any(getattr(rows, "borrowed", False) for rows in owned.values())
+    for rid in ("r0", "r1"):
+        for hook in ("a", "b"):
+            for key in ("positions", "token_ids", "values"):
+                np.testing.assert_array_equal(owned[rid][hook][key], got[rid][hook][key])
+                assert not np.shares_memory(owned[rid][hook][key], values.numpy())
+    assert owned["r0"]["a"]["values"].base is owned["r1"]["b"]["values"].base  # one copy of the stack
+    assert owned["r1"]["scores"]["values"].tolist() == [[1.0, 1.0]]
+    assert not any(rows.borrowed for rows in pickle.loads(pickle.dumps(got)).values())  # a worker process's
 
 
 def test_windowed_steps_keep_each_hooks_promised_rows_in_order():

@@ -25,14 +25,26 @@ class GrowableArray:
     def append(self, rows) -> None:
         rows = np.asarray(rows)
         need = self._n + len(rows)
+        self._make_room(need)
+        self._a[self._n: need] = rows
+        self._n = need
+
+    def extend(self, parts: list) -> None:
+        """Append several blocks of rows, growing at most once."""
+        start = self._n
+        self._make_room(start + sum(len(part) for part in parts))
+        for part in parts:
+            self._a[start: start + len(part)] = part
+            start += len(part)
+        self._n = start
+
+    def _make_room(self, need: int) -> None:
         if need > len(self._a):
             # x1.5: at most half again as much memory as the rows need
             grown = np.empty((max(need, self._capped(len(self._a) + len(self._a) // 2 + 1)),
                               *self._a.shape[1:]), dtype=self._a.dtype)
             grown[: self._n] = self._a[: self._n]
             self._a = grown
-        self._a[self._n: need] = rows
-        self._n = need
 
     @property
     def dtype(self) -> np.dtype:

@@ -120,6 +120,9 @@ class StepEvent:
     step: int
     requests: tuple[RequestStep, ...]
     started: tuple[RequestStart, ...] = ()
+    # the rows' arrays are this event's alone (nothing writes them again or frees their memory for
+    # reuse): a run keeps them as they are instead of copying each (``HookRows.keep``)
+    owns_rows: bool = False
 
 
 class SessionProtocol(Protocol):
@@ -239,7 +242,7 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True, new_rows: New
                     expected = len(req.prompt_token_ids) + int(req.sampling.get("max_tokens") or 0)
                     req.hooks[hook] = HookRows(rows[2].shape[1], max(min(expected, MAX_EXPECTED_ROWS), len(rows[0])),
                                                rows[2].dtype)
-                req.hooks[hook].append(*rows)
+                (req.hooks[hook].keep if event.owns_rows else req.hooks[hook].append)(*rows)
         if step.finished:
             req.finish_reason = step.finish_reason
         changed.add(step.request_id)

@@ -7,6 +7,7 @@ request with T tokens normally has T - 1 rows per hook.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -26,7 +27,12 @@ class TopToken(NamedTuple):
 
 class HookRows:
     """Rows of one hook for one request, appended step by step, kept in the engine's dtype
-    (``dtypes.ROW_DTYPES``: a bf16 engine's rows stay bfloat16)."""
+    (``dtypes.ROW_DTYPES``: a bf16 engine's rows stay bfloat16).
+
+    Rows handed over with ``keep`` are held as they came and joined into the arrays only when read: a
+    batch-32 step of 32 hooks adds 1,024 pieces, and copying each as it came took most of a step's
+    host time (page faults of the fresh memory included; docs/performance-notes.md). Reads may come
+    from another thread than the one adding rows: joining is locked."""
 
     def __init__(self, width: int, expected_rows: int = 16, dtype=np.float32):
         """``expected_rows``: room made at once (a request's prompt and token budget), so rows are
@@ -35,16 +41,42 @@ class HookRows:
         self._positions = GrowableArray(np.int64, capacity=expected_rows)
         self._token_ids = GrowableArray(np.int64, capacity=expected_rows)
         self._values = GrowableArray(np.dtype(dtype), (width,), capacity=expected_rows)
+        self._kept: list[tuple] = []  # (positions, token_ids, values) handed over, not joined yet
+        self._rows = 0
+        self._join_lock = threading.Lock()
 
     @property
     def dtype(self) -> np.dtype:
         return self._values.dtype
 
     def append(self, positions, token_ids, values) -> None:
+        """Copy the rows in (the caller may write its arrays again)."""
         values = self._checked(positions, token_ids, values)
+        self._joined()  # in order; with nothing kept, no reader's join can touch the arrays meanwhile
         self._positions.append(positions)
         self._token_ids.append(token_ids)
         self._values.append(values)
+        self._rows += len(values)
+
+    def keep(self, positions, token_ids, values) -> None:
+        """Add rows whose arrays the caller hands over and nothing writes again (a step event's that
+        owns them): held as they are, joined when read."""
+        values = self._checked(positions, token_ids, values)
+        self._kept.append((positions, token_ids, values))
+        self._rows += len(values)
+
+    def _joined(self) -> None:
+        if self._kept:
+            with self._join_lock:
+                self._join_kept()
+
+    def _join_kept(self) -> None:
+        """Under the lock; rows kept meanwhile (by the adding thread) wait for the next read."""
+        parts = self._kept[:len(self._kept)]
+        if parts:
+            for array, column in zip((self._positions, self._token_ids, self._values), zip(*parts)):
+                array.extend(column)
+            del self._kept[:len(parts)]
 
     def _checked(self, positions, token_ids, values) -> np.ndarray:
         values = np.asarray(values)
@@ -55,26 +87,31 @@ class HookRows:
 
     def snapshot(self) -> "HookRows":
         """The rows so far, shared (no copy), for another thread: later appends never change them."""
+        self._joined()
         copy = HookRows.__new__(HookRows)
-        copy.width = self.width
+        copy.width, copy._kept, copy._join_lock = self.width, [], threading.Lock()
         copy._positions, copy._token_ids, copy._values = (
             self._positions.snapshot(), self._token_ids.snapshot(), self._values.snapshot())
+        copy._rows = len(copy._positions)
         return copy
 
     @property
     def positions(self) -> np.ndarray:
+        self._joined()
         return self._positions.view()
 
     @property
     def token_ids(self) -> np.ndarray:
+        self._joined()
         return self._token_ids.view()
 
     @property
     def values(self) -> np.ndarray:
+        self._joined()
         return self._values.view()
 
     def __len__(self) -> int:
-        return len(self._positions)
+        return self._rows
 
 
 class LensRows:

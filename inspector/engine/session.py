@@ -33,7 +33,7 @@ from inspector.experiments.methods import Experiments
 from inspector.capture.sae import AttachedSae, checked_attachment
 from inspector.capture.windows import CaptureWindow, checked_windows, windows_from_patterns
 from inspector.plugin.config import FEATURES, PLUGIN_MISSING, SCORES, feature_keys
-from inspector.plugin.gather import merge_ranks
+from inspector.plugin.gather import merge_ranks, own_copies
 
 from .boot import boot_llm, shutdown_llm
 from .tokens import token_text
@@ -395,6 +395,9 @@ class Session(Experiments):
         """One event for every request with news (a start, rows, tokens, log entries or an end), folded
         into ``run`` as it is made."""
         finish = finish or {}
+        owned = not any(getattr(rows, "borrowed", False) for rows in captures.values())
+        if not owned and self.options.retain_rows:
+            captures, owned = own_copies(captures), True
         started, self._unstarted = tuple(self._unstarted), []
         order = [s.request_id for s in started] + [*captures, *outputs, *self._unsent_log, *self._unsent_windows,
                                                    *finish]
@@ -423,7 +426,7 @@ class Session(Experiments):
                 self._optioned.discard(rid)
                 self._over.append(rid)
         self._steps += 1
-        event = StepEvent(self._steps - 1, tuple(steps), started)
+        event = StepEvent(self._steps - 1, tuple(steps), started, owns_rows=owned)
         fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
         return event
 

@@ -144,6 +144,8 @@ class LazyHookRows(HookRows):
     def append(self, *args, **kwargs):
         raise TypeError("hook rows read from a capture file are read-only; use read_run() for an in-memory copy")
 
+    keep = append
+
     def snapshot(self) -> "LazyHookRows":
         return self  # never grows
 

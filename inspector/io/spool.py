@@ -106,6 +106,7 @@ class SpooledHookRows(HookRows):
         self.width, self._dtype = width, dtype
         self._spool, self._request_id, self._hook = spool, request_id, hook
         self._positions, self._token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
+        self._kept, self._rows = [], 0  # nothing is held back: every row goes to the file at once
 
     @property
     def dtype(self) -> np.dtype:
@@ -116,10 +117,14 @@ class SpooledHookRows(HookRows):
         self._spool.append(self._request_id, self._hook, positions, token_ids, values.astype(self._dtype, copy=False))
         self._positions.append(positions)
         self._token_ids.append(token_ids)
+        self._rows += len(values)
+
+    keep = append
 
     def snapshot(self) -> "SpooledHookRows":
         copy = SpooledHookRows(self._spool, self._request_id, self._hook, self.width, self._dtype)
         copy._positions, copy._token_ids = self._positions.snapshot(), self._token_ids.snapshot()
+        copy._rows = len(copy._positions)
         return copy
 
     @property

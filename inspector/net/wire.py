@@ -267,7 +267,8 @@ def event_from_body(body: dict) -> StepEvent:
                 offsets[hook] = a + n
             steps.append(_request_step(d, rows))
         return StepEvent(int(body["step"]), tuple(steps),
-                         tuple(convert(s, RequestStart, "a request start") for s in body["started"]))
+                         tuple(convert(s, RequestStart, "a request start") for s in body["started"]),
+                         owns_rows=True)  # the message's own frames
     except (KeyError, TypeError, ValueError) as e:
         raise WireError("bad-message", f"a malformed step event: {e}") from None
 

@@ -8,7 +8,8 @@ the landed copy; a request spanning several forwards gets its rows joined then).
 no host copy and a few Python objects per request, whatever the number of hooks: a drain runs on the
 engine's step path, and rows joined there were a host copy of every backlogged forward
 (measurements: docs/performance-notes.md). A landed copy's pinned block goes back to torch's host
-allocator once nothing refers to it.
+allocator once nothing refers to it: rows read from pinned copies in the worker's own process are
+``borrowed``, to be copied by whoever keeps them.
 """
 
 from __future__ import annotations
@@ -48,11 +49,19 @@ class RequestRows(MutableMapping):
     """One request's rows of a drain: hook → rows (positions, token_ids, values), each made when it is
     read. Rows set here (scores, another rank's) are kept as they are."""
 
-    __slots__ = ("_spans", "_set")
+    __slots__ = ("_spans", "_set", "borrowed")
 
-    def __init__(self, spans: list[Span]):
+    def __init__(self, spans: list[Span], borrowed: bool = False):
         self._spans = spans  # in forward order
         self._set: dict[str, Rows] = {}
+        self.borrowed = borrowed  # views of pinned copies: kept as they are, they would pin them for good
+
+    def __getstate__(self):
+        return self._spans, self._set
+
+    def __setstate__(self, state) -> None:
+        self._spans, self._set = state
+        self.borrowed = False  # unpickled: arrays of their own
 
     def __getitem__(self, hook: str) -> Rows:
         if hook in self._set:
@@ -102,6 +111,32 @@ class RequestRows(MutableMapping):
         self._spans = []
 
 
+def own_copies(drained: dict[str, MutableMapping]) -> dict[str, MutableMapping]:
+    """``drained`` with borrowed rows copied out of the pinned copies they view, one copy of each
+    landed stack shared by the requests as before: for keeping rows (views kept would pin the blocks
+    for good; a copy a stack costs far less than one a request and hook)."""
+    copies: dict[int, object] = {}
+
+    def once(original, copy):
+        if id(original) not in copies:
+            copies[id(original)] = copy(original)
+        return copies[id(original)]
+
+    def index_copy(index):
+        return {hook: (once(stack, np.copy), h) for hook, (stack, h) in index.items()}
+
+    out = {}
+    for rid, rows in drained.items():
+        if not getattr(rows, "borrowed", False):
+            out[rid] = rows
+            continue
+        owned = RequestRows([Span(once(span.index, index_copy), span.rows, span.positions.copy(), span.token_ids.copy())
+                             for span in rows._spans])
+        owned._set = {hook: {key: np.copy(a) for key, a in r.items()} for hook, r in rows._set.items()}
+        out[rid] = owned
+    return out
+
+
 def _rows(span: Span, hook: str) -> Rows:
     stack, h = span.index[hook]
     return {"positions": span.positions, "token_ids": span.token_ids, "values": stack[h, span.rows]}
@@ -111,6 +146,7 @@ def rows_by_request(forwards: list[QueuedForward]) -> dict[str, RequestRows]:
     """request id → hook → rows, over ``forwards`` in order. A hook set changed between them (eager
     mode) covers only the forwards it was installed for."""
     spans: dict[str, list[Span]] = {}
+    borrowed = any(t.is_pinned() for f in forwards for t in f.host)
     for f in forwards:
         index = {name: (stack, h) for names, stack in zip(f.stack_names, map(_numpy, f.host))
                  for h, name in enumerate(names) if name is not None}
@@ -119,7 +155,7 @@ def rows_by_request(forwards: list[QueuedForward]) -> dict[str, RequestRows]:
         for rid, a, b in zip(f.req_ids, bounds, bounds[1:]):
             if a != b:
                 spans.setdefault(rid, []).append(Span(index, slice(a, b), f.positions[a:b], ids[a:b]))
-    return {rid: RequestRows(parts) for rid, parts in spans.items()}
+    return {rid: RequestRows(parts, borrowed) for rid, parts in spans.items()}
 
 
 def _token_ids(f: QueuedForward) -> np.ndarray:
