@@ -71,6 +71,23 @@ def test_drain_without_wait_takes_only_landed_steps_in_order():
     assert runtime.drain() == {}
 
 
+def test_forwards_drained_together_become_one_slice_a_request_and_hook():
+    """The engine ran ahead of the drains: its forwards' rows are laid out request after request, so
+    each request's rows of a hook are one view (no join per request and hook), and the requests' rows
+    of a hook lie one after another (a server sends them as one frame without copying)."""
+    runtime = _runtime()
+    for first_position, counts in ((0, [3, 2]), (3, [1, 1]), (4, [1, 1])):
+        _queue(runtime, ["r0", "r1"], counts, first_position, None)
+    rows = runtime.drain()
+    assert all(len(r._spans) == 3 for r in rows.values())  # nothing copied until a request's rows are read
+    assert rows["r0"]["a"]["positions"].tolist() == [0, 1, 2, 3, 4]
+    assert all(len(r._spans) == 1 for r in rows.values())  # then every request's at once and rows["r1"]["b"]["positions"].tolist() == [0, 1, 3, 4]
+    assert rows["r1"]["a"]["token_ids"].tolist() == [1000, 1001, 1003, 1004]
+    assert rows["r1"]["b"]["values"].astype(np.float32)[:, 0].tolist() == [0.0, 1.0, 3.0, 4.0]
+    a0, a1 = rows["r0"]["a"]["values"], rows["r1"]["a"]["values"]
+    assert a0.base is a1.base and a1.__array_interface__["data"][0] == a0.__array_interface__["data"][0] + a0.nbytes
+
+
 def test_a_hook_added_between_drained_steps_covers_only_its_steps():
     runtime = _runtime()
     _queue(runtime, ["r0"], [2], 0, None, hooks=("a",))

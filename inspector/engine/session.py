@@ -409,7 +409,9 @@ class Session(Experiments):
             scores = hooks.get(SCORES)
             features = {name: (hooks[acts]["positions"], hooks[ids]["values"].astype(np.int32), hooks[acts]["values"])
                         for name, (acts, ids) in ((n, feature_keys(n)) for n in self.saes) if acts in hooks}
-            rows = {hook: self._rows(rid, c) for hook, c in hooks.items() if hook != SCORES and not hook.startswith(FEATURES)}
+            rows = {hook: (c["positions"], c["token_ids"], c["values"]) for hook, c in hooks.items()
+                    if hook != SCORES and not hook.startswith(FEATURES)}
+            self._note_computed(rid, rows)
             tokens = self._tokens(outputs[rid]) if rid in outputs else {}
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,
@@ -430,10 +432,11 @@ class Session(Experiments):
         fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
         return event
 
-    def _rows(self, rid: str, capture: dict) -> Rows:
-        positions = capture["positions"]
-        self._computed[rid] = max(self._computed[rid], int(positions[-1]) + 1)
-        return positions, capture["token_ids"], capture["values"]
+    def _note_computed(self, rid: str, rows: dict[str, Rows]) -> None:
+        """The position after the request's last row; its hooks mostly share one positions array."""
+        ends = {id(r[0]): r[0] for r in rows.values()}
+        if ends:
+            self._computed[rid] = max(self._computed[rid], *(int(p[-1]) + 1 for p in ends.values()))
 
     def _tokens(self, out) -> dict:
         completion = out.outputs[0]

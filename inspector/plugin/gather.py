@@ -49,23 +49,30 @@ class RequestRows(MutableMapping):
     """One request's rows of a drain: hook → rows (positions, token_ids, values), each made when it is
     read. Rows set here (scores, another rank's) are kept as they are."""
 
-    __slots__ = ("_spans", "_set", "borrowed")
+    __slots__ = ("_spans", "_set", "borrowed", "_join")
 
     def __init__(self, spans: list[Span], borrowed: bool = False):
         self._spans = spans  # in forward order
         self._set: dict[str, Rows] = {}
         self.borrowed = borrowed  # views of pinned copies: kept as they are, they would pin them for good
+        self._join: DrainJoin | None = None  # set where the drain's forwards can be joined when read
+
+    def _joined(self) -> None:
+        if self._join is not None and len(self._spans) > 1:
+            self._join()
 
     def __getstate__(self):
+        self._joined()
         return self._spans, self._set
 
     def __setstate__(self, state) -> None:
         self._spans, self._set = state
-        self.borrowed = False  # unpickled: arrays of their own
+        self.borrowed, self._join = False, None  # unpickled: arrays of their own
 
     def __getitem__(self, hook: str) -> Rows:
         if hook in self._set:
             return self._set[hook]
+        self._joined()
         spans = [span for span in self._spans if hook in span.index]
         if not spans:
             raise KeyError(hook)
@@ -94,6 +101,7 @@ class RequestRows(MutableMapping):
     def items(self) -> list[tuple[str, Rows]]:
         """Every hook's rows at once, the session's way: no lookup per hook, and ``_rows`` inlined (a
         call per hook cost a batch-32 step of 32 hooks 0.08 ms more here)."""
+        self._joined()
         if len(self._spans) != 1:
             return [(hook, self[hook]) for hook in self]
         (index, rows, where, ids), made = self._spans[0], self._set
@@ -145,8 +153,17 @@ def _rows(span: Span, hook: str) -> Rows:
 def rows_by_request(forwards: list[QueuedForward]) -> dict[str, RequestRows]:
     """request id → hook → rows, over ``forwards`` in order. A hook set changed between them (eager
     mode) covers only the forwards it was installed for."""
-    spans: dict[str, list[Span]] = {}
     borrowed = any(t.is_pinned() for f in forwards for t in f.host)
+    drained = {rid: RequestRows(parts, borrowed) for rid, parts in _spans(forwards).items()}
+    if len(forwards) > 1 and _same_layout(forwards):
+        join = DrainJoin(forwards, drained)
+        for rows in drained.values():
+            rows._join = join
+    return drained
+
+
+def _spans(forwards: list[QueuedForward]) -> dict[str, list[Span]]:
+    spans: dict[str, list[Span]] = {}
     for f in forwards:
         index = {name: (stack, h) for names, stack in zip(f.stack_names, map(_numpy, f.host))
                  for h, name in enumerate(names) if name is not None}
@@ -155,7 +172,60 @@ def rows_by_request(forwards: list[QueuedForward]) -> dict[str, RequestRows]:
         for rid, a, b in zip(f.req_ids, bounds, bounds[1:]):
             if a != b:
                 spans.setdefault(rid, []).append(Span(index, slice(a, b), f.positions[a:b], ids[a:b]))
-    return {rid: RequestRows(parts, borrowed) for rid, parts in spans.items()}
+    return spans
+
+
+class DrainJoin:
+    """Forwards of one layout drained together (the engine ran ahead of the drains), laid out request
+    after request when the first request's rows are read, for every request of the drain at once:
+    then each request's rows of a hook are one slice, as after a single forward. That is one copy of
+    each stack, where joining each request's rows per hook made a thousand small ones at batch 32
+    with 32 hooks (and a server then copied them again, to send them as a few large frames). A drain
+    nobody reads costs nothing."""
+
+    __slots__ = ("_forwards", "_drained")
+
+    def __init__(self, forwards: list[QueuedForward], drained: dict[str, "RequestRows"]):
+        self._forwards, self._drained = forwards, drained
+
+    def __call__(self) -> None:
+        if self._forwards is None:
+            return
+        joined = _spans([_request_major(self._forwards)])
+        self._forwards = None
+        for rid, rows in self._drained.items():
+            if rows._spans:  # not emptied by a deletion meanwhile
+                rows._spans, rows.borrowed = joined[rid], False
+            rows._join = None
+
+
+def _same_layout(forwards: list[QueuedForward]) -> bool:
+    first = forwards[0]
+    return all(f.stack_names == first.stack_names and len(f.host) == len(first.host)
+               and all(t.dtype == u.dtype and t.shape[2:] == u.shape[2:] for t, u in zip(f.host, first.host))
+               for f in forwards[1:])
+
+
+def _request_major(forwards: list[QueuedForward]) -> QueuedForward:
+    """Forwards of one layout drained together (the engine ran ahead of the drains) as one forward
+    whose requests' rows lie one request after another: then every request's rows of a hook are one
+    slice, as after a single forward. One copy of each stack, where joining a request's rows per hook
+    made a thousand small ones at batch 32 with 32 hooks, and a server then copied them again to send
+    them as a few large frames."""
+    pieces: dict[str, list[tuple[int, int, int]]] = {}
+    for k, f in enumerate(forwards):
+        bounds = f.query_start_loc.tolist()
+        for rid, a, b in zip(f.req_ids, bounds, bounds[1:]):
+            if a != b:
+                pieces.setdefault(rid, []).append((k, a, b))
+    order = [(k, a, b) for parts in pieces.values() for k, a, b in parts]
+    stacks = len(forwards[0].stack_names)
+    host = [torch.cat([forwards[k].host[s][:, a:b] for k, a, b in order], dim=1) for s in range(stacks)]
+    host += [torch.cat([forwards[k].host[s][a:b] for k, a, b in order]) for s in range(stacks, len(forwards[0].host))]
+    counts = [sum(b - a for _, a, b in parts) for parts in pieces.values()]
+    return QueuedForward(list(pieces), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                         np.concatenate([forwards[k].positions[a:b] for k, a, b in order]),
+                         forwards[0].stack_names, host)
 
 
 def _token_ids(f: QueuedForward) -> np.ndarray:
