@@ -341,14 +341,15 @@ class HeatmapWidget(QWidget):
 
     def _auto_levels(self, image: np.ndarray, symmetric: bool, force: bool) -> None:
         """Robust levels, re-estimated at most 4 times a second and adopted only when they move by more
-        than 2% of the span: every change recolours the whole image."""
+        than 2% of the span (10% while rows stream in): every change recolours the whole image and
+        redraws the colour bar's axis."""
         now = time.perf_counter()
         if not force and now - self._levels_time < 0.25:
             return
         self._levels_time = now
         lo, hi = robust_levels(image, symmetric=symmetric)
-        span = max(self._levels[1] - self._levels[0], 1e-12)
-        if force or abs(lo - self._levels[0]) > 0.02 * span or abs(hi - self._levels[1]) > 0.02 * span:
+        span = max(self._levels[1] - self._levels[0], 1e-12) * (0.1 if self.live else 0.02)
+        if force or abs(lo - self._levels[0]) > span or abs(hi - self._levels[1]) > span:
             self._levels = (lo, hi)
             self._show_levels()
 

@@ -130,11 +130,12 @@ class PooledImage:
 
 
 def follow_extent(n: int) -> int:
-    """Where a following view ends for n tokens: a few fixed steps per doubling, so the axis (and
-    the bin size) change now and then instead of on every token."""
+    """Where a following view ends for n tokens: two fixed steps per doubling, so the axis (and the
+    bin size) change now and then instead of on every token. Each step redraws the token axis (about
+    a millisecond of the GUI thread); a third of the view is empty at most."""
     if n <= 16:
         return 16
-    step = 1 << (int(n - 1).bit_length() - 2)  # quarter of the enclosing power of two
+    step = 1 << (int(n - 1).bit_length() - 1)  # half of the enclosing power of two
     return -(-n // step) * step
 
 
