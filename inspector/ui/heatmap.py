@@ -67,6 +67,7 @@ class HeatmapWidget(QWidget):
         self._levels_time = 0.0
         self._levels_stale = True  # new data: estimate the levels now
         self._shown_empty = None
+        self._expected_width = 0  # the width of the rows awaited (a live run's hook): its axes drawn already
         self.live = False  # rows are arriving: the followed range grows in steps, not per token
         self.paint_count = 0
         self.track_marks = np.zeros(0, dtype=np.uint8)  # per shown row: 0 none, 1 other hook, 2 this hook
@@ -159,7 +160,7 @@ class HeatmapWidget(QWidget):
         self.glw.ci.layout.setRowStretchFactor(1, 10)
         self.glw.ci.layout.setRowFixedHeight(0, 18)
         self.glw.ci.layout.setRowSpacing(0, 2)
-        self.empty_text = pg.TextItem("No captured rows yet", color=(110, 110, 110), anchor=(0.5, 0.5))
+        self.empty_text = Placeholder("No captured rows yet")
         self.plot.addItem(self.empty_text)
 
         quiet_axes(self.glw)
@@ -190,8 +191,14 @@ class HeatmapWidget(QWidget):
         self.plot.scene().sigMouseClicked.connect(self._mouse_clicked)
 
     # ------------------------------------------------------------------ data
-    def clear(self) -> None:
-        self.set_data(np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32), [], None)
+    def clear(self, hook_label: str = "", width: int = 0) -> None:
+        """No rows (yet). ``hook_label`` and ``width``: those of the hook they will come from. While rows
+        stream in (``live``), the plot is labelled and its axes are drawn for them now, so that the
+        first frame of rows does not lay the plot out again and redraw every axis (on a busy machine
+        that frame was the GUI's longest stall)."""
+        self._expected_width = width
+        self.set_data(np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32), [], None,
+                      hook_label=hook_label)
 
     def set_data(self, positions: np.ndarray, values: np.ndarray, texts: list[str], source_id,
                  marks: np.ndarray | None = None, hook_label: str = "") -> None:
@@ -228,7 +235,7 @@ class HeatmapWidget(QWidget):
 
     def set_placeholder(self, text: str) -> None:
         """The message shown while there is nothing to draw."""
-        self.empty_text.setText(text)
+        self.empty_text.want(text)
 
     def displayed_data(self) -> np.ndarray:
         """The full-resolution rows the image shows (tests compare this and the image with captures)."""
@@ -253,22 +260,25 @@ class HeatmapWidget(QWidget):
         n = len(self._values)
         width = self._values.shape[1] if self._values.ndim == 2 else 0
         empty = n == 0 or width == 0
-        self.empty_text.setVisible(empty)
-        if empty != self._shown_empty:  # setStyle makes an axis regenerate: only on a change
-            self._shown_empty = empty
+        awaited = self._expected_width if empty and self.live else 0
+        self.empty_text.show_if(empty)
+        blank = empty and not awaited
+        if blank != self._shown_empty:  # setStyle makes an axis regenerate: only on a change
+            self._shown_empty = blank
             for axis in ("left", "bottom"):
-                self.plot.getAxis(axis).setStyle(showValues=not empty)
+                self.plot.getAxis(axis).setStyle(showValues=not blank)
         if empty:
             self.img.clear()
             self.track_img.clear()
             self.track_marks = np.zeros(0, dtype=np.uint8)
             self._frame = None
+            x1, y1 = (follow_extent(0), awaited) if awaited else (1, 1)
             self._updating_range = True
             try:
-                self.vb.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
+                self.vb.setRange(xRange=(0, x1), yRange=(0, y1), padding=0)
             finally:
                 self._updating_range = False
-            self.empty_text.setPos(0.5, 0.5)
+            self.empty_text.setPos(x1 / 2, y1 / 2)
             return
         if self._follow:
             self._apply_follow_range(n)
@@ -309,8 +319,8 @@ class HeatmapWidget(QWidget):
 
     def _pool_failed(self, exc: BaseException) -> None:
         self._pooling = False
-        self.empty_text.setText(f"Cannot read the rows: {exc}")
-        self.empty_text.setVisible(True)
+        self.empty_text.want(f"Cannot read the rows: {exc}")
+        self.empty_text.show_if(True)
 
     def _show_frame(self, frame, reset: bool, n: int) -> None:
         if frame is None:
@@ -401,7 +411,8 @@ class HeatmapWidget(QWidget):
         n = len(self._values)
         self._updating_range = True
         try:
-            self.vb.setXRange(self._p0, self._p0 + max(n, 1), padding=0)
+            extent = follow_extent(n) if self.live and self._follow else max(n, 1)
+            self.vb.setXRange(self._p0, self._p0 + extent, padding=0)
             self.vb.setYRange(self.features_from.value(), max(self.features_to.value(), self.features_from.value() + 1),
                               padding=0)
         finally:
@@ -589,6 +600,30 @@ class PositionAxis(pg.AxisItem):
             return super().tickStrings(values, scale, spacing)
         rows = [int(round(v)) - self.p0 for v in values]
         return [str(int(self.positions[r])) if 0 <= r < len(self.positions) else "" for r in rows]
+
+
+class Placeholder(pg.TextItem):
+    """The grey message of an empty plot, laid out only when it is shown and its text changed: a
+    layout of it on every frame (the app sets the message for the state it is in) cost the first
+    frame of a live run milliseconds, when the plot fills and the message hides."""
+
+    def __init__(self, text: str):
+        super().__init__(text, color=(110, 110, 110), anchor=(0.5, 0.5))
+        self._wanted = text
+
+    def want(self, text: str) -> None:
+        self._wanted = text
+        if self.isVisible():
+            self._lay_out()
+
+    def show_if(self, empty: bool) -> None:
+        if empty:
+            self._lay_out()
+        self.setVisible(empty)
+
+    def _lay_out(self) -> None:
+        if self.toPlainText() != self._wanted:
+            self.setText(self._wanted)
 
 
 def quiet_axes(view: pg.GraphicsView) -> None:

@@ -756,17 +756,20 @@ class MainWindow(QMainWindow):
     def _refresh_upper(self, view, req, texts: list[str], marks) -> None:
         c, sel = self.controller, view.selection
         empty = EMPTY_TEXT[c.state] if view is c.live and not view.request_ids() else None
-        self.heatmap.set_placeholder(empty or "No rows captured at this hook point for this request")
-        self.summary.empty_text.setText(empty or "No residual-stream hook points captured")
+        # while the live run generates, the plots' message stays until rows come (one that changed with
+        # the requests' start was laid out again in the first frame of rows)
+        awaiting = EMPTY_TEXT[c.state] if view is c.live and c.state is AppState.GENERATING else None
+        self.heatmap.set_placeholder(empty or awaiting or "No rows captured at this hook point for this request")
+        self.summary.empty_text.want(empty or awaiting or "No residual-stream hook points captured")
         if self.tabs.currentWidget() is self.heatmap:
             rows = view.rows(sel.request, sel.hook)
+            info = view.hook_info(sel.hook)
+            label = short_hook_label(info) if info else ""
             if rows is None:
-                self.heatmap.clear()
+                self.heatmap.clear(label, info.width if info else 0)
             else:
-                info = view.hook_info(sel.hook)
                 source_id = (id(view), sel.request, sel.hook, id(req.hooks.get(sel.hook)))
-                self.heatmap.set_data(rows[0], rows[1], texts, source_id, marks,
-                                      short_hook_label(info) if info else "")
+                self.heatmap.set_data(rows[0], rows[1], texts, source_id, marks, label)
         elif self.tabs.currentWidget() is self.summary:
             measure, feature = self.summary.measure()
             self.summary.set_rows(view.summary_rows(sel.request, self.summary.kinds(), measure, feature), texts)

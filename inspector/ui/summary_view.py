@@ -15,7 +15,7 @@ from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSpinBox, QWidget
 
 from inspector.viewer.labels import display_token
-from .heatmap import colormap, quiet_axes, stack_view
+from .heatmap import Placeholder, colormap, quiet_axes, stack_view
 from .image_pool import robust_levels
 
 MEASURES = ("L2 norm", "feature value")
@@ -70,8 +70,7 @@ class SummaryView(QWidget):
                                     colorMapMenu=False)
         self.cbar.setImageItem(self.img)
         self.glw.addItem(self.cbar, row=0, col=1)
-        self.empty_text = pg.TextItem("No residual-stream hook points captured", color=(110, 110, 110),
-                                      anchor=(0.5, 0.5))
+        self.empty_text = Placeholder("No residual-stream hook points captured")
         self.plot.addItem(self.empty_text)
         self.readout = QLabel(" ")
         quiet_axes(self.glw)
@@ -118,7 +117,7 @@ class SummaryView(QWidget):
             m = m / med[None, :]
         self._matrix = m
         empty = m.size == 0 or not np.isfinite(m).any()
-        self.empty_text.setVisible(empty)
+        self.empty_text.show_if(empty)
         if empty != self._shown_empty:  # setStyle makes an axis regenerate
             self._shown_empty = empty
             for axis in ("left", "bottom"):

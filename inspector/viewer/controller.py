@@ -90,7 +90,7 @@ GENERATE_TIPS = {S.NO_MODEL: "Open a model first (File ▸ Open Model…)", S.BO
 EMPTY_TEXT = {S.BOOTING: "The model is starting…", S.RESTARTING: "The engine is restarting…",
               S.NO_MODEL: "No model: File ▸ Open Model…, or File ▸ Open Capture… to view a saved run",
               S.DEAD: "The engine stopped: Engine ▸ Restart Engine",
-              S.READY: "Type a prompt below and press Generate", S.GENERATING: "Type a prompt below and press Generate",
+              S.READY: "Type a prompt below and press Generate", S.GENERATING: "Generating: rows appear as they arrive…",
               S.PATCHING: "Type a prompt below and press Generate once the patching sweep is over"}
 
 
