@@ -4,6 +4,7 @@ The CUDA event is replaced by a stand-in whose completion the test controls; the
 (tests/gpu/run_gpu_checks.py) covers the real streams through the session tests.
 """
 
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -86,6 +87,10 @@ def test_forwards_drained_together_become_one_slice_a_request_and_hook():
     assert rows["r1"]["b"]["values"].astype(np.float32)[:, 0].tolist() == [0.0, 1.0, 3.0, 4.0]
     a0, a1 = rows["r0"]["a"]["values"], rows["r1"]["a"]["values"]
     assert a0.base is a1.base and a1.__array_interface__["data"][0] == a0.__array_interface__["data"][0] + a0.nbytes
+    _queue(runtime, ["r0"], [1], 5, None)
+    _queue(runtime, ["r0"], [1], 6, None)
+    unread = weakref.ref(runtime.drain()["r0"])
+    assert unread() is None  # a drain nobody reads is freed at once, its copies with it (no cycle)
 
 
 def test_a_hook_added_between_drained_steps_covers_only_its_steps():

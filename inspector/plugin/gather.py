@@ -14,6 +14,7 @@ allocator once nothing refers to it: rows read from pinned copies in the worker'
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, MutableMapping
 from typing import NamedTuple
 
@@ -49,7 +50,7 @@ class RequestRows(MutableMapping):
     """One request's rows of a drain: hook → rows (positions, token_ids, values), each made when it is
     read. Rows set here (scores, another rank's) are kept as they are."""
 
-    __slots__ = ("_spans", "_set", "borrowed", "_join")
+    __slots__ = ("_spans", "_set", "borrowed", "_join", "__weakref__")
 
     def __init__(self, spans: list[Span], borrowed: bool = False):
         self._spans = spans  # in forward order
@@ -181,19 +182,24 @@ class DrainJoin:
     then each request's rows of a hook are one slice, as after a single forward. That is one copy of
     each stack, where joining each request's rows per hook made a thousand small ones at batch 32
     with 32 hooks (and a server then copied them again, to send them as a few large frames). A drain
-    nobody reads costs nothing."""
+    nobody reads costs nothing. It refers to the requests' rows weakly: a cycle would hold the
+    forwards' pinned copies until the garbage collector ran."""
 
     __slots__ = ("_forwards", "_drained")
 
     def __init__(self, forwards: list[QueuedForward], drained: dict[str, "RequestRows"]):
-        self._forwards, self._drained = forwards, drained
+        self._forwards = forwards
+        self._drained = {rid: weakref.ref(rows) for rid, rows in drained.items()}
 
     def __call__(self) -> None:
         if self._forwards is None:
             return
         joined = _spans([_request_major(self._forwards)])
         self._forwards = None
-        for rid, rows in self._drained.items():
+        for rid, ref in self._drained.items():
+            rows = ref()
+            if rows is None:
+                continue
             if rows._spans:  # not emptied by a deletion meanwhile
                 rows._spans, rows.borrowed = joined[rid], False
             rows._join = None
