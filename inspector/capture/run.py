@@ -72,7 +72,7 @@ class HookRows:
 
     def _join_kept(self) -> None:
         """Under the lock; rows kept meanwhile (by the adding thread) wait for the next read."""
-        parts = self._kept[:len(self._kept)]
+        parts = self._kept[:]
         if parts:
             for array, column in zip((self._positions, self._token_ids, self._values), zip(*parts)):
                 array.extend(column)
