@@ -163,18 +163,15 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
     while True:
         msg = conn.recv()
         run_no += 1
-        if msg[0] == "prefills":  # one request after another, each to its first token (rows still arriving)
-            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-            times = []
-            for k in range(msg[1]):
-                t0 = time.perf_counter()
-                add([f"{run_no}-{k}"], params)
-                while engine.has_unfinished_requests():
-                    engine.step()
-                    drain(finishing=False)
-                times.append(time.perf_counter() - t0)
+        if msg[0] == "prefill":  # one request to its first token (its rows may still be arriving)
+            t0 = time.perf_counter()
+            add([f"{run_no}"], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+                drain(finishing=False)
+            seconds = time.perf_counter() - t0
             drain(finishing=True)
-            conn.send({"prefill_tok_s": prompt_len / statistics.median(times)})
+            conn.send(seconds)
             continue
         if msg[0] != "run":
             break
@@ -233,7 +230,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="instead of the preset's")
     parser.add_argument("--no-warm-boots", action="store_true", help="boot each configuration once (cold caches)")
     parser.add_argument("--prefills", type=int, default=16,
-                        help="single-request prefills a rep, one after another (each rep: their median)")
+                        help="single-request prefills a rep for each configuration, taken in turn with the others")
     args = parser.parse_args()
 
     path, extra = model_dir(args.preset)
@@ -266,15 +263,19 @@ def main() -> None:
             warm_proc, _, boot[f"{name} again"] = start(name, roots[name], boot_only=True)
             warm_proc.join(timeout=120)
 
-    results = {(name, run): [] for name in args.configs for run in [*runs, "prefills"]}
+    results = {(name, run): [] for name in args.configs for run in runs}
+    singles = {name: [] for name in args.configs}  # seconds of each single-request prefill, in turn
     for rep in range(args.reps):
         for run in runs:
             for name, (proc, conn) in workers.items():
                 conn.send(("run", *run))
                 results[(name, run)].append(receive(conn, proc))
-        for name, (proc, conn) in workers.items():
-            conn.send(("prefills", args.prefills))
-            results[(name, "prefills")].append(receive(conn, proc))
+        names = list(workers)
+        for k in range(args.prefills):  # one single-request prefill per configuration in turn, the order rotating
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                proc, conn = workers[name]
+                conn.send(("prefill",))
+                singles[name].append(receive(conn, proc))
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
     for proc, conn in workers.values():
         conn.send(("stop",))
@@ -300,16 +301,16 @@ def main() -> None:
             + " (its drains, ms: " + " ".join(f"{r['prefill_drain_ms']:.1f}" for r in results[(name, (b, n))]) + ")"
             for b, n in runs))
     for name in args.configs:
-        print(f"{name}: {args.prefills} single-request prefills a rep, prefill tok/s (median a rep) " +
-              " ".join(f"{r['prefill_tok_s']:.0f}" for r in results[(name, "prefills")]))
+        per_rep = [statistics.median(singles[name][r * args.prefills:(r + 1) * args.prefills]) for r in range(args.reps)]
+        print(f"{name}: {args.prefills} single-request prefills a rep, taken in turn with the other configurations; "
+              f"prefill tok/s (median a rep) " + " ".join(f"{prompt_len / s:.0f}" for s in per_rep))
     if "vanilla" in args.configs:
         print()
         for name in args.configs[1:]:
             print(f"{name}/vanilla: " + ", ".join(
                 f"{b}x{n} prefill {med(name, (b, n), 'prefill_tok_s') / med('vanilla', (b, n), 'prefill_tok_s'):.3f} "
                 f"decode {med(name, (b, n), 'decode_tok_s') / med('vanilla', (b, n), 'decode_tok_s'):.3f}"
-                for b, n in runs) + f"; single-request prefills "
-                f"{med(name, 'prefills', 'prefill_tok_s') / med('vanilla', 'prefills', 'prefill_tok_s'):.3f}")
+                for b, n in runs) + f"; single-request prefills {single_ratio(singles[name], singles['vanilla'])}")
         if boot["vanilla"]["cuda"]:
             print("GPU memory in use per device (all engines of this benchmark together): " + ", ".join(
                 f"{g:.1f}" for g in med_list(results[(args.configs[-1], runs[-1])], "gpu_used_gib")) + " GiB")
@@ -342,6 +343,16 @@ def main() -> None:
         over = extra_mib - buffers - tables
         print(f"compiled above vanilla: {extra_mib:.1f} MiB = buffers and tables + {over:.1f} MiB "
               f"({over / (buffers + tables):.1%} of buffers and tables, {over / base_mib:.1%} of vanilla)")
+
+
+def single_ratio(times: list[float], vanilla: list[float]) -> str:
+    """Prefill speed against vanilla's: the ratio of all medians, and the median and quartiles of the
+    ratios of prefills taken next to each other (the k-th of each configuration; machine noise that
+    lasts longer than a few prefills hits both alike)."""
+    pairs = sorted(v / t for t, v in zip(times, vanilla))
+    q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
+    return (f"{statistics.median(vanilla) / statistics.median(times):.3f} (side by side: median "
+            f"{statistics.median(pairs):.3f}, quartiles {q[0]:.3f}-{q[2]:.3f}, {len(pairs)} pairs)")
 
 
 def med_list(answers: list[dict], key: str) -> list[float]:
