@@ -18,6 +18,12 @@ capture window (the last prompt position and every generated token; the prompt's
 leave the device); "vanilla-ieee" is vanilla
 vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
 "vanilla", Triton's TF32 default: the cost of that precision, with ``--dtype float32`` on a GPU).
+
+Single-request prefills (``--prefills`` a rep) are taken one configuration after another, and a hooked
+engine also prefills each time with capture off for that request: capture on against off in the same
+engine and moment is what capturing costs. A batch-1 prefill on the H200 is host-bound (~9 ms), and
+its speed moved by up to 1.6x from one minute to the next in one process (docs/gpu-run-2026-12-02g.md),
+which engine-to-engine ratios cannot tell apart from the plugin's cost.
 """
 
 from __future__ import annotations
@@ -152,8 +158,11 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
 
     installed = llm.collective_rpc("inspector_describe")[0]["installed"] if hooks else {}
 
-    def add(rids: list[str], params) -> None:
-        if config.window != "all":  # as the session sends them: before the requests' first forward
+    def add(rids: list[str], params, capture: bool = True) -> None:
+        if not capture:  # the hooks run, no row leaves the device
+            llm.collective_rpc("inspector_request_options", kwargs={"forget": [], "options": {
+                rid: {"capture": False} for rid in rids}})
+        elif config.window != "all":  # as the session sends them: before the requests' first forward
             llm.collective_rpc("inspector_request_options", kwargs={"forget": [], "options": {
                 rid: {"windows": dict.fromkeys(installed, config.window), "prompt_tokens": prompt_len} for rid in rids}})
         for rid in rids:
@@ -165,7 +174,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
         run_no += 1
         if msg[0] == "prefill":  # one request to its first token (its rows may still be arriving)
             t0 = time.perf_counter()
-            add([f"{run_no}"], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            add([f"{run_no}"], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), capture=msg[1])
             while engine.has_unfinished_requests():
                 engine.step()
                 drain(finishing=False)
@@ -265,6 +274,7 @@ def main() -> None:
 
     results = {(name, run): [] for name in args.configs for run in runs}
     singles = {name: [] for name in args.configs}  # seconds of each single-request prefill, in turn
+    uncaptured = {name: [] for name in args.configs}  # the same in a hooked engine, capture off for the request
     for rep in range(args.reps):
         for run in runs:
             for name, (proc, conn) in workers.items():
@@ -274,8 +284,10 @@ def main() -> None:
         for k in range(args.prefills):  # one single-request prefill per configuration in turn, the order rotating
             for name in names[k % len(names):] + names[:k % len(names)]:
                 proc, conn = workers[name]
-                conn.send(("prefill",))
-                singles[name].append(receive(conn, proc))
+                # a hooked engine also prefills with capture off for the request, right before or after
+                for capture in ((True, False) if k % 2 else (False, True)) if CONFIGS[name].hooks else (True,):
+                    conn.send(("prefill", capture))
+                    (singles if capture else uncaptured)[name].append(receive(conn, proc))
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
     for proc, conn in workers.values():
         conn.send(("stop",))
@@ -314,6 +326,9 @@ def main() -> None:
         if boot["vanilla"]["cuda"]:
             print("GPU memory in use per device (all engines of this benchmark together): " + ", ".join(
                 f"{g:.1f}" for g in med_list(results[(args.configs[-1], runs[-1])], "gpu_used_gib")) + " GiB")
+    for name in (n for n in args.configs if uncaptured[n]):  # what capturing costs, without engine-to-engine noise
+        print(f"{name}, capture on / off for the request in the same engine: single-request prefills "
+              f"{single_ratio(singles[name], uncaptured[name])}")
     if {"vanilla", "compiled", "eager"} <= set(args.configs) and not args.no_warm_boots:
         print()
         for run in runs:
@@ -345,13 +360,13 @@ def main() -> None:
               f"({over / (buffers + tables):.1%} of buffers and tables, {over / base_mib:.1%} of vanilla)")
 
 
-def single_ratio(times: list[float], vanilla: list[float]) -> str:
-    """Prefill speed against vanilla's: the ratio of all medians, and the median and quartiles of the
-    ratios of prefills taken next to each other (the k-th of each configuration; machine noise that
-    lasts longer than a few prefills hits both alike)."""
-    pairs = sorted(v / t for t, v in zip(times, vanilla))
+def single_ratio(times: list[float], baseline: list[float]) -> str:
+    """Prefill speed against a baseline's: the ratio of all medians, and the median and quartiles of the
+    ratios of prefills taken next to each other (the k-th of each; machine noise that lasts longer than
+    a few prefills hits both alike)."""
+    pairs = sorted(v / t for t, v in zip(times, baseline))
     q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
-    return (f"{statistics.median(vanilla) / statistics.median(times):.3f} (side by side: median "
+    return (f"{statistics.median(baseline) / statistics.median(times):.3f} (side by side: median "
             f"{statistics.median(pairs):.3f}, quartiles {q[0]:.3f}-{q[2]:.3f}, {len(pairs)} pairs)")
 
 
