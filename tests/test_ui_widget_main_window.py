@@ -341,6 +341,7 @@ def test_settings_persist(qtbot, ui_settings, tmp_path):
     window.heatmap.set_colormap("viridis")
     window.interventions_dock.hide()
     window.close()
+    assert not window.paint_timer.isActive() and not window._clock.isActive()  # nothing runs on a closed window
     from inspector.ui.settings import Settings
 
     s = Settings()

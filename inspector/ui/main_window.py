@@ -901,6 +901,7 @@ class MainWindow(QMainWindow):
         self.settings.colormap = self.heatmap.colormap_name()
         self.settings.sync()
         self.paint_timer.stop()
+        self._clock.stop()  # a closed window polls nothing (its engine is going)
         self.controller.shutdown(self._wait_for_tasks)
         super().closeEvent(event)
 
