@@ -108,13 +108,13 @@ def decode(frames: list, limited: bool = True) -> Message:
         raise WireError("bad-message", "an empty message")
     if limited and len(frames) > MAX_FRAMES:
         raise WireError("too-large", f"a message may have at most {MAX_FRAMES} frames, this one has {len(frames)}")
-    buffers = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
-    size = sum(b.nbytes for b in buffers)
-    if limited and (size > MAX_MESSAGE_BYTES or buffers[0].nbytes > MAX_HEADER_BYTES):
+    sizes = [memoryview(f).nbytes for f in frames]  # bytes and zmq.Frame both export their bytes
+    size = sum(sizes)
+    if limited and (size > MAX_MESSAGE_BYTES or sizes[0] > MAX_HEADER_BYTES):
         raise WireError("too-large", f"a message may hold at most {MAX_MESSAGE_BYTES >> 20} MiB, this one holds "
                         f"{size / 2**20:.1f} MiB")
     try:
-        header = msgspec.msgpack.decode(buffers[0])
+        header = msgspec.msgpack.decode(memoryview(frames[0]))
     except msgspec.DecodeError as e:
         raise WireError("bad-message", f"the header is not MessagePack: {e}") from None
     if not isinstance(header, dict) or not {"v", "t"} <= set(header):
@@ -128,35 +128,37 @@ def decode(frames: list, limited: bool = True) -> Message:
     if not isinstance(kind, str) or not isinstance(call, int) or isinstance(call, bool) or not isinstance(body, dict):
         raise WireError("bad-message", "'t' must be a string, 'id' an integer and 'body' a map")
 
-    return Message(kind, _arrays_in(body, buffers), call)
+    return Message(kind, _arrays_in(body, (frames, sizes)), call)
 
 
-def _arrays_in(value, buffers: list[memoryview]):
+def _arrays_in(value, frames: tuple[list, list[int]]):
     """``value`` with its array references made arrays. A function of its own, not a closure that calls
     itself: such a closure is a reference cycle, and it held every message's frames until the garbage
     collector ran (at 1 MiB a frame, the first GB/s over TCP halved)."""
     if isinstance(value, dict):
         if _ND in value:
-            return _array(value[_ND], buffers)
-        return {k: v if type(v) in _SCALARS else _arrays_in(v, buffers) for k, v in value.items()}
+            return _array(value[_ND], *frames)
+        return {k: v if type(v) in _SCALARS else _arrays_in(v, frames) for k, v in value.items()}
     if isinstance(value, list):
-        return [v if type(v) in _SCALARS else _arrays_in(v, buffers) for v in value]
+        return [v if type(v) in _SCALARS else _arrays_in(v, frames) for v in value]
     return value
 
 
-def _array(ref, buffers: list[memoryview]) -> np.ndarray:
+def _array(ref, frames: list, sizes: list[int]) -> np.ndarray:
+    """An array on its frame's own bytes: made on a memoryview, it would keep two more objects alive
+    with it that the garbage collector scans (the GUI keeps a run's arrays: half its tracked objects)."""
     if not (isinstance(ref, list) and len(ref) == 3 and type(ref[0]) in (int, bytes) and isinstance(ref[1], str)
             and isinstance(ref[2], list) and all(isinstance(n, int) and n >= 0 for n in ref[2])):
         raise WireError("bad-message", f"an array must be [frame or bytes, dtype, shape], got {ref!r:.200}")
     data, dtype, shape = ref
-    if isinstance(data, int) and not 1 <= data < len(buffers):
+    if isinstance(data, int) and not 1 <= data < len(frames):
         raise WireError("bad-message", f"an array refers to frame {data}, which the message does not have")
     if dtype not in ARRAY_DTYPES:
         raise WireError("bad-message", f"arrays of dtype {dtype!r} are not accepted")
-    buffer = memoryview(data) if isinstance(data, bytes) else buffers[data]
+    buffer, nbytes = (data, len(data)) if isinstance(data, bytes) else (frames[data], sizes[data])
     where = "its bytes" if isinstance(data, bytes) else f"frame {data}"
-    if math.prod(shape) * ARRAY_DTYPES[dtype].itemsize != buffer.nbytes:
-        raise WireError("bad-message", f"{where} hold {buffer.nbytes} bytes, not an array {shape} of {dtype}")
+    if math.prod(shape) * ARRAY_DTYPES[dtype].itemsize != nbytes:
+        raise WireError("bad-message", f"{where} hold {nbytes} bytes, not an array {shape} of {dtype}")
     return np.frombuffer(buffer, dtype=ARRAY_DTYPES[dtype]).reshape(shape)
 
 
