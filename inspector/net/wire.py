@@ -131,16 +131,16 @@ def decode(frames: list, limited: bool = True) -> Message:
     return Message(kind, _arrays_in(body, (frames, sizes)), call)
 
 
-def _arrays_in(value, frames: tuple[list, list[int]]):
+def _arrays_in(value, frames_and_sizes: tuple[list, list[int]]):
     """``value`` with its array references made arrays. A function of its own, not a closure that calls
     itself: such a closure is a reference cycle, and it held every message's frames until the garbage
     collector ran (at 1 MiB a frame, the first GB/s over TCP halved)."""
     if isinstance(value, dict):
         if _ND in value:
-            return _array(value[_ND], *frames)
-        return {k: v if type(v) in _SCALARS else _arrays_in(v, frames) for k, v in value.items()}
+            return _array(value[_ND], *frames_and_sizes)
+        return {k: v if type(v) in _SCALARS else _arrays_in(v, frames_and_sizes) for k, v in value.items()}
     if isinstance(value, list):
-        return [v if type(v) in _SCALARS else _arrays_in(v, frames) for v in value]
+        return [v if type(v) in _SCALARS else _arrays_in(v, frames_and_sizes) for v in value]
     return value
 
 
