@@ -199,15 +199,20 @@ def test_borrowed_rows_are_copied_once_a_stack_for_keeping_and_pickled_rows_are_
     assert not any(rows.borrowed for rows in pickle.loads(pickle.dumps(got)).values())  # a worker process's
 
 
-def test_windowed_steps_keep_each_hooks_promised_rows_in_order():
+@pytest.mark.parametrize("windows", [
+    {"r0": {"a": "generated", "c": "every:2"}, "r1": {"a": "last:2", "b": "last:2"}},
+    {"r0": dict.fromkeys("abc", "generated"), "r1": dict.fromkeys("abc", "every:2")},
+], ids=["hook by hook", "one window a request"])
+def test_windowed_steps_keep_each_hooks_promised_rows_in_order(windows):
     """Hooks of two widths, requests with and without windows, and steps whose hooks group differently
-    (so the sub-forwards of one drain alternate): every hook gets exactly the rows its window keeps."""
+    (so the sub-forwards of one drain alternate), or where each request has one window for all hooks
+    (kept rows in one range, sent as a slice, or scattered, gathered): every hook gets exactly the rows
+    its window keeps."""
     from inspector.capture.windows import CaptureWindow
     from inspector.plugin.runtime import RowStack, StepInfo
 
     runtime = _runtime()
     runtime._stacks = [RowStack(torch.zeros(2, 64, 3), ["a", "b"]), RowStack(torch.zeros(1, 64, 5), ["c"])]
-    windows = {"r0": {"a": "generated", "c": "every:2"}, "r1": {"a": "last:2", "b": "last:2"}}
     prompts = {"r0": 5, "r1": 3, "r2": 4}
     runtime.set_request_options({rid: {"windows": w, "prompt_tokens": prompts[rid]} for rid, w in windows.items()}
                                 | {"r3": {"capture": False}}, [])

@@ -8,6 +8,7 @@ worker and by the tests alike.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,14 +38,9 @@ class CaptureWindow:
 
     @classmethod
     def parse(cls, text: str) -> "CaptureWindow":
-        kind, colon, number = str(text).strip().partition(":")
-        if kind in ("last", "every"):
-            if not colon or not number.strip().isdigit():
-                raise ValueError(f"capture window {text!r}: {kind} needs a number, as in {kind}:4")
-            return cls(kind, int(number))
-        if colon:
-            raise ValueError(f"capture window {text!r}: {kind} takes no number")
-        return cls(kind)
+        """The window a text names; the same text gives the same (immutable) object, which keeps the
+        engine's per-forward grouping of hooks by window cheap."""
+        return _parsed(str(text).strip())
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.n}" if self.kind in ("last", "every") else self.kind
@@ -68,6 +64,18 @@ class CaptureWindow:
 
 
 ALL = CaptureWindow()
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(text: str) -> CaptureWindow:
+    kind, colon, number = text.partition(":")
+    if kind in ("last", "every"):
+        if not colon or not number.strip().isdigit():
+            raise ValueError(f"capture window {text!r}: {kind} needs a number, as in {kind}:4")
+        return CaptureWindow(kind, int(number))
+    if colon:
+        raise ValueError(f"capture window {text!r}: {kind} takes no number")
+    return ALL if kind == "all" else CaptureWindow(kind)
 
 
 def checked_windows(windows: dict[str, CaptureWindow | str], installed: dict[str, HookPoint]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -85,6 +86,14 @@ class RowStack:
     arena: torch.Tensor | None = None  # where a forward's rows wait for their copy to the host (``copyout``)
 
 
+class RequestWindows(NamedTuple):
+    """A request's capture windows: those of its hooks that keep fewer than all rows."""
+
+    prompt_tokens: int  # where "generated" and "last" count from
+    by_hook: dict[str, CaptureWindow]  # hooks not named keep every row
+    shared: CaptureWindow | None  # the one window of every named hook, if they share it (parsed windows are)
+
+
 class InspectorRuntime:
     def __init__(self, model: nn.Module, points: list[tuple[HookPoint, hp.Site]], config: PluginConfig,
                  device: torch.device, max_tokens: int, max_model_len: int):
@@ -108,7 +117,7 @@ class InspectorRuntime:
         self._copy_out = CopyOut(device)
         self._no_capture: set[str] = set()  # requests whose rows nobody reads (per-request options)
         self._score_ids: dict[str, np.ndarray] = {}  # request -> tokens whose logprobs it wants
-        self._windows: dict[str, tuple[int, dict[str, CaptureWindow]]] = {}  # request -> (prompt length, windows)
+        self._windows: dict[str, RequestWindows] = {}
         self._whole_from: dict[str, float] = {}  # windowed request -> the position from which it keeps every row
         self._ran_to: dict[str, int] = {}  # windowed request -> the position after its last forward's rows
         self._scores: dict[str, list[tuple[int, np.ndarray]]] = {}  # undrained: request -> (position, logprobs)
@@ -321,14 +330,14 @@ class InspectorRuntime:
         if not tensors:
             return
         self._queue(QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, []),
-                    tensors, arenas, input_ids, None)
+                    tensors, arenas, input_ids, slice(0, n))
 
     def _queue(self, forward: QueuedForward, tensors: list[torch.Tensor], arenas: list[torch.Tensor | None],
-               input_ids: torch.Tensor | None, kept: torch.Tensor | None) -> None:
-        """Send a forward's tensors and, when known, its token ids (``kept``: the rows of them it keeps;
-        None: all). The engine reuses its input ids' buffer, so they leave as a copy."""
+               input_ids: torch.Tensor | None, rows: slice | torch.Tensor) -> None:
+        """Send a forward's tensors and, when known, its token ids (``rows``: the rows of them it keeps, a
+        range or a device index). The engine reuses its input ids' buffer, so they leave as a copy."""
         if input_ids is not None:
-            ids = input_ids[:len(forward.positions)].clone() if kept is None else input_ids.index_select(0, kept)
+            ids = input_ids[rows].clone() if isinstance(rows, slice) else input_ids.index_select(0, rows)
             tensors, arenas = [*tensors, ids], [*arenas, None]
         transfer = self._copy_out.queue(tensors, arenas)
         self._pending.append((forward._replace(host=transfer.host), transfer))
@@ -342,53 +351,79 @@ class InspectorRuntime:
         return bool(((np.diff(bounds) == 0) | (firsts >= whole_from)).all())  # a request's rows ascend
 
     def _queue_windowed(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
-        """Rows of a step where some request has a capture window: the rows each hook keeps are chosen
-        here (on the host), hooks keeping the same rows are grouped, and each group's rows are gathered
-        on the device and sent as a forward of their own, so rows outside the windows never leave it."""
+        """Rows of a step where some request has a capture window: hooks keeping the same rows are grouped,
+        and each group's rows are sent as a forward of their own (a range of them staged like a whole
+        step's, scattered ones gathered on the device), so rows outside the windows never leave it.
+        This runs between a prefill's launch and its end, where the host sets the pace: it stays lean."""
         bounds = step.query_start_loc
         spans = [(rid, slice(a, b)) for rid, a, b in zip(step.req_ids, bounds[:-1], bounds[1:]) if b > a]
         for rid, rows in spans:
             if rid in self._windows:
                 self._ran_to[rid] = int(step.positions[rows.stop - 1]) + 1
-        prompt_len = {rid: self._windows[rid][0] for rid, _ in spans if rid in self._windows}
-        masks: dict[tuple, np.ndarray] = {}  # each request's window (None: no rows) -> the rows kept
-        groups: dict[bytes, tuple[np.ndarray, dict[int, list[int]]]] = {}  # rows kept -> (them, stack -> hooks)
-        for s, stack in enumerate(self._stacks):
-            for h, name in enumerate(stack.names):
-                if name is None:
-                    continue
-                windows = tuple(None if rid in self._no_capture else self._windows[rid][1].get(name, ALL)
-                                if rid in prompt_len else ALL for rid, _ in spans)
-                keep = masks.get(windows)
-                if keep is None:
-                    keep = masks[windows] = np.zeros(step.num_tokens, dtype=bool)
-                    for window, (rid, rows) in zip(windows, spans):
-                        if window is not None:
-                            keep[rows] = window.keeps(step.positions[rows], prompt_len.get(rid, 0))
-                groups.setdefault(keep.tobytes(), (keep, {}))[1].setdefault(s, []).append(h)
-        n = step.num_tokens
         with torch.inference_mode():
-            for keep, members in groups.values():
+            for keep, members in self._row_groups(step, spans):
                 kept = np.flatnonzero(keep)
                 if not len(kept):
                     continue
-                rows = None if len(kept) == n else self._to_device(kept)  # None: all of them
+                in_range = kept[-1] - kept[0] + 1 == len(kept)
+                rows = slice(int(kept[0]), int(kept[-1]) + 1) if in_range else self._to_device(kept)
                 tensors, arenas, names = [], [], []
                 for s, hooks in members.items():
                     stack = self._stacks[s]
-                    all_hooks = len(hooks) == sum(name is not None for name in stack.names)
+                    all_hooks = len(hooks) == len(stack.names) - stack.names.count(None)
                     if all_hooks:
-                        tensors.append(stack.tensor[:, :n] if rows is None else stack.tensor.index_select(1, rows))
+                        tensors.append(stack.tensor[:, rows] if in_range else stack.tensor.index_select(1, rows))
                         names.append(list(stack.names))
                     else:
                         some = self._to_device(np.array(hooks))
-                        tensors.append(stack.tensor[:, :n].index_select(0, some) if rows is None
+                        tensors.append(stack.tensor[:, rows].index_select(0, some) if in_range
                                        else stack.tensor[some[:, None], rows[None, :]])  # one gather
                         names.append([stack.names[h] for h in hooks])
-                    arenas.append(stack.arena if all_hooks and rows is None else None)  # a gather is a tensor of its own
+                    arenas.append(stack.arena if all_hooks and in_range else None)  # a gather is a tensor of its own
                 starts = np.concatenate([[0], np.cumsum(keep)])[bounds]  # each request's kept rows
                 self._queue(QueuedForward(step.req_ids, starts, step.positions[kept], names, []),
                             tensors, arenas, input_ids, rows)
+
+    def _row_groups(self, step: StepInfo, spans: list[tuple[str, slice]]) -> list[tuple[np.ndarray, dict[int, list[int]]]]:
+        """The rows of this step each hook keeps, as (mask over the rows, stack -> its hooks keeping them).
+        One mask per distinct combination of the requests' windows; when every request has one window
+        for all hooks (the usual case) that is a single mask, found without going hook by hook."""
+        slots = [(s, h, name) for s, stack in enumerate(self._stacks) for h, name in enumerate(stack.names)
+                 if name is not None]
+        names = {name for _, _, name in slots}
+        columns = []  # per request: its window at each slot, or one window for all (None: it keeps no rows)
+        for rid, _ in spans:
+            if rid in self._no_capture:
+                columns.append((None,))
+            elif rid in self._windows:
+                windows = self._windows[rid]
+                columns.append((windows.shared,) if windows.shared is not None and names <= windows.by_hook.keys()
+                               else tuple(windows.by_hook.get(name, ALL) for _, _, name in slots))
+            else:
+                columns.append((ALL,))
+        if all(len(column) == 1 for column in columns):  # one mask for all hooks
+            every_hook = {}
+            for s, h, _ in slots:
+                every_hook.setdefault(s, []).append(h)
+            return [(self._keep_mask(step, spans, [column[0] for column in columns]), every_hook)]
+        by_windows: dict[tuple, list[int]] = {}  # the requests' windows -> the slots that have them
+        for i, key in enumerate(zip(*(column * len(slots) if len(column) == 1 else column for column in columns))):
+            by_windows.setdefault(key, []).append(i)
+        groups: dict[bytes, tuple[np.ndarray, dict[int, list[int]]]] = {}  # rows kept -> (them, stack -> hooks)
+        for windows, members in by_windows.items():
+            keep = self._keep_mask(step, spans, windows)
+            hooks = groups.setdefault(keep.tobytes(), (keep, {}))[1]
+            for i in members:
+                hooks.setdefault(slots[i][0], []).append(slots[i][1])
+        return list(groups.values())
+
+    def _keep_mask(self, step: StepInfo, spans: list[tuple[str, slice]], windows) -> np.ndarray:
+        """The step's rows that the requests' ``windows`` (one per span; None: no rows) keep."""
+        keep = np.zeros(step.num_tokens, dtype=bool)
+        for window, (rid, rows) in zip(windows, spans):
+            if window is not None:
+                keep[rows] = window.keeps(step.positions[rows], self._windows[rid].prompt_tokens if rid in self._windows else 0)
+        return keep
 
     def _to_device(self, index: np.ndarray) -> torch.Tensor:
         """An index for the device, sent without waiting for the forward queued before it (a copy from
@@ -444,8 +479,11 @@ class InspectorRuntime:
                 windows = {name: w for name, w in ((name, CaptureWindow.parse(text))
                                                    for name, text in option["windows"].items()) if not w.is_all}
                 if windows:
-                    self._windows[rid] = (int(option["prompt_tokens"]), windows)
-                    self._whole_from[rid] = max(w.keeps_all_from(int(option["prompt_tokens"])) for w in windows.values())
+                    distinct = set(windows.values())
+                    shared = next(iter(windows.values()))
+                    self._windows[rid] = RequestWindows(int(option["prompt_tokens"]), windows,
+                                                        shared if all(w is shared for w in windows.values()) else None)
+                    self._whole_from[rid] = max(w.keeps_all_from(int(option["prompt_tokens"])) for w in distinct)
                 else:
                     self._windows.pop(rid, None)
                     self._whole_from.pop(rid, None)
