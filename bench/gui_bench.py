@@ -1,7 +1,8 @@
 """GUI responsiveness: does the window stay smooth while the engine generates, and how fast is a repaint?
 
     python bench/gui_bench.py                     # tiny Llama, compiled, 512 tokens, 4 hooks live
-    python bench/gui_bench.py --busy              # the same with both cores kept busy by other processes
+    python bench/gui_bench.py --busy              # the same with both cores kept busy by another program
+    python bench/gui_bench.py --busy same-session # ... by processes started in the app's own session
     python bench/gui_bench.py --model demo --mode eager --tokens 1024
     python bench/gui_bench.py --skip-engine       # only the heatmap repaint measurement
 
@@ -225,11 +226,14 @@ def bench_time_to_window(model: str) -> list:
     return [("app start to window shown (engine booting in its child)", f"{shown:.2f} s", "< 2 s", shown < 2.0)]
 
 
-def busy_cores(n: int) -> list:
-    """Processes that keep ``n`` cores busy (another workload on the machine)."""
+def busy_cores(n: int, own_session: bool) -> list:
+    """Processes that keep ``n`` cores busy: another program on the machine (``own_session``: in a session
+    of its own, as a program started elsewhere on a desktop is; Linux's autogroups then schedule it as a
+    group apart from the app) or work started from the app's own terminal session."""
     import subprocess
 
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=own_session)
+            for _ in range(n)]
 
 
 def main(argv=None) -> int:
@@ -241,7 +245,9 @@ def main(argv=None) -> int:
                                        "blocks.1.hook_attn_out")
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--skip-engine", action="store_true")
-    p.add_argument("--busy", action="store_true", help="keep every core busy with other processes meanwhile")
+    p.add_argument("--busy", nargs="?", const="elsewhere", choices=("elsewhere", "same-session"),
+                   help="keep every core busy with other processes meanwhile, started elsewhere (the default: a "
+                        "session of their own, like another program) or in the app's own session")
     p.add_argument("--in-process", action="store_true",
                    help="measure with the engine in the app's process instead (its own bench process)")
     args = p.parse_args(argv)
@@ -264,7 +270,7 @@ def main(argv=None) -> int:
         from inspector.cli import engine_session
         from inspector.client.local import start_local_server
 
-        hogs = busy_cores(len(os.sched_getaffinity(0))) if args.busy else []
+        hogs = busy_cores(len(os.sched_getaffinity(0)), args.busy == "elsewhere") if args.busy else []
         try:
             if args.in_process:
                 rows += bench_generation(app, args, engine_session, "in process", None)

@@ -40,6 +40,7 @@ def start_local_server(options: SessionOptions, progress: Callable[[BootProgress
     home = Path(tempfile.mkdtemp(prefix="inspector-engine-"))  # 0700: the socket is ours alone
     log_path = home / "engine.log"
     listen = f"ipc://{home / 'engine.sock'}"
+    # The child keeps the app's session: in a session (a scheduler group) of its own, the GUI's gaps grew.
     with open(log_path, "wb") as log:
         process = subprocess.Popen(serve_command(options, listen), stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
