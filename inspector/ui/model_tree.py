@@ -158,6 +158,9 @@ class ModelTreeWidget(QWidget):
     def set_catalogue(self, catalogue: list[HookPoint], installed) -> None:
         self._infos = {h.name: h for h in catalogue}
         self._leaves = {}
+        # Rebuilt with the filter detached, which then takes the new tree in whole: a layout change
+        # signalled afterwards would leave indexes the view still holds pointing at freed mappings.
+        self.proxy.setSourceModel(None)
         with QSignalBlocker(self.model):
             self.model.removeRows(0, self.model.rowCount())
             nodes: dict[str, QStandardItem] = {}
@@ -205,7 +208,7 @@ class ModelTreeWidget(QWidget):
                 parent.appendRow([leaf, width, alias, window])
                 if not info.withdrawn:
                     self._leaves[info.name] = leaf
-        self.model.layoutChanged.emit()
+        self.proxy.setSourceModel(self.model)
         self._installed = set(installed)
         self.set_checked(self._installed)
         self.tree.expandToDepth(2)
@@ -338,9 +341,8 @@ class ModelTreeWidget(QWidget):
                 with QSignalBlocker(self.model):
                     self._set_subtree(item, state)
         with QSignalBlocker(self.model):
-            self._sync_parents()
-        self.model.layoutChanged.emit()
-        self._after_change()
+            self._sync_parents()  # repaints; no layout change: this runs inside the view's click on a check box,
+        self._after_change()      # and a layout change there freed the index the view goes on to use (a crash)
 
     def _set_subtree(self, item: QStandardItem, state) -> None:
         for r in range(item.rowCount()):
