@@ -91,7 +91,7 @@ class RequestWindows(NamedTuple):
 
     prompt_tokens: int  # where "generated" and "last" count from
     by_hook: dict[str, CaptureWindow]  # hooks not named keep every row
-    shared: CaptureWindow | None  # the one window of every named hook, if they share it (parsed windows are)
+    shared: CaptureWindow | None  # the one window of every named hook, if they all have the same
 
 
 class InspectorRuntime:
@@ -384,7 +384,8 @@ class InspectorRuntime:
                 self._queue(QueuedForward(step.req_ids, starts, step.positions[kept], names, []),
                             tensors, arenas, input_ids, rows)
 
-    def _row_groups(self, step: StepInfo, spans: list[tuple[str, slice]]) -> list[tuple[np.ndarray, dict[int, list[int]]]]:
+    def _row_groups(self, step: StepInfo, spans: list[tuple[str, slice]]
+                    ) -> list[tuple[np.ndarray, dict[int, list[int]]]]:
         """The rows of this step each hook keeps, as (mask over the rows, stack -> its hooks keeping them).
         One mask per distinct combination of the requests' windows; when every request has one window
         for all hooks (the usual case) that is a single mask, found without going hook by hook."""
@@ -422,7 +423,8 @@ class InspectorRuntime:
         keep = np.zeros(step.num_tokens, dtype=bool)
         for window, (rid, rows) in zip(windows, spans):
             if window is not None:
-                keep[rows] = window.keeps(step.positions[rows], self._windows[rid].prompt_tokens if rid in self._windows else 0)
+                prompt_tokens = self._windows[rid].prompt_tokens if rid in self._windows else 0  # "all" needs none
+                keep[rows] = window.keeps(step.positions[rows], prompt_tokens)
         return keep
 
     def _to_device(self, index: np.ndarray) -> torch.Tensor:
@@ -480,9 +482,8 @@ class InspectorRuntime:
                                                    for name, text in option["windows"].items()) if not w.is_all}
                 if windows:
                     distinct = set(windows.values())
-                    shared = next(iter(windows.values()))
                     self._windows[rid] = RequestWindows(int(option["prompt_tokens"]), windows,
-                                                        shared if all(w is shared for w in windows.values()) else None)
+                                                        next(iter(distinct)) if len(distinct) == 1 else None)
                     self._whole_from[rid] = max(w.keeps_all_from(int(option["prompt_tokens"])) for w in distinct)
                 else:
                     self._windows.pop(rid, None)

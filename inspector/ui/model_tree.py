@@ -340,9 +340,11 @@ class ModelTreeWidget(QWidget):
             if state != Qt.CheckState.PartiallyChecked:  # a module node was clicked: apply to its subtree
                 with QSignalBlocker(self.model):
                     self._set_subtree(item, state)
+        # Repainted, not laid out again: this runs inside the view's click on a check box, and a layout
+        # change there freed the mapping of the index the view goes on to use (a crash).
         with QSignalBlocker(self.model):
-            self._sync_parents()  # repaints; no layout change: this runs inside the view's click on a check box,
-        self._after_change()      # and a layout change there freed the index the view goes on to use (a crash)
+            self._sync_parents()
+        self._after_change()
 
     def _set_subtree(self, item: QStandardItem, state) -> None:
         for r in range(item.rowCount()):
