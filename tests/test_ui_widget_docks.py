@@ -34,6 +34,14 @@ def test_tree_groups_by_module_path_and_shows_kind_width_alias(tree):
     assert tree.checked() == ["model.layers.0.resid_post"] and not tree.pending()
 
 
+def test_the_window_column_stays_beside_the_check_box_when_the_catalogue_is_replaced(tree):
+    from inspector.ui.model_tree import WINDOW_COLUMN
+
+    for _ in range(2):  # the catalogue arrives again on every engine (re)start
+        assert tree.tree.header().visualIndex(WINDOW_COLUMN) == 1
+        tree.set_catalogue(llama_catalogue(layers=2, hidden=16, intermediate=32), set())
+
+
 def test_tree_check_by_click_and_module_node(tree, qtbot):
     # the view goes on using the clicked index after the click's check state is set: nothing in between
     # may change the filter's layout (that freed the index's mapping: a crash one run in twenty)

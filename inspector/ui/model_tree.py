@@ -107,12 +107,8 @@ class ModelTreeWidget(QWidget):
         self.tree.setModel(self.proxy)
         self.tree.setUniformRowHeights(True)
         self.tree.setAlternatingRowColors(True)
-        header = self.tree.header()
-        header.setStretchLastSection(True)
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Interactive)
-        header.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
-        header.setSectionResizeMode(WINDOW_COLUMN, QHeaderView.ResizeMode.ResizeToContents)
-        header.moveSection(WINDOW_COLUMN, 1)
+        self.tree.header().setStretchLastSection(True)
+        self._arrange_columns()
         self.tree.setItemDelegateForColumn(WINDOW_COLUMN, WindowDelegate(self.tree))
         self.tree.setEditTriggers(QTreeView.EditTrigger.DoubleClicked | QTreeView.EditTrigger.SelectedClicked
                                   | QTreeView.EditTrigger.EditKeyPressed)
@@ -153,6 +149,14 @@ class ModelTreeWidget(QWidget):
         self.revert_button.clicked.connect(self._revert)
         self.mode_box.currentIndexChanged.connect(self._mode_edited)
         self.tree.selectionModel().currentChanged.connect(self._current_changed)
+
+    def _arrange_columns(self) -> None:
+        """The window column sits beside the check box; a model reset undoes this, so it is reapplied."""
+        header = self.tree.header()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Interactive)
+        header.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(WINDOW_COLUMN, QHeaderView.ResizeMode.ResizeToContents)
+        header.moveSection(header.visualIndex(WINDOW_COLUMN), 1)
 
     # ------------------------------------------------------------------ content
     def set_catalogue(self, catalogue: list[HookPoint], installed) -> None:
@@ -209,6 +213,7 @@ class ModelTreeWidget(QWidget):
                 if not info.withdrawn:
                     self._leaves[info.name] = leaf
         self.proxy.setSourceModel(self.model)
+        self._arrange_columns()  # the reset on re-attaching put the header's sections back in order
         self._installed = set(installed)
         self.set_checked(self._installed)
         self.tree.expandToDepth(2)
