@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import errno as _errno
+import functools
 import json
 import os
 import re
@@ -108,7 +109,7 @@ def set_text(obj, key: str, value: str) -> None:
     key listed in the ``json_escaped_attrs`` attr."""
     value = str(value)
     plain = storable(value)
-    obj.attrs[key] = value if plain else json.dumps(value)  # JSON: ASCII, no NUL
+    _put_text_attr(obj.id, key.encode(), value if plain else json.dumps(value))  # JSON: ASCII, no NUL
     if plain and _TEXT_ESCAPED not in obj.attrs:
         return
     escaped = [k.decode() if isinstance(k, bytes) else str(k) for k in obj.attrs.get(_TEXT_ESCAPED, [])]
@@ -117,6 +118,18 @@ def set_text(obj, key: str, value: str) -> None:
         obj.attrs[_TEXT_ESCAPED] = np.array(escaped, dtype=h5py.string_dtype())
     else:
         del obj.attrs[_TEXT_ESCAPED]
+
+
+_TEXT_TYPE = h5py.h5t.py_create(h5py.string_dtype(), logical=True)  # variable-length UTF-8, as h5py writes str
+_SCALAR = h5py.h5s.create(h5py.h5s.SCALAR)
+
+
+def _put_text_attr(oid, key: bytes, value: str) -> None:
+    """What ``obj.attrs[key] = value`` stores, through HDF5's own calls at half its cost: an export
+    writes a few hundred of these (docs/performance-notes.md)."""
+    if h5py.h5a.exists(oid, key):
+        h5py.h5a.delete(oid, key)
+    h5py.h5a.create(oid, key, _TEXT_TYPE, _SCALAR).write(np.array(value, dtype=_TEXT_TYPE.dtype))
 
 
 def get_text(obj, key: str, default: str | None = None) -> str | None:
@@ -179,6 +192,14 @@ def extendable_dataset(group: h5py.Group, name: str, dtype, shape: tuple[int, ..
     ``create_dataset`` spends ~45 µs of Python on each, and an export makes three per request and hook
     (docs/performance-notes.md). Shuffle + lzf or gzip (level 1 unless given) if compressed."""
     check_compression(compression)
+    plist, space, tid = _dataset_parts(np.dtype(dtype).str, shape, chunks, compression)
+    return h5py.Dataset(h5py.h5d.create(group.id, name.encode(), tid, space, dcpl=plist))
+
+
+@functools.lru_cache(maxsize=256)
+def _dataset_parts(dtype: str, shape: tuple[int, ...], chunks: tuple[int, ...], compression):
+    """The creation property list, dataspace and type of an extendable dataset, made once per kind:
+    HDF5 copies them into each dataset, and making them took half of a dataset's creation time."""
     plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     plist.set_chunk(chunks)
     plist.set_obj_track_times(False)  # as h5py: a file's bytes do not depend on when it was written
@@ -189,8 +210,7 @@ def extendable_dataset(group: h5py.Group, name: str, dtype, shape: tuple[int, ..
         else:
             plist.set_deflate(1 if compression == "gzip" else int(compression[1]))
     space = h5py.h5s.create_simple(shape, (h5py.h5s.UNLIMITED, *shape[1:]))
-    return h5py.Dataset(h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(np.dtype(dtype)), space,
-                                        dcpl=plist))
+    return plist, space, h5py.h5t.py_create(np.dtype(dtype))
 
 
 def write_texts(group, name: str, texts) -> None:
