@@ -111,6 +111,14 @@ def test_bad_model_names_fail_clearly(tmp_path):
         Session.open(options(tmp_path / "empty"))
 
 
+@pytest.mark.parametrize("kind", ["real", "remote"])
+def test_a_hook_pattern_that_matches_nothing_is_named_in_the_error(tiny_models, kind):
+    """The app's own server fails its boot: the client hears the server's reason, not only that it went."""
+    opener = {"real": Session.open, "remote": start_local_server}[kind]
+    with pytest.raises(SessionError, match="'blocks.9.hook_nothing' matches no hook point"):
+        opener(options(tiny_models["llama"], hooks=["blocks.9.hook_nothing"]))
+
+
 def test_cached_hub_id_resolves_without_network(tiny_models, tmp_path, monkeypatch):
     import huggingface_hub.constants as hc
 

@@ -40,6 +40,7 @@ def connect(url: str, progress: Callable[[BootProgress], None] | None = None, ke
     ``on_close()``: called once the session is closed. SessionError if there is no server, it refuses
     us, or it cannot boot."""
     report = progress or (lambda p: None)
+    failed_boot: list[str] = []  # the server's reason, sent to every client just before it goes
 
     def on_message(message: Message) -> None:
         if message.type == "progress":
@@ -47,10 +48,12 @@ def connect(url: str, progress: Callable[[BootProgress], None] | None = None, ke
                 report(progress_from_body(message.body))
             except WireError:
                 pass
+        elif message.type == "error" and message.body.get("kind") == "boot-failed":
+            failed_boot.append(str(message.body.get("message", "the server's engine could not start")))
 
     connection = Connection(url, keys, on_message)
     try:
-        welcome = _hello(connection, timeout_s, why_gone)
+        welcome = _hello(connection, timeout_s, lambda: failed_boot[0] if failed_boot else why_gone())
     except BaseException:
         connection.close(say_bye=False)
         raise
@@ -58,6 +61,8 @@ def connect(url: str, progress: Callable[[BootProgress], None] | None = None, ke
 
 
 def _hello(connection: Connection, timeout_s: float, why_gone: Callable[[], str | None]) -> Message:
+    """The server's welcome, once its engine is up. ``why_gone`` may learn the reason a moment after
+    the connection closes (the boot's failure message is read after the close is noticed)."""
     started = time.monotonic()
     with connection.start("hello", {"client": "inspector"}) as call:
         while True:  # wait in short slices: a child server that died, or no server at all, is said at once
@@ -74,10 +79,19 @@ def _hello(connection: Connection, timeout_s: float, why_gone: Callable[[], str 
                         "it only accepts clients with keys (a wrong server key, or a client key not in its "
                         "allow-list, gets no answer at all)") from None
             except ServerGone as e:
-                raise SessionError(str(e)) from None
+                raise SessionError(_reason(why_gone, GONE_WAIT_S) or str(e)) from None
     if reply.type == "error":
         raise SessionError(reply.body.get("message", "the server refused the connection"))
     return reply
+
+
+def _reason(why_gone: Callable[[], str | None], wait_s: float) -> str | None:
+    """``why_gone()``, waited for up to ``wait_s``: a child process closes its socket a moment before the
+    system reports it dead."""
+    deadline = time.monotonic() + wait_s
+    while (why := why_gone()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return why
 
 
 class RemoteSession(Experiments):
@@ -252,13 +266,10 @@ class RemoteSession(Experiments):
         return reply
 
     def _gone_reason(self) -> str | None:
-        """Why the server went, once the connection is gone: a killed child process closes its socket a
-        moment before the system reports it dead, so that moment is waited for."""
-        deadline = time.monotonic() + (GONE_WAIT_S if self.process is not None and not self._gone_waited else 0.0)
+        """Why the server went, once the connection is gone (see ``_reason``)."""
+        wait_s = GONE_WAIT_S if self.process is not None and not self._gone_waited else 0.0
         self._gone_waited = True  # once: a child that lingers must not stall every later question
-        while (why := self._why_gone()) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return why
+        return _reason(self._why_gone, wait_s)
 
     @staticmethod
     def _raise(message: Message):

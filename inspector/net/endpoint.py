@@ -107,7 +107,15 @@ class Endpoint:
             if self._monitor is not None:
                 self.socket.disable_monitor()
                 self._monitor.close(linger=0)
-            self.socket.close(linger=0)
+            self.socket.close(linger=self._linger_ms())
+
+    def _linger_ms(self) -> int:
+        """How long ZeroMQ may still send what it was handed (a failed boot's reason, goodbyes) once
+        the socket closes: the rest of the linger for a router, which drops what is addressed to peers
+        already gone; none for a dealer, which would hold a dead server's messages for all of it."""
+        if self._running or not self._routed:
+            return 0
+        return max(0, int((self._linger_until - time.monotonic()) * 1000))
 
     def take_closes(self) -> None:
         """Report the connections closed so far (from ``on_message`` too: a connection's close is
