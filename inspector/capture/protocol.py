@@ -9,6 +9,7 @@ alone: a front end never reads another thread's (or process's) run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Protocol
 
@@ -73,6 +74,23 @@ class Sampling:
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def check_sampling(s: Sampling) -> None:
+    """ValueError, saying which, for settings no request can run with: every session refuses them before
+    anything starts (vLLM's own refusal came as an engine failure)."""
+    if s.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {s.max_tokens}")
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise ValueError(f"temperature must be 0 (greedy) or more, got {s.temperature}")
+    if not (0 < s.top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        raise ValueError(f"top_k must be 0 (no limit) or more, got {s.top_k}")
+    if s.logprobs < 0:
+        raise ValueError(f"logprobs must be 0 or more, got {s.logprobs}")
+    if s.seed is not None and s.seed < 0:
+        raise ValueError(f"seed must be 0 or more, got {s.seed}")
 
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], token ids [n], values [n, width] (dtypes.ROW_DTYPES)

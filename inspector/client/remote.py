@@ -13,7 +13,7 @@ import numpy as np
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import Attribution, Lens
-from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent,
+from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent, check_sampling,
                                         NewRows, checked_interventions, fold_event)
 from inspector.capture.run import Run
 from inspector.capture.sae import AttachedSae, SaeConfig
@@ -148,6 +148,7 @@ class RemoteSession(Experiments):
         self._require_alive()
         if not prompts:
             raise ValueError("nothing to generate: no prompts")
+        check_sampling(sampling)
         ids = self.upcoming_request_ids(len(prompts))
         type(self)._next_id += len(ids)
         body = {"prompts": list(prompts), "sampling": to_builtins(sampling), "request_ids": ids}
@@ -156,6 +157,8 @@ class RemoteSession(Experiments):
                 self._active_call = call.id
                 while (message := call.next()).type != "done":
                     if message.type == "error":
+                        # the engine failed, or the server forgot us; an internal error failed this call alone
+                        self._failed = message.body.get("kind") in ("engine-failed", "no-session")
                         self._raise(message)
                     event = event_from_body(message.body)
                     fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
@@ -163,9 +166,6 @@ class RemoteSession(Experiments):
         except (ServerGone, WireError) as e:
             raise SessionError(f"{self._gone_reason() or e}. Everything received so far is kept; connect again (or "
                                "restart the engine) to go on.") from None
-        except SessionError:
-            self._failed = True  # the server's engine failed
-            raise
         finally:
             self._active_call = None
 

@@ -25,7 +25,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
 from inspector.capture.models import model_config, resolve_model
-from inspector.capture.protocol import (MODES, BootProgress, RequestStart, RequestStep, Rows, Sampling,
+from inspector.capture.protocol import (MODES, BootProgress, RequestStart, RequestStep, Rows, Sampling, check_sampling,
                                         SessionError, SessionOptions, StepEvent, checked_interventions,
                                         NewRows, fold_event)
 from inspector.capture.run import Run, TopToken
@@ -513,8 +513,10 @@ def _sampling_params(s: Sampling):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    if s.max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {s.max_tokens}")
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                          top_k=s.top_k if s.top_k > 0 else -1, seed=s.seed, logprobs=s.logprobs or None,
-                          ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA)
+    check_sampling(s)
+    try:
+        return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                              top_k=s.top_k if s.top_k > 0 else -1, seed=s.seed, logprobs=s.logprobs or None,
+                              ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA)
+    except Exception as e:  # noqa: BLE001 - vLLM's rules beyond ours (its errors are not all ValueErrors)
+        raise ValueError(f"sampling refused: {e}") from None

@@ -166,7 +166,7 @@ class Hub:
         self._push_interventions()  # scoped to the new requests too, before their first forward
         try:
             self.session.submit(prompts, sampling, [client.internal(rid) for rid in ids], client.windows)
-        except ValueError:
+        except Exception:  # refused (or worse): the call was never running
             del client.calls[call.id]
             for rid in ids:
                 del client.owner[rid]
