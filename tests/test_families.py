@@ -17,13 +17,15 @@ from engines import (PARITY_TOL, assert_greedy_matches, assert_patterns_match_tr
 from inspector.capture.hooks import ROUTER_KIND, HookPoint
 from inspector.capture.routing import dense_weights, route
 from inspector.experiments.patching import Metric, PatchSpec, patch
-from inspector.plugin.families import FAMILIES
+from inspector.plugin import vllm_compat
+from inspector.plugin.families import find_blocks
 
 PROMPTS = ["def fibonacci(n):\n    return n", "import os\nimport sys"]
 FAMILY_OF = {"gpt2": "GPT-2", "gemma2": "Gemma 2/3 (sandwich norms)", "qwen3": "Llama-style", "phi3": "Llama-style",
              "gptj": "GPT-J (parallel)", "opt": "OPT (pre-norm)", "qwen3_moe": "Llama-style",
              "gemma3": "Gemma 2/3 (sandwich norms)", "gpt_neox": "GPT-NeoX (parallel)", "olmo2": "OLMo 2 (post-norms)",
-             "phi": "Phi-2 (parallel)", "mixtral": "Mixtral", "olmoe": "Llama-style", "qwen2_moe": "Llama-style"}
+             "phi": "Phi-2 (parallel)", "mixtral": "Mixtral", "olmoe": "Llama-style", "qwen2_moe": "Llama-style",
+             "gemma": "Llama-style, inferred from GemmaDecoderLayer"}
 # vLLM's Transformers backend calls its attention layers through .forward, around their hooks
 WITHDRAWN = {"gpt_neox": {"q", "k"}, "olmo2": {"q", "k"}, "phi": {"q", "k"}}
 BACKEND = {"gpt_neox", "olmo2", "phi"}
@@ -58,7 +60,8 @@ def close(a, b, tol=PARITY_TOL):
 
 def test_the_points_tie_together_as_transformer_lens_defines_them(engine):
     arch, llm = engine
-    family = next(f for f in FAMILIES if f.name == FAMILY_OF[arch])
+    (family,) = llm.collective_rpc(lambda worker: find_blocks(vllm_compat.model_of(worker))[2])
+    assert family.name == FAMILY_OF[arch]
     rows, points, _ = captured(llm)
     # the boot probe found every identity to hold, and withdrew only what the model never passes through hooks
     assert {p.kind for p in points.values() if p.withdrawn} == WITHDRAWN.get(arch, set())

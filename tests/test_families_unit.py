@@ -1,4 +1,5 @@
-"""Block families are matched by what a block is, never by what it looks like (no engine needed)."""
+"""Block families are matched by what a block is; one no description names only by how it is built,
+and then the boot probe checks it (no engine needed)."""
 
 import pytest
 from torch import nn
@@ -17,6 +18,11 @@ class LookAlikeLayer(LlamaDecoderLayer):  # the same modules under another class
     pass
 
 
+class BuiltAlikeLayer(LlamaDecoderLayer):  # the same modules and vLLM's fused forward: (hidden, residual) on
+    def forward(self, positions, hidden_states, residual):
+        return hidden_states, residual
+
+
 def model_of(layer_class, **attributes):
     model = nn.Module()
     model.model = nn.Module()
@@ -30,6 +36,12 @@ def model_of(layer_class, **attributes):
 def test_a_known_block_class_is_described():
     path, blocks, family = find_blocks(model_of(LlamaDecoderLayer))
     assert path == "model.layers" and len(blocks) == 2 and family.residual == "fused"
+
+
+def test_a_block_no_description_names_but_built_like_llamas_is_described_as_inferred():
+    _, _, family = find_blocks(model_of(BuiltAlikeLayer))
+    assert family.name == "Llama-style, inferred from BuiltAlikeLayer" and family.residual == "fused"
+    assert family.layer_classes == ("BuiltAlikeLayer",)
 
 
 @pytest.mark.parametrize("layer_class, attributes", [(LookAlikeLayer, {}),

@@ -8,12 +8,15 @@ of the MLP's output projection. Where a module's own output means something else
 output before its post-norm) it is a point of its own (``attn_raw``, ``mlp_raw``).
 
 A family is matched by its block class's exact name (and, where a class has variants, by attribute
-values): a block that merely looks alike is refused rather than described wrongly. Adding a family
-is adding a description here and a tiny model to the tests.
+values). A block class no description names is described as Llama-style only when it is built like
+one (``inferred_family``), and the boot probe then checks every identity on it; any other block is
+refused rather than described wrongly. Adding a family is adding a description here and a tiny model
+to the tests.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from torch import nn
@@ -109,8 +112,28 @@ FAMILIES = (
 )
 
 
+LLAMA_STYLE_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
 def family_of(block: nn.Module) -> Family | None:
-    return next((f for f in FAMILIES if f.describes(block)), None)
+    return next((f for f in FAMILIES if f.describes(block)), None) or inferred_family(block)
+
+
+def inferred_family(block: nn.Module) -> Family | None:
+    """A block class no description names, built as vLLM builds its Llama-style blocks (these four modules,
+    a forward that passes the residual stream on beside the hidden states): described as one. Its points
+    are then vouched for by the boot probe's identities (``probe.py``), not by a tiny model in the tests:
+    a point whose identity fails is withdrawn, saying why. A class a description names but refuses (a
+    variant) stays refused."""
+    name = type(block).__name__
+    if any(name in f.layer_classes for f in FAMILIES):
+        return None
+    if not all(isinstance(getattr(block, m, None), nn.Module) for m in LLAMA_STYLE_MODULES):
+        return None
+    if "residual" not in inspect.signature(block.forward).parameters:
+        return None
+    return Family(f"Llama-style, inferred from {name}", f"{name} (found by its structure)", (name,), "fused",
+                  fused("mlp"), (("embed", "embed_tokens"),), "norm")
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList, Family]:
