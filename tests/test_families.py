@@ -9,9 +9,10 @@ test_plugin_architectures.py.
 
 import numpy as np
 import pytest
+import torch
 
 import hf_reference
-from engines import (PARITY_TOL, assert_greedy_matches, assert_patterns_match_transformers,
+from engines import (PARITY_TOL, assert_greedy_matches, assert_lens_matches, assert_patterns_match_transformers,
                      assert_sweep_matches_transformers, booted, captured_patterns, generate, rel_l2, rpc,
                      same_length_prompts, session_on)
 from inspector.capture.hooks import ROUTER_KIND, HookPoint
@@ -96,6 +97,18 @@ def test_each_kind_equals_transformers_on_the_same_definition(engine, tiny_model
         assert compared == set(points_there), f"not captured: {set(points_there) - compared}"
         assert_greedy_matches(reference(arch, "logits", tiny_models[arch], seq), len(prompt_ids), gen_ids)
         assert_expert_choice_matches(rows[rid], points, reference(arch, "expert_choice", tiny_models[arch], seq))
+
+
+def test_the_lens_of_the_last_block_is_the_models_own_next_token_distribution(engine, tiny_models):
+    """Whatever the family does after its last block (tied embeddings, Gemma 2's soft cap, a LayerNorm),
+    the lens there is transformers' own log-softmax of the logits."""
+    arch, llm = engine
+    rows, points, tokens = captured(llm)
+    last = max(p.layer for p in points.values())
+    for rid, (prompt_ids, gen_ids) in tokens.items():
+        got = rpc(llm, "inspector_lens", rows[rid][last, "resid_post"], 5, None)
+        logits = reference(arch, "logits", tiny_models[arch], (prompt_ids + gen_ids)[:-1])
+        assert_lens_matches(got["top_ids"], got["top_logprobs"], torch.log_softmax(torch.from_numpy(logits), -1).numpy())
 
 
 def assert_expert_choice_matches(rows, points, expected):
