@@ -101,7 +101,7 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     assert result.returncode == 1 and "runs backwards" in result.stderr
     result = inspector("capture", "--prompt", "x", "--window", "blocks.*=every:0", "--out", str(tmp_path / "r.h5"),
                        check=False)
-    assert result.returncode == 1 and "--window 'blocks.*=every:0'" in result.stderr and ">= 1" in result.stderr
+    assert result.returncode == 1 and "--window 'blocks.*=every:0'" in result.stderr and "from 1 to" in result.stderr
     assert "[resolving]" not in result.stderr
     result = inspector("capture", "--prompt", "x", "--lens", "101", "--out", str(tmp_path / "r.h5"), check=False)
     assert result.returncode == 1 and "--lens takes K from 1 to 100" in result.stderr

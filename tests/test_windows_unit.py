@@ -14,11 +14,19 @@ def test_text_round_trips(text):
     assert CaptureWindow.parse(f" {text} ") == CaptureWindow.parse(text)
 
 
-@pytest.mark.parametrize("text", ["", "some", "last", "last:", "last:0", "every:-2", "every:x", "every:1.5",
-                                  "generated:2", "all:1"])
-def test_bad_text_is_refused_with_the_syntax(text):
-    with pytest.raises(ValueError, match="window"):
+@pytest.mark.parametrize("text, says", [("", "unknown"), ("some", "unknown"), ("first:3", "unknown"),
+                                         ("last", "needs a number"), ("last:", "needs a number"), ("last:0", "from 1"),
+                                         ("every:-2", "needs a number"), ("every:x", "needs a number"),
+                                         ("every:1.5", "needs a number"), ("every:99999999999999999999", "from 1"),
+                                         ("generated:2", "takes no number"), ("all:1", "takes no number")])
+def test_bad_text_is_refused_saying_what_is_wrong(text, says):
+    with pytest.raises(ValueError, match=says):
         CaptureWindow.parse(text)
+
+
+def test_text_is_read_whatever_its_case():
+    assert CaptureWindow.parse("ALL") == CaptureWindow.parse("all")
+    assert CaptureWindow.parse(" Last:4") == CaptureWindow("last", 4)
 
 
 def test_each_kind_keeps_the_positions_it_promises():

@@ -16,7 +16,8 @@ import numpy as np
 from .hooks import HookPoint, installed_name
 
 KINDS = ("all", "generated", "last", "every")
-SYNTAX = "all, generated, last:N or every:K (N, K >= 1)"
+MAX_NUMBER = 2**31 - 1  # beyond any sequence; keeps the engine's position arithmetic in its integers
+SYNTAX = "all, generated, last:N or every:K (N, K from 1 to 2147483647)"
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,9 @@ class CaptureWindow:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown capture window {self.kind!r}: use {SYNTAX}")
-        if self.kind in ("last", "every") and not (isinstance(self.n, int) and self.n >= 1):
-            raise ValueError(f"capture window {self.kind}:{self.n}: the number must be a whole number >= 1")
+        if self.kind in ("last", "every") and not (isinstance(self.n, int) and 1 <= self.n <= MAX_NUMBER):
+            raise ValueError(f"capture window {self.kind}:{self.n}: the number must be a whole number from 1 "
+                             f"to {MAX_NUMBER}")
         if self.kind in ("all", "generated") and self.n != 0:
             raise ValueError(f"capture window {self.kind} takes no number")
 
@@ -68,11 +70,13 @@ ALL = CaptureWindow()
 
 @functools.lru_cache(maxsize=1024)
 def _parsed(text: str) -> CaptureWindow:
-    kind, colon, number = text.partition(":")
+    kind, colon, number = text.lower().partition(":")
     if kind in ("last", "every"):
         if not colon or not number.strip().isdigit():
             raise ValueError(f"capture window {text!r}: {kind} needs a number, as in {kind}:4")
         return CaptureWindow(kind, int(number))
+    if kind not in KINDS:
+        raise ValueError(f"unknown capture window {text!r}: use {SYNTAX}")
     if colon:
         raise ValueError(f"capture window {text!r}: {kind} takes no number")
     return ALL if kind == "all" else CaptureWindow(kind)
