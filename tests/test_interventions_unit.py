@@ -78,10 +78,19 @@ def test_compose_applies_in_order():
     (dict(scale=[1.0, 2.0, 3.0]), "has 3 values but the hook point is 2 wide"),
     (dict(bias=float("nan")), "NaN/Inf"),
     (dict(positions=[2]), "enable_position_interventions"),
+    (dict(bias=1e39), "beyond float32's range"),
 ])
 def test_validate(kw, message):
     with pytest.raises(ValueError, match=message):
         validate(iv(**kw), {"h": 2}, max_position=16, allow_positions=False)
+
+
+def test_values_a_half_precision_engine_would_hold_as_inf_are_refused():
+    validate(iv(bias=1e5), {"h": 2}, max_position=16, allow_positions=False, dtype="bfloat16")
+    with pytest.raises(ValueError, match="beyond ±65504, which a float16 engine would hold as Inf"):
+        validate(iv(bias=1e5), {"h": 2}, max_position=16, allow_positions=False, dtype="float16")
+    with pytest.raises(ValueError, match="bfloat16 engine"):
+        validate(iv(scale=3.4e38), {"h": 2}, max_position=16, allow_positions=False, dtype="bfloat16")
 
 
 def test_from_dict_reads_numpy_vectors():

@@ -134,6 +134,7 @@ def test_bad_interventions_are_refused_at_once(sessions, kind):
     for bad, message in [(Intervention("blocks.7.hook_resid_post"), "not an installed hook point"),
                          (Intervention("blocks.0.hook_resid_post", scale=(1.0, 2.0)), "128 wide"),
                          (Intervention("blocks.0.hook_resid_post", bias=float("nan")), "NaN"),
+                         (Intervention("blocks.0.hook_resid_post", bias=1e39), "beyond float32's range"),
                          (Intervention("blocks.0.hook_resid_post", positions=(999,)), "out of range")]:
         with pytest.raises(ValueError, match=message):
             session.set_interventions([bad])

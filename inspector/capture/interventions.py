@@ -161,14 +161,22 @@ def _same(a: Vector, b: Vector) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a, b))
 
 
-def validate(iv: Intervention, widths: dict[str, int], max_position: int, allow_positions: bool) -> None:
-    """Raise ValueError with the reason; nothing is changed in the engine when this fails."""
+LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}  # else float32's (check_vector)
+
+
+def validate(iv: Intervention, widths: dict[str, int], max_position: int, allow_positions: bool,
+             dtype: str = "float32") -> None:
+    """Raise ValueError with the reason; nothing is changed in the engine when this fails. ``dtype``:
+    the engine's, in which its scale and bias tables hold the values."""
     if iv.hook not in widths:
         known = ", ".join(sorted(widths)[:8])
         raise ValueError(f"intervention on {iv.hook!r}, which is not an installed hook point (installed: {known}…)")
     width = widths[iv.hook]
     for which in ("scale", "bias"):
-        check_vector(iv.vector(which, width), width, f"{which} of the intervention on {iv.hook!r}")
+        values = check_vector(iv.vector(which, width), width, f"{which} of the intervention on {iv.hook!r}")
+        if np.abs(values).max(initial=0.0) > LARGEST.get(dtype, np.inf):
+            raise ValueError(f"{which} of the intervention on {iv.hook!r} holds values beyond ±{LARGEST[dtype]:.5g}, "
+                             f"which a {dtype} engine would hold as Inf")
     if iv.clamp is not None:
         if not (_same(iv.scale, 1.0) and _same(iv.bias, 0.0)):
             raise ValueError(f"a feature clamp on {iv.hook!r} stands alone: give its scale and bias as separate "

@@ -23,7 +23,14 @@ def check_vector(values, width: int | None, what: str = "vector") -> np.ndarray:
     bad = ~np.isfinite(arr)
     if bad.any():
         raise ValueError(f"{what} holds {int(bad.sum())} NaN/Inf value(s) (first at index {int(np.argmax(bad))})")
+    huge = np.abs(arr) > FLOAT32_MAX
+    if huge.any():  # an engine's tables would hold them as Inf
+        raise ValueError(f"{what} holds {int(huge.sum())} value(s) beyond float32's range ±{FLOAT32_MAX:.4g} "
+                         f"(first at index {int(np.argmax(huge))})")
     return arr
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def load_vector(path: str | Path, width: int | None = None, what: str = "vector") -> np.ndarray:

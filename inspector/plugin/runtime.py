@@ -492,7 +492,7 @@ class InspectorRuntime:
     def set_interventions(self, interventions: list[Intervention]) -> None:
         widths = {name: hook.point.width for name, hook in self.active.items()}
         for iv in interventions:
-            validate(iv, widths, self.max_model_len, self.config.enable_position_interventions)
+            validate(iv, widths, self.max_model_len, self.config.enable_position_interventions, self.config.dtype)
             if iv.clamp is not None and self.active[iv.hook].site.shards > 1:
                 raise ValueError(f"a feature clamp on {self.active[iv.hook].point.alias}, which is split over the "
                                  "tensor-parallel ranks; clamp features of a replicated point")
