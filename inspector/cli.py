@@ -21,7 +21,7 @@ from inspector.capture.hooks import RESIDUAL_KINDS
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import MAX_K
 from inspector.capture.positions import parse_positions
-from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol, check_sampling
+from inspector.capture.protocol import MODES, BootProgress, Sampling, SessionOptions, SessionProtocol, check_request
 from inspector.capture.sae import decoder_row, feature_clamp, read_sae
 from inspector.capture.vectors import load_vector
 from inspector.capture.windows import parse_window_option, windows_from_patterns
@@ -174,7 +174,7 @@ def capture(args) -> int:
     progress = TerminalProgress()
     sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                         logprobs=args.logprobs)
-    check_sampling(sampling)  # before the engine boots
+    check_request(prompts, sampling)  # before the engine boots
     session = open_session(args, progress.stage, retain_rows=False)
     try:
         session.set_windows(windows_from_patterns(windows, session.installed))

@@ -24,7 +24,7 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
-from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError, check_sampling,
+from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError, check_request,
                                         SessionOptions, StepEvent, NewRows, checked_interventions, fold_event)
 from inspector.capture.run import Run, TopToken
 from inspector.capture.sae import AttachedSae, checked_attachment, encode, load_weights, strongest
@@ -223,9 +223,7 @@ class FakeSession(Experiments):
 
     def generate(self, prompts: list[str], sampling: Sampling = Sampling()):
         self._require_alive()
-        if not prompts:
-            raise ValueError("nothing to generate: no prompts")
-        check_sampling(sampling)
+        check_request(prompts, sampling)
         self.threads.add(threading.get_ident())
         self._stop.clear()
         ids = self.upcoming_request_ids(len(prompts))

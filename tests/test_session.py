@@ -143,16 +143,19 @@ def test_bad_interventions_are_refused_at_once(sessions, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_sampling_no_request_can_run_with_is_refused_and_the_session_goes_on(sessions, kind, monkeypatch):
+def test_prompts_and_sampling_no_request_can_run_with_are_refused_and_the_session_goes_on(sessions, kind, monkeypatch):
     session, _ = sessions[kind]
     if kind == "remote":  # the server must refuse it too (a client of another make may not check)
-        monkeypatch.setattr("inspector.client.remote.check_sampling", lambda sampling: None)
+        monkeypatch.setattr("inspector.client.remote.check_request", lambda prompts, sampling: None)
     for bad, message in [(dict(top_p=5.0), "top_p"), (dict(top_p=0.0), "top_p"), (dict(temperature=-1.0), "temperature"),
                          (dict(temperature=float("nan")), "temperature"), (dict(max_tokens=0), "max_tokens"),
                          (dict(top_k=-2), "top_k"), (dict(logprobs=-1), "logprobs"), (dict(seed=-5), "seed")]:
         with pytest.raises(ValueError, match=message):
             next(session.generate(["import os"], Sampling(**bad)))
         assert session.alive
+    monkeypatch.undo()  # text the wire cannot carry is the client's to refuse
+    with pytest.raises(ValueError, match="prompt 1 is not valid Unicode text"):
+        next(session.generate(["import os", "a lone \ud800 surrogate"]))
     events = collect(session, ["import os"], Sampling(max_tokens=2, top_p=0.5, temperature=0.7, top_k=3, seed=1))
     assert events[-1].requests[0].finished
 

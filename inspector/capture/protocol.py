@@ -76,9 +76,23 @@ class Sampling:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+def check_request(prompts: list[str], sampling: Sampling) -> None:
+    """ValueError, saying what, for prompts and settings no request can run with: every session refuses
+    them before anything starts (vLLM's own refusals came as engine failures)."""
+    if not prompts:
+        raise ValueError("nothing to generate: no prompts")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt {i} is a {type(prompt).__name__}, not text")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt {i} is not valid Unicode text: {e.reason} at character {e.start}") from None
+    check_sampling(sampling)
+
+
 def check_sampling(s: Sampling) -> None:
-    """ValueError, saying which, for settings no request can run with: every session refuses them before
-    anything starts (vLLM's own refusal came as an engine failure)."""
+    """ValueError, saying which, for settings no request can run with."""
     if s.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {s.max_tokens}")
     if not (math.isfinite(s.temperature) and s.temperature >= 0):

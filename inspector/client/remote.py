@@ -13,7 +13,7 @@ import numpy as np
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import Attribution, Lens
-from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent, check_sampling,
+from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent, check_request,
                                         NewRows, checked_interventions, fold_event)
 from inspector.capture.run import Run
 from inspector.capture.sae import AttachedSae, SaeConfig
@@ -146,9 +146,7 @@ class RemoteSession(Experiments):
 
     def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]:
         self._require_alive()
-        if not prompts:
-            raise ValueError("nothing to generate: no prompts")
-        check_sampling(sampling)
+        check_request(prompts, sampling)
         ids = self.upcoming_request_ids(len(prompts))
         type(self)._next_id += len(ids)
         body = {"prompts": list(prompts), "sampling": to_builtins(sampling), "request_ids": ids}

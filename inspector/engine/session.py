@@ -25,7 +25,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
 from inspector.capture.models import model_config, resolve_model
-from inspector.capture.protocol import (MODES, BootProgress, RequestStart, RequestStep, Rows, Sampling, check_sampling,
+from inspector.capture.protocol import (MODES, BootProgress, RequestStart, RequestStep, Rows, Sampling, check_request,
                                         SessionError, SessionOptions, StepEvent, checked_interventions,
                                         NewRows, fold_event)
 from inspector.capture.run import Run, TopToken
@@ -151,8 +151,7 @@ class Session(Experiments):
         (checked, by installed name), else ``self.windows``. ValueError if vLLM refuses one (then none
         is added)."""
         self._require_alive()
-        if not prompts:
-            raise ValueError("nothing to generate: no prompts")
+        check_request(prompts, sampling)
         params = _sampling_params(sampling)
         vocab = self._llm.llm_engine.model_config.get_vocab_size()
         checked_token_ids(sampling.score_token_ids, vocab)
@@ -513,7 +512,6 @@ def _sampling_params(s: Sampling):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    check_sampling(s)
     try:
         return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                               top_k=s.top_k if s.top_k > 0 else -1, seed=s.seed, logprobs=s.logprobs or None,
