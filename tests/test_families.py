@@ -26,7 +26,8 @@ FAMILY_OF = {"gpt2": "GPT-2", "gemma2": "Gemma 2/3 (sandwich norms)", "qwen3": "
              "gptj": "GPT-J (parallel)", "opt": "OPT (pre-norm)", "qwen3_moe": "Llama-style",
              "gemma3": "Gemma 2/3 (sandwich norms)", "gpt_neox": "GPT-NeoX (parallel)", "olmo2": "OLMo 2 (post-norms)",
              "phi": "Phi-2 (parallel)", "mixtral": "Mixtral", "olmoe": "Llama-style", "qwen2_moe": "Llama-style",
-             "gemma": "Llama-style, inferred from GemmaDecoderLayer"}
+             "gemma": "Llama-style (fused), inferred from GemmaDecoderLayer",
+             "stablelm": "Llama-style (sequential), inferred from StablelmDecoderLayer"}
 # vLLM's Transformers backend calls its attention layers through .forward, around their hooks
 WITHDRAWN = {"gpt_neox": {"q", "k"}, "olmo2": {"q", "k"}, "phi": {"q", "k"}}
 BACKEND = {"gpt_neox", "olmo2", "phi"}

@@ -23,6 +23,11 @@ class BuiltAlikeLayer(LlamaDecoderLayer):  # the same modules and vLLM's fused f
         return hidden_states, residual
 
 
+class SequentialAlikeLayer(LlamaDecoderLayer):  # the same modules, the stream in and out
+    def forward(self, positions, hidden_states):
+        return hidden_states
+
+
 def model_of(layer_class, **attributes):
     model = nn.Module()
     model.model = nn.Module()
@@ -40,8 +45,12 @@ def test_a_known_block_class_is_described():
 
 def test_a_block_no_description_names_but_built_like_llamas_is_described_as_inferred():
     _, _, family = find_blocks(model_of(BuiltAlikeLayer))
-    assert family.name == "Llama-style, inferred from BuiltAlikeLayer" and family.residual == "fused"
+    assert family.name == "Llama-style (fused), inferred from BuiltAlikeLayer" and family.residual == "fused"
     assert family.layer_classes == ("BuiltAlikeLayer",)
+    _, _, family = find_blocks(model_of(SequentialAlikeLayer))
+    assert family.name == "Llama-style (sequential), inferred from SequentialAlikeLayer"
+    resid_pre = next(p for p in family.points if p.kind == "resid_pre")
+    assert family.residual == "sequential" and (resid_pre.how, resid_pre.arg_index) == ("input", 1)
 
 
 @pytest.mark.parametrize("layer_class, attributes", [(LookAlikeLayer, {}),

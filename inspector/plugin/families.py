@@ -17,7 +17,7 @@ to the tests.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -113,6 +113,7 @@ FAMILIES = (
 
 
 LLAMA_STYLE_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+OUTPUT_PROJECTIONS = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "fc_out")  # an MLP's, by the names in use
 
 
 def family_of(block: nn.Module) -> Family | None:
@@ -120,20 +121,32 @@ def family_of(block: nn.Module) -> Family | None:
 
 
 def inferred_family(block: nn.Module) -> Family | None:
-    """A block class no description names, built as vLLM builds its Llama-style blocks (these four modules,
-    a forward that passes the residual stream on beside the hidden states): described as one. Its points
-    are then vouched for by the boot probe's identities (``probe.py``), not by a tiny model in the tests:
-    a point whose identity fails is withdrawn, saying why. A class a description names but refuses (a
-    variant) stays refused."""
+    """A block class no description names, built as vLLM builds its Llama-style blocks (these four
+    modules, in sequence): described as one, fused if its forward passes the residual stream on beside
+    the hidden states, else sequential (its output the stream). Its points are then vouched for by the
+    boot probe's identities (``probe.py``), not by a tiny model in the tests: a point whose identity
+    fails is withdrawn, saying why (a block that scales its branches, say). A class a description names
+    but refuses (a variant) stays refused."""
     name = type(block).__name__
     if any(name in f.layer_classes for f in FAMILIES):
         return None
     if not all(isinstance(getattr(block, m, None), nn.Module) for m in LLAMA_STYLE_MODULES):
         return None
-    if "residual" not in inspect.signature(block.forward).parameters:
+    parameters = inspect.signature(block.forward).parameters
+    if "hidden_states" not in parameters:
         return None
-    return Family(f"Llama-style, inferred from {name}", f"{name} (found by its structure)", (name,), "fused",
-                  fused("mlp"), (("embed", "embed_tokens"),), "norm")
+    out = next((f"mlp.{p}" for p in OUTPUT_PROJECTIONS if isinstance(getattr(block.mlp, p, None), nn.Module)),
+               "mlp.down_proj")
+    if "residual" in parameters:
+        residual, points = "fused", fused("mlp")
+    else:
+        residual = "sequential"
+        points = (Point("resid_pre", how="input", arg_index=list(parameters).index("hidden_states")),
+                  Point("attn_out", "self_attn"), Point("resid_mid", "post_attention_layernorm", "input"),
+                  Point("mlp_post", out, "input", width="in"), Point("mlp_out", "mlp"), Point("resid_post"))
+    points = tuple(replace(p, module=out) if p.kind == "mlp_post" else p for p in points)
+    return Family(f"Llama-style ({residual}), inferred from {name}", f"{name} (found by its structure)", (name,),
+                  residual, points, (("embed", "embed_tokens"),), "norm")
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList, Family]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from inspector.capture.resources import cache_root
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3",
-                 "gpt_neox", "olmo2", "phi", "mixtral", "olmoe", "qwen2_moe", "gemma")
+                 "gpt_neox", "olmo2", "phi", "mixtral", "olmoe", "qwen2_moe", "gemma", "stablelm")
 # Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
 ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}, "gemma3": {"kv_heads": 1}}
 # Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
@@ -114,6 +114,9 @@ def hf_config(spec: TinySpec, tokenizer):
     if spec.arch == "gemma":  # no description names its block: found by its structure (families.inferred_family)
         return transformers.GemmaConfig(head_dim=spec.hidden // spec.heads, hidden_activation="gelu_pytorch_tanh",
                                         **shape)
+    if spec.arch == "stablelm":  # sequential, LayerNorms, partial rotary (its default 0.25); found by its structure
+        return transformers.StableLmConfig(hidden_act="silu", use_parallel_residual=False,
+                                           tie_word_embeddings=False, **shape)
     if spec.arch == "qwen3":  # q/k norms
         return transformers.Qwen3Config(head_dim=spec.hidden // spec.heads, hidden_act="silu",
                                         tie_word_embeddings=False, **shape)
