@@ -28,6 +28,20 @@ def test_a_wrongly_described_point_is_withdrawn_with_the_identity_it_broke(tiny_
             rpc(llm, "inspector_add_hooks", {"blocks.0.hook_resid_mid": ("model.layers.0.mlp", 128)})
 
 
+def test_a_block_that_scales_its_branches_keeps_only_the_points_it_does_not_scale(tiny_models):
+    """Granite's blocks are built like Llama's (so its family is inferred) but add each branch times a
+    multiplier: what its attention and MLP modules give is not what the stream gets. The probe's
+    attention carries random values, so this shows at the attention branch too."""
+    with booted(tiny_models["granite"], mode="eager", hook_patterns=("blocks.*.hook_resid_post",)) as llm:
+        points = rpc(llm, "inspector_describe")["hook_points"]
+    withdrawn = {p["alias"]: p["withdrawn"] for p in points if p["withdrawn"]}
+    for i in (0, 1):
+        assert "resid_pre + attn_out = resid_mid does not hold" in withdrawn[f"blocks.{i}.hook_attn_out"]
+        assert "resid_mid + mlp_out = resid_post does not hold" in withdrawn[f"blocks.{i}.hook_mlp_out"]
+        assert f"blocks.{i}.hook_resid_mid" in withdrawn and f"blocks.{i}.hook_resid_post" not in withdrawn
+    assert "blocks.1.hook_resid_pre" not in withdrawn  # block 0's output vouches for it
+
+
 def test_a_point_where_the_identity_intervention_would_change_values_is_withdrawn(tiny_models, monkeypatch):
     """Every forward of a compiled engine applies value * 1 + 0 at each installed point: the probe checks
     that this gives back the very tensors (shape, dtype, bits). Here a broken replacement at output

@@ -3,7 +3,8 @@ TransformerLens defines them, so a family nobody tested cannot show silently wro
 
 The probe runs before our hooks are installed and before vLLM compiles: plain read-only hooks on every
 point, the model called eagerly on a few random tokens (``vllm_compat.probe_forward``, attention
-outputs zeroed since there is no KV cache yet; the stream's bookkeeping is what is checked). For block
+outputs seeded random values since there is no KV cache yet; the stream's bookkeeping is what is
+checked, so every branch must carry something). For block
 i: ``resid_mid = resid_pre + attn_out``, ``resid_post = resid_mid + mlp_out`` (sequential) or
 ``resid_pre + attn_out + mlp_out`` (parallel), ``resid_post(i) = resid_pre(i+1)``, and the final norm of
 the last ``resid_post`` is ``normalized``. A point whose rows are not ``[tokens, width]`` is withdrawn,

@@ -201,14 +201,15 @@ def unembedding(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | 
 
 def probe_forward(worker, num_tokens: int) -> None:
     """One eager forward of ``num_tokens`` dummy tokens before the KV cache exists (vLLM's own dummy
-    run): compilation is bypassed for it and attention layers return zeros (without a KV cache their
-    output is uninitialised memory), however the model calls them."""
+    run): compilation is bypassed for it and attention layers return seeded random values, however the
+    model calls them (without a KV cache their output would be uninitialised memory; zeros would leave
+    every attention branch empty, and a block that scales that branch would pass unnoticed)."""
     model = model_of(worker)
     compiled = [m for m in model.modules() if hasattr(m, "do_not_compile")]
     flags = [m.do_not_compile for m in compiled]
     layers = [layer for _, layer in attention_layers(model)]
     for layer in layers:  # an instance attribute: also what a model calling layer.forward(...) gets
-        layer.forward = functools.partial(_zero_attention, layer.num_heads * getattr(layer, "head_size_v", layer.head_size))
+        layer.forward = functools.partial(_random_attention, layer.num_heads * getattr(layer, "head_size_v", layer.head_size))
     runner = worker.model_runner
     params = inspect.signature(runner._dummy_run).parameters
     extra = {"randomize_inputs": True} if "randomize_inputs" in params else {}
@@ -227,8 +228,9 @@ def probe_forward(worker, num_tokens: int) -> None:
             del layer.forward
 
 
-def _zero_attention(width: int, query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    return query.new_zeros(query.shape[0], width)
+def _random_attention(width: int, query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    generator = torch.Generator(query.device).manual_seed(0)
+    return torch.randn(query.shape[0], width, generator=generator, device=query.device, dtype=query.dtype)
 
 
 def external_request_id(internal: str) -> str:

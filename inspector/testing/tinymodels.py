@@ -20,7 +20,8 @@ from pathlib import Path
 from inspector.capture.resources import cache_root
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3",
-                 "gpt_neox", "olmo2", "phi", "mixtral", "olmoe", "qwen2_moe", "gemma", "stablelm")
+                 "gpt_neox", "olmo2", "phi", "mixtral", "olmoe", "qwen2_moe", "gemma", "stablelm",
+                 "granite")
 # Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
 ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}, "gemma3": {"kv_heads": 1}}
 # Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
@@ -117,6 +118,10 @@ def hf_config(spec: TinySpec, tokenizer):
     if spec.arch == "stablelm":  # sequential, LayerNorms, partial rotary (its default 0.25); found by its structure
         return transformers.StableLmConfig(hidden_act="silu", use_parallel_residual=False,
                                            tie_word_embeddings=False, **shape)
+    if spec.arch == "granite":  # Llama's modules, but its branches and embeddings scaled: what the probe must catch
+        return transformers.GraniteConfig(residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=4.0,
+                                          attention_multiplier=1 / 64, hidden_act="silu", tie_word_embeddings=False,
+                                          **shape)
     if spec.arch == "qwen3":  # q/k norms
         return transformers.Qwen3Config(head_dim=spec.hidden // spec.heads, hidden_act="silu",
                                         tie_word_embeddings=False, **shape)
