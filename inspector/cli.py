@@ -421,12 +421,13 @@ def hooks(args) -> int:
         session = engine_session(SessionOptions(model=args.model, mode="eager", hooks=(), engine_args=parallel_args(args)),
                                  TerminalProgress().stage)
     try:
-        catalogue = session.catalogue
+        catalogue, family = session.catalogue, session.run.metadata.get("block_family", "unknown")
     finally:
         session.close()
     if args.json:
         print(json.dumps([h.as_dict() for h in catalogue], indent=2))
         return 0
+    print(f"block family: {family}")
     print(f"{'name':48s} {'alias':28s} {'kind':11s} {'width':>6s}")
     for h in catalogue:
         print(f"{h.name:48s} {h.alias:28s} {h.kind:11s} {h.width:6d}" + ("  WITHDRAWN" if h.withdrawn else "")

@@ -121,6 +121,7 @@ class FakeSession(Experiments):
         self.threads.add(threading.get_ident())
         self.run = Run(metadata={"model": self.options.model, "model_path": f"/fake/{self.options.model}",
                                  "engine_mode": self.options.mode, "dtype": self.options.dtype,
+                                 "block_family": "Llama-style",
                                  "saes": [sae.as_dict() for sae in self.saes.values()]},
                        hooks=dict(self.installed))
         self._new_rows = None

@@ -47,9 +47,10 @@ class Session(Experiments):
     _next_id = 0
 
     def __init__(self, options: SessionOptions, llm, model_path, catalogue: list[HookPoint],
-                 installed: dict[str, HookPoint]):
+                 installed: dict[str, HookPoint], block_family: str):
         self.options = options
         self.model_path = model_path
+        self.block_family = block_family
         self.catalogue = catalogue
         self.installed = installed
         self.alive = True
@@ -89,7 +90,7 @@ class Session(Experiments):
             raise SessionError(str(e)) from None
         llm = _boot(options, path, report)
         try:
-            catalogue, installed = _describe(llm)
+            catalogue, installed, family = _describe(llm)
         except Exception as e:
             shutdown_llm(llm)
             if PLUGIN_MISSING in str(e):
@@ -105,7 +106,7 @@ class Session(Experiments):
             shutdown_llm(llm)
             raise SessionError(str(e)) from None
         report(BootProgress("ready", f"{path.name} ready ({options.mode}, {len(installed)} hooks)"))
-        return cls(options, llm, path, catalogue, installed)
+        return cls(options, llm, path, catalogue, installed, family)
 
     def close(self) -> None:
         if self._llm is not None:
@@ -274,7 +275,7 @@ class Session(Experiments):
                 raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
         if self.options.mode == "eager":
             self._llm.collective_rpc("inspector_set_hook_patterns", args=(list(patterns),))
-            _, self.installed = _describe(self._llm)
+            _, self.installed, _ = _describe(self._llm)
         else:
             run = self.run
             self.close()
@@ -282,7 +283,7 @@ class Session(Experiments):
             self._llm = _boot(options, self.model_path, lambda p: None)
             self.options, self.alive = options, True
             self._tokenizer = self._llm.get_tokenizer()
-            _, self.installed = _describe(self._llm)
+            _, self.installed, _ = _describe(self._llm)
             self.run = run
         self.run.hooks.update(self.installed)
         self.windows = {name: w for name, w in self.windows.items() if name in self.installed}
@@ -467,6 +468,7 @@ class Session(Experiments):
             "model_config": model_config(self.model_path),
             "dtype": self.options.dtype,
             "engine_mode": self.options.mode,
+            "block_family": self.block_family,  # the description the hook points follow (inferred or named)
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "saes": [sae.as_dict() for sae in self.saes.values()],  # what features in the run come from
         }
@@ -500,12 +502,13 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _describe(llm) -> tuple[list[HookPoint], dict[str, HookPoint]]:
+def _describe(llm) -> tuple[list[HookPoint], dict[str, HookPoint], str]:
+    """The catalogue, the installed points and the block family they follow."""
     info = llm.collective_rpc("inspector_describe")[0]
     catalogue = [HookPoint.from_dict(p) for p in info["hook_points"]]
     by_name = {h.name: h for h in catalogue}
     installed = {name: replace(by_name[point], name=name) for name, point in info["installed"].items()}
-    return catalogue, installed
+    return catalogue, installed, info["family"]
 
 
 def _sampling_params(s: Sampling):

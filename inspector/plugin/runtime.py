@@ -96,8 +96,9 @@ class RequestWindows(NamedTuple):
 
 class InspectorRuntime:
     def __init__(self, model: nn.Module, points: list[tuple[HookPoint, hp.Site]], config: PluginConfig,
-                 device: torch.device, max_tokens: int, max_model_len: int):
+                 device: torch.device, max_tokens: int, max_model_len: int, family: str = ""):
         self.model = model
+        self.family = family  # the block description the catalogue follows (families.py), for the record
         self.config = config
         self.catalogue = {p.name: p for p, _ in points}
         self.sites = {p.name: site for p, site in points}
@@ -548,6 +549,7 @@ class InspectorRuntime:
     def describe(self) -> dict:
         return {
             "mode": "eager" if self.config.eager else "compiled",
+            "family": self.family,
             "dtype": self.config.dtype,
             "max_tokens": self.max_tokens,
             "max_slots": self.config.max_slots,

@@ -56,7 +56,7 @@ def install_runtime(worker) -> None:
     points = [(replace(p, withdrawn=verdict.withdrawn.get(p.name, ""), routing=verdict.unrouted.get(p.name, p.routing)),
                site) for p, site in points]
     runtime = InspectorRuntime(model, points, config, vllm_compat.device_of(worker),
-                               max(max_tokens, config.max_num_batched_tokens), max_model_len)
+                               max(max_tokens, config.max_num_batched_tokens), max_model_len, family.name)
     explicit = {runtime.resolve(name, *spec).name for name, spec in config.capture_specs.items()}
     matched = {name: spec for name, spec in runtime.match(config.hook_patterns).items() if name not in explicit}
     runtime.install({**config.capture_specs, **matched})
