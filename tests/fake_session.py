@@ -85,6 +85,7 @@ class FakeSession(Experiments):
     step_delay = 0.0
     fail_open: str | None = None
     fail_at_step: int | None = None
+    block_family = "Llama-style"  # the description its catalogue follows, as the plugin names it
     _next_id = 0  # class-wide, like the real session's
 
     def __init__(self, options: SessionOptions, layers: int = 2, hidden: int = 128, intermediate: int = 256):
@@ -121,7 +122,7 @@ class FakeSession(Experiments):
         self.threads.add(threading.get_ident())
         self.run = Run(metadata={"model": self.options.model, "model_path": f"/fake/{self.options.model}",
                                  "engine_mode": self.options.mode, "dtype": self.options.dtype,
-                                 "block_family": "Llama-style",
+                                 "block_family": self.block_family,
                                  "saes": [sae.as_dict() for sae in self.saes.values()]},
                        hooks=dict(self.installed))
         self._new_rows = None

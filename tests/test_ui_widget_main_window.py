@@ -450,3 +450,18 @@ def test_a_capture_window_chosen_next_to_a_hooks_check_box_keeps_only_its_rows(q
     window.select_hook(other)
     window.refresh()
     assert window.heatmap.position_axis.x_of(4) == 2 and window.heatmap.position_axis.x_of(3) is None
+
+
+def test_a_model_whose_blocks_no_tested_description_names_is_said_so(qtbot, ui_settings, monkeypatch):
+    from fake_session import FakeSession
+
+    window = make_window(qtbot)
+    assert window.stage_label.toolTip() == "Hook points follow the block description Llama-style"
+    assert "tested description" not in window.statusBar().currentMessage()
+    monkeypatch.setattr(FakeSession, "block_family", "Llama-style (sequential), inferred from GraniteDecoderLayer")
+    window.open_model("demo", mode="compiled")
+    wait_state(qtbot, window, "ready")
+    message = window.statusBar().currentMessage()
+    assert message.startswith("Model ready in 0 s: demo; no tested description of its blocks (Llama-style "
+                              "(sequential), inferred from GraniteDecoderLayer): its hook points are checked by the "
+                              "boot probe")

@@ -295,8 +295,12 @@ class Controller:
         self.lens_problem = None
         self._set_state(AppState.READY)
         self.view.session_changed(self.info, restarted=False)
-        self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}",
-                         8000)
+        family = self.info.metadata.get("block_family", "")
+        # no tested description of the blocks: the user should know what vouches for the hook points
+        untested = (f"; no tested description of its blocks ({family}): its hook points are checked by the boot "
+                    "probe, withdrawn ones say why") if "inferred from" in family else ""
+        self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}"
+                         f"{untested}", 20000 if untested else 8000)
         self._reapply_interventions("opening the model")
         self._send_windows()
 
