@@ -297,8 +297,8 @@ class Controller:
         self.view.session_changed(self.info, restarted=False)
         family = self.info.metadata.get("block_family", "")
         # no tested description of the blocks: the user should know what vouches for the hook points
-        untested = (f"; no tested description of its blocks ({family}): its hook points are checked by the boot "
-                    "probe, withdrawn ones say why") if "inferred from" in family else ""
+        untested = (f"; {family}: no tested description, hook points checked at boot"
+                    if "inferred from" in family else "")
         self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}"
                          f"{untested}", 20000 if untested else 8000)
         self._reapply_interventions("opening the model")
