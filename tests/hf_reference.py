@@ -30,7 +30,7 @@ _GEMMA_STYLE = {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_l
                 "mlp_raw": ("mlp", "out"), "mlp_out": ("post_feedforward_layernorm", "out")}
 # Each kind of hook point as transformers' modules give it (TransformerLens's definitions): module, in/out.
 KINDS = {
-    **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "stablelm")},
+    **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "stablelm", "granite")},
     # the router's logits (a dense layer has none)
     **{arch: {**_LLAMA_STYLE, "router": ("mlp.gate", "out")} for arch in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")},
     "gemma2": _GEMMA_STYLE, "gemma3": _GEMMA_STYLE,

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from engines import booted, rpc
+import hf_reference
+from engines import PARITY_TOL, assert_greedy_matches, booted, generate, rel_l2, rpc
 from inspector.plugin import families
 from inspector.plugin.families import FAMILIES, Point
 
@@ -34,7 +35,16 @@ def test_a_block_that_scales_its_branches_keeps_only_the_points_it_does_not_scal
     attention carries random values, so this shows at the attention branch too."""
     with booted(tiny_models["granite"], mode="eager", hook_patterns=("blocks.*.hook_resid_post",)) as llm:
         points = rpc(llm, "inspector_describe")["hook_points"]
+        tokens, caps = generate(llm, ["def fibonacci(n):"], max_tokens=4)
     withdrawn = {p["alias"]: p["withdrawn"] for p in points if p["withdrawn"]}
+    # what it keeps means what transformers' Granite computes there
+    ((prompt_ids, gen_ids),), (rows,) = tokens.values(), caps.values()
+    seq = (prompt_ids + gen_ids)[:-1]
+    expected = hf_reference.block_points(tiny_models["granite"], "granite", seq)
+    for i in (0, 1):
+        got = rows[f"model.layers.{i}.resid_post"]["values"]
+        assert rel_l2(got, expected[i, "resid_post"]).max() < PARITY_TOL
+    assert_greedy_matches(hf_reference.logits(tiny_models["granite"], seq), len(prompt_ids), gen_ids)
     for i in (0, 1):
         assert "resid_pre + attn_out = resid_mid does not hold" in withdrawn[f"blocks.{i}.hook_attn_out"]
         assert "resid_mid + mlp_out = resid_post does not hold" in withdrawn[f"blocks.{i}.hook_mlp_out"]

@@ -17,6 +17,7 @@ def matches_pattern(name: str, alias: str, pattern: str) -> bool:
 
 RESIDUAL_KINDS = ("resid_pre", "resid_mid", "resid_post")  # the residual stream: what the logit lens reads
 ATTENTION_KINDS = ("q", "k")  # what the attention kernel receives: patterns are recomputed from them
+INFERRED_FAMILY = "inferred from"  # in a block family's name: no tested description, the boot probe vouches
 ROUTER_KIND = "router"  # a mixture-of-experts layer's router logits: the chosen experts are recomputed from them
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from inspector.capture.hooks import INFERRED_FAMILY
+
 ALIASES = {"resid_pre": "hook_resid_pre", "attn_raw": "hook_attn_raw", "attn_out": "hook_attn_out",
            "resid_mid": "hook_resid_mid", "mlp_post": "mlp.hook_post", "mlp_raw": "hook_mlp_raw",
            "mlp_out": "hook_mlp_out", "resid_post": "hook_resid_post", "router": "mlp.hook_router"}
@@ -138,14 +140,14 @@ def inferred_family(block: nn.Module) -> Family | None:
     out = next((f"mlp.{p}" for p in OUTPUT_PROJECTIONS if isinstance(getattr(block.mlp, p, None), nn.Module)),
                "mlp.down_proj")
     if "residual" in parameters:
-        residual, points = "fused", fused("mlp")
+        residual = "fused"
+        points = tuple(replace(p, module=out) if p.kind == "mlp_post" else p for p in fused("mlp"))
     else:
         residual = "sequential"
         points = (Point("resid_pre", how="input", arg_index=list(parameters).index("hidden_states")),
                   Point("attn_out", "self_attn"), Point("resid_mid", "post_attention_layernorm", "input"),
                   Point("mlp_post", out, "input", width="in"), Point("mlp_out", "mlp"), Point("resid_post"))
-    points = tuple(replace(p, module=out) if p.kind == "mlp_post" else p for p in points)
-    return Family(f"Llama-style ({residual}), inferred from {name}", f"{name} (found by its structure)", (name,),
+    return Family(f"Llama-style ({residual}), {INFERRED_FAMILY} {name}", f"{name} (found by its structure)", (name,),
                   residual, points, (("embed", "embed_tokens"),), "norm")
 
 

@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 from inspector import client
 from inspector.capture import resources
 from inspector.capture.dtypes import ROW_DTYPES
+from inspector.capture.hooks import INFERRED_FAMILY
 from inspector.capture.interventions import Intervention
 from inspector.capture.models import DEMO, model_path_problem
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionFactory,
@@ -298,7 +299,7 @@ class Controller:
         family = self.info.metadata.get("block_family", "")
         # no tested description of the blocks: the user should know what vouches for the hook points
         untested = (f"; {family}: no tested description, hook points checked at boot"
-                    if "inferred from" in family else "")
+                    if INFERRED_FAMILY in family else "")
         self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}"
                          f"{untested}", 20000 if untested else 8000)
         self._reapply_interventions("opening the model")
