@@ -15,7 +15,8 @@ each send a slice of a hook).
 
 "clamps" has room to clamp 4 SAE features at every hook; "generated" captures with the "generated"
 capture window (the last prompt position and every generated token; the prompt's other rows never
-leave the device); "vanilla-ieee" is vanilla
+leave the device); "vanilla-again" is a second vanilla engine, the control that shows how far two
+identical engines differ on this machine; "vanilla-ieee" is vanilla
 vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
 "vanilla", Triton's TF32 default: the cost of that precision, with ``--dtype float32`` on a GPU).
 
@@ -55,7 +56,8 @@ class Config(NamedTuple):
     window: str = "all"  # every request's capture window at every hook (inspector.capture.windows)
 
 
-CONFIGS = {"vanilla": Config("compiled"), "compiled": Config("compiled", RESIDUAL), "eager": Config("eager", RESIDUAL),
+CONFIGS = {"vanilla": Config("compiled"), "vanilla-again": Config("compiled"),
+           "compiled": Config("compiled", RESIDUAL), "eager": Config("eager", RESIDUAL),
            "sharded": Config("compiled", (*RESIDUAL, "blocks.*.mlp.hook_post"), True),
            "clamps": Config("compiled", RESIDUAL, plugin={"feature_clamps": 4}),
            "vanilla-ieee": Config("compiled", env={"TRITON_F32_DEFAULT": "ieee"}),
@@ -299,14 +301,14 @@ def main() -> None:
     print(f"\npreset {args.preset}: {dtype}, tensor parallel size {args.tensor_parallel_size}, prompts of "
           f"{prompt_len} tokens, greedy, ignore_eos, max_num_batched_tokens {max_batched}; capture = resid_post of "
           f"every block (sharded: and mlp.hook_post); {args.reps} alternated reps")
-    print(f"{'config':9s} {'boot s':>7s} " + " ".join(
+    print(f"{'config':13s} {'boot s':>7s} " + " ".join(
         f"{f'{b}x{n} prefill tok/s':>22s} {f'{b}x{n} decode tok/s':>21s} {'ms/step':>8s} {'drain':>6s}"
         for b, n in runs))
     for name in args.configs:
         cells = " ".join(f"{med(name, run, 'prefill_tok_s'):22.1f} {med(name, run, 'decode_tok_s'):21.1f} "
                          f"{med(name, run, 'ms_per_step'):8.2f} {med(name, run, 'drain_ms_per_step'):6.2f}"
                          for run in runs)
-        print(f"{name:9s} {boot[name]['boot_s']:7.1f} {cells}")
+        print(f"{name:13s} {boot[name]['boot_s']:7.1f} {cells}")
     for name in args.configs:
         print(f"{name} per rep: " + "; ".join(
             f"{b}x{n} prefill tok/s " + " ".join(f"{r['prefill_tok_s']:.0f}" for r in results[(name, (b, n))])
