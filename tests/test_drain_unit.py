@@ -213,6 +213,7 @@ def test_windowed_steps_keep_each_hooks_promised_rows_in_order(windows):
 
     runtime = _runtime()
     runtime._stacks = [RowStack(torch.zeros(2, 64, 3), ["a", "b"]), RowStack(torch.zeros(1, 64, 5), ["c"])]
+    runtime._index_slots()
     prompts = {"r0": 5, "r1": 3, "r2": 4}
     runtime.set_request_options({rid: {"windows": w, "prompt_tokens": prompts[rid]} for rid, w in windows.items()}
                                 | {"r3": {"capture": False}}, [])

@@ -86,6 +86,15 @@ class RowStack:
     arena: torch.Tensor | None = None  # where a forward's rows wait for their copy to the host (``copyout``)
 
 
+class SlotIndex(NamedTuple):
+    """Where the copied hooks' rows sit in the stacks; rebuilt when hooks change, read every windowed
+    forward."""
+
+    slots: list[tuple[int, int, str]]  # (stack, slot, hook name) of every copied hook
+    names: frozenset[str]
+    by_stack: dict[int, list[int]]  # stack -> its slots in use
+
+
 class RequestWindows(NamedTuple):
     """A request's capture windows: those of its hooks that keep fewer than all rows."""
 
@@ -109,6 +118,7 @@ class InspectorRuntime:
         self.max_model_len = max_model_len
         self.active: dict[str, ActiveHook] = {}
         self._stacks: list[RowStack] = []
+        self._slot_index = SlotIndex([], frozenset(), {})
         self.planner = SlotPlanner(config.max_slots)
         # The compiled graph must contain the affine, since interventions arrive after tracing.
         self._affine_in_graph = not config.eager
@@ -187,6 +197,7 @@ class InspectorRuntime:
                 self._install(name, resolved[name], stack.tensor[index])
         for name in resolved.keys() - copied.keys():
             self._install(name, resolved[name], None)
+        self._index_slots()
 
     def _install(self, name: str, point: HookPoint, buffer: torch.Tensor | None) -> None:
         site = self.sites[point.name]
@@ -210,6 +221,14 @@ class InspectorRuntime:
             hook.handle = module.register_forward_hook(functools.partial(self._on_output, hook))
         self.active[name] = hook
 
+    def _index_slots(self) -> None:
+        slots = [(s, h, name) for s, stack in enumerate(self._stacks) for h, name in enumerate(stack.names)
+                 if name is not None]
+        by_stack: dict[int, list[int]] = {}
+        for s, h, _ in slots:
+            by_stack.setdefault(s, []).append(h)
+        self._slot_index = SlotIndex(slots, frozenset(name for _, _, name in slots), by_stack)
+
     def allocated_bytes(self) -> int:
         """Device memory held for the installed hooks: capture buffers and intervention tables."""
         tensors = [*(s.tensor for s in self._stacks),  # rows: in the stacks, and staged for the host
@@ -227,6 +246,7 @@ class InspectorRuntime:
             for stack in self._stacks:
                 stack.names = [None if n == name else n for n in stack.names]
         self._stacks = [stack for stack in self._stacks if any(stack.names)]
+        self._index_slots()
         self.saes = {name: sae for name, sae in self.saes.items() if sae.attached.hook not in names}
         self.set_interventions([iv for iv in self.planner.interventions if iv.hook not in names])
 
@@ -346,10 +366,9 @@ class InspectorRuntime:
     def _windows_keep_all(self, step: StepInfo) -> bool:
         """Whether every window keeps all of this step's rows (a decode step under "generated", say): then
         the step is sent as it is, without choosing rows hook by hook."""
-        bounds = step.query_start_loc
-        firsts = step.positions[np.minimum(bounds[:-1], max(len(step.positions) - 1, 0))]
-        whole_from = np.array([self._whole_from.get(rid, 0) for rid in step.req_ids])
-        return bool(((np.diff(bounds) == 0) | (firsts >= whole_from)).all())  # a request's rows ascend
+        bounds, positions = step.query_start_loc.tolist(), step.positions
+        return all(b == a or positions[a] >= self._whole_from.get(rid, 0)  # a request's rows ascend
+                   for rid, a, b in zip(step.req_ids, bounds, bounds[1:]))
 
     def _queue_windowed(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
         """Rows of a step where some request has a capture window: hooks keeping the same rows are grouped,
@@ -390,9 +409,7 @@ class InspectorRuntime:
         """The rows of this step each hook keeps, as (mask over the rows, stack -> its hooks keeping them).
         One mask per distinct combination of the requests' windows; when every request has one window
         for all hooks (the usual case) that is a single mask, found without going hook by hook."""
-        slots = [(s, h, name) for s, stack in enumerate(self._stacks) for h, name in enumerate(stack.names)
-                 if name is not None]
-        names = {name for _, _, name in slots}
+        slots, names, by_stack = self._slot_index
         columns = []  # per request: its window at each slot, or one window for all (None: it keeps no rows)
         for rid, _ in spans:
             if rid in self._no_capture:
@@ -404,10 +421,7 @@ class InspectorRuntime:
             else:
                 columns.append((ALL,))
         if all(len(column) == 1 for column in columns):  # one mask for all hooks
-            every_hook = {}
-            for s, h, _ in slots:
-                every_hook.setdefault(s, []).append(h)
-            return [(self._keep_mask(step, spans, [column[0] for column in columns]), every_hook)]
+            return [(self._keep_mask(step, spans, [column[0] for column in columns]), by_stack)]
         by_windows: dict[tuple, list[int]] = {}  # the requests' windows -> the slots that have them
         for i, key in enumerate(zip(*(column * len(slots) if len(column) == 1 else column for column in columns))):
             by_windows.setdefault(key, []).append(i)
@@ -479,10 +493,11 @@ class InspectorRuntime:
                 else:
                     self._score_ids.pop(rid, None)
             if "windows" in option:  # a hook removed since (eager mode) is never looked up
-                windows = {name: w for name, w in ((name, CaptureWindow.parse(text))
-                                                   for name, text in option["windows"].items()) if not w.is_all}
-                if windows:
-                    distinct = set(windows.values())
+                texts = option["windows"]
+                parsed = {text: CaptureWindow.parse(text) for text in set(texts.values())}
+                distinct = {w for w in parsed.values() if not w.is_all}
+                if distinct:
+                    windows = {name: parsed[text] for name, text in texts.items() if not parsed[text].is_all}
                     self._windows[rid] = RequestWindows(int(option["prompt_tokens"]), windows,
                                                         next(iter(distinct)) if len(distinct) == 1 else None)
                     self._whole_from[rid] = max(w.keeps_all_from(int(option["prompt_tokens"])) for w in distinct)
