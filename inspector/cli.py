@@ -422,6 +422,7 @@ def hooks(args) -> int:
                                  TerminalProgress().stage)
     try:
         catalogue, family = session.catalogue, session.run.metadata.get("block_family", "unknown")
+        refused = session.run.metadata.get("refused_kinds") or {}
     finally:
         session.close()
     if args.json:
@@ -435,6 +436,8 @@ def hooks(args) -> int:
     for h in catalogue:
         if h.withdrawn:
             print(f"withdrawn {h.alias}: {h.withdrawn}")
+    for why in refused.values():
+        print(why)
     return 0
 
 

@@ -104,10 +104,12 @@ def captured_patterns(llm, prompts, max_tokens=6):
     return patterns, points
 
 
-def assert_patterns_match_transformers(model_dir, patterns):
-    """Every head of every layer against transformers' eager attention on the same tokens."""
+def assert_patterns_match_transformers(model_dir, patterns, reference_of=None):
+    """Every head of every layer against transformers' eager attention on the same tokens
+    (``reference_of(function, *args)``: where hf_reference's functions run, this process by default)."""
+    reference_of = reference_of or (lambda function, *args: getattr(hf_reference, function)(*args))
     for seq, per_layer in patterns.values():
-        reference = hf_reference.attention_patterns(model_dir, seq)
+        reference = reference_of("attention_patterns", model_dir, seq)
         assert len(per_layer) == len(reference)
         for got, expected in zip(per_layer, reference):
             assert got.shape == expected.shape == (expected.shape[0], len(seq), len(seq))

@@ -48,6 +48,7 @@ def llama_catalogue(layers: int = 2, hidden: int = 128, intermediate: int = 256,
         cat += [point(b, "resid_pre", f"{blk}.hook_resid_pre", layer=i),
                 point(f"{b}.self_attn.attn", "q", f"{blk}.attn.hook_q", layer=i, attention=geometry),
                 point(f"{b}.self_attn.attn", "k", f"{blk}.attn.hook_k", layer=i, attention=geometry),
+                point(f"{b}.self_attn.o_proj", "z", f"{blk}.attn.hook_z", layer=i),
                 point(f"{b}.self_attn", "attn_out", f"{blk}.hook_attn_out", layer=i),
                 point(f"{b}.post_attention_layernorm", "resid_mid", f"{blk}.hook_resid_mid", layer=i),
                 point(f"{b}.mlp.down_proj", "mlp_post", f"{blk}.mlp.hook_post", intermediate, i),
@@ -85,7 +86,8 @@ class FakeSession(Experiments):
     step_delay = 0.0
     fail_open: str | None = None
     fail_at_step: int | None = None
-    block_family = "Llama-style"  # the description its catalogue follows, as the plugin names it
+    block_family = "fused (LlamaDecoderLayer), read from its forward"  # as the plugin's block reader names it
+    refused_kinds: dict[str, str] = {}  # kind -> why the model offers no point of it
     _next_id = 0  # class-wide, like the real session's
 
     def __init__(self, options: SessionOptions, layers: int = 2, hidden: int = 128, intermediate: int = 256):
@@ -122,7 +124,7 @@ class FakeSession(Experiments):
         self.threads.add(threading.get_ident())
         self.run = Run(metadata={"model": self.options.model, "model_path": f"/fake/{self.options.model}",
                                  "engine_mode": self.options.mode, "dtype": self.options.dtype,
-                                 "block_family": self.block_family,
+                                 "block_family": self.block_family, "refused_kinds": dict(self.refused_kinds),
                                  "saes": [sae.as_dict() for sae in self.saes.values()]},
                        hooks=dict(self.installed))
         self._new_rows = None

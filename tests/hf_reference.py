@@ -23,9 +23,11 @@ def _blocks(model):
     return list(getattr(inner, "layers", None) or inner.h)
 
 
-_LLAMA_STYLE = {"attn_out": ("self_attn", "out"), "resid_mid": ("post_attention_layernorm", "in"),
+_LLAMA_STYLE = {"attn_out": ("self_attn", "out"), "z": ("self_attn.o_proj", "in"),
+                "resid_mid": ("post_attention_layernorm", "in"),
                 "mlp_post": ("mlp.down_proj", "in"), "mlp_out": ("mlp", "out")}
-_GEMMA_STYLE = {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_layernorm", "out"),
+_GEMMA_STYLE = {"attn_raw": ("self_attn", "out"), "z": ("self_attn.o_proj", "in"),
+                "attn_out": ("post_attention_layernorm", "out"),
                 "resid_mid": ("pre_feedforward_layernorm", "in"), "mlp_post": ("mlp.down_proj", "in"),
                 "mlp_raw": ("mlp", "out"), "mlp_out": ("post_feedforward_layernorm", "out")}
 # Each kind of hook point as transformers' modules give it (TransformerLens's definitions): module, in/out.
@@ -34,15 +36,16 @@ KINDS = {
     # the router's logits (a dense layer has none)
     **{arch: {**_LLAMA_STYLE, "router": ("mlp.gate", "out")} for arch in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")},
     "gemma2": _GEMMA_STYLE, "gemma3": _GEMMA_STYLE,
-    "olmo2": {"attn_raw": ("self_attn", "out"), "attn_out": ("post_attention_layernorm", "out"),
+    "olmo2": {"attn_raw": ("self_attn", "out"), "z": ("self_attn.o_proj", "in"),
+              "attn_out": ("post_attention_layernorm", "out"),
               "resid_mid": ("mlp", "in"), "mlp_post": ("mlp.down_proj", "in"), "mlp_raw": ("mlp", "out"),
               "mlp_out": ("post_feedforward_layernorm", "out")},
-    "gpt2": {"attn_out": ("attn", "out"), "resid_mid": ("ln_2", "in"), "mlp_post": ("mlp.c_proj", "in"),
+    "gpt2": {"attn_out": ("attn", "out"), "z": ("attn.c_proj", "in"), "resid_mid": ("ln_2", "in"), "mlp_post": ("mlp.c_proj", "in"),
              "mlp_out": ("mlp", "out")},
-    "phi": {"attn_out": ("self_attn", "out"), "mlp_post": ("mlp.fc2", "in"), "mlp_out": ("mlp", "out")},
-    "gptj": {"attn_out": ("attn", "out"), "mlp_post": ("mlp.fc_out", "in"), "mlp_out": ("mlp", "out")},
-    "gpt_neox": {"attn_out": ("attention", "out"), "mlp_post": ("mlp.dense_4h_to_h", "in"), "mlp_out": ("mlp", "out")},
-    "opt": {"attn_out": ("self_attn", "out"), "resid_mid": ("final_layer_norm", "in"), "mlp_post": ("fc2", "in"),
+    "phi": {"attn_out": ("self_attn", "out"), "z": ("self_attn.dense", "in"), "mlp_post": ("mlp.fc2", "in"), "mlp_out": ("mlp", "out")},
+    "gptj": {"attn_out": ("attn", "out"), "z": ("attn.out_proj", "in"), "mlp_post": ("mlp.fc_out", "in"), "mlp_out": ("mlp", "out")},
+    "gpt_neox": {"attn_out": ("attention", "out"), "z": ("attention.dense", "in"), "mlp_post": ("mlp.dense_4h_to_h", "in"), "mlp_out": ("mlp", "out")},
+    "opt": {"attn_out": ("self_attn", "out"), "z": ("self_attn.out_proj", "in"), "resid_mid": ("final_layer_norm", "in"), "mlp_post": ("fc2", "in"),
             "mlp_out": ("fc2", "out")},
 }
 
@@ -85,10 +88,12 @@ def block_points(model_dir, arch: str, token_ids: list[int]) -> dict[tuple[int, 
     hooks on transformers' modules; a module a layer lacks (an MoE layer's down projection) is skipped."""
     model = load(str(model_dir))
     found, handles = {}, []
+    # what a branch adds to the stream: Granite's blocks scale each branch's output as they add it
+    scale = {kind: getattr(model.config, "residual_multiplier", 1.0) for kind in ("attn_out", "mlp_out")}
 
     def keep(key):
         def edit(x):  # [tokens, width] of a batch of one (some modules see it flattened already)
-            found[key] = x.reshape(-1, x.shape[-1]).clone()
+            found[key] = x.reshape(-1, x.shape[-1]).clone() * scale.get(key[1], 1.0)
         return edit
 
     for layer, block in enumerate(_blocks(model)):

@@ -131,7 +131,7 @@ def test_hooks_lists_the_catalogue(fmt):
         assert {p["kind"] for p in points} >= {"resid_post", "attn_out", "mlp_post", "embed", "normalized"}
     else:
         assert "blocks.0.hook_resid_post" in result.stdout and "model.layers.0.resid_post" in result.stdout
-        assert result.stdout.startswith("block family: Llama-style\n")
+        assert result.stdout.startswith("block family: fused (LlamaDecoderLayer), read from its forward\n")
 
 
 def test_patch_writes_a_sweep_file_on_a_server(compiled_server, tmp_path):

@@ -18,19 +18,20 @@ from engines import (PARITY_TOL, assert_greedy_matches, assert_lens_matches, ass
 from inspector.capture.hooks import ROUTER_KIND, HookPoint
 from inspector.capture.routing import dense_weights, route
 from inspector.experiments.patching import Metric, PatchSpec, patch
-from inspector.plugin import vllm_compat
-from inspector.plugin.families import find_blocks
+from inspector.plugin.reader import READ
 
 PROMPTS = ["def fibonacci(n):\n    return n", "import os\nimport sys"]
-FAMILY_OF = {"gpt2": "GPT-2", "gemma2": "Gemma 2/3 (sandwich norms)", "qwen3": "Llama-style", "phi3": "Llama-style",
-             "gptj": "GPT-J (parallel)", "opt": "OPT (pre-norm)", "qwen3_moe": "Llama-style",
-             "gemma3": "Gemma 2/3 (sandwich norms)", "gpt_neox": "GPT-NeoX (parallel)", "olmo2": "OLMo 2 (post-norms)",
-             "phi": "Phi-2 (parallel)", "mixtral": "Mixtral", "olmoe": "Llama-style", "qwen2_moe": "Llama-style",
-             "gemma": "Llama-style (fused), inferred from GemmaDecoderLayer",
-             "stablelm": "Llama-style (sequential), inferred from StablelmDecoderLayer"}
-# vLLM's Transformers backend calls its attention layers through .forward, around their hooks
-WITHDRAWN = {"gpt_neox": {"q", "k"}, "olmo2": {"q", "k"}, "phi": {"q", "k"}}
+# each tiny model's blocks as the reader reads them (vLLM's block class; fused: (hidden, residual) pairs)
+FAMILY_OF = {"gpt2": "sequential (GPT2Block)", "gemma2": "fused (Gemma2DecoderLayer)", "qwen3": "fused (Qwen3DecoderLayer)",
+             "phi3": "fused (LlamaDecoderLayer)", "gptj": "parallel (GPTJBlock)", "opt": "sequential (OPTDecoderLayer)",
+             "qwen3_moe": "fused (Qwen3MoeDecoderLayer)", "gemma3": "fused (Gemma3DecoderLayer)",
+             "gpt_neox": "parallel (GPTNeoXLayer)", "olmo2": "sequential (Olmo2DecoderLayer)",
+             "phi": "parallel (PhiDecoderLayer)", "mixtral": "fused (MixtralDecoderLayer)",
+             "olmoe": "fused (OlmoeDecoderLayer)", "qwen2_moe": "fused (Qwen2MoeDecoderLayer)",
+             "gemma": "fused (GemmaDecoderLayer)", "stablelm": "sequential (StablelmDecoderLayer)",
+             "granite": "sequential (GraniteDecoderLayer)"}
 BACKEND = {"gpt_neox", "olmo2", "phi"}
+PARALLEL = {"gptj", "gpt_neox", "phi"}  # attention and MLP both read resid_pre
 MIXTURE_OF_EXPERTS = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe"}  # served by vLLM's Transformers backend: the reference runs in a child process
 
 
@@ -62,18 +63,18 @@ def close(a, b, tol=PARITY_TOL):
 
 def test_the_points_tie_together_as_transformer_lens_defines_them(engine):
     arch, llm = engine
-    (family,) = llm.collective_rpc(lambda worker: find_blocks(vllm_compat.model_of(worker))[2])
-    assert family.name == FAMILY_OF[arch]
+    assert rpc(llm, "inspector_describe")["family"] == f"{FAMILY_OF[arch]}, {READ}"
     rows, points, _ = captured(llm)
-    # the boot probe found every identity to hold, and withdrew only what the model never passes through hooks
-    assert {p.kind for p in points.values() if p.withdrawn} == WITHDRAWN.get(arch, set())
+    # the boot probe found every identity to hold (queries and keys too, where vLLM's Transformers backend
+    # calls its attention layers through .forward, around their hooks)
+    assert not {p.alias: p.withdrawn for p in points.values() if p.withdrawn}
     layers = 1 + max(p.layer for p in points.values())
     kinds = {p.kind for p in points.values()}
-    assert ("resid_mid" in kinds) == (family.residual != "parallel")
+    assert ("resid_mid" in kinds) == (arch not in PARALLEL)
     for got in rows.values():
         for i in range(layers):
             pre, post = got[i, "resid_pre"], got[i, "resid_post"]
-            if family.residual == "parallel":
+            if arch in PARALLEL:
                 assert close(pre + got[i, "attn_out"] + got[i, "mlp_out"], post)
             else:
                 assert close(pre + got[i, "attn_out"], got[i, "resid_mid"])
@@ -129,10 +130,9 @@ def assert_expert_choice_matches(rows, points, expected):
 
 def test_attention_patterns_equal_transformers_eager_attention(engine, tiny_models):
     arch, llm = engine
-    if arch in WITHDRAWN:
-        pytest.skip(f"{arch}: queries and keys are withdrawn (never reach their hooks)")
     patterns, _ = captured_patterns(llm, PROMPTS[:1], max_tokens=4)
-    assert_patterns_match_transformers(tiny_models[arch], patterns)
+    assert_patterns_match_transformers(tiny_models[arch], patterns, lambda function, *args: reference(arch, function,
+                                                                                                      *args))
 
 
 def test_steering_at_block_0_equals_the_same_edit_by_a_transformers_forward_hook(engine, tiny_models):

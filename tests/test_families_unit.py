@@ -1,79 +1,49 @@
-"""Block families are matched by what a block is; one no description names only by how it is built,
-and then the boot probe checks it (no engine needed)."""
+"""The decoder block list is found by what it holds, and the boot probe judges what was read (no
+engine needed; the block reader's own tests are in test_reader_unit.py)."""
 
 import pytest
 from torch import nn
 
-from inspector.plugin.families import FAMILIES, find_blocks
+from inspector.plugin.families import beside_blocks, find_blocks
 
 
-class LlamaDecoderLayer(nn.Module):  # the name of vLLM's Llama block, with Llama's modules
-    def __init__(self):
-        super().__init__()
-        self.input_layernorm, self.self_attn = nn.LayerNorm(4), nn.Linear(4, 4)
-        self.post_attention_layernorm, self.mlp = nn.LayerNorm(4), nn.Linear(4, 4)
-
-
-class LookAlikeLayer(LlamaDecoderLayer):  # the same modules under another class: its forward may differ
+class Mixer(nn.Module):  # stands for an attention layer
     pass
 
 
-class BuiltAlikeLayer(LlamaDecoderLayer):  # the same modules and vLLM's fused forward: (hidden, residual) on
-    def forward(self, positions, hidden_states, residual):
-        return hidden_states, residual
+class Block(nn.Module):
+    def __init__(self, attention=True):
+        super().__init__()
+        self.mix = Mixer() if attention else nn.Identity()
+        self.mlp = nn.Linear(4, 4)
 
 
-class SequentialAlikeLayer(LlamaDecoderLayer):  # the same modules, the stream in and out
-    def forward(self, positions, hidden_states):
-        return hidden_states
-
-
-def model_of(layer_class, **attributes):
+def model_of(**lists):
     model = nn.Module()
     model.model = nn.Module()
-    model.model.layers = nn.ModuleList([layer_class() for _ in range(2)])
-    for layer in model.model.layers:
-        for name, value in attributes.items():
-            setattr(layer, name, value)
+    model.model.embed_tokens = nn.Embedding(10, 4)
+    for name, blocks in lists.items():
+        setattr(model.model, name, nn.ModuleList(blocks))
+    model.model.norm = nn.LayerNorm(4)
     return model
 
 
-def test_a_known_block_class_is_described():
-    path, blocks, family = find_blocks(model_of(LlamaDecoderLayer))
-    assert path == "model.layers" and len(blocks) == 2 and family.residual == "fused"
+def test_the_block_list_is_the_one_holding_attention_else_the_longest():
+    model = model_of(experts=[Block(False) for _ in range(8)], layers=[Block() for _ in range(2)])
+    path, blocks = find_blocks(model, lambda m: isinstance(m, Mixer))
+    assert path == "model.layers" and len(blocks) == 2
+    assert find_blocks(model)[0] == "model.experts"  # no attention anywhere (a state-space model): the longest
+    assert beside_blocks(model, "model.layers") == ((("embed", "model.embed_tokens"),), "model.norm")
 
 
-def test_a_block_no_description_names_but_built_like_llamas_is_described_as_inferred():
-    _, _, family = find_blocks(model_of(BuiltAlikeLayer))
-    assert family.name == "Llama-style (fused), inferred from BuiltAlikeLayer" and family.residual == "fused"
-    assert family.layer_classes == ("BuiltAlikeLayer",)
-    _, _, family = find_blocks(model_of(SequentialAlikeLayer))
-    assert family.name == "Llama-style (sequential), inferred from SequentialAlikeLayer"
-    resid_pre = next(p for p in family.points if p.kind == "resid_pre")
-    assert family.residual == "sequential" and (resid_pre.how, resid_pre.arg_index) == ("input", 1)
-
-
-@pytest.mark.parametrize("layer_class, attributes", [(LookAlikeLayer, {}),
-                                                     (LlamaDecoderLayer, {"ada_rms_norm_t_cond": True})])
-def test_a_look_alike_or_a_variant_is_refused_naming_the_model_and_its_modules(layer_class, attributes):
-    with pytest.raises(ValueError) as refused:
-        find_blocks(model_of(layer_class, **attributes))
-    message = str(refused.value)
-    assert "Module: no block family describes its decoder blocks" in message
-    assert f"model.layers ({layer_class.__name__})" in message and "top modules: model (Module)" in message
-    assert "Hook a module by path" in message
-
-
-def test_every_family_names_its_points_with_transformer_lens_kinds():
-    for family in FAMILIES:
-        kinds = [p.kind for p in family.points]
-        assert kinds[0] == "resid_pre" and kinds[-1] == "resid_post" and "attn_out" in kinds and "mlp_out" in kinds
-        assert ("resid_mid" in kinds) == (family.residual != "parallel")
+def test_a_model_without_a_block_list_is_refused_naming_its_top_modules():
+    with pytest.raises(ValueError, match=r"Module: no list of decoder blocks found \(top modules: model \(Module\)\)"):
+        find_blocks(model_of())
 
 
 # --- the boot probe's judgement, on a toy model (the real boot probe runs in every engine test) ---
 
-class Block(nn.Module):
+class ToyBlock(nn.Module):
     """A sequential block: resid_mid = x + attn(x), resid_post = resid_mid + mlp(ln_2(resid_mid))."""
 
     def __init__(self):
@@ -102,15 +72,29 @@ def toy_points(resid_mid_at=("ln_2", "input")):
                                           point(i, "unseen", "bypassed", "output"))]
 
 
-def probe(points):
+def verdict(points):
     import torch
 
     from inspector.plugin.probe import verify
 
     torch.manual_seed(0)
     model = nn.Module()
-    model.blocks = nn.Sequential(Block(), Block())
-    return verify(model, points, "sequential", "float32", lambda: model.blocks(torch.randn(8, 4))).withdrawn
+    model.blocks = nn.Sequential(ToyBlock(), ToyBlock())
+    return verify(model, points, "float32", lambda: model.blocks(torch.randn(8, 4)))
+
+
+def probe(points):
+    return verdict(points).withdrawn
+
+
+def test_a_point_read_right_where_an_edit_misses_the_stream_is_read_only():
+    """The toy's ln_2 reads resid_mid, but the block adds the MLP's output to its own copy of the
+    stream: a bias at ln_2's input reaches the MLP only. The steered last block shows it; every block
+    built alike is marked."""
+    found = verdict(toy_points())
+    assert set(found.unsteerable) == {"blocks.0.ln_2.resid_mid", "blocks.1.ln_2.resid_mid"}
+    assert found.unsteerable["blocks.0.ln_2.resid_mid"].startswith("a bias there does not reach what the model")
+    assert "blocks.1: resid_mid + mlp_out = resid_post holds as read" in found.unsteerable["blocks.0.ln_2.resid_mid"]
 
 
 def test_the_probe_passes_true_identities_and_withdraws_rows_of_the_wrong_shape():

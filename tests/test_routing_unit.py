@@ -88,7 +88,7 @@ def test_the_boot_probe_keeps_a_rule_only_where_the_router_itself_agrees(actual,
     model.moe = _MoeBlock(actual)
     point = HookPoint("moe.gate.router", "blocks.0.mlp.hook_router", "moe.gate", "router", 4, 0,
                       routing=Routing(4, 2, renormalize=True))
-    found = verify(model, [(point, Site("output"))], "sequential", "float32", lambda: model.moe(torch.randn(6, 8)))
+    found = verify(model, [(point, Site("output"))], "float32", lambda: model.moe(torch.randn(6, 8)))
     assert not found.withdrawn
     if verdict:
         assert verdict in found.unrouted[point.name].unsupported

@@ -39,7 +39,8 @@ def test_boot_reports_stages_and_the_plugins_catalogue(sessions, kind):
     real = [h.as_dict() for h in sessions["real"][0].catalogue]
     assert [h.as_dict() for h in session.catalogue] == real  # the fake offers what the plugin finds
     assert {"model": session.options.model, "engine_mode": "compiled",
-            "block_family": "Llama-style"}.items() <= session.run.metadata.items()  # what the points follow
+            "block_family": "fused (LlamaDecoderLayer), read from its forward",
+            "refused_kinds": {}}.items() <= session.run.metadata.items()  # what the points follow
 
 
 @pytest.mark.parametrize("kind", KINDS)

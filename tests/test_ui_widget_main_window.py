@@ -452,15 +452,17 @@ def test_a_capture_window_chosen_next_to_a_hooks_check_box_keeps_only_its_rows(q
     assert window.heatmap.position_axis.x_of(4) == 2 and window.heatmap.position_axis.x_of(3) is None
 
 
-def test_a_model_whose_blocks_no_tested_description_names_is_said_so(qtbot, ui_settings, monkeypatch):
+def test_kinds_a_model_does_not_offer_are_named_with_why(qtbot, ui_settings, monkeypatch):
     from fake_session import FakeSession
 
     window = make_window(qtbot)
-    assert window.stage_label.toolTip() == "Hook points follow the block description Llama-style"
-    assert "tested description" not in window.statusBar().currentMessage()
-    monkeypatch.setattr(FakeSession, "block_family", "Llama-style (sequential), inferred from GraniteDecoderLayer")
+    assert window.stage_label.toolTip() == "Blocks: fused (LlamaDecoderLayer), read from its forward"
+    assert "not offered" not in window.statusBar().currentMessage()
+    why = "GPTJForCausalLM: resid_mid not offered because its attention and MLP branches both read resid_pre"
+    monkeypatch.setattr(FakeSession, "block_family", "parallel (GPTJBlock), read from its forward")
+    monkeypatch.setattr(FakeSession, "refused_kinds", {"resid_mid": why})
     window.open_model("demo", mode="compiled")
     wait_state(qtbot, window, "ready")
-    message = window.statusBar().currentMessage()
-    assert message == ("Model ready in 0 s: demo; Llama-style (sequential), inferred from GraniteDecoderLayer: "
-                       "no tested description, hook points checked at boot")
+    assert window.statusBar().currentMessage() == ("Model ready in 0 s: demo; not offered: resid_mid (the ready "
+                                                   "label's tooltip says why)")
+    assert window.stage_label.toolTip() == f"Blocks: parallel (GPTJBlock), read from its forward\n{why}"

@@ -1,8 +1,8 @@
 """Attention patterns recomputed from captured queries and keys (``attn.hook_q`` / ``attn.hook_k``).
 
 The rows are what the model's attention kernel itself received (after the rotary embedding, any q/k
-norm and layout); the geometry (heads, scale, sliding window, soft-capping) is read from the model's
-attention module at boot, never assumed. numpy only: the app's process imports neither torch nor vLLM.
+norm and layout); the geometry (heads, scale, sliding window, soft-capping, ALiBi slopes, sinks) is
+read from the model's attention module at boot, never assumed. numpy only: the app's process imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ class AttentionGeometry:
     sliding_window: int = 0  # a query sees the keys of this many positions, its own included; 0 = all
     soft_cap: float = 0.0  # scores become soft_cap * tanh(scores / soft_cap); 0 = none
     unsupported: str = ""
+    alibi_slopes: tuple[float, ...] = ()  # per head: slope × (key position - query position) added to scores
+    sinks: tuple[float, ...] = ()  # per head: a logit in the softmax's sum that no key takes (attention sinks)
+
+    def __post_init__(self):  # tuples, whether built here or read back from JSON lists
+        object.__setattr__(self, "alibi_slopes", tuple(float(x) for x in self.alibi_slopes))
+        object.__setattr__(self, "sinks", tuple(float(x) for x in self.sinks))
 
     @property
     def q_width(self) -> int:
@@ -59,7 +65,7 @@ def attention_weights(q, q_positions, k, k_positions, geometry: AttentionGeometr
                       heads=None) -> np.ndarray:
     """Softmax weights ``[heads, queries, keys]`` (float32) of the query rows ``q`` [Q, heads×head_size]
     over the key rows ``k`` [K, kv_heads×head_size], at the given token positions of one request: causal,
-    windowed and soft-capped as the model is. ValueError when the layer's attention is not one this
+    windowed, soft-capped, ALiBi-biased and sunk as the model is. ValueError when the layer's attention is not one this
     recomputes, or when keys the queries attend to were not captured."""
     if geometry.unsupported:
         raise ValueError(f"this layer's attention pattern cannot be recomputed: {geometry.unsupported}")
@@ -83,8 +89,11 @@ def attention_weights(q, q_positions, k, k_positions, geometry: AttentionGeometr
         if geometry.sliding_window:
             hidden |= q_positions[block, None] - keys[None, :] >= geometry.sliding_window
         for i, head in enumerate(heads):
-            out[i, block, first:last] = _softmax_scores(
-                q[block, geometry.columns(head)], k[first:last, geometry.columns(geometry.kv_head(head))], hidden, geometry)
+            scores = _scores(q[block, geometry.columns(head)], k[first:last, geometry.columns(geometry.kv_head(head))],
+                             geometry)
+            if geometry.alibi_slopes:
+                scores += np.float32(geometry.alibi_slopes[head]) * (keys[None, :] - q_positions[block, None])
+            out[i, block, first:last] = _softmax(scores, hidden, geometry.sinks[head] if geometry.sinks else None)
     return out
 
 
@@ -97,17 +106,28 @@ def _key_span(q_positions, k_positions, geometry: AttentionGeometry, keys_in_ord
     return first, int(np.searchsorted(k_positions, int(q_positions.max()), side="right"))
 
 
-def _softmax_scores(q, k, hidden, geometry: AttentionGeometry) -> np.ndarray:
+def _scores(q, k, geometry: AttentionGeometry) -> np.ndarray:
     scores = q @ k.T
     scores *= np.float32(geometry.scale)
     if geometry.soft_cap:
         scores /= np.float32(geometry.soft_cap)
         np.tanh(scores, out=scores)
         scores *= np.float32(geometry.soft_cap)
+    return scores
+
+
+def _softmax(scores, hidden, sink: float | None) -> np.ndarray:
+    """Softmax over the visible keys; a sink's logit joins the sum (its weight goes to no key)."""
     np.putmask(scores, hidden, -np.inf)
-    scores -= scores.max(axis=1, keepdims=True)
+    top = scores.max(axis=1, keepdims=True)
+    if sink is not None:
+        top = np.maximum(top, np.float32(sink))
+    scores -= top
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=1, keepdims=True)
+    total = scores.sum(axis=1, keepdims=True)
+    if sink is not None:
+        total += np.exp(np.float32(sink) - top)
+    scores /= total
     return scores
 
 

@@ -17,7 +17,6 @@ def matches_pattern(name: str, alias: str, pattern: str) -> bool:
 
 RESIDUAL_KINDS = ("resid_pre", "resid_mid", "resid_post")  # the residual stream: what the logit lens reads
 ATTENTION_KINDS = ("q", "k")  # what the attention kernel receives: patterns are recomputed from them
-INFERRED_FAMILY = "inferred from"  # in a block family's name: no tested description, the boot probe vouches
 ROUTER_KIND = "router"  # a mixture-of-experts layer's router logits: the chosen experts are recomputed from them
 
 
@@ -28,7 +27,8 @@ class HookPoint:
     engine's dtype its rows are captured in; ``attention`` is the layer's geometry on the queries and keys
     (``q``/``k`` kinds), which attention patterns are recomputed from, and ``routing`` a mixture-of-experts
     layer's rule on its router logits (``router`` kind), which the chosen experts are recomputed from; a
-    ``withdrawn`` point failed the boot probe's identities and cannot be installed."""
+    ``withdrawn`` point failed the boot probe's identities and cannot be installed, an ``unsteerable`` one
+    reads right but the probe's steering round trip showed an edit there would not act on the stream."""
 
     name: str
     alias: str
@@ -41,6 +41,7 @@ class HookPoint:
     withdrawn: str = ""  # why the boot probe found this point not to mean what its kind says ("" = it does)
     routing: Routing | None = None
     shards: int = 1  # tensor parallel: its columns are split in this many slices over the ranks (1: replicated)
+    unsteerable: str = ""  # why an intervention here would not act as its kind says ("" = it would): read only
 
     def matches(self, pattern: str) -> bool:
         return matches_pattern(self.name, self.alias, pattern)
@@ -54,7 +55,8 @@ class HookPoint:
         return cls(str(d["name"]), str(d["alias"]), str(d["module_path"]), str(d["kind"]), int(d["width"]),
                    int(d.get("layer", -1)), str(d.get("dtype", "float32")),
                    AttentionGeometry(**attention) if attention else None, str(d.get("withdrawn", "")),
-                   Routing.from_dict(routing) if routing else None, int(d.get("shards", 1)))
+                   Routing.from_dict(routing) if routing else None, int(d.get("shards", 1)),
+                   str(d.get("unsteerable", "")))
 
 
 def installed_name(name_or_alias: str, installed: dict[str, HookPoint]) -> str:

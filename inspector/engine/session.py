@@ -47,10 +47,11 @@ class Session(Experiments):
     _next_id = 0
 
     def __init__(self, options: SessionOptions, llm, model_path, catalogue: list[HookPoint],
-                 installed: dict[str, HookPoint], block_family: str):
+                 installed: dict[str, HookPoint], block_family: str, refused_kinds: dict[str, str] | None = None):
         self.options = options
         self.model_path = model_path
         self.block_family = block_family
+        self.refused_kinds = dict(refused_kinds or {})  # kind -> why the model offers no point of it
         self.catalogue = catalogue
         self.installed = installed
         self.alive = True
@@ -90,7 +91,7 @@ class Session(Experiments):
             raise SessionError(str(e)) from None
         llm = _boot(options, path, report)
         try:
-            catalogue, installed, family = _describe(llm)
+            catalogue, installed, family, refused = _describe(llm)
         except Exception as e:
             shutdown_llm(llm)
             if PLUGIN_MISSING in str(e):
@@ -106,7 +107,7 @@ class Session(Experiments):
             shutdown_llm(llm)
             raise SessionError(str(e)) from None
         report(BootProgress("ready", f"{path.name} ready ({options.mode}, {len(installed)} hooks)"))
-        return cls(options, llm, path, catalogue, installed, family)
+        return cls(options, llm, path, catalogue, installed, family, refused)
 
     def close(self) -> None:
         if self._llm is not None:
@@ -275,7 +276,7 @@ class Session(Experiments):
                 raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
         if self.options.mode == "eager":
             self._llm.collective_rpc("inspector_set_hook_patterns", args=(list(patterns),))
-            _, self.installed, _ = _describe(self._llm)
+            _, self.installed, _, _ = _describe(self._llm)
         else:
             run = self.run
             self.close()
@@ -283,7 +284,7 @@ class Session(Experiments):
             self._llm = _boot(options, self.model_path, lambda p: None)
             self.options, self.alive = options, True
             self._tokenizer = self._llm.get_tokenizer()
-            _, self.installed, _ = _describe(self._llm)
+            _, self.installed, _, _ = _describe(self._llm)
             self.run = run
         self.run.hooks.update(self.installed)
         self.windows = {name: w for name, w in self.windows.items() if name in self.installed}
@@ -468,7 +469,8 @@ class Session(Experiments):
             "model_config": model_config(self.model_path),
             "dtype": self.options.dtype,
             "engine_mode": self.options.mode,
-            "block_family": self.block_family,  # the description the hook points follow (inferred or named)
+            "block_family": self.block_family,  # the blocks' structure, as read from the model's forward at boot
+            "refused_kinds": self.refused_kinds,  # kind -> why no point of it is offered
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "saes": [sae.as_dict() for sae in self.saes.values()],  # what features in the run come from
         }
@@ -502,13 +504,13 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _describe(llm) -> tuple[list[HookPoint], dict[str, HookPoint], str]:
-    """The catalogue, the installed points and the block family they follow."""
+def _describe(llm) -> tuple[list[HookPoint], dict[str, HookPoint], str, dict[str, str]]:
+    """The catalogue, the installed points, the block family they follow and why kinds are missing."""
     info = llm.collective_rpc("inspector_describe")[0]
     catalogue = [HookPoint.from_dict(p) for p in info["hook_points"]]
     by_name = {h.name: h for h in catalogue}
     installed = {name: replace(by_name[point], name=name) for name, point in info["installed"].items()}
-    return catalogue, installed, info["family"]
+    return catalogue, installed, info["family"], dict(info.get("refused", {}))
 
 
 def _sampling_params(s: Sampling):

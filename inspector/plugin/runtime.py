@@ -105,9 +105,11 @@ class RequestWindows(NamedTuple):
 
 class InspectorRuntime:
     def __init__(self, model: nn.Module, points: list[tuple[HookPoint, hp.Site]], config: PluginConfig,
-                 device: torch.device, max_tokens: int, max_model_len: int, family: str = ""):
+                 device: torch.device, max_tokens: int, max_model_len: int, family: str = "",
+                 refused: dict[str, str] | None = None):
         self.model = model
         self.family = family  # the block description the catalogue follows (families.py), for the record
+        self.refused = dict(refused or {})  # kind -> why this model offers no point of it
         self.config = config
         self.catalogue = {p.name: p for p, _ in points}
         self.sites = {p.name: site for p, site in points}
@@ -168,7 +170,9 @@ class InspectorRuntime:
         for pattern in patterns:
             hits = [p for p in self.catalogue.values() if p.matches(pattern)]
             if not hits:
-                raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
+                refusals = [why for kind, why in self.refused.items() if kind in pattern]
+                raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model"
+                                 + "".join(f"; {why}" for why in refusals))
             if all(p.withdrawn for p in hits):
                 raise ValueError(f"hook pattern {pattern!r} matches only withdrawn points: {hits[0].withdrawn}")
             hits = [p for p in hits if not p.withdrawn]
@@ -509,6 +513,9 @@ class InspectorRuntime:
         widths = {name: hook.point.width for name, hook in self.active.items()}
         for iv in interventions:
             validate(iv, widths, self.max_model_len, self.config.enable_position_interventions, self.config.dtype)
+            if self.active[iv.hook].point.unsteerable:
+                raise ValueError(f"{self.active[iv.hook].point.alias} cannot be steered: "
+                                 f"{self.active[iv.hook].point.unsteerable}")
             if iv.clamp is not None and self.active[iv.hook].site.shards > 1:
                 raise ValueError(f"a feature clamp on {self.active[iv.hook].point.alias}, which is split over the "
                                  "tensor-parallel ranks; clamp features of a replicated point")
@@ -572,5 +579,6 @@ class InspectorRuntime:
             "enable_position_interventions": self.config.enable_position_interventions,
             "modules": [(path, type(m).__name__) for path, m in self.model.named_modules()],
             "hook_points": [p.as_dict() for p in self.catalogue.values()],
+            "refused": dict(self.refused),
             "installed": {name: hook.point.name for name, hook in self.active.items()},
         }

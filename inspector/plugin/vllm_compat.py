@@ -131,14 +131,23 @@ def attention_layers(block: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
     return [(path, m) for path, m in block.named_modules() if type(m) is Attention]
 
 
+def attention_types() -> tuple[type, ...]:
+    """The classes of vLLM's attention layers of every kind (standard, MLA, ...)."""
+    try:
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    except ImportError:
+        from vllm.attention.layer import Attention as AttentionLayerBase  # vLLM before 0.30
+    return (AttentionLayerBase,)
+
+
 def attention_geometry(layer: torch.nn.Module) -> AttentionGeometry:
     """What the kernel of an attention layer does with q and k, read from the layer and its backend's
     implementation (the scale and soft-capping the kernel is given); ``unsupported`` names what the
     recomputed pattern would not reproduce."""
     impl, attn_type = layer.impl, getattr(layer.attn_type, "value", layer.attn_type)
+    slopes, sinks = getattr(impl, "alibi_slopes", None), getattr(impl, "sinks", None)
     unsupported = [why for why, present in (
-        ("ALiBi position biases", getattr(impl, "alibi_slopes", None) is not None),
-        ("attention sinks", getattr(layer, "has_sink", False)),
+        ("attention sinks the kernel was not handed", getattr(layer, "has_sink", False) and sinks is None),
         (f"{attn_type} attention (not causal decoder attention)", attn_type != "decoder"),
         ("keys shared with another layer", getattr(layer, "kv_sharing_target_layer_name", None) is not None),
         (f"a {layer.kv_cache_dtype} KV cache (the kernel reads rounded keys)", layer.kv_cache_dtype != "auto"),
@@ -147,7 +156,9 @@ def attention_geometry(layer: torch.nn.Module) -> AttentionGeometry:
     ) if present]
     return AttentionGeometry(int(layer.num_heads), int(layer.num_kv_heads), int(layer.head_size),
                              float(impl.scale), int(layer.sliding_window or 0),
-                             float(getattr(impl, "logits_soft_cap", None) or 0.0), "; ".join(unsupported))
+                             float(getattr(impl, "logits_soft_cap", None) or 0.0), "; ".join(unsupported),
+                             tuple(torch.as_tensor(slopes).float().tolist()) if slopes is not None else (),
+                             tuple(sinks.float().tolist()) if sinks is not None else ())
 
 
 def moe_router(moe_block: torch.nn.Module):
@@ -199,17 +210,21 @@ def unembedding(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | 
     return logits if logits is None or processor.scale == 1.0 else logits * processor.scale
 
 
-def probe_forward(worker, num_tokens: int) -> None:
+def probe_forward(worker, num_tokens: int, on_attention: Callable | None = None) -> None:
     """One eager forward of ``num_tokens`` dummy tokens before the KV cache exists (vLLM's own dummy
     run): compilation is bypassed for it and attention layers return seeded random values, however the
     model calls them (without a KV cache their output would be uninitialised memory; zeros would leave
-    every attention branch empty, and a block that scales that branch would pass unnoticed)."""
+    every attention branch empty, and a block that scales that branch would pass unnoticed);
+    ``on_attention(layer, args, output)`` sees each of their calls."""
     model = model_of(worker)
     compiled = [m for m in model.modules() if hasattr(m, "do_not_compile")]
     flags = [m.do_not_compile for m in compiled]
-    layers = [layer for _, layer in attention_layers(model)]
+    layers = [m for m in model.modules() if isinstance(m, attention_types())]
     for layer in layers:  # an instance attribute: also what a model calling layer.forward(...) gets
-        layer.forward = functools.partial(_random_attention, layer.num_heads * getattr(layer, "head_size_v", layer.head_size))
+        width = layer.num_heads * int(getattr(layer, "v_head_dim", None) or getattr(layer, "head_size_v", None)
+                                      or layer.head_size)
+        setattr(layer, _INNER if _INNER in layer.__dict__ else "forward",
+                functools.partial(_random_attention, layer, width, on_attention))
     runner = worker.model_runner
     params = inspect.signature(runner._dummy_run).parameters
     extra = {"randomize_inputs": True} if "randomize_inputs" in params else {}
@@ -225,12 +240,50 @@ def probe_forward(worker, num_tokens: int) -> None:
         for m, flag in zip(compiled, flags):
             m.do_not_compile = flag
         for layer in layers:
-            del layer.forward
+            if _INNER in layer.__dict__:
+                layer.__dict__[_INNER] = None
+            else:
+                del layer.forward
 
 
-def _random_attention(width: int, query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+_INNER = "_inspector_inner_forward"  # what a hook-running forward calls (None: the class's forward)
+
+
+def run_hooks_on_forward_calls(model: torch.nn.Module) -> None:
+    """vLLM's Transformers backend calls its attention layers as ``layer.forward(q, k, v)``, around the
+    module's hooks: give those layers a ``forward`` that runs their hooks, as a module call does. Only
+    there: a layer called as a module would run its hooks twice."""
+    if not type(model).__module__.startswith("vllm.model_executor.models.transformers"):
+        return
+    for layer in (m for m in model.modules() if isinstance(m, attention_types())):
+        layer.__dict__[_INNER] = None
+        layer.forward = functools.partial(_forward_with_hooks, layer)
+
+
+def _forward_with_hooks(layer: torch.nn.Module, *args, **kwargs):
+    for key, hook in layer._forward_pre_hooks.items():
+        if key in layer._forward_pre_hooks_with_kwargs:
+            changed = hook(layer, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+        elif (changed := hook(layer, args)) is not None:
+            args = changed if isinstance(changed, tuple) else (changed,)
+    inner = layer.__dict__[_INNER] or functools.partial(type(layer).forward, layer)
+    output = inner(*args, **kwargs)
+    for key, hook in layer._forward_hooks.items():
+        changed = hook(layer, args, kwargs, output) if key in layer._forward_hooks_with_kwargs else hook(layer, args, output)
+        if changed is not None:
+            output = changed
+    return output
+
+
+def _random_attention(layer, width: int, on_attention, query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     generator = torch.Generator(query.device).manual_seed(0)
-    return torch.randn(query.shape[0], width, generator=generator, device=query.device, dtype=query.dtype)
+    shape = kwargs.get("output_shape") or (query.shape[0], width)
+    output = torch.randn(*shape, generator=generator, device=query.device, dtype=query.dtype)
+    if on_attention is not None:
+        on_attention(layer, (query, *args), output)
+    return output
 
 
 def external_request_id(internal: str) -> str:

@@ -14,7 +14,7 @@ from dataclasses import replace
 from inspector.capture.interventions import Intervention
 from inspector.capture.sae import AttachedSae, SaeConfig
 
-from . import hookpoints, lens, probe, vllm_compat
+from . import hookpoints, lens, probe, reader, vllm_compat
 from .config import PLUGIN_MISSING, PluginConfig
 from .runtime import InspectorRuntime
 
@@ -42,10 +42,16 @@ def install_runtime(worker) -> None:
         raise ValueError(f"the inspector cannot capture under {unsupported}; use tensor parallelism only "
                          "(tensor_parallel_size)")
     model = vllm_compat.model_of(worker)
+    vllm_compat.run_hooks_on_forward_calls(model)
     hidden, max_model_len, max_tokens = vllm_compat.model_sizes(worker)
-    family, points = hookpoints.catalogue(model, hidden, config.dtype, vllm_compat.tensor_parallel(worker))
     started = time.perf_counter()
-    verdict = probe.verify(model, points, family.residual, config.dtype,
+
+    def read(blocks_path, blocks, embeds, final_norm):
+        return reader.read(model, blocks_path, blocks, final_norm, embeds, hidden, config.dtype,
+                           lambda on_attention: vllm_compat.probe_forward(worker, PROBE_TOKENS, on_attention))
+
+    family, points, refused = hookpoints.catalogue(model, hidden, config.dtype, read, vllm_compat.tensor_parallel(worker))
+    verdict = probe.verify(model, points, config.dtype,
                            lambda: vllm_compat.probe_forward(worker, PROBE_TOKENS))
     logger.info("boot probe (%s): %d hook points, %d withdrawn, %.2f s", family.name, len(points),
                 len(verdict.withdrawn), time.perf_counter() - started)
@@ -53,10 +59,16 @@ def install_runtime(worker) -> None:
         logger.warning("hook point %s withdrawn: %s", name, why)
     for name, routing in verdict.unrouted.items():
         logger.warning("hook point %s: its chosen experts are not recomputed: %s", name, routing.unsupported)
-    points = [(replace(p, withdrawn=verdict.withdrawn.get(p.name, ""), routing=verdict.unrouted.get(p.name, p.routing)),
-               site) for p, site in points]
+    for name, why in verdict.unsteerable.items():
+        logger.warning("hook point %s cannot be steered: %s", name, why)
+    points = [(replace(p, withdrawn=verdict.withdrawn.get(p.name, ""), routing=verdict.unrouted.get(p.name, p.routing),
+                       unsteerable=verdict.unsteerable.get(p.name, "")), site) for p, site in points]
+    for kind, why in refused.items():
+        logger.info("%s: %s not offered because %s", type(model).__name__, kind, why)
     runtime = InspectorRuntime(model, points, config, vllm_compat.device_of(worker),
-                               max(max_tokens, config.max_num_batched_tokens), max_model_len, family.name)
+                               max(max_tokens, config.max_num_batched_tokens), max_model_len, family.name,
+                               {kind: f"{type(model).__name__}: {kind} not offered because {why}"
+                                for kind, why in refused.items()})
     explicit = {runtime.resolve(name, *spec).name for name, spec in config.capture_specs.items()}
     matched = {name: spec for name, spec in runtime.match(config.hook_patterns).items() if name not in explicit}
     runtime.install({**config.capture_specs, **matched})

@@ -559,7 +559,8 @@ class MainWindow(QMainWindow):
         server = f" · {self.controller.server[0]}" if self.controller.server else ""
         self.stage_label.setText(f"Ready · {len(info.installed)} hook points · {mode}{server}")
         family = info.metadata.get("block_family", "")
-        self.stage_label.setToolTip(f"Hook points follow the block description {family}" if family else "")
+        refused = info.metadata.get("refused_kinds") or {}
+        self.stage_label.setToolTip("\n".join([f"Blocks: {family}"] * bool(family) + list(refused.values())))
         if info.options.model != "demo" and not self.controller.server:
             self.settings.add_recent_model(info.options.model)
             self._rebuild_recent_menus()

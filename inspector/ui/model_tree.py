@@ -186,7 +186,8 @@ class ModelTreeWidget(QWidget):
                         parent.appendRow(cells)
                         nodes[path] = node
                     parent = node
-                leaf = QStandardItem(f"◆ {info.kind}" + (" (withdrawn)" if info.withdrawn else ""))
+                leaf = QStandardItem(f"◆ {info.kind}" + (" (withdrawn)" if info.withdrawn else
+                                                         " (read only)" if info.unsteerable else ""))
                 leaf.setData(info.name, NAME_ROLE)
                 tip = (f"{info.name}\nalias {info.alias}\nmodule {info.module_path}\n"
                        f"kind {info.kind}, width {info.width}, dtype {info.dtype}")
@@ -197,7 +198,7 @@ class ModelTreeWidget(QWidget):
                     leaf.setFlags(Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
                                   | Qt.ItemFlag.ItemIsUserCheckable)
                     leaf.setCheckState(Qt.CheckState.Unchecked)
-                    leaf.setToolTip(tip)
+                    leaf.setToolTip(f"{tip}\nread only: {info.unsteerable}" if info.unsteerable else tip)
                 width = QStandardItem(str(info.width))
                 width.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 alias = QStandardItem(info.alias)

@@ -20,7 +20,6 @@ from typing import Callable, Protocol
 from inspector import client
 from inspector.capture import resources
 from inspector.capture.dtypes import ROW_DTYPES
-from inspector.capture.hooks import INFERRED_FAMILY
 from inspector.capture.interventions import Intervention
 from inspector.capture.models import DEMO, model_path_problem
 from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionFactory,
@@ -296,12 +295,11 @@ class Controller:
         self.lens_problem = None
         self._set_state(AppState.READY)
         self.view.session_changed(self.info, restarted=False)
-        family = self.info.metadata.get("block_family", "")
-        # no tested description of the blocks: the user should know what vouches for the hook points
-        untested = (f"; {family}: no tested description, hook points checked at boot"
-                    if INFERRED_FAMILY in family else "")
+        refused = self.info.metadata.get("refused_kinds") or {}
+        # kinds the model's blocks have no point of: the user should know before looking for them
+        missing = f"; not offered: {', '.join(sorted(refused))} (the ready label's tooltip says why)" if refused else ""
         self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}"
-                         f"{untested}", 20000 if untested else 8000)
+                         f"{missing}", 20000 if missing else 8000)
         self._reapply_interventions("opening the model")
         self._send_windows()
 

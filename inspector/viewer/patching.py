@@ -25,8 +25,8 @@ MODES = (EFFECT, METRIC)
 
 
 def patch_kinds(catalogue: Iterable[HookPoint]) -> list[str]:
-    """The kinds of ``PATCH_KINDS`` the model has in its blocks."""
-    offered = {h.kind for h in catalogue if h.layer >= 0 and not h.withdrawn}
+    """The kinds of ``PATCH_KINDS`` the model has in its blocks (and can patch: read-only points cannot)."""
+    offered = {h.kind for h in catalogue if h.layer >= 0 and not h.withdrawn and not h.unsteerable}
     return [kind for kind in PATCH_KINDS if kind in offered]
 
 
