@@ -13,8 +13,12 @@ def load(model_dir: str):
     from transformers import AutoModelForCausalLM
 
     # eager attention: the reference computes what the config says (sdpa would drop Gemma 2's soft cap)
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    for module in model.modules():  # vLLM's Bloom computes GELU exactly, transformers' with tanh: the same here
+        if type(module).__name__ == "BloomGelu":
+            module.forward = torch.nn.functional.gelu
+    return model
 
 
 def _blocks(model):
@@ -32,7 +36,8 @@ _GEMMA_STYLE = {"attn_raw": ("self_attn", "out"), "z": ("self_attn.o_proj", "in"
                 "mlp_raw": ("mlp", "out"), "mlp_out": ("post_feedforward_layernorm", "out")}
 # Each kind of hook point as transformers' modules give it (TransformerLens's definitions): module, in/out.
 KINDS = {
-    **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "stablelm", "granite")},
+    **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "stablelm", "granite",
+                                       "olmo")},
     # the router's logits (a dense layer has none)
     **{arch: {**_LLAMA_STYLE, "router": ("mlp.gate", "out")} for arch in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")},
     "gemma2": _GEMMA_STYLE, "gemma3": _GEMMA_STYLE,
@@ -40,6 +45,15 @@ KINDS = {
               "attn_out": ("post_attention_layernorm", "out"),
               "resid_mid": ("mlp", "in"), "mlp_post": ("mlp.down_proj", "in"), "mlp_raw": ("mlp", "out"),
               "mlp_out": ("post_feedforward_layernorm", "out")},
+    "gpt_oss": {**_LLAMA_STYLE, "router": ("mlp.router", "out")},
+    "cohere": {"attn_out": ("self_attn", "out"), "z": ("self_attn.o_proj", "in"), "mlp_post": ("mlp.down_proj", "in"),
+               "mlp_out": ("mlp", "out")},
+    # Bloom's attention and MLP modules add the residual themselves: their projections' outputs are the branches
+    "bloom": {"z": ("self_attention.dense", "in"), "attn_out": ("self_attention.dense", "out"),
+              "resid_mid": ("post_attention_layernorm", "in"), "mlp_post": ("mlp.dense_4h_to_h", "in"),
+              "mlp_out": ("mlp.dense_4h_to_h", "out")},
+    "gpt_bigcode": {"attn_out": ("attn", "out"), "z": ("attn.c_proj", "in"), "resid_mid": ("ln_2", "in"),
+                    "mlp_post": ("mlp.c_proj", "in"), "mlp_out": ("mlp", "out")},
     "gpt2": {"attn_out": ("attn", "out"), "z": ("attn.c_proj", "in"), "resid_mid": ("ln_2", "in"), "mlp_post": ("mlp.c_proj", "in"),
              "mlp_out": ("mlp", "out")},
     "phi": {"attn_out": ("self_attn", "out"), "z": ("self_attn.dense", "in"), "mlp_post": ("mlp.fc2", "in"), "mlp_out": ("mlp", "out")},
@@ -48,6 +62,12 @@ KINDS = {
     "opt": {"attn_out": ("self_attn", "out"), "z": ("self_attn.out_proj", "in"), "resid_mid": ("final_layer_norm", "in"), "mlp_post": ("fc2", "in"),
             "mlp_out": ("fc2", "out")},
 }
+
+
+def branch_scale(model) -> dict[str, float]:
+    """What a branch's module output is multiplied by as the block adds it to the stream (Granite's
+    residual multiplier): the kinds' values are what the stream gets."""
+    return {kind: getattr(model.config, "residual_multiplier", 1.0) for kind in ("attn_out", "mlp_out")}
 
 
 def _site(block, arch: str, kind: str):
@@ -88,8 +108,7 @@ def block_points(model_dir, arch: str, token_ids: list[int]) -> dict[tuple[int, 
     hooks on transformers' modules; a module a layer lacks (an MoE layer's down projection) is skipped."""
     model = load(str(model_dir))
     found, handles = {}, []
-    # what a branch adds to the stream: Granite's blocks scale each branch's output as they add it
-    scale = {kind: getattr(model.config, "residual_multiplier", 1.0) for kind in ("attn_out", "mlp_out")}
+    scale = branch_scale(model)
 
     def keep(key):
         def edit(x):  # [tokens, width] of a batch of one (some modules see it flattened already)
@@ -123,7 +142,7 @@ def patched_logprobs(model_dir, arch: str, token_ids: list[int], patches: list[t
             out.append(torch.log_softmax(model(torch.tensor([token_ids])).logits[0, -1].double(), -1)[score_ids].numpy())
             continue
         layer, kind, position, vector = patch
-        value = torch.from_numpy(np.asarray(vector, np.float32))
+        value = torch.from_numpy(np.asarray(vector, np.float32)) / branch_scale(model).get(kind, 1.0)
 
         def edit(x, position=position, value=value):
             y = x.clone()
@@ -185,7 +204,9 @@ def direct_logit_attribution(model_dir, components: np.ndarray, final_residual: 
 
 def _routers(model) -> dict[int, torch.nn.Module]:
     """Each mixture-of-experts layer's router: transformers' top-k routers return (logits, weights, ids)."""
-    return {i: block.mlp.gate for i, block in enumerate(_blocks(model)) if hasattr(getattr(block, "mlp", None), "gate")}
+    routers = {i: getattr(block.mlp, "gate", None) or getattr(block.mlp, "router", None)
+               for i, block in enumerate(_blocks(model)) if hasattr(block, "mlp")}
+    return {i: router for i, router in routers.items() if router is not None}
 
 
 @torch.no_grad()

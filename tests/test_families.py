@@ -29,10 +29,12 @@ FAMILY_OF = {"gpt2": "sequential (GPT2Block)", "gemma2": "fused (Gemma2DecoderLa
              "phi": "parallel (PhiDecoderLayer)", "mixtral": "fused (MixtralDecoderLayer)",
              "olmoe": "fused (OlmoeDecoderLayer)", "qwen2_moe": "fused (Qwen2MoeDecoderLayer)",
              "gemma": "fused (GemmaDecoderLayer)", "stablelm": "sequential (StablelmDecoderLayer)",
-             "granite": "sequential (GraniteDecoderLayer)"}
-BACKEND = {"gpt_neox", "olmo2", "phi"}
-PARALLEL = {"gptj", "gpt_neox", "phi"}  # attention and MLP both read resid_pre
-MIXTURE_OF_EXPERTS = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe"}  # served by vLLM's Transformers backend: the reference runs in a child process
+             "granite": "sequential (GraniteDecoderLayer)", "cohere": "parallel (CohereDecoderLayer)",
+             "bloom": "sequential (BloomBlock)", "olmo": "sequential (OlmoDecoderLayer)",
+             "gpt_bigcode": "sequential (GPTBigCodeBlock)", "gpt_oss": "fused (TransformerBlock)"}
+BACKEND = {"gpt_neox", "olmo2", "phi", "olmo", "gpt_bigcode"}
+PARALLEL = {"gptj", "gpt_neox", "phi", "cohere"}  # attention and MLP both read resid_pre
+MIXTURE_OF_EXPERTS = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"}  # served by vLLM's Transformers backend: the reference runs in a child process
 
 
 def reference(arch, function, *args):

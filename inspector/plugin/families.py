@@ -39,6 +39,7 @@ class Point:
     width: str = "stream"
     factor: float = 1.0  # the value is the module's times this (a branch the block scales as it adds it)
     batched: bool = False  # its tensors lead with a batch of one (transformers' modules)
+    pair_offset: int = 1  # input_pair_sum: the residual is the argument this far after the hidden states
 
 
 @dataclass(frozen=True)

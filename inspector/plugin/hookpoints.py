@@ -60,6 +60,7 @@ class Site:
     shard: int = 0
     copies: bool = True
     factor: float = 1.0  # the point's value is the tensor's times this (a branch its block scales)
+    pair_offset: int = 1  # input_pair_sum: the residual is the argument this far after the hidden states
 
     @property
     def is_pre_hook(self) -> bool:
@@ -84,8 +85,7 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
     them this rank holds."""
     from . import vllm_compat  # imports the runtime, which imports this module
 
-    attention_types = vllm_compat.attention_types()
-    blocks_path, blocks = families.find_blocks(model, lambda m: isinstance(m, attention_types))
+    blocks_path, blocks = families.find_blocks(model, vllm_compat.is_attention)
     reading = read(blocks_path, blocks, *families.beside_blocks(model, blocks_path))
     family = reading.family
     stem, _, last = blocks_path.rpartition(".")
@@ -103,7 +103,8 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
         routing = _routing(modules[module_path.rpartition(".")[0]], width) if kind == ROUTER_KIND else None
         return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width * sharding[0], layer, dtype,
                           attention, routing=routing, shards=sharding[0]),
-                Site(how, arg_index, batched, *sharding, factor=spec.factor if spec else 1.0))
+                Site(how, arg_index, batched, *sharding, factor=spec.factor if spec else 1.0,
+                     pair_offset=spec.pair_offset if spec else 1))
 
     def attention_points(block: str, b: str, i: int) -> list[tuple[HookPoint, Site]]:
         from . import vllm_compat  # imports the runtime, which imports this module
@@ -225,7 +226,8 @@ def replace_output(site: Site, output, scale, bias, clamp=None):
 
 def _pair_args(site: Site, args):
     h = args[site.arg_index]
-    r = args[site.arg_index + 1] if site.how == "input_pair_sum" and len(args) > site.arg_index + 1 else None
+    j = site.arg_index + site.pair_offset
+    r = args[j] if site.how == "input_pair_sum" and len(args) > j else None
     return h, r
 
 

@@ -127,10 +127,12 @@ def inputs(call: Call, tokens: int) -> list[Candidate]:
         if rows is None:
             continue
         found.append(Candidate(call, hp.Site("input", i, batched), rows))
-        following = call.args[i + 1] if i + 1 < len(call.args) else ...
-        if following is None or (isinstance(following, torch.Tensor) and following.shape == arg.shape and not batched):
-            site = hp.Site("input_pair_sum", i)
-            found.append(Candidate(call, site, hp.read_input(site, call.args).float()))
+        for j in range(i + 1, len(call.args) if not batched else i + 1):  # GPT-OSS: (hidden, positions, residual)
+            other = call.args[j]
+            if other is None or (isinstance(other, torch.Tensor) and other.shape == arg.shape):
+                site = hp.Site("input_pair_sum", i, pair_offset=j - i)
+                found.append(Candidate(call, site, hp.read_input(site, call.args).float()))
+                break
     return found
 
 
@@ -228,7 +230,8 @@ def _derive(model, blocks_path, blocks, final_norm, embeds, hidden, exact, calls
                         key=lambda c: c.order)
         layers = [p for p in attention if _within(p, root)]
         points, why = _branches(model, root, inside, layers, pre, post, tokens, hidden, tolerance)
-        per_block.append((Point("resid_pre", "", pre.site.how, pre.site.arg_index, batched=pre.site.batched),
+        per_block.append((Point("resid_pre", "", pre.site.how, pre.site.arg_index, batched=pre.site.batched,
+                                pair_offset=pre.site.pair_offset),
                           *points, Point("resid_post", "", post.site.how, batched=post.site.batched)))
         for kind, reason in why.items():
             refused.setdefault(kind, f"{reason} (block {i}, {type(blocks[i]).__name__})")
@@ -303,7 +306,7 @@ def _branches(model, root, inside, layers, pre, post, tokens, hidden, tolerance)
     points.append(Point("attn_out", rel(a.call.path), "output", factor=c_a, batched=a.site.batched))
     if mid is not None:
         points.append(Point("resid_mid", rel(mid.call.path), mid.site.how, mid.site.arg_index,
-                            batched=mid.site.batched))
+                            batched=mid.site.batched, pair_offset=mid.site.pair_offset))
     else:
         refused["resid_mid"] = "its attention and MLP branches both read resid_pre (a parallel block)"
     raw_mlp = _raw(model, m, inside, tokens)

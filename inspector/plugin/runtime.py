@@ -110,6 +110,7 @@ class InspectorRuntime:
         self.model = model
         self.family = family  # the block description the catalogue follows (families.py), for the record
         self.refused = dict(refused or {})  # kind -> why this model offers no point of it
+        self.probe_seconds = 0.0  # what reading the blocks and the boot probe took (for the record)
         self.config = config
         self.catalogue = {p.name: p for p, _ in points}
         self.sites = {p.name: site for p, site in points}
@@ -580,5 +581,6 @@ class InspectorRuntime:
             "modules": [(path, type(m).__name__) for path, m in self.model.named_modules()],
             "hook_points": [p.as_dict() for p in self.catalogue.values()],
             "refused": dict(self.refused),
+            "probe_seconds": self.probe_seconds,
             "installed": {name: hook.point.name for name, hook in self.active.items()},
         }

@@ -131,13 +131,14 @@ def attention_layers(block: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
     return [(path, m) for path, m in block.named_modules() if type(m) is Attention]
 
 
-def attention_types() -> tuple[type, ...]:
-    """The classes of vLLM's attention layers of every kind (standard, MLA, ...)."""
+def is_attention(module: torch.nn.Module) -> bool:
+    """A vLLM attention layer of any kind (standard, MLA, ...): what holds a KV cache and has heads
+    (vLLM's state-space mixers share the base class, not the heads)."""
     try:
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     except ImportError:
         from vllm.attention.layer import Attention as AttentionLayerBase  # vLLM before 0.30
-    return (AttentionLayerBase,)
+    return isinstance(module, AttentionLayerBase) and hasattr(module, "num_heads")
 
 
 def attention_geometry(layer: torch.nn.Module) -> AttentionGeometry:
@@ -219,7 +220,7 @@ def probe_forward(worker, num_tokens: int, on_attention: Callable | None = None)
     model = model_of(worker)
     compiled = [m for m in model.modules() if hasattr(m, "do_not_compile")]
     flags = [m.do_not_compile for m in compiled]
-    layers = [m for m in model.modules() if isinstance(m, attention_types())]
+    layers = [m for m in model.modules() if is_attention(m)]
     for layer in layers:  # an instance attribute: also what a model calling layer.forward(...) gets
         width = layer.num_heads * int(getattr(layer, "v_head_dim", None) or getattr(layer, "head_size_v", None)
                                       or layer.head_size)
@@ -255,7 +256,7 @@ def run_hooks_on_forward_calls(model: torch.nn.Module) -> None:
     there: a layer called as a module would run its hooks twice."""
     if not type(model).__module__.startswith("vllm.model_executor.models.transformers"):
         return
-    for layer in (m for m in model.modules() if isinstance(m, attention_types())):
+    for layer in (m for m in model.modules() if is_attention(m)):
         layer.__dict__[_INNER] = None
         layer.forward = functools.partial(_forward_with_hooks, layer)
 

@@ -53,8 +53,9 @@ def install_runtime(worker) -> None:
     family, points, refused = hookpoints.catalogue(model, hidden, config.dtype, read, vllm_compat.tensor_parallel(worker))
     verdict = probe.verify(model, points, config.dtype,
                            lambda: vllm_compat.probe_forward(worker, PROBE_TOKENS))
-    logger.info("boot probe (%s): %d hook points, %d withdrawn, %.2f s", family.name, len(points),
-                len(verdict.withdrawn), time.perf_counter() - started)
+    probe_seconds = time.perf_counter() - started
+    logger.info("block reader and boot probe (%s): %d hook points, %d withdrawn, %.2f s", family.name, len(points),
+                len(verdict.withdrawn), probe_seconds)
     for name, why in verdict.withdrawn.items():
         logger.warning("hook point %s withdrawn: %s", name, why)
     for name, routing in verdict.unrouted.items():
@@ -69,6 +70,7 @@ def install_runtime(worker) -> None:
                                max(max_tokens, config.max_num_batched_tokens), max_model_len, family.name,
                                {kind: f"{type(model).__name__}: {kind} not offered because {why}"
                                 for kind, why in refused.items()})
+    runtime.probe_seconds = probe_seconds
     explicit = {runtime.resolve(name, *spec).name for name, spec in config.capture_specs.items()}
     matched = {name: spec for name, spec in runtime.match(config.hook_patterns).items() if name not in explicit}
     runtime.install({**config.capture_specs, **matched})

@@ -21,13 +21,13 @@ from inspector.capture.resources import cache_root
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3",
                  "gpt_neox", "olmo2", "phi", "mixtral", "olmoe", "qwen2_moe", "gemma", "stablelm",
-                 "granite")
+                 "granite", "cohere", "bloom", "olmo", "gpt_bigcode", "gpt_oss")
 # Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
 ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}, "gemma3": {"kv_heads": 1}}
 # Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
 # so a pattern recomputed with a wrong scale, window or soft cap is visibly wrong.
 PEAKED_ATTENTION = {"mistral": 0.15, "gemma2": 0.15, "gemma3": 0.15}
-BUILD_FORMAT = 1  # bump when the build recipe changes, so caches are rebuilt
+RECIPE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # this file: an edit rebuilds the models
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class TinySpec:
     seed: int = 0
 
     def cache_key(self) -> str:
-        blob = json.dumps({**asdict(self), "format": BUILD_FORMAT, "python": sys.version_info[:2]}, sort_keys=True)
+        blob = json.dumps({**asdict(self), "recipe": RECIPE, "python": sys.version_info[:2]}, sort_keys=True)
         return f"{self.arch}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
@@ -83,6 +83,13 @@ def hf_config(spec: TinySpec, tokenizer):
         return transformers.GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads,
                                        n_inner=spec.intermediate, n_positions=spec.max_positions,
                                        activation_function="gelu_new", **common)
+    if spec.arch == "bloom":  # ALiBi position biases (no rotary), which the recomputed pattern must include
+        return transformers.BloomConfig(hidden_size=spec.hidden, n_layer=spec.layers, n_head=spec.heads,
+                                        initializer_range=0.15, **common)  # drawn wide: its outputs then react
+    if spec.arch == "gpt_bigcode":  # multi-query attention; vLLM serves it through its Transformers backend
+        return transformers.GPTBigCodeConfig(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads,
+                                             n_inner=spec.intermediate, n_positions=spec.max_positions, multi_query=True,
+                                             **common)
     if spec.arch == "gpt_neox":  # parallel residual (Pythia); vLLM serves it through its Transformers backend
         return transformers.GPTNeoXConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers,
                                           num_attention_heads=spec.heads, intermediate_size=spec.intermediate,
@@ -112,10 +119,10 @@ def hf_config(spec: TinySpec, tokenizer):
         return transformers.Gemma2Config(head_dim=spec.hidden // spec.heads, query_pre_attn_scalar=24,
                                          attn_logit_softcapping=3.0, final_logit_softcapping=8.0,
                                          sliding_window=6, hidden_activation="gelu_pytorch_tanh", **shape)
-    if spec.arch == "gemma":  # no description names its block: found by its structure (families.inferred_family)
+    if spec.arch == "gemma":  # its norms scale by (1 + weight)
         return transformers.GemmaConfig(head_dim=spec.hidden // spec.heads, hidden_activation="gelu_pytorch_tanh",
                                         **shape)
-    if spec.arch == "stablelm":  # sequential, LayerNorms, partial rotary (its default 0.25); found by its structure
+    if spec.arch == "stablelm":  # sequential, LayerNorms, partial rotary (its default 0.25)
         return transformers.StableLmConfig(hidden_act="silu", use_parallel_residual=False,
                                            tie_word_embeddings=False, **shape)
     if spec.arch == "granite":  # Llama's modules, but its branches and embeddings scaled: what the probe must catch
@@ -151,6 +158,16 @@ def hf_config(spec: TinySpec, tokenizer):
     if spec.arch == "olmo2":  # post-norms on both branches, q/k norms; vLLM serves it through its Transformers backend
         return transformers.Olmo2Config(hidden_act="silu", tie_word_embeddings=False, pad_token_id=tokenizer.eos_token_id,
                                         **shape)
+    if spec.arch == "cohere":  # one LayerNorm feeds parallel branches; a residual passed on and ignored; logit scale
+        return transformers.CohereConfig(tie_word_embeddings=True, logit_scale=0.5, **shape)  # vLLM ties it always
+    if spec.arch == "olmo":  # non-parametric LayerNorms; vLLM serves it through its Transformers backend
+        return transformers.OlmoConfig(hidden_act="silu", tie_word_embeddings=False, pad_token_id=tokenizer.eos_token_id,
+                                       **shape)
+    if spec.arch == "gpt_oss":  # attention sinks, sliding windows every other layer, (hidden, positions, residual)
+        # arguments, 4 experts (2 per token) chosen by a router named router
+        return transformers.GptOssConfig(head_dim=spec.hidden // spec.heads, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                         tie_word_embeddings=False, **{**shape, "initializer_range": 0.15})
     if spec.arch == "mistral":
         return transformers.MistralConfig(sliding_window=8, hidden_act="silu", tie_word_embeddings=False, **shape)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec.arch]
@@ -169,6 +186,10 @@ def build_tiny_model(spec: TinySpec, out_dir: Path, tokenizer=None) -> Path:
     tokenizer = tokenizer or train_tokenizer(spec.vocab, stdlib_corpus())
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(hf_config(spec, tokenizer), torch_dtype=torch.float32)
+    with torch.no_grad():  # norms' weights and biases, attention sinks off their defaults: none may pass as identity
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1 and ("norm" in name or "ln" in name or name.endswith(("bias", "sinks"))):
+                parameter.add_(0.1 * torch.randn_like(parameter))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
