@@ -198,3 +198,17 @@ def test_a_patching_sweep_equals_transformers_patching_one_cell_at_a_time(engine
     by_name = {p.name: p for p in points.values()}
     assert_sweep_matches_transformers(result, by_name, tiny_models[arch], arch,
                                       lambda function, *args: reference(arch, function, *args))
+
+
+def test_a_point_an_edit_would_not_act_through_is_read_only_and_refuses_interventions(engine):
+    """vLLM's and transformers' sequential blocks hand resid_mid to a module (the MLP's norm, or the MLP)
+    but add the MLP's output to their own copy of the stream: the probe's steering round trip marks
+    resid_mid read only there, and nowhere else; an intervention on it is refused with the reason."""
+    arch, llm = engine
+    points = {p["alias"]: HookPoint.from_dict(p) for p in rpc(llm, "inspector_describe")["hook_points"]}
+    read_only = {p.kind for p in points.values() if p.unsteerable}
+    assert read_only == ({"resid_mid"} if FAMILY_OF[arch].startswith("sequential") else set())
+    if read_only:
+        point = points["blocks.0.hook_resid_mid"]
+        with pytest.raises(Exception, match="cannot be steered: a bias there does not reach"):
+            rpc(llm, "inspector_set_interventions", [{"hook": point.name, "bias": [0.0] * point.width}])

@@ -253,3 +253,19 @@ def test_a_withdrawn_point_is_greyed_out_with_its_reason_and_cannot_be_checked(q
     layer.setCheckState(Qt.CheckState.Checked)  # a block's node: everything in it that can be captured
     assert name not in w.checked() and "model.layers.0.resid_post" in w.checked()
     assert layer.checkState() == Qt.CheckState.Checked
+
+
+def test_a_read_only_point_says_so_and_can_still_be_captured(qtbot, ui_settings):
+    from dataclasses import replace
+
+    from inspector.ui.model_tree import ModelTreeWidget
+
+    w = ModelTreeWidget()
+    keep(qtbot, w)
+    reason = "a bias there does not reach what the model computes next"
+    cat = [replace(p, unsteerable=reason) if p.alias == "blocks.0.hook_resid_mid" else p
+           for p in llama_catalogue(layers=1, hidden=16, intermediate=32)]
+    w.set_catalogue(cat, set())
+    leaf = w._leaves["model.layers.0.post_attention_layernorm.resid_mid"]
+    assert leaf.text() == "◆ resid_mid (read only)" and leaf.font().italic() and leaf.isCheckable()
+    assert f"read only: {reason}" in leaf.toolTip()

@@ -197,18 +197,19 @@ def read(model: nn.Module, blocks_path: str, blocks: nn.ModuleList, final_norm: 
          hidden: int, dtype: str, forward: Callable[[Callable], None]) -> Reading:
     """Read the blocks through one ``forward(on_attention)`` (``vllm_compat.probe_forward``)."""
     recorder = Recorder(model, [f"{blocks_path}.{i}" for i in range(len(blocks))] + [final_norm] * bool(final_norm))
-    attention: dict[str, tuple] = {}  # attention layer path -> (args, output), however it was called
+    attention: set[str] = set()  # the attention layers called, however they were (module call or .forward)
     paths = {id(m): p for p, m in model.named_modules()}
     try:
-        forward(lambda layer, args, output: attention.setdefault(paths[id(layer)], (_copy(args), output.clone())))
+        forward(lambda layer, args, output: attention.add(paths[id(layer)]))
     finally:
         recorder.remove()
-    return _derive(model, blocks_path, blocks, final_norm, embeds, hidden, dtype == "float32", recorder.calls,
-                   attention)
+    return _derive(model, blocks_path, blocks, final_norm, embeds, hidden, ROW_TOLERANCE[dtype == "float32"],
+                   recorder.calls, attention)
 
 
-def _derive(model, blocks_path, blocks, final_norm, embeds, hidden, exact, calls, attention) -> Reading:
-    tolerance = ROW_TOLERANCE[exact]
+def _derive(model, blocks_path, blocks, final_norm, embeds, hidden, tolerance, calls, attention) -> Reading:
+    """The family from the recorded ``calls``: the stream first (it must chain), then each block's
+    branches; ValueError naming the model where the stream cannot be read."""
     names = sorted({type(b).__name__ for b in blocks})
     block_calls = [calls.get(f"{blocks_path}.{i}") for i in range(len(blocks))]
     if any(c is None or c.output is None for c in block_calls):

@@ -199,6 +199,10 @@ class ModelTreeWidget(QWidget):
                                   | Qt.ItemFlag.ItemIsUserCheckable)
                     leaf.setCheckState(Qt.CheckState.Unchecked)
                     leaf.setToolTip(f"{tip}\nread only: {info.unsteerable}" if info.unsteerable else tip)
+                    if info.unsteerable:  # in italics, so a narrow column that cuts the label still shows it
+                        font = leaf.font()
+                        font.setItalic(True)
+                        leaf.setFont(font)
                 width = QStandardItem(str(info.width))
                 width.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 alias = QStandardItem(info.alias)
