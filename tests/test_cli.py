@@ -36,7 +36,7 @@ def test_capture_on_the_demo_model(tmp_path):
     assert summary["out"] == str(out) and len(summary["requests"]) == 2
     assert run.metadata["engine_mode"] == "compiled"
     layers = run.metadata["model_config"]["num_hidden_layers"]
-    assert len(run.hooks) == 3 * layers + 1
+    assert len(run.hooks) == 4 * layers + 1  # resid_post, q, k and z of every block; one layer's neurons
     for info, req in zip(summary["requests"], run.requests.values()):
         assert req.prompt == info["prompt"] and len(req.generated_token_ids) == 6
         assert "".join(req.token_texts[len(req.prompt_token_ids):]) == info["text"]

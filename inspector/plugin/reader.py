@@ -119,8 +119,9 @@ def _rows_of(tensor, tokens: int) -> tuple[torch.Tensor | None, bool]:
 
 
 def inputs(call: Call, tokens: int) -> list[Candidate]:
-    """What an input site at ``call`` could read: each positional tensor, and each with the next one
-    summed (a ``(hidden, residual)`` pair; the residual may be None)."""
+    """What an input site at ``call`` could read: each positional tensor, and each with the next one of
+    its shape summed (a ``(hidden, residual)`` pair; the residual may be None). Sums are taken in
+    float32: in half precision a small branch would drown in the rounding of the stream it joins."""
     found = []
     for i, arg in enumerate(call.args):
         rows, batched = _rows_of(arg, tokens)
@@ -131,7 +132,7 @@ def inputs(call: Call, tokens: int) -> list[Candidate]:
             other = call.args[j]
             if other is None or (isinstance(other, torch.Tensor) and other.shape == arg.shape):
                 site = hp.Site("input_pair_sum", i, pair_offset=j - i)
-                found.append(Candidate(call, site, hp.read_input(site, call.args).float()))
+                found.append(Candidate(call, site, rows if other is None else rows + _rows_of(other, tokens)[0]))
                 break
     return found
 
@@ -146,8 +147,7 @@ def outputs(call: Call, tokens: int) -> list[Candidate]:
     found = [Candidate(call, hp.Site("output", 0, batched), rows)]
     if (isinstance(out, tuple) and len(out) > 1 and isinstance(out[1], torch.Tensor) and out[1].shape == first.shape
             and not batched):
-        site = hp.Site("output_pair_sum")
-        found.append(Candidate(call, site, hp.read_output(site, out).float()))
+        found.append(Candidate(call, hp.Site("output_pair_sum"), rows + _rows_of(out[1], tokens)[0]))
     return found
 
 
@@ -158,25 +158,31 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(error.max()) if bool(torch.isfinite(error).all()) else float("inf")
 
 
-def _fit(target: torch.Tensor, value: torch.Tensor, tolerance: float) -> float | None:
-    """The constant c with ``target ≈ c·value`` (1 when it is that close), or None."""
-    if value.shape != target.shape or float(value.norm()) == 0.0 or float(target.norm()) == 0.0:
+def _fit(target: torch.Tensor, base: torch.Tensor, value: torch.Tensor, tolerance: float) -> float | None:
+    """The constant c with ``target ≈ base + c·value`` (the stream-relative error within ``tolerance``;
+    1 when 1 will do, so that a branch too small to pin c down, as in half precision, reads as 1)."""
+    if value.shape != target.shape or float(value.norm()) == 0.0:
         return None
-    c = float((target * value).sum() / (value * value).sum())
+    if _error(base + value, target) <= tolerance:
+        return 1.0
+    difference = target - base
+    c = float((difference * value).sum() / (value * value).sum())
     c = 1.0 if abs(c - 1.0) < ONE else c
-    return c if _error(c * value, target) <= tolerance else None
+    return c if c != 0.0 and _error(base + c * value, target) <= tolerance else None
 
 
-def _fit_two(target, a, b, tolerance: float) -> tuple[float, float] | None:
-    """Constants (c, c') with ``target ≈ c·a + c'·b``, or None."""
+def _fit_two(target, base, a, b, tolerance: float) -> tuple[float, float] | None:
+    """Constants (c, c') with ``target ≈ base + c·a + c'·b``, as ``_fit``."""
     if a.shape != target.shape or b.shape != target.shape:
         return None
+    if _error(base + a + b, target) <= tolerance:
+        return 1.0, 1.0
     basis = torch.stack([a.flatten(), b.flatten()], dim=1).double()
-    solution = torch.linalg.lstsq(basis, target.flatten().double().unsqueeze(1)).solution.flatten()
+    solution = torch.linalg.lstsq(basis, (target - base).flatten().double().unsqueeze(1)).solution.flatten()
     c, c2 = (1.0 if abs(float(x) - 1.0) < ONE else float(x) for x in solution)
     if c == 0.0 or c2 == 0.0:
         return None
-    return (c, c2) if _error(c * a + c2 * b, target) <= tolerance else None
+    return (c, c2) if _error(base + c * a + c2 * b, target) <= tolerance else None
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -362,14 +368,14 @@ def _best(candidates: list[tuple[Candidate, float]]) -> tuple[Candidate, float] 
 def _sequential(outs, ins, attentive, x, y, tolerance):
     """((attn_out, c), resid_mid, (mlp_out, c')) of a block whose MLP reads resid_pre + c·attn_out."""
     for mid in ins:
-        if _error(mid.rows, x) <= tolerance or _error(mid.rows, y) <= tolerance:
+        if _error(mid.rows, x) <= tolerance:  # the block's input handed on: no branch added yet
             continue
         before = [c for c in outs if c.call.order < mid.call.order and attentive.get(c.call.path)]
-        a = _best([(c, k) for c in before if (k := _fit(mid.rows - x, c.rows, tolerance)) is not None])
+        a = _best([(c, k) for c in before if (k := _fit(mid.rows, x, c.rows, tolerance)) is not None])
         if a is None:
             continue
         after = [c for c in outs if c.call.order >= mid.call.order and not attentive.get(c.call.path)]
-        m = _best([(c, k) for c in after if (k := _fit(y - mid.rows, c.rows, tolerance)) is not None])
+        m = _best([(c, k) for c in after if (k := _fit(y, mid.rows, c.rows, tolerance)) is not None])
         if m is not None:
             return a, mid, m
     return None
@@ -380,7 +386,7 @@ def _parallel(outs, attentive, x, y, tolerance):
     fits = []
     for a in (c for c in outs if attentive.get(c.call.path)):
         for m in (c for c in outs if not attentive.get(c.call.path)):
-            k = _fit_two(y - x, a.rows, m.rows, tolerance)
+            k = _fit_two(y, x, a.rows, m.rows, tolerance)
             if k is not None:
                 fits.append((a, m, k))
     if not fits:
