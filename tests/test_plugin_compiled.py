@@ -39,7 +39,7 @@ def test_every_point_installed_in_compiled_mode(llm):
     info = rpc(llm, "inspector_describe")
     assert info["mode"] == "compiled"
     kinds = {p["kind"] for p in info["hook_points"]}
-    assert kinds == {"embed", "resid_pre", "q", "k", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post",
+    assert kinds == {"embed", "resid_pre", "q", "k", "z", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post",
                      "normalized"}
     assert set(info["installed"].values()) == {p["name"] for p in info["hook_points"]}
     assert all(isinstance(path, str) and isinstance(cls, str) for path, cls in info["modules"])

@@ -124,7 +124,7 @@ def test_the_catalogue_says_which_points_are_sharded_and_counts_every_head(saved
     shards, one = facts["tp2-compiled"]["shards"], facts["tp1"]["shards"]
     assert set(shards) == set(one)
     sharded = {alias for alias, n in shards.items() if n > 1}
-    assert sharded == {a for a in shards if a.endswith(("mlp.hook_post", "attn.hook_q", "attn.hook_k"))}
+    assert sharded == {a for a in shards if a.endswith(("mlp.hook_post", "attn.hook_q", "attn.hook_k", "attn.hook_z"))}
     assert all(shards[a] == 2 for a in sharded) and all(n == 1 for n in one.values())
     assert facts["tp2-compiled"]["heads"] == facts["tp1"]["heads"]  # the model's heads, not one rank's
 
@@ -180,7 +180,7 @@ def test_tp2_captures_equal_transformers(saved, tiny_models):
         seq = tokens[:-1]
         got = per_prompt(arrays, i)
         for (layer, kind), expected in hf_reference.block_points(tiny_models["llama"], "llama", seq).items():
-            alias = f"blocks.{layer}." + {"mlp_post": "mlp.hook_post"}.get(kind, f"hook_{kind}")
+            alias = f"blocks.{layer}." + {"mlp_post": "mlp.hook_post", "z": "attn.hook_z"}.get(kind, f"hook_{kind}")
             assert rel_l2(got[alias][1], expected).max() < 3 * PARITY_TOL, alias
         assert_greedy_matches(hf_reference.logits(tiny_models["llama"], seq), prompt, tokens[prompt:])
 

@@ -321,7 +321,7 @@ def _branches(model, root, inside, layers, pre, post, tokens, hidden, tolerance)
     if router is not None:
         points.append(Point("router", rel(router.call.path), "output", width="out", batched=router.site.batched))
     mlp_post = _projection_input(model, raw_mlp, inside, tokens)
-    if mlp_post is not None and mlp_post.rows.shape[1] != hidden:
+    if mlp_post is not None:
         points.append(Point("mlp_post", rel(mlp_post.call.path), "input", mlp_post.site.arg_index, "in",
                             batched=mlp_post.site.batched))
     else:
