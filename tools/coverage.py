@@ -1,354 +1,442 @@
-"""The coverage table: what the inspector offers on every text-generation architecture vLLM serves.
+"""The coverage table (docs/coverage.md): what the inspector offers on every architecture vLLM serves.
 
-    packaging/dev run python tools/coverage.py [--only ARCH ...] [--jobs 1] [--timeout 600]
+    .venv/bin/python tools/coverage.py [--only ARCH ...] [--flavours eager,compiled] [--jobs 1]
+                                       [--timeout 600] [--limit N] [--table]
 
-For each architecture of vLLM's registry of text-generation models, and each decoder-only causal-LM
-type of transformers that vLLM serves through its Transformers backend, it builds a tiny random model
-(below), boots it in a child process with every hook point (eager), and checks against transformers
-in float32: resid_pre and resid_post of every block (relative L2 per row < 1e-5), greedy tokens, and
-a steering bias at blocks.0.hook_resid_post against the same edit by a forward hook on transformers'
-block 0 (the last block's resid_post and the greedy tokens). It records the kinds offered (each
-verified by the boot probe, read only where its steering round trip failed), those withdrawn or
-refused with the reason, or why the architecture could not be tried. Results are cached per
-architecture (``tools/.coverage-cache``, keyed by the plugin's sources); ``docs/coverage.md`` is
-written from the cache.
+Rows: every architecture of vLLM's text-generation registry, and every decoder-only causal LM of
+transformers that vLLM serves through its Transformers backend (encoder and encoder-decoder types are
+listed as skipped). Each gets a tiny random model (the rule: ``coverage_models.py``), then, in child
+processes (a crash or a hang is a reason in the table, not the end of the run):
 
-The tiny-model rule: transformers' config class with its defaults, then hidden size 128 in 2 heads of
-64 (head_dim 64 where the config has one), 2 key/value heads (1 where the defaults share one),
-intermediate sizes 256 (64 per expert), 4 experts with 2 per token, a sliding window of 4 tokens
-(shorter than the test prompt), MLA latent and head sizes of 64 (rope 32 + nope 32), the vocabulary
-of the tests' offline tokenizer, 1,024 positions, and as many layers as two periods of any layer-type
-pattern (at least 2); every norm weight, bias and sink is then moved off its default by random noise.
+1. vLLM boots it with the plugin and every hook point (``hook_patterns=("*",)``), per flavour
+   (eager, then compiled): the block family, the hook points and the refusals come from
+   ``inspector_describe``; two prompts generate 4 greedy tokens each, plain and with a seeded random
+   bias at ``blocks.0.hook_resid_post``. A boot that fails is retried without the plugin, which tells
+   vLLM's own failures from the inspector's.
+2. transformers loads the same directory (float32, eager attention) and runs the same token
+   sequences with forward hooks on its decoder-layer list: resid_pre(i) is layer i's input,
+   resid_post(i) its output, and the steered run adds the same bias to layer 0's output.
+3. resid_pre and resid_post of every layer must agree within a relative L2 of 1e-5 per row, the greedy
+   tokens must be transformers' (an exact near-tie may go either way), and the steered run's last
+   resid_post and tokens must agree likewise.
+
+Results are cached per architecture in tools/.coverage-cache, keyed by the plugin's sources and the
+tiny-model rule (a rerun redoes what changed, and flavours not yet run); ``--table`` only rewrites
+docs/coverage.md from the cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
+import pickle
+import re
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(__file__).resolve().parent / ".coverage-cache"
-PROMPT = "def fibonacci(n):\n    return n"
-TOLERANCE = 1e-5
-SHRINK = {"hidden_size": 128, "n_embd": 128, "d_model": 128, "num_attention_heads": 2, "n_head": 2,
-          "head_dim": 64, "intermediate_size": 256, "ffn_dim": 256, "n_inner": 256, "moe_intermediate_size": 64,
-          "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
-          "num_experts_per_tok": 2, "max_position_embeddings": 1024, "n_positions": 1024, "kv_lora_rank": 64,
-          "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 64, "n_group": 1, "topk_group": 1}
+import numpy as np
+
+TOOLS = Path(__file__).resolve().parent
+ROOT = TOOLS.parent
+CACHE = TOOLS / ".coverage-cache"
+TABLE = ROOT / "docs" / "coverage.md"
+PROMPTS = ("def fibonacci(n):\n    if n < 2:", "import os\nimport sys\n\nclass")
+MAX_TOKENS = 4
+TOLERANCE = 1e-5  # relative L2 per row; float32 on CPU reaches ~5e-7
+LOGPROB_TOLERANCE = 1e-4  # vLLM's own logprobs against transformers' (float32; softmax of the logits)
+CHECKED = ("resid_pre", "resid_post", "steering")
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_DISABLE_COMPILE_CACHE": "1",
+              "OMP_NUM_THREADS": str(os.cpu_count())}
+# a kernel vLLM's CPU build lacks: a custom op missing from torch.ops._C, or an error that says CPU lacks it
+NO_CPU_KERNEL = re.compile(r"_OpNamespace|'CPU' backend|NotImplementedError|"
+                           r"\bcpu\b.*(not (yet )?(supported|implemented)|unsupported)|"
+                           r"(not (yet )?(supported|implemented)|unsupported).*\bcpu\b", re.I)
+
+sys.path.insert(0, str(TOOLS))
+import coverage_models  # noqa: E402 - beside this script, not a package
 
 
-def architectures() -> dict[str, str]:
-    """Architecture -> "native" (vLLM's own implementation) or "backend" (its Transformers backend)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+# --- in the engine's child process ---
 
-    found = {arch: "native" for arch in _TEXT_GENERATION_MODELS}
-    for name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        for arch in (name if isinstance(name, (list, tuple)) else (name,)):
-            found.setdefault(arch, "backend")
-    return dict(sorted(found.items()))
+def engine_run(model_dir: str, flavours: list[str], engine_args: dict) -> dict:
+    """Per flavour, what the plugin offers and the rows it captured, or why it did not boot or run;
+    ``bias``: the steering vector all flavours used."""
+    from inspector.engine.boot import boot_llm, shutdown_llm
 
-
-def config_class(arch: str):
-    """transformers' config class of an architecture (by its causal-LM class), or None."""
-    from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    for model_type, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
-        if arch in (names if isinstance(names, (list, tuple)) else (names,)) and model_type in CONFIG_MAPPING:
-            return CONFIG_MAPPING[model_type]
-    return None
-
-
-def tiny_config(cls, vocab: int):
-    """The config class's defaults, shrunk by the rule in this module's docstring."""
-    config = cls()
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    shared_kv = getattr(text, "num_key_value_heads", 2) == 1 or getattr(text, "multi_query", False)
-    for key, value in SHRINK.items():
-        if getattr(text, key, None) is not None and not isinstance(getattr(type(text), key, None), property):
-            setattr(text, key, value)
-    if hasattr(text, "num_key_value_heads"):
-        text.num_key_value_heads = 1 if shared_kv else 2
-    if getattr(text, "sliding_window", None):
-        text.sliding_window = 4
-    if getattr(text, "q_lora_rank", None):
-        text.q_lora_rank = 64
-    period = _pattern_period(text)
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if getattr(text, key, None) is not None:
-            setattr(text, key, max(2, 2 * period))
-    layers = max(2, 2 * period)
-    for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
-        pattern = getattr(text, key, None)
-        if isinstance(pattern, (list, tuple)) and pattern:
-            setattr(text, key, [pattern[i % period] for i in range(layers)])
-    for key in ("vocab_size",):
-        setattr(text, key, vocab)
-    text.bos_token_id = text.eos_token_id = 0
-    if hasattr(text, "pad_token_id"):
-        text.pad_token_id = 0
-    return config
+    found, bias = {}, None
+    for flavour in flavours:
+        started = time.perf_counter()
+        try:
+            llm = boot_llm(model_dir, hook_patterns=("*",), mode=flavour, max_num_batched_tokens=64,
+                           max_model_len=256, enable_position_interventions=True, **engine_args)
+        except Exception as e:  # noqa: BLE001 - any failure is the row's reason
+            found[flavour] = {"boot_error": coverage_models.one_line(e)}
+            break  # the next flavour would fail the same way, slower
+        try:
+            found[flavour], bias = _exercise(llm, bias)
+        except Exception as e:  # noqa: BLE001
+            found[flavour] = {"run_error": coverage_models.one_line(e)}
+        finally:
+            shutdown_llm(llm)
+        found[flavour]["seconds"] = round(time.perf_counter() - started, 1)
+    return {"flavours": found, "bias": bias}
 
 
-def _pattern_period(text) -> int:
-    """The length of the smallest repeating unit of the config's layer-type pattern (1 without one)."""
-    for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
-        pattern = getattr(text, key, None)
-        if isinstance(pattern, (list, tuple)) and len(set(pattern)) > 1:
-            for period in range(1, len(pattern) + 1):
-                if all(pattern[i] == pattern[i % period] for i in range(len(pattern))):
-                    return min(period, 8)
-    interval = getattr(text, "sliding_window_pattern", None) or getattr(text, "attn_layer_period", None)
-    return int(interval) if isinstance(interval, int) and 1 < interval <= 8 else 1
-
-
-def build(arch: str, out: Path) -> str:
-    """Write the tiny model of ``arch`` into ``out``; "" or why it cannot be built."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from inspector.testing.tinymodels import stdlib_corpus, train_tokenizer
-
-    cls = config_class(arch)
-    if cls is None:
-        return "transformers cannot build it: no transformers class of that name"
-    tokenizer = train_tokenizer(512, stdlib_corpus())
+def _exercise(llm, bias):
+    describe = _rpc(llm, "inspector_describe")
+    points = [{k: p.get(k) for k in ("name", "alias", "kind", "layer", "width", "withdrawn", "unsteerable")}
+              for p in describe["hook_points"]]
+    found = {"family": describe.get("family", ""), "points": points, "refused": describe.get("refused", {}),
+             "plain": _generate(llm, points)}
+    target = next((p for p in points if p["kind"] == "resid_post" and p["layer"] == 0), None)
+    why_not = ("no blocks.0.hook_resid_post" if target is None else
+               f"withdrawn: {target['withdrawn']}" if target["withdrawn"] else
+               f"read only: {target['unsteerable']}" if target["unsteerable"] else "")
+    if why_not:
+        found["steering_refused"] = why_not
+        return found, bias
+    if bias is None:
+        bias = np.random.default_rng(0).standard_normal(target["width"]).astype(np.float32).tolist()
+    _rpc(llm, "inspector_set_interventions", [{"hook": target["name"], "bias": bias}])
     try:
-        config = tiny_config(cls, len(tokenizer))
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001 - any failure is a reason in the table
-        return f"transformers cannot build it from its config alone: {type(e).__name__}: {str(e)[:200]}"
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() == 1 and ("norm" in name or "ln" in name or name.endswith(("bias", "sinks"))):
-                parameter.add_(0.1 * torch.randn_like(parameter))
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+        found["steered"] = _generate(llm, points)
+    finally:
+        _rpc(llm, "inspector_clear_interventions")
+    return found, bias
+
+
+def _rpc(llm, method, *args):
+    return llm.collective_rpc(method, args=args)[0]
+
+
+def _generate(llm, points: list[dict]) -> dict:
+    """Per request: prompt ids, generated ids, vLLM's logprob of each, and the resid_pre/resid_post rows
+    ({alias: [tokens, width]}, in position order), driven step by step as the engine session does."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    _rpc(llm, "inspector_drain")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                generated = list(out.outputs[0].token_ids)
+                logprobs = [step[token].logprob for step, token in zip(out.outputs[0].logprobs, generated)]
+                tokens[out.request_id] = (list(out.prompt_token_ids), generated, logprobs)
+    rows = _rpc(llm, "inspector_drain")
+    aliases = {p["name"]: p["alias"] for p in points if p["kind"] in ("resid_pre", "resid_post")}
+    return {rid: {"prompt": prompt, "generated": generated, "logprobs": logprobs,
+                  "rows": {aliases[name]: np.asarray(r["values"], np.float32)[np.argsort(r["positions"])]
+                           for name, r in rows.get(rid, {}).items() if name in aliases}}
+            for rid, (prompt, generated, logprobs) in tokens.items()}
+
+
+def plain_boot(model_dir: str, engine_args: dict) -> str:
+    """vLLM alone (the plugin not loaded): "" if it boots and generates, else why not."""
+    from vllm import LLM, SamplingParams
+
+    try:
+        llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, max_num_batched_tokens=64,
+                  enable_prefix_caching=False, **engine_args)
+        llm.generate(list(PROMPTS), SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    except Exception as e:  # noqa: BLE001
+        return coverage_models.one_line(e)
     return ""
 
 
-def reference(model_dir: Path, ids: list[int], bias) -> dict:
-    """transformers' resid_pre/resid_post per block and logits, plain and with ``bias`` added to block
-    0's output (before vLLM is imported: its Transformers backend rewrites transformers' classes)."""
-    import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
+# --- in the driver ---
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    layers = model.config.get_text_config().num_hidden_layers
-    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)),
-                 key=lambda m: (len(m) == layers, len(m)))  # not a list of experts
-    found: dict = {}
-
-    def run(steer):
-        rows, handles = {}, []
-        for i, block in enumerate(blocks):
-            handles.append(block.register_forward_pre_hook(
-                lambda m, args, kwargs, i=i: rows.__setitem__(("resid_pre", i), (args[0] if args else
-                                                                                 kwargs["hidden_states"])[0].clone()),
-                with_kwargs=True))
-
-            def post(m, args, out, i=i):
-                hidden = out[0] if isinstance(out, tuple) else out
-                if steer is not None and i == 0:
-                    hidden = hidden + torch.from_numpy(steer)
-                    out = (hidden, *out[1:]) if isinstance(out, tuple) else hidden
-                rows[("resid_post", i)] = hidden[0].clone()
-                return out
-            handles.append(block.register_forward_hook(post))
-        try:
-            with torch.no_grad():
-                logits = model(torch.tensor([ids])).logits[0]
-        finally:
-            for h in handles:
-                h.remove()
-        return {f"{kind}.{i}": v.numpy() for (kind, i), v in rows.items()}, logits.numpy()
-
-    found["rows"], found["logits"] = run(None)
-    found["steered_rows"], found["steered_logits"] = run(np.asarray(bias, np.float32))
-    return found
-
-
-def check(arch: str) -> dict:
-    """One architecture end to end (in this process): the row of the table, as a dict."""
-    import numpy as np
-
-    model_dir = Path(os.environ.get("INSPECTOR_CACHE", Path.home() / ".cache/activation-inspector")) / "coverage-models" / arch
-    if not (model_dir / "config.json").exists():
-        why = build(arch, model_dir)
-        if why:
-            return {"status": "not built", "why": why}
-    from transformers import AutoTokenizer
-
-    prompt_ids = AutoTokenizer.from_pretrained(model_dir)(PROMPT)["input_ids"]
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_DISABLE_COMPILE_CACHE="1")
-    from inspector.engine.boot import boot_llm, shutdown_llm
-
-    try:
-        llm = boot_llm(str(model_dir), hook_patterns=("*",), mode="eager", max_num_batched_tokens=64,
-                       max_model_len=256)
-    except Exception as e:  # noqa: BLE001 - any failure is a reason in the table
-        return {"status": "not served", "why": _boot_failure(model_dir, e)}
-    try:
-        return _compare(llm, prompt_ids, model_dir, np)
-    finally:
-        shutdown_llm(llm)
-
-
-def _boot_failure(model_dir: Path, error: BaseException) -> str:
-    """Why a boot failed: vLLM's own failure (the same without the plugin) or the inspector's."""
-    first = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
-    probe = subprocess.run([sys.executable, "-c", "import sys, os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']='0'; "
-                            "from vllm import LLM; LLM(sys.argv[1], enforce_eager=True, max_model_len=256, "
-                            "max_num_batched_tokens=64, dtype='float32')", str(model_dir)],
-                           capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_PLUGINS": ""})
-    if probe.returncode != 0:
-        last = [line for line in probe.stderr.splitlines() if "Error" in line or "error" in line]
-        return f"vLLM cannot serve it on CPU: {(last[-1] if last else first)[:240]}"
-    return f"the inspector refused it: {first}"
-
-
-def _compare(llm, prompt_ids, model_dir, np) -> dict:
-    from vllm import SamplingParams
-
-    info = llm.collective_rpc("inspector_describe")[0]
-    points = {p["name"]: p for p in info["hook_points"]}
-    by_key = {(p["kind"], p["layer"]): p for p in points.values()}
-
-    def generate(interventions):
-        llm.collective_rpc("inspector_set_interventions", args=(interventions,))
-        llm.collective_rpc("inspector_drain")
-        out = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(max_tokens=4, temperature=0.0,
-                                                                             ignore_eos=True), use_tqdm=False)
-        rows = llm.collective_rpc("inspector_drain")[0]
-        return list(out[0].outputs[0].token_ids), next(iter(rows.values()))
-
-    layers = 1 + max(p["layer"] for p in points.values())
-    width = by_key[("resid_post", 0)]["width"]
-    bias = np.random.default_rng(0).standard_normal(width).astype(np.float32)
-    plain_ids, plain_rows = generate([])
-    steered_ids, steered_rows = generate([{"hook": by_key[("resid_post", 0)]["name"], "bias": bias.tolist()}])
-    llm.collective_rpc("inspector_clear_interventions")
-    verified, errors = [], {}
-    for seq_ids, rows, key in ((plain_ids, plain_rows, "rows"), (steered_ids, steered_rows, "steered_rows")):
-        ref = _in_child("reference", model_dir, prompt_ids + seq_ids[:-1], bias.tolist())
-        logits = ref["logits" if key == "rows" else "steered_logits"]
-        prefix = "" if key == "rows" else "steered "
-        for kind in ("resid_pre", "resid_post") if key == "rows" else ("resid_post",):
-            for i in range(layers) if key == "rows" else [layers - 1]:
-                got = rows[by_key[(kind, i)]["name"]]["values"]
-                want = ref[key][f"{kind}.{i}"]
-                error = float((np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-30)).max())
-                errors[prefix + kind] = max(errors.get(prefix + kind, 0.0), error)
-        errors[prefix + "greedy"] = float(any(_off_greedy(logits[len(prompt_ids) - 1 + k], token, np)
-                                              for k, token in enumerate(seq_ids)))
-    for name in ("resid_pre", "resid_post", "steering"):
-        keys = {"steering": ("steered resid_post", "steered greedy")}.get(name, (name, "greedy"))
-        if all(errors.get(k, 1.0) < TOLERANCE for k in keys):
-            verified.append(name)
-    offered = sorted({p["kind"] for p in points.values() if not p["withdrawn"] and not p.get("unsteerable")})
-    read_only = sorted({p["kind"] for p in points.values() if p.get("unsteerable") and not p["withdrawn"]})
-    withdrawn = {p["kind"]: p["withdrawn"] for p in points.values() if p["withdrawn"]}
-    return {"status": "verified" if len(verified) == 3 else "mismatch", "family": info["family"],
-            "verified": verified, "errors": errors, "offered": offered, "read_only": read_only,
-            "withdrawn": withdrawn, "refused": info.get("refused", {})}
-
-
-def _off_greedy(row, token: int, np) -> bool:
-    """A generated token that is not the reference's argmax (a near-tie within the tolerance is not)."""
-    best = int(np.argmax(row))
-    return token != best and row[best] - row[token] > TOLERANCE * np.abs(row).max()
-
-
-def _in_child(function: str, *args):
-    """``function(*args)`` of this module in a fresh Python (vLLM's backend has rewritten transformers here)."""
-    import pickle
-
-    code = ("import pickle, sys; sys.path.insert(0, sys.argv[1]); import coverage as c; "
-            "a = pickle.loads(sys.stdin.buffer.read()); sys.stdout.buffer.write(pickle.dumps(getattr(c, a[0])(*a[1:])))")
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True,
-                          input=pickle.dumps((function, *args)), timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr.decode()[-500:])
-    return pickle.loads(done.stdout)
-
-
-def sources_key() -> str:
-    plugin = sorted((ROOT / "inspector" / "plugin").glob("*.py")) + [Path(__file__)]
-    return hashlib.sha256(b"".join(p.read_bytes() for p in plugin)).hexdigest()[:16]
-
-
-def run_one(arch: str, timeout: int) -> dict:
-    """``arch`` in a child process (a crash or a hang is a reason, not the end of the table)."""
+def check(arch: str, source: str, flavours: list[str], timeout: int, earlier: dict | None) -> dict:
+    """One architecture end to end; ``earlier``: its cached result, whose flavours are kept. A model
+    for the Transformers backend is booted with ``model_impl="transformers"``: vLLM would choose the
+    backend by itself for an architecture it does not register, but where transformers' class is not
+    compatible with it, only the forced choice says so (instead of "not supported")."""
     started = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, __file__, "--child", arch], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())})
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        result = (json.loads(lines[-1][7:]) if lines else
-                  {"status": "failed", "why": f"the check crashed: {(done.stderr.strip().splitlines() or ['?'])[-1][:240]}"})
-    except subprocess.TimeoutExpired:
-        result = {"status": "failed", "why": f"no answer within {timeout} s"}
-    result["seconds"] = round(time.perf_counter() - started, 1)
+    engine_args = {"model_impl": "transformers"} if source == "backend" else {}
+    result = dict(earlier or {})
+    built = _in_child("coverage_models.build", (arch,), timeout)
+    if "why" in built:
+        return {"outcome": "not built", "why": built["why"], "seconds": _since(started)}
+    result.update(layers=built["layers"], note=built["note"])
+    todo = [f for f in flavours if f not in result.get("flavours", {})]
+    ran = _in_child("engine_run", (built["model_dir"], todo, engine_args), timeout)
+    runs = ran.get("flavours") or {todo[0]: {"boot_error": ran.get("why", "?")}}
+    if any("boot_error" in r or "run_error" in r for r in runs.values()):
+        alone = _in_child("plain_boot", (built["model_dir"], engine_args), timeout, {"VLLM_PLUGINS": ""})
+        alone = alone if isinstance(alone, str) else alone["why"]
+        if alone:
+            kind = "no CPU kernel" if NO_CPU_KERNEL.search(alone) else "vLLM cannot serve it on CPU"
+            return {"outcome": "not served", "why": f"{kind}: {alone}", "seconds": _since(started)}
+    sequences = sorted({tuple(r["prompt"] + r["generated"][:-1]) for run in runs.values()
+                        for side in ("plain", "steered") for r in run.get(side, {}).values()})
+    reference = {}
+    if sequences:
+        answer = _in_child("coverage_models.reference", (built["model_dir"], [list(s) for s in sequences],
+                                                         ran["bias"] or [0.0]), timeout)
+        if "why" in answer:
+            return {**result, "outcome": "check failed", "why": f"transformers' reference: {answer['why']}",
+                    "seconds": _since(started)}
+        reference = dict(zip(sequences, answer["sequences"]))
+    result["flavours"] = {**result.get("flavours", {}),
+                          **{flavour: verdict(run, reference) for flavour, run in runs.items()}}
+    result.update(outcome=_outcome(result["flavours"]), seconds=_since(started) + (earlier or {}).get("seconds", 0))
     return result
 
 
-def write_table(results: dict[str, dict], sources: dict[str, str]) -> str:
+def verdict(run: dict, reference: dict) -> dict:
+    """What one flavour's run shows against transformers' reference."""
+    if "boot_error" in run or "run_error" in run:
+        return {"error": f"the inspector could not {'boot' if 'boot_error' in run else 'run'} it: "
+                         f"{run.get('boot_error') or run.get('run_error')}", "seconds": run.get("seconds")}
+    points = run["points"]
+    plain, steered = run["plain"].values(), run.get("steered", {}).values()
+    greedy = all(_greedy(reference[_sequence(r)]["logits"], r) for r in plain)
+    errors, why = {}, {}
+    withdrawn = {kind: sorted(p["alias"] for p in points if p["kind"] == kind and p["withdrawn"])
+                 for kind in ("resid_pre", "resid_post")}
+    if any(withdrawn.values()):
+        why.update({kind: f"withdrawn at {', '.join(aliases)}" for kind, aliases in withdrawn.items() if aliases})
+    else:
+        errors.update(_stream_errors(plain, reference, why))
+    if steered:
+        last = max(p["layer"] for p in points if p["kind"] == "resid_post")
+        errors["steering"] = max(_rel_l2(r["rows"].get(f"blocks.{last}.hook_resid_post"),
+                                         reference[_sequence(r)]["steered_resid_post"]) for r in steered)
+        steered_greedy = all(_greedy(reference[_sequence(r)]["steered_logits"], r) for r in steered)
+    else:
+        why["steering"], steered_greedy = run["steering_refused"], False
+    for kind in CHECKED:
+        tokens_agree = steered_greedy if kind == "steering" else greedy
+        if kind in errors and (errors[kind] >= TOLERANCE or not tokens_agree):
+            why[kind] = f"relative L2 {errors[kind]:.1e}{why.get(kind, '')}" + (
+                "" if tokens_agree else ", greedy tokens differ")
+    return {"family": run["family"], "verified": [k for k in CHECKED if k in errors and k not in why],
+            "errors": errors, "not_verified": why, "logprob_error": max(_logprob_error(r, reference) for r in plain),
+            "offered": sorted({p["kind"] for p in points if not p["withdrawn"]}),
+            "read_only": _by_kind([p for p in points if not p["withdrawn"]], "unsteerable"),
+            "withdrawn": _by_kind(points, "withdrawn"),
+            "refused": run["refused"], "layers": 1 + max((p["layer"] for p in points), default=-1),
+            "seconds": run.get("seconds")}
+
+
+def _stream_errors(requests, reference: dict, why: dict) -> dict[str, float]:
+    """The largest relative L2 of resid_pre and resid_post over every block and row; where it is above
+    the tolerance, ``why`` gets the first point (in stream order) that is."""
+    errors, first = {}, None
+    for request in requests:
+        expected, rows = reference[_sequence(request)], request["rows"]
+        layers = len(expected["resid_pre"])
+        if {f"blocks.{i}.hook_{k}" for i in range(layers) for k in ("resid_pre", "resid_post")} != set(rows):
+            engine_layers = len(rows) // 2
+            why.update(dict.fromkeys(("resid_pre", "resid_post"),
+                                     f" (vLLM's blocks: {engine_layers}, transformers' layers: {layers})"))
+            return {"resid_pre": float("inf"), "resid_post": float("inf")}
+        for i in range(layers):
+            for kind in ("resid_pre", "resid_post"):
+                error = _rel_l2(rows[f"blocks.{i}.hook_{kind}"], expected[kind][i])
+                errors[kind] = max(errors.get(kind, 0.0), error)
+                if error >= TOLERANCE and (first is None or (i, kind == "resid_post") < first[:2]):
+                    first = (i, kind == "resid_post", kind)
+    for kind, error in errors.items():
+        if error >= TOLERANCE:
+            why[kind] = f" (first above the tolerance: blocks.{first[0]}.hook_{first[2]})"
+    return errors
+
+
+def _by_kind(points: list[dict], field: str) -> dict[str, str]:
+    """{kind: why} for the points whose ``field`` says why, with the blocks that say it."""
+    reasons: dict[str, dict[str, list]] = {}
+    for p in points:
+        if p[field]:
+            reasons.setdefault(p["kind"], {}).setdefault(p[field], []).append(p["layer"])
+    return {kind: "; ".join(f"{why} (blocks {', '.join(map(str, layers))})" if layers != [-1] else why
+                            for why, layers in found.items())
+            for kind, found in reasons.items()}
+
+
+def _sequence(request: dict) -> tuple:
+    return tuple(request["prompt"] + request["generated"][:-1])
+
+
+def _rel_l2(got, expected) -> float:
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    if got.shape != expected.shape:
+        return float("inf")
+    return float((np.linalg.norm(got - expected, axis=-1) / np.maximum(np.linalg.norm(expected, axis=-1), 1e-30)).max())
+
+
+def _logprob_error(request: dict, reference: dict) -> float:
+    """How far vLLM's own logprobs of its tokens are from transformers' (no hook involved): where the
+    stream differs and these do too, the model computes differently, not only the capture."""
+    logits = np.asarray(reference[_sequence(request)]["logits"], np.float64)
+    start = len(request["prompt"]) - 1
+    rows = logits[start:start + len(request["generated"])]
+    expected = rows[np.arange(len(rows)), request["generated"]] - np.log(np.exp(rows - rows.max(-1, keepdims=True))
+                                                                          .sum(-1)) - rows.max(-1)
+    return float(np.abs(np.asarray(request["logprobs"]) - expected).max())
+
+
+def _greedy(logits: np.ndarray, request: dict) -> bool:
+    """Each generated token is transformers' argmax, or tied with it within the tolerance."""
+    start = len(request["prompt"]) - 1
+    for k, token in enumerate(request["generated"]):
+        row = np.asarray(logits[start + k], np.float64)
+        if row[row.argmax()] - row[token] > TOLERANCE * np.abs(row).max():
+            return False
+    return True
+
+
+def _outcome(flavours: dict) -> str:
+    if all("error" in v for v in flavours.values()):
+        return "inspector failed"
+    return "verified" if all(set(CHECKED) <= set(v.get("verified", ())) for v in flavours.values()) else "not verified"
+
+
+def _since(started: float) -> float:
+    return round(time.perf_counter() - started, 1)
+
+
+def _in_child(function: str, args: tuple, timeout: int, env: dict | None = None):
+    """``function(*args)`` in a fresh Python (this module's or ``module.function``); {"why": ...} when
+    it raises, crashes or outlives ``timeout``."""
+    with tempfile.TemporaryDirectory(prefix="coverage-") as tmp:
+        call = Path(tmp) / "call.pickle"
+        call.write_bytes(pickle.dumps((function, args)))
+        try:
+            done = subprocess.run([sys.executable, __file__, "--child", str(call)], capture_output=True, text=True,
+                                  timeout=timeout, env={**os.environ, **ENGINE_ENV, **(env or {})}, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return {"why": f"no answer within {timeout} s"}
+        answer = call.with_suffix(".answer")
+        if answer.exists():
+            return pickle.loads(answer.read_bytes())
+        return {"why": f"crashed (exit {done.returncode}): {_last_error(done.stderr)}"}
+
+
+def _last_error(log: str) -> str:
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"Error|error:|Aborted|Killed|Segmentation", line)]
+    return ((errors or lines or ["no output"])[-1])[:300]
+
+
+def _child(call: Path) -> None:
+    function, args = pickle.loads(call.read_bytes())
+    module, _, name = function.rpartition(".")
+    target = getattr(importlib.import_module(module) if module else sys.modules[__name__], name)
+    try:
+        answer = target(*args)
+    except Exception as e:  # noqa: BLE001 - the driver reports it as the row's reason
+        answer = {"why": coverage_models.one_line(e)}
+    call.with_suffix(".answer").write_bytes(pickle.dumps(answer))
+
+
+def sources_key() -> str:
+    """What a cached result depends on: the plugin's sources and the tiny-model rule."""
+    sources = sorted((ROOT / "inspector" / "plugin").glob("*.py")) + [TOOLS / "coverage_models.py"]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+
+
+def cached(arch: str, key: str) -> dict | None:
+    path = CACHE / f"{arch}-{key}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def store(arch: str, key: str, result: dict) -> None:
+    CACHE.mkdir(exist_ok=True)
+    for old in CACHE.glob(f"{arch}-*.json"):
+        old.unlink()
+    (CACHE / f"{arch}-{key}.json").write_text(json.dumps(result, indent=1))
+
+
+# --- the table ---
+
+def write_table(sources: dict[str, str], results: dict[str, dict]) -> None:
     import torch
     import transformers
     import vllm
 
-    native = [a for a in sources if sources[a] == "native"]
-    tried = [a for a in sources if a in results]
-    verified = [a for a in tried if results[a]["status"] == "verified"]
-    served = [a for a in tried if results[a]["status"] in ("verified", "mismatch")]
-    counts = {s: sum(results[a]["status"] == s for a in tried) for s in ("verified", "mismatch", "not served",
-                                                                          "not built", "failed")}
+    tried = {a: r for a, r in results.items() if a in sources}
+    native = [a for a, s in sources.items() if s == "native"]
+    by = {o: [a for a, r in tried.items() if r["outcome"] == o] for o in
+          ("verified", "not verified", "inspector failed", "check failed", "not served", "not built")}
+    served = len(by["verified"]) + len(by["not verified"]) + len(by["inspector failed"]) + len(by["check failed"])
+    flavours = sorted({f for r in tried.values() for f in r.get("flavours", {})})
     lines = [
-        "# Coverage: what the inspector offers on each architecture vLLM serves",
+        "# Coverage: the inspector on every architecture vLLM serves",
         "",
-        f"Generated by `tools/coverage.py` on {time.strftime('%Y-%m-%d')} with vLLM {vllm.__version__} (CPU), "
-        f"transformers {transformers.__version__}, torch {torch.__version__}; eager engines, float32. The rule "
-        "for the tiny random models and what is checked are in the script's docstring.",
+        f"Generated by `tools/coverage.py` on {time.strftime('%Y-%m-%d')}: vLLM {vllm.__version__} (CPU), "
+        f"transformers {transformers.__version__}, torch {torch.__version__}; flavours: {', '.join(flavours) or 'none'}; "
+        "float32. Each architecture is a tiny random model built by one rule (`tools/coverage_models.py`): "
+        "transformers' config defaults shrunk to hidden 128, heads of 64, 4 experts (2 a token), windows of 4 "
+        "tokens, and as many layers as two periods of its layer-type pattern (with any irregular start and end); "
+        "norms, biases and sinks randomised.",
         "",
-        f"- **resid_pre, resid_post and steering verified against transformers: {len(verified)} of the "
-        f"{len(served)} architectures vLLM served here ({100 * len(verified) / max(len(served), 1):.0f}%)**; "
-        f"{len(verified)} of the {len(native)} text-generation architectures in vLLM's registry plus "
-        f"{len(sources) - len(native)} served through its Transformers backend ({len(sources)} in all, "
-        f"{100 * len(verified) / len(sources):.0f}%).",
-        f"- Tried {len(tried)} of {len(sources)}: verified {counts['verified']}, served but not equal to "
-        f"transformers {counts['mismatch']}, vLLM cannot serve on CPU {counts['not served']}, transformers cannot "
-        f"build {counts['not built']}, the check failed {counts['failed']}; not tried yet {len(sources) - len(tried)}.",
-        "- Kinds: those offered are verified by the boot probe on every boot (its identities and a steering round "
-        "trip); *read only* kinds read right but an edit there would not act on the stream; refused kinds say why.",
+        f"- **resid_pre, resid_post and steering verified against transformers: {len(by['verified'])} of the "
+        f"{served} architectures vLLM serves on CPU and transformers can build**; "
+        f"{sum(a in native for a in by['verified'])} of the {len(native)} text-generation architectures of vLLM's "
+        "registry.",
+        f"- Of {len(sources)} rows: verified {len(by['verified'])}, served but not all verified "
+        f"{len(by['not verified'])}, the inspector could not boot or run {len(by['inspector failed'])}, the check "
+        f"itself failed {len(by['check failed'])}, vLLM cannot serve on CPU {len(by['not served'])}, transformers "
+        f"cannot build {len(by['not built'])}, skipped {sum(s.startswith('skipped') for s in sources.values())}, "
+        f"not tried yet {len(sources) - len(tried) - sum(s.startswith('skipped') for s in sources.values())}.",
         "",
-        "| architecture | served as | outcome | blocks | kinds offered | read only | withdrawn or refused, and why |",
-        "|---|---|---|---|---|---|---|",
+        "Legend. *verified*: resid_pre and resid_post of every block within a relative L2 of 1e-5 per row of "
+        "transformers' decoder-layer inputs and outputs, with its greedy tokens; *steering*: a random bias at "
+        "blocks.0.hook_resid_post equals the same bias added to transformers' layer 0 output (last block's "
+        "resid_post and greedy tokens). The other kinds offered (attn_out, mlp_out, resid_mid, z, mlp_post, q, k, "
+        "router, ...) are *probe-verified*: the plugin's boot probe checks on every boot that they tie together "
+        "with the stream as TransformerLens defines them (and round-trips a steering edit); there is no generic "
+        "transformers definition of them to check against here (tests/test_families.py checks them per family). "
+        "*read only*: reads right, but an edit there would not act on the stream. Source: *native* = vLLM's own "
+        "implementation, *backend* = vLLM's Transformers backend.",
+        "",
+        "| architecture | source | outcome | blocks | verified | offered (probe-verified) | read only, withdrawn, "
+        "refused or why not | s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for arch, source in sources.items():
-        r = results.get(arch)
-        if r is None:
-            lines.append(f"| {arch} | {source} | not tried yet | | | | |")
+        lines.append(_row(arch, source, tried.get(arch)))
+    TABLE.write_text("\n".join(lines) + "\n")
+
+
+def _row(arch: str, source: str, r: dict | None) -> str:
+    if source.startswith("skipped"):
+        return f"| {arch} | | skipped | | | | {source.removeprefix('skipped: ')} | |"
+    if r is None:
+        return f"| {arch} | {source} | not tried yet | | | | | |"
+    if "why" in r:
+        return f"| {arch} | {source} | {r['outcome']} | | | | {_cell(r['why'])} | {r['seconds']:.0f} |"
+    families, verified, offered, why = set(), [], set(), []
+    for flavour, v in r["flavours"].items():
+        if "error" in v:
+            why.append(f"{flavour}: {v['error']}")
             continue
-        if r["status"] in ("not served", "not built", "failed"):
-            lines.append(f"| {arch} | {source} | {r['status']} | | | | {_cell(r['why'])} |")
-            continue
-        outcome = "verified" if r["status"] == "verified" else (
-            f"verified: {', '.join(r['verified']) or 'none'}; errors " +
-            ", ".join(f"{k} {v:.2g}" for k, v in r["errors"].items()))
-        why = "; ".join([f"{k}: {v}" for k, v in r["withdrawn"].items()] + list(r["refused"].values()))
-        lines.append(f"| {arch} | {source} | {outcome} | {_cell(r['family'])} | {', '.join(r['offered'])} | "
-                     f"{', '.join(r['read_only'])} | {_cell(why)} |")
-    return "\n".join(lines) + "\n"
+        families.add(v["family"])
+        verified.append(f"{flavour}: {', '.join(v['verified']) or 'none'}")
+        offered |= set(v["offered"]) - set(v["read_only"])
+        why += [f"{flavour} {kind} not verified: {text}" for kind, text in v["not_verified"].items()]
+        if v["not_verified"] and v["logprob_error"] > LOGPROB_TOLERANCE:
+            why.append(f"{flavour}: vLLM's own logprobs differ from transformers' by {v['logprob_error']:.1e} "
+                       "(its model computes differently, hooks aside)")
+        why += [f"read only {k}: {t}" for k, t in v["read_only"].items()]
+        why += [f"withdrawn {k}: {t}" for k, t in v["withdrawn"].items()]
+        why += [f"refused: {t}" for t in v["refused"].values()]
+    if r.get("note"):
+        why.append(f"tiny model: {r['note']}")
+    return (f"| {arch} | {source} | {r['outcome']} | {_cell('; '.join(sorted(families)))} | {'; '.join(verified)} | "
+            f"{', '.join(sorted(offered))} | {_cell('; '.join(dict.fromkeys(why)))} | {r['seconds']:.0f} |")
 
 
 def _cell(text: str) -> str:
@@ -357,28 +445,39 @@ def _cell(text: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=None)
-    parser.add_argument("--timeout", type=int, default=600)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--table-only", action="store_true", help="rewrite docs/coverage.md from the cache")
+    parser.add_argument("--only", nargs="+", metavar="ARCH", help="these architectures only")
+    parser.add_argument("--flavours", default="eager,compiled", help="engine flavours, in boot order")
+    parser.add_argument("--jobs", type=int, default=1, help="architectures at once (each engine uses every core)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds a child process may take")
+    parser.add_argument("--limit", type=int, help="at most this many architectures not cached yet")
+    parser.add_argument("--table", action="store_true", help="only rewrite docs/coverage.md from the cache")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(check(args.child)), flush=True)
+        _child(args.child)
         return 0
-    sources = architectures()
-    key = sources_key()
-    CACHE.mkdir(exist_ok=True)
-    results = {}
-    for arch in sorted(sources, key=lambda a: sources[a] != "native"):  # vLLM's own first
-        cached = CACHE / f"{arch}.json"
-        if cached.exists() and json.loads(cached.read_text()).get("key") == key:
-            results[arch] = json.loads(cached.read_text())
-        elif not args.table_only and (args.only is None or arch in args.only):
-            results[arch] = {**run_one(arch, args.timeout), "key": key}
-            cached.write_text(json.dumps(results[arch]))
-            print(f"{arch}: {results[arch]['status']} ({results[arch]['seconds']} s) "
-                  f"{results[arch].get('why', '')[:120]}", flush=True)
-        (ROOT / "docs" / "coverage.md").write_text(write_table(results, sources))
+    sources = coverage_models.architectures()
+    unknown = set(args.only or ()) - set(sources)
+    if unknown:
+        parser.error(f"unknown architecture(s): {', '.join(sorted(unknown))}")
+    key, flavours = sources_key(), args.flavours.split(",")
+    results = {a: r for a in sources if (r := cached(a, key))}
+    todo = [a for a, s in sources.items() if not s.startswith("skipped") and (not args.only or a in args.only)
+            and (a not in results or "flavours" in results[a] and set(flavours) - set(results[a]["flavours"]))]
+    todo = [] if args.table else todo[:args.limit]
+    lock = threading.Lock()
+
+    def one(arch: str) -> None:
+        result = check(arch, sources[arch], flavours, args.timeout, results.get(arch))
+        with lock:
+            results[arch] = result
+            store(arch, key, result)
+            write_table(sources, results)
+            print(f"{arch}: {result['outcome']} in {result['seconds']:.0f} s {result.get('why', '')[:150]}", flush=True)
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(one, todo))
+    write_table(sources, results)
     return 0
 
 
