@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -78,12 +79,12 @@ def engine_run(model_dir: str, flavours: list[str], engine_args: dict) -> dict:
             llm = boot_llm(model_dir, hook_patterns=("*",), mode=flavour, max_num_batched_tokens=64,
                            max_model_len=256, enable_position_interventions=True, **engine_args)
         except Exception as e:  # noqa: BLE001 - any failure is the row's reason
-            found[flavour] = {"boot_error": coverage_models.one_line(e)}
+            found[flavour] = {"boot_error": _why(e)}
             break  # the next flavour would fail the same way, slower
         try:
             found[flavour], bias = _exercise(llm, bias)
         except Exception as e:  # noqa: BLE001
-            found[flavour] = {"run_error": coverage_models.one_line(e)}
+            found[flavour] = {"run_error": _why(e)}
         finally:
             shutdown_llm(llm)
         found[flavour]["seconds"] = round(time.perf_counter() - started, 1)
@@ -151,8 +152,19 @@ def plain_boot(model_dir: str, engine_args: dict) -> str:
                   enable_prefix_caching=False, **engine_args)
         llm.generate(list(PROMPTS), SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     except Exception as e:  # noqa: BLE001
-        return coverage_models.one_line(e)
+        return _why(e)
     return ""
+
+
+def _why(error: BaseException) -> str:
+    """An exception in one line; where it says nothing (a bare assert), where it was raised."""
+    text = coverage_models.one_line(error)
+    while error.__cause__ is not None:
+        error = error.__cause__
+    if str(error).strip() or error.__traceback__ is None:
+        return text
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{text} at {frame.filename.rpartition('site-packages/')[2]}:{frame.lineno} ({frame.line})"
 
 
 # --- in the driver ---
