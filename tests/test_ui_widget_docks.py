@@ -232,17 +232,22 @@ def test_steering_dialog_computes_mean_difference(panel, qtbot):
     dialog.reject()
 
 
-def test_a_withdrawn_point_is_greyed_out_with_its_reason_and_cannot_be_checked(qtbot, ui_settings):
+def tree_with_resid_mid(qtbot, **changes):
+    """A model tree of a one-block Llama whose resid_mid point carries ``changes`` (withdrawn, ...)."""
     from dataclasses import replace
 
     from inspector.ui.model_tree import ModelTreeWidget
 
     w = ModelTreeWidget()
     keep(qtbot, w)
+    w.set_catalogue([replace(p, **changes) if p.alias == "blocks.0.hook_resid_mid" else p
+                     for p in llama_catalogue(layers=1, hidden=16, intermediate=32)], set())
+    return w
+
+
+def test_a_withdrawn_point_is_greyed_out_with_its_reason_and_cannot_be_checked(qtbot, ui_settings):
     reason = "blocks.0: resid_pre + attn_out = resid_mid does not hold in the boot probe (relative error 0.98)"
-    cat = [replace(p, withdrawn=reason) if p.alias == "blocks.0.hook_resid_mid" else p
-           for p in llama_catalogue(layers=1, hidden=16, intermediate=32)]
-    w.set_catalogue(cat, set())
+    w = tree_with_resid_mid(qtbot, withdrawn=reason)
     name = "model.layers.0.post_attention_layernorm.resid_mid"
     assert name not in w._leaves
     layer = w._leaves["model.layers.0.resid_post"].parent()
@@ -256,16 +261,8 @@ def test_a_withdrawn_point_is_greyed_out_with_its_reason_and_cannot_be_checked(q
 
 
 def test_a_read_only_point_says_so_and_can_still_be_captured(qtbot, ui_settings):
-    from dataclasses import replace
-
-    from inspector.ui.model_tree import ModelTreeWidget
-
-    w = ModelTreeWidget()
-    keep(qtbot, w)
     reason = "a bias there does not reach what the model computes next"
-    cat = [replace(p, unsteerable=reason) if p.alias == "blocks.0.hook_resid_mid" else p
-           for p in llama_catalogue(layers=1, hidden=16, intermediate=32)]
-    w.set_catalogue(cat, set())
+    w = tree_with_resid_mid(qtbot, unsteerable=reason)
     leaf = w._leaves["model.layers.0.post_attention_layernorm.resid_mid"]
     assert leaf.text() == "◆ resid_mid (read only)" and leaf.font().italic() and leaf.isCheckable()
     assert f"read only: {reason}" in leaf.toolTip()

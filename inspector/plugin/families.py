@@ -68,16 +68,17 @@ def find_blocks(model: nn.Module, is_attention=lambda m: False) -> tuple[str, nn
     return max(lists, key=lambda pm: (sum(1 for m in pm[1].modules() if is_attention(m)), len(pm[1])))
 
 
-def beside_blocks(model: nn.Module, blocks_path: str) -> tuple[tuple[tuple[str, str], ...], str]:
-    """(embeddings as (kind, path), final norm path): the modules beside
-    the block list, the token embedding vLLM's vocabulary embedding (a second one the positions'), the
+def beside_blocks(model: nn.Module, blocks_path: str, is_vocabulary=lambda m: False
+                  ) -> tuple[tuple[tuple[str, str], ...], str]:
+    """(embeddings as (kind, path), final norm path): the modules beside the block list, the token
+    embedding the vocabulary's (``is_vocabulary``; a second one the positions'), the
     final norm the last norm registered after the list (or before it, where none is after)."""
     stem, _, last = blocks_path.rpartition(".")
     parent = model.get_submodule(stem) if stem else model
     children = list(parent.named_children())
     join = lambda name: f"{stem}.{name}" if stem else name  # noqa: E731
-    embeddings = sorted(((name, m) for name, m in children if hasattr(m, "num_embeddings")),  # vLLM's vocabulary's first
-                        key=lambda nm: (not hasattr(nm[1], "org_vocab_size"), -int(nm[1].num_embeddings)))
+    embeddings = sorted(((name, m) for name, m in children if hasattr(m, "num_embeddings")),
+                        key=lambda nm: (not is_vocabulary(nm[1]), -int(nm[1].num_embeddings)))
     embeds = tuple((kind, join(name)) for kind, (name, _) in zip(("embed", "pos_embed"), embeddings[:2]))
     names = [name for name, _ in children]
     norms = [name for name in names if "norm" in type(parent.get_submodule(name)).__name__.lower()]

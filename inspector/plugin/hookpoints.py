@@ -86,7 +86,7 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
     from . import vllm_compat  # imports the runtime, which imports this module
 
     blocks_path, blocks = families.find_blocks(model, vllm_compat.is_attention)
-    reading = read(blocks_path, blocks, *families.beside_blocks(model, blocks_path))
+    reading = read(blocks_path, blocks, *families.beside_blocks(model, blocks_path, vllm_compat.is_vocabulary_embedding))
     family = reading.family
     stem, _, last = blocks_path.rpartition(".")
     modules = dict(model.named_modules())

@@ -33,6 +33,7 @@ from torch import nn
 
 
 from . import hookpoints as hp
+from . import vllm_compat
 from .families import Family, Point
 
 READ = "read from its forward"  # how every family's name ends: no description names any model's modules
@@ -183,12 +184,6 @@ def _fit_two(target, base, a, b, tolerance: float) -> tuple[float, float] | None
     if c == 0.0 or c2 == 0.0:
         return None
     return (c, c2) if _error(base + c * a + c2 * b, target) <= tolerance else None
-
-
-def _is_linear(module: nn.Module) -> bool:
-    """torch's linear or vLLM's (whose weight a CPU engine may have repacked and emptied)."""
-    return isinstance(module, nn.Linear) or all(hasattr(module, a) for a in ("input_size", "output_size",
-                                                                              "quant_method"))
 
 
 def _depth(path: str) -> int:
@@ -357,7 +352,7 @@ def _attention_side(model: nn.Module, inside: list[Call], layers: list[str], tok
 
 
 def _holds_linear(model: nn.Module, path: str) -> bool:
-    return any(_is_linear(m) for m in model.get_submodule(path).modules())
+    return any(vllm_compat.is_linear(m) for m in model.get_submodule(path).modules())
 
 
 def _best(candidates: list[tuple[Candidate, float]]) -> tuple[Candidate, float] | None:
@@ -411,7 +406,7 @@ def _raw(model: nn.Module, branch: Candidate, inside: list[Call], tokens: int) -
 def _projection_input(model: nn.Module, branch: Candidate, inside: list[Call], tokens: int) -> Candidate | None:
     """The input of the linear (the branch's module or one within it) whose output is the branch's."""
     for call in sorted((c for c in inside if _within(c.path, branch.call.path)), key=lambda c: -c.order):
-        if not _is_linear(model.get_submodule(call.path)):
+        if not vllm_compat.is_linear(model.get_submodule(call.path)):
             continue
         out = next((o for o in outputs(call, tokens) if o.site.how == "output"), None)
         if out is not None and _error(out.rows, branch.rows) <= 1e-6:
@@ -424,12 +419,11 @@ def _router(model: nn.Module, mlp: Candidate, inside: list[Call], tokens: int) -
     the tokens' hidden states (the experts, choosing from them; an activation gets its input alone);
     else, where vLLM's fused experts call their gate themselves, the linear with one output per expert."""
     within = [c for c in inside if _within(c.path, mlp.call.path) and c.path != mlp.call.path]
-    experts = {int(m.global_num_experts) for m in model.get_submodule(mlp.call.path).modules()
-               if isinstance(getattr(m, "global_num_experts", None), int)}
-    gates = [o for c in within if _is_linear(model.get_submodule(c.path))
+    experts = vllm_compat.expert_counts(model.get_submodule(mlp.call.path))
+    gates = [o for c in within if vllm_compat.is_linear(model.get_submodule(c.path))
              for o in outputs(c, tokens) if o.site.how == "output" and o.rows.shape[1] in experts]
     for call in within:
-        if not _is_linear(model.get_submodule(call.path)):
+        if not vllm_compat.is_linear(model.get_submodule(call.path)):
             continue
         out = next((o for o in outputs(call, tokens) if o.site.how == "output"), None)
         if out is None or out.rows.shape[1] == mlp.rows.shape[1]:

@@ -141,6 +141,22 @@ def is_attention(module: torch.nn.Module) -> bool:
     return isinstance(module, AttentionLayerBase) and hasattr(module, "num_heads")
 
 
+def is_linear(module: torch.nn.Module) -> bool:
+    """torch's linear or vLLM's (whose weight a CPU engine may have repacked and emptied)."""
+    return isinstance(module, torch.nn.Linear) or all(hasattr(module, a) for a in ("input_size", "output_size",
+                                                                                    "quant_method"))
+
+
+def expert_counts(module: torch.nn.Module) -> set[int]:
+    """How many experts each of vLLM's fused mixture-of-experts layers within ``module`` has."""
+    return {int(m.global_num_experts) for m in module.modules() if isinstance(getattr(m, "global_num_experts", None), int)}
+
+
+def is_vocabulary_embedding(module: torch.nn.Module) -> bool:
+    """vLLM's embedding of the vocabulary (not a learned position embedding beside it)."""
+    return hasattr(module, "org_vocab_size")
+
+
 def attention_geometry(layer: torch.nn.Module) -> AttentionGeometry:
     """What the kernel of an attention layer does with q and k, read from the layer and its backend's
     implementation (the scale and soft-capping the kernel is given); ``unsupported`` names what the
