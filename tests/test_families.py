@@ -1,11 +1,15 @@
-"""Every block family's hook points mean what TransformerLens means (inspector/plugin/families.py).
+"""Every block family's hook points mean what TransformerLens means (inspector/plugin/reader.py).
 
-One compiled engine per family (a tiny model each), every hook point installed: the identities that
-tie the points together hold, each kind equals transformers' modules read with forward hooks on the
-same definitions, greedy tokens agree, and attention patterns recomputed from the captured queries and
-keys equal transformers' eager attention. Llama and Qwen2 are checked in test_plugin_compiled.py and
-test_plugin_architectures.py.
+One engine per family (a tiny model each), every hook point installed: the identities that tie the
+points together hold, each kind equals transformers' modules read with forward hooks on the same
+definitions, greedy tokens agree, and attention patterns recomputed from the captured queries and keys
+equal transformers' eager attention. By default one family per structural variant the reader handles
+(``SAMPLE``); ``INSPECTOR_TEST_EVERY_FAMILY=1`` runs every family below, compiled, both patching
+directions (docs/coverage.md checks every architecture vLLM serves, with tools/coverage.py). Llama and
+Qwen2 are checked in test_plugin_compiled.py and test_plugin_architectures.py.
 """
+
+import os
 
 import numpy as np
 import pytest
@@ -32,9 +36,20 @@ FAMILY_OF = {"gpt2": "sequential (GPT2Block)", "gemma2": "fused (Gemma2DecoderLa
              "granite": "sequential (GraniteDecoderLayer)", "cohere": "parallel (CohereDecoderLayer)",
              "bloom": "sequential (BloomBlock)", "olmo": "sequential (OlmoDecoderLayer)",
              "gpt_bigcode": "sequential (GPTBigCodeBlock)", "gpt_oss": "fused (TransformerBlock)"}
-BACKEND = {"gpt_neox", "olmo2", "phi", "olmo", "gpt_bigcode"}
+BACKEND = {"gpt_neox", "olmo2", "phi", "olmo", "gpt_bigcode"}  # vLLM's Transformers backend: the reference runs in a child process
 PARALLEL = {"gptj", "gpt_neox", "phi", "cohere"}  # attention and MLP both read resid_pre
-MIXTURE_OF_EXPERTS = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"}  # served by vLLM's Transformers backend: the reference runs in a child process
+MIXTURE_OF_EXPERTS = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"}
+# one family per structural variant: sequential (GPT-2), post-branch norms, soft cap and sliding windows
+# (Gemma 2), parallel (GPT-J), a mixture of experts (Qwen3-MoE), shared experts (Qwen2-MoE), residual
+# multipliers (Granite), a residual passed on but ignored (Cohere), ALiBi (Bloom), sinks and the
+# residual as a later argument (GPT-OSS), and the Transformers backend: parallel (GPT-NeoX), post-norms
+# (OLMo 2), non-parametric norms (OLMo)
+SAMPLE = ("gpt2", "gemma2", "gptj", "qwen3_moe", "qwen2_moe", "granite", "cohere", "bloom", "gpt_oss", "gpt_neox",
+          "olmo2", "olmo")
+EVERY_FAMILY = os.environ.get("INSPECTOR_TEST_EVERY_FAMILY") == "1"
+# of the sample, these boot compiled (the hooks' sites with a factor, a later residual argument, shared
+# experts); the others eager: compiled hooks run the same code, checked on Llama, Qwen2, GPT-2, Gemma 2
+COMPILED = {"granite", "gpt_oss", "qwen2_moe"}
 
 
 def reference(arch, function, *args):
@@ -44,9 +59,10 @@ def reference(arch, function, *args):
     return getattr(hf_reference, function)(*args)
 
 
-@pytest.fixture(scope="module", params=list(FAMILY_OF))
+@pytest.fixture(scope="module", params=list(FAMILY_OF) if EVERY_FAMILY else SAMPLE)
 def engine(request, tiny_models):
-    with booted(tiny_models[request.param], hook_patterns=("*",), enable_position_interventions=True) as llm:
+    mode = "compiled" if EVERY_FAMILY or request.param in COMPILED else "eager"
+    with booted(tiny_models[request.param], mode=mode, hook_patterns=("*",), enable_position_interventions=True) as llm:
         yield request.param, llm
 
 
@@ -182,22 +198,23 @@ def test_steering_a_router_equals_the_same_edit_of_transformers_router_logits(en
     assert_greedy_matches(expected["logits"], len(prompt_ids), gen_ids)
 
 
-@pytest.mark.parametrize("direction", ["denoise", "noise"])
-def test_a_patching_sweep_equals_transformers_patching_one_cell_at_a_time(engine, tiny_models, direction):
+def test_a_patching_sweep_equals_transformers_patching_one_cell_at_a_time(engine, tiny_models):
     """Every layer's resid_pre, attn_out and mlp_out at every position: each cell a request of one
-    batch here, one forward with a hook there."""
+    batch here, one forward with a hook there. The sample's families take the two directions in turn."""
     arch, llm = engine
     session = session_on(llm, tiny_models[arch], enable_position_interventions=True)
     points = {p.alias: p for p in session.installed.values()}
     hooks = tuple(alias for kind in ("hook_resid_pre", "hook_attn_out", "hook_mlp_out")
                   for alias in sorted(points) if alias.endswith(kind) and alias.startswith("blocks."))
     clean, corrupted = same_length_prompts(session)
-    result = patch(session, PatchSpec(clean, corrupted, hooks, Metric(10, 20), direction))
-    assert result.complete and result.engine_calls == 1 and not session.run.requests
-    assert np.ptp(result.raw) > 100 * 1e-4  # the patches matter, far beyond the tolerance
     by_name = {p.name: p for p in points.values()}
-    assert_sweep_matches_transformers(result, by_name, tiny_models[arch], arch,
-                                      lambda function, *args: reference(arch, function, *args))
+    directions = ("denoise", "noise")
+    for direction in directions if EVERY_FAMILY else directions[SAMPLE.index(arch) % 2:][:1]:
+        result = patch(session, PatchSpec(clean, corrupted, hooks, Metric(10, 20), direction))
+        assert result.complete and result.engine_calls == 1 and not session.run.requests
+        assert np.ptp(result.raw) > 100 * 1e-4  # the patches matter, far beyond the tolerance
+        assert_sweep_matches_transformers(result, by_name, tiny_models[arch], arch,
+                                          lambda function, *args: reference(arch, function, *args))
 
 
 def test_a_point_an_edit_would_not_act_through_is_read_only_and_refuses_interventions(engine):

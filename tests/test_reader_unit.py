@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from inspector.plugin import hookpoints as hp
 from inspector.plugin import reader
 
 WIDTH, TOKENS = 8, 6
@@ -160,6 +161,16 @@ class Model(nn.Module):
         return self.norm(x)
 
 
+class KeywordModel(Model):
+    """Mamba 2's model calls its blocks by keyword only."""
+
+    def forward(self, ids):
+        x, residual = self.embed_tokens(ids), None
+        for layer in self.layers:
+            x, residual = layer(positions=None, hidden_states=x, residual=residual)
+        return self.norm(x, residual)[0]
+
+
 def read(model: Model):
     def forward(on_attention):
         SEEN["on_attention"] = on_attention
@@ -231,3 +242,26 @@ def test_blocks_whose_stream_does_not_chain_are_refused_by_name():
 
     with pytest.raises(ValueError, match="no reading of its decoder blocks' .* carries the stream"):
         read(Chained(Broken))
+
+
+def test_blocks_called_by_keyword_only_are_read_and_steered_through_their_keyword_arguments():
+    model = KeywordModel(Fused, FusedNorm)
+    got = points(read(model))
+    assert got["resid_pre"] == ("", "input_pair_sum", 1, "stream", 1.0, False)  # (positions, hidden_states, residual)
+    site, bias, seen = hp.Site("input_pair_sum", 1), torch.randn(TOKENS, WIDTH), []
+
+    def steer(module, args, kwargs):
+        arguments, _ = hp.replace_input(site, hp.call_arguments(args, kwargs), torch.ones(TOKENS, WIDTH), bias)
+        return hp.split_arguments(arguments, args, kwargs)
+
+    def look(module, args, kwargs):
+        seen.append(hp.read_input(site, hp.call_arguments(args, kwargs)).clone())
+
+    ids = torch.randint(0, 32, (TOKENS,))
+    with torch.no_grad():
+        handle = model.layers[1].register_forward_pre_hook(look, with_kwargs=True)
+        torch.manual_seed(1), model(ids)  # the same random attention outputs each time
+        steered = model.layers[1].register_forward_pre_hook(steer, with_kwargs=True, prepend=True)
+        torch.manual_seed(1), model(ids)
+        handle.remove(), steered.remove()
+    torch.testing.assert_close(seen[1], seen[0] + bias)

@@ -21,7 +21,8 @@ processes (a crash or a hang is a reason in the table, not the end of the run):
    resid_post and tokens must agree likewise.
 
 Results are cached per architecture in tools/.coverage-cache, keyed by the plugin's sources and the
-tiny-model rule (a rerun redoes what changed, and flavours not yet run); ``--table`` only rewrites
+tiny-model rule. A run checks what has no result yet and flavours not yet run; ``--stale`` also reruns
+the results of other sources (the table counts and marks them); ``--table`` only rewrites
 docs/coverage.md from the cache.
 """
 
@@ -359,21 +360,23 @@ def sources_key() -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
 
 
-def cached(arch: str, key: str) -> dict | None:
-    path = CACHE / f"{arch}-{key}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+def cached(arch: str) -> dict | None:
+    """The architecture's result, whichever sources' (its ``key``)."""
+    path = next(CACHE.glob(f"{arch}-*.json"), None)
+    return {**json.loads(path.read_text()), "key": path.stem.rsplit("-", 1)[1]} if path else None
 
 
 def store(arch: str, key: str, result: dict) -> None:
     CACHE.mkdir(exist_ok=True)
     for old in CACHE.glob(f"{arch}-*.json"):
         old.unlink()
-    (CACHE / f"{arch}-{key}.json").write_text(json.dumps(result, indent=1))
+    (CACHE / f"{arch}-{key}.json").write_text(json.dumps({k: v for k, v in result.items() if k != "key"}, indent=1))
+    result["key"] = key
 
 
 # --- the table ---
 
-def write_table(sources: dict[str, str], results: dict[str, dict]) -> None:
+def write_table(sources: dict[str, str], results: dict[str, dict], key: str) -> None:
     import torch
     import transformers
     import vllm
@@ -384,6 +387,9 @@ def write_table(sources: dict[str, str], results: dict[str, dict]) -> None:
           ("verified", "not verified", "inspector failed", "check failed", "not served", "not built")}
     served = len(by["verified"]) + len(by["not verified"]) + len(by["inspector failed"]) + len(by["check failed"])
     flavours = sorted({f for r in tried.values() for f in r.get("flavours", {})})
+    stale = sum(r["key"] != key for r in tried.values())
+    differ = [a for a in by["not verified"] if any(v.get("logprob_error", 0) > LOGPROB_TOLERANCE
+                                                   for v in tried[a]["flavours"].values())]
     lines = [
         "# Coverage: the inspector on every architecture vLLM serves",
         "",
@@ -395,7 +401,9 @@ def write_table(sources: dict[str, str], results: dict[str, dict]) -> None:
         "norms, biases and sinks randomised.",
         "",
         f"- **resid_pre, resid_post and steering verified against transformers: {len(by['verified'])} of the "
-        f"{served} architectures vLLM serves on CPU and transformers can build**; "
+        f"{served} architectures vLLM serves on CPU and transformers can build** ({len(by['verified'])} of the "
+        f"{served - len(differ)} whose vLLM implementation computes what transformers' does: on {len(differ)}, vLLM's "
+        "own logprobs differ from transformers' with no edit made, so no reading can match); "
         f"{sum(a in native for a in by['verified'])} of the {len(native)} text-generation architectures of vLLM's "
         "registry.",
         f"- Of {len(sources)} rows: verified {len(by['verified'])}, served but not all verified "
@@ -403,6 +411,8 @@ def write_table(sources: dict[str, str], results: dict[str, dict]) -> None:
         f"itself failed {len(by['check failed'])}, vLLM cannot serve on CPU {len(by['not served'])}, transformers "
         f"cannot build {len(by['not built'])}, skipped {sum(s.startswith('skipped') for s in sources.values())}, "
         f"not tried yet {len(sources) - len(tried) - sum(s.startswith('skipped') for s in sources.values())}.",
+        f"- Checked with the plugin sources and tiny-model rule of this table ({key}): "
+        f"{len(tried) - stale} rows; with earlier ones: {stale} (marked *earlier*; `--stale` reruns them).",
         "",
         "Legend. *verified*: resid_pre and resid_post of every block within a relative L2 of 1e-5 per row of "
         "transformers' decoder-layer inputs and outputs, with its greedy tokens; *steering*: a random bias at "
@@ -419,17 +429,18 @@ def write_table(sources: dict[str, str], results: dict[str, dict]) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for arch, source in sources.items():
-        lines.append(_row(arch, source, tried.get(arch)))
+        lines.append(_row(arch, source, tried.get(arch), key))
     TABLE.write_text("\n".join(lines) + "\n")
 
 
-def _row(arch: str, source: str, r: dict | None) -> str:
+def _row(arch: str, source: str, r: dict | None, key: str) -> str:
     if source.startswith("skipped"):
         return f"| {arch} | | skipped | | | | {source.removeprefix('skipped: ')} | |"
     if r is None:
         return f"| {arch} | {source} | not tried yet | | | | | |"
+    outcome = r["outcome"] + (f" (*earlier*: {r['key']})" if r["key"] != key else "")
     if "why" in r:
-        return f"| {arch} | {source} | {r['outcome']} | | | | {_cell(r['why'])} | {r['seconds']:.0f} |"
+        return f"| {arch} | {source} | {outcome} | | | | {_cell(r['why'])} | {r['seconds']:.0f} |"
     families, verified, offered, why = set(), [], set(), []
     for flavour, v in r["flavours"].items():
         if "error" in v:
@@ -447,7 +458,7 @@ def _row(arch: str, source: str, r: dict | None) -> str:
         why += [f"refused: {t}" for t in v["refused"].values()]
     if r.get("note"):
         why.append(f"tiny model: {r['note']}")
-    return (f"| {arch} | {source} | {r['outcome']} | {_cell('; '.join(sorted(families)))} | {'; '.join(verified)} | "
+    return (f"| {arch} | {source} | {outcome} | {_cell('; '.join(sorted(families)))} | {'; '.join(verified)} | "
             f"{', '.join(sorted(offered))} | {_cell('; '.join(dict.fromkeys(why)))} | {r['seconds']:.0f} |")
 
 
@@ -462,6 +473,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="architectures at once (each engine uses every core)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds a child process may take")
     parser.add_argument("--limit", type=int, help="at most this many architectures not cached yet")
+    parser.add_argument("--stale", action="store_true", help="also rerun results of other plugin sources or rules")
     parser.add_argument("--table", action="store_true", help="only rewrite docs/coverage.md from the cache")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -473,23 +485,29 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown architecture(s): {', '.join(sorted(unknown))}")
     key, flavours = sources_key(), args.flavours.split(",")
-    results = {a: r for a in sources if (r := cached(a, key))}
-    todo = [a for a, s in sources.items() if not s.startswith("skipped") and (not args.only or a in args.only)
-            and (a not in results or "flavours" in results[a] and set(flavours) - set(results[a]["flavours"]))]
+    results = {a: r for a in sources if (r := cached(a))}
+
+    def due(arch: str) -> bool:
+        r = results.get(arch)
+        return (r is None or args.stale and r["key"] != key
+                or "flavours" in r and bool(set(flavours) - set(r["flavours"])))
+
+    todo = [a for a, s in sources.items() if not s.startswith("skipped") and (not args.only or a in args.only) and due(a)]
     todo = [] if args.table else todo[:args.limit]
     lock = threading.Lock()
 
     def one(arch: str) -> None:
-        result = check(arch, sources[arch], flavours, args.timeout, results.get(arch))
+        earlier = results.get(arch)
+        result = check(arch, sources[arch], flavours, args.timeout, earlier if earlier and earlier["key"] == key else None)
         with lock:
             results[arch] = result
             store(arch, key, result)
-            write_table(sources, results)
+            write_table(sources, results, key)
             print(f"{arch}: {result['outcome']} in {result['seconds']:.0f} s {result.get('why', '')[:150]}", flush=True)
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(one, todo))
-    write_table(sources, results)
+    write_table(sources, results, key)
     return 0
 
 

@@ -384,7 +384,7 @@ def reference(model_dir: str, sequences: list[list[int]], bias: list[float]) -> 
             handles.append(block.register_forward_hook(lambda m, a, o, i=i: after(m, a, o, i)))
         try:
             with torch.no_grad():
-                logits = model(torch.tensor([ids])).logits[0]
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0]  # hybrids' caches refuse some layer mixes
         finally:
             for h in handles:
                 h.remove()

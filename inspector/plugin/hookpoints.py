@@ -54,7 +54,7 @@ class Site:
     host (one rank per slice; a replicated point's rows leave from the first rank only)."""
 
     how: str  # output | output_pair_sum | input_pair_sum | input
-    arg_index: int = 0
+    arg_index: int = 0  # of the call's arguments: positional ones, then keyword ones in the call's order
     batched: bool = False  # tensors lead with a batch of one (transformers' modules in vLLM's backend)
     shards: int = 1
     shard: int = 0
@@ -222,6 +222,17 @@ def replace_output(site: Site, output, scale, bias, clamp=None):
     new = (v, *output[1:]) if isinstance(output, tuple) else v
     flowing = v[0] if site.batched else v
     return new, (flowing if site.factor == 1.0 else flowing * site.factor)
+
+
+def call_arguments(args: tuple, kwargs: dict) -> tuple:
+    """A call's arguments as input sites index them: the positional ones, then the keyword ones in the
+    order of the call (vLLM calls some blocks by keyword only: Mamba 2's ``layer(hidden_states=...)``)."""
+    return (*args, *kwargs.values()) if kwargs else args
+
+
+def split_arguments(arguments: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``call_arguments``' tuple back into ``(args, kwargs)``: what a pre-hook with keywords returns."""
+    return tuple(arguments[:len(args)]), dict(zip(kwargs, arguments[len(args):]))
 
 
 def _pair_args(site: Site, args):

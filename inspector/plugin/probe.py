@@ -62,8 +62,8 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], dtype: str
         steer = steered if point.layer == steered_layer and point.kind in STEERED else None
         if site.is_pre_hook:
             handles.append(module.register_forward_pre_hook(
-                lambda m, args, p=point, s=site, st=steer: _probe(p, s, args, hp.read_input, hp.replace_input, seen,
-                                                                  altered, st)))
+                lambda m, args, kwargs, p=point, s=site, st=steer: _probe_input(p, s, args, kwargs, seen, altered, st),
+                with_kwargs=True))
         else:
             handles.append(module.register_forward_hook(
                 lambda m, args, out, p=point, s=site, st=steer: _probe(p, s, out, hp.read_output, hp.replace_output,
@@ -178,6 +178,12 @@ ROUTING_TOLERANCE = 1e-5  # both compute routing weights in float32
 
 
 STEERED = ("resid_pre", "z", "attn_out", "resid_mid", "mlp_out", "resid_post")  # the kinds the identities tie
+
+
+def _probe_input(point: HookPoint, site: hp.Site, args, kwargs, seen: dict, altered: dict, steered: dict | None):
+    """``_probe`` at an input site: on the call's arguments, keyword ones included."""
+    new = _probe(point, site, hp.call_arguments(args, kwargs), hp.read_input, hp.replace_input, seen, altered, steered)
+    return None if new is None else hp.split_arguments(new, args, kwargs)
 
 
 def _probe(point: HookPoint, site: hp.Site, value, read, replace, seen: dict, altered: dict, steered: dict | None):

@@ -47,8 +47,7 @@ class Call:
 
     path: str
     order: int
-    args: tuple
-    kwargs: dict
+    args: tuple  # positional arguments, then keyword ones (``hookpoints.call_arguments``)
     output: object = None
 
 
@@ -85,7 +84,7 @@ class Recorder:
 
     def _enter(self, path: str, args, kwargs) -> None:
         if path not in self.calls:  # a module called twice (a shared one): its first call stands
-            self.calls[path] = Call(path, self._order, _copy(args), _copy(kwargs))
+            self.calls[path] = Call(path, self._order, _copy(hp.call_arguments(args, kwargs)))
             self._order += 1
 
     def _leave(self, path: str, output) -> None:
@@ -430,7 +429,7 @@ def _router(model: nn.Module, mlp: Candidate, inside: list[Call], tokens: int) -
             continue
         raw = call.output[0] if isinstance(call.output, tuple) else call.output
         for later in (c for c in within if c.order > call.order and not _within(c.path, call.path)):
-            given = [g for g in (*later.args, *later.kwargs.values()) if isinstance(g, torch.Tensor)]
+            given = [g for g in later.args if isinstance(g, torch.Tensor)]
             if (len(given) > 1 and not (given[0].shape == raw.shape and torch.equal(given[0], raw))
                     and any(g.shape[-1] == mlp.rows.shape[1] for g in given)
                     and any(g.shape == raw.shape and torch.equal(g, raw) for g in given[1:])):

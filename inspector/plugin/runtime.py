@@ -221,7 +221,7 @@ class InspectorRuntime:
         module = self.model.get_submodule(point.module_path)
         hook.attach(module)
         if hook.site.is_pre_hook:
-            hook.handle = module.register_forward_pre_hook(functools.partial(self._on_input, hook))
+            hook.handle = module.register_forward_pre_hook(functools.partial(self._on_input, hook), with_kwargs=True)
         else:
             hook.handle = module.register_forward_hook(functools.partial(self._on_output, hook))
         self.active[name] = hook
@@ -300,16 +300,18 @@ class InspectorRuntime:
             getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
         return output
 
-    def _on_input(self, hook: ActiveHook, module, args):
+    def _on_input(self, hook: ActiveHook, module, args, kwargs):
         site, prefix = hook.site, hook.prefix
+        arguments, replaced = hp.call_arguments(args, kwargs), None
         if self._use_affine():
-            n = hp.row_count(site, args[site.arg_index])
-            args, value = hp.replace_input(site, args, *self._gather(hook, module, n))
+            n = hp.row_count(site, arguments[site.arg_index])
+            arguments, value = hp.replace_input(site, arguments, *self._gather(hook, module, n))
+            replaced = hp.split_arguments(arguments, args, kwargs)
         else:
-            value, args = hp.read_input(site, args), None
+            value = hp.read_input(site, arguments)
         if hook.buffer is not None:
             getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
-        return args
+        return replaced
 
     # --- between forwards ---
 

@@ -132,13 +132,14 @@ def attention_layers(block: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
 
 
 def is_attention(module: torch.nn.Module) -> bool:
-    """A vLLM attention layer of any kind (standard, MLA, ...): what holds a KV cache and has heads
-    (vLLM's state-space mixers share the base class, not the heads)."""
+    """A vLLM attention layer of any kind (standard, MLA, ...): what holds a KV cache of heads of keys
+    (vLLM's state-space and linear-attention mixers share the base class, some with heads, none with a
+    head size of keys)."""
     try:
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     except ImportError:
         from vllm.attention.layer import Attention as AttentionLayerBase  # vLLM before 0.30
-    return isinstance(module, AttentionLayerBase) and hasattr(module, "num_heads")
+    return isinstance(module, AttentionLayerBase) and all(hasattr(module, a) for a in ("num_heads", "head_size"))
 
 
 def is_linear(module: torch.nn.Module) -> bool:
