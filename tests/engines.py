@@ -116,6 +116,27 @@ def assert_patterns_match_transformers(model_dir, patterns, reference_of=None):
             np.testing.assert_allclose(got, expected, atol=PATTERN_TOL, rtol=0)
 
 
+def assert_steering_matches_transformers(llm, model_dir, prompt, reference_of=None):
+    """A seeded random bias at ``blocks.0.hook_resid_post``: the last block's resid_post and the greedy
+    tokens equal transformers' forward with the same bias added to block 0's output by a forward hook
+    (``reference_of`` as in ``assert_patterns_match_transformers``)."""
+    reference_of = reference_of or (lambda function, *args: getattr(hf_reference, function)(*args))
+    points = {p["alias"]: HookPoint.from_dict(p) for p in rpc(llm, "inspector_describe")["hook_points"]}
+    target = points["blocks.0.hook_resid_post"]
+    vector = np.random.default_rng(0).standard_normal(target.width).astype(np.float32)
+    rpc(llm, "inspector_set_interventions", [{"hook": target.name, "bias": vector.tolist()}])
+    try:
+        tokens, caps = generate(llm, [prompt], max_tokens=4)
+    finally:
+        rpc(llm, "inspector_clear_interventions")
+    (rid, (prompt_ids, gen_ids)), = tokens.items()
+    expected = reference_of("steered", model_dir, (prompt_ids + gen_ids)[:-1], 0, vector)
+    last = max(p.layer for p in points.values())
+    got = caps[rid][points[f"blocks.{last}.hook_resid_post"].name]["values"]
+    assert rel_l2(got, expected["resid_post"][last]).max() < PARITY_TOL
+    assert_greedy_matches(expected["logits"], len(prompt_ids), gen_ids)
+
+
 def session_on(llm, model_dir, **options):
     """An engine session over an engine a fixture booted (and will shut down): the session-level
     experiments on it without another boot. Do not close it."""

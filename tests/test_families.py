@@ -17,6 +17,7 @@ import torch
 
 import hf_reference
 from engines import (PARITY_TOL, assert_greedy_matches, assert_lens_matches, assert_patterns_match_transformers,
+                     assert_steering_matches_transformers,
                      assert_sweep_matches_transformers, booted, captured_patterns, generate, rel_l2, rpc,
                      same_length_prompts, session_on)
 from inspector.capture.hooks import ROUTER_KIND, HookPoint
@@ -155,21 +156,8 @@ def test_attention_patterns_equal_transformers_eager_attention(engine, tiny_mode
 
 def test_steering_at_block_0_equals_the_same_edit_by_a_transformers_forward_hook(engine, tiny_models):
     arch, llm = engine
-    points = {p["alias"]: HookPoint.from_dict(p) for p in rpc(llm, "inspector_describe")["hook_points"]}
-    target = points["blocks.0.hook_resid_post"]
-    vector = np.random.default_rng(0).standard_normal(target.width).astype(np.float32)
-    rpc(llm, "inspector_set_interventions", [{"hook": target.name, "bias": vector.tolist()}])
-    try:
-        tokens, caps = generate(llm, PROMPTS[:1], max_tokens=4)
-    finally:
-        rpc(llm, "inspector_clear_interventions")
-    (rid, (prompt_ids, gen_ids)), = tokens.items()
-    seq = (prompt_ids + gen_ids)[:-1]
-    expected = reference(arch, "steered", tiny_models[arch], seq, 0, vector)
-    last = max(p.layer for p in points.values())
-    got = caps[rid][points[f"blocks.{last}.hook_resid_post"].name]["values"]
-    assert close(got, expected["resid_post"][last])
-    assert_greedy_matches(expected["logits"], len(prompt_ids), gen_ids)
+    assert_steering_matches_transformers(llm, tiny_models[arch], PROMPTS[0],
+                                         lambda function, *args: reference(arch, function, *args))
 
 
 def test_steering_a_router_equals_the_same_edit_of_transformers_router_logits(engine, tiny_models):

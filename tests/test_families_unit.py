@@ -4,7 +4,7 @@ engine needed; the block reader's own tests are in test_reader_unit.py)."""
 import pytest
 from torch import nn
 
-from inspector.plugin.families import beside_blocks, find_blocks
+from inspector.plugin.families import beside_blocks, encoders, find_blocks
 
 
 class Mixer(nn.Module):  # stands for an attention layer
@@ -34,6 +34,14 @@ def test_the_block_list_is_the_one_holding_attention_else_the_longest():
     assert path == "model.layers" and len(blocks) == 2
     assert find_blocks(model)[0] == "model.experts"  # no attention anywhere (a state-space model): the longest
     assert beside_blocks(model, "model.layers") == ((("embed", "model.embed_tokens"),), "model.norm")
+
+
+def test_a_multimodal_models_encoders_are_the_top_modules_beside_its_language_model():
+    model = nn.Module()
+    model.vision_tower, model.projector, model.language_model = Block(), nn.Linear(4, 4), model_of(layers=[Block()] * 2)
+    model.lm_head, model.logits = nn.Embedding(10, 4), nn.Identity()
+    is_vocabulary = lambda m: m is model.lm_head  # noqa: E731
+    assert encoders(model, "language_model.model.layers", is_vocabulary) == ["vision_tower", "projector"]
 
 
 def test_a_model_without_a_block_list_is_refused_naming_its_top_modules():

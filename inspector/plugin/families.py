@@ -68,6 +68,14 @@ def find_blocks(model: nn.Module, is_attention=lambda m: False) -> tuple[str, nn
     return max(lists, key=lambda pm: (sum(1 for m in pm[1].modules() if is_attention(m)), len(pm[1])))
 
 
+def encoders(model: nn.Module, blocks_path: str, is_vocabulary=lambda m: False) -> list[str]:
+    """A multimodal model's top modules with weights that hold no decoder block and are not the
+    vocabulary's (its encoders and projectors)."""
+    top = blocks_path.split(".")[0]
+    return [name for name, m in model.named_children()
+            if name != top and not is_vocabulary(m) and any(True for _ in m.parameters())]
+
+
 def beside_blocks(model: nn.Module, blocks_path: str, is_vocabulary=lambda m: False
                   ) -> tuple[tuple[tuple[str, str], ...], str]:
     """(embeddings as (kind, path), final norm path): the modules beside the block list, the token

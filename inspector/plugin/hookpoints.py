@@ -87,7 +87,11 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
 
     blocks_path, blocks = families.find_blocks(model, vllm_compat.is_attention)
     reading = read(blocks_path, blocks, *families.beside_blocks(model, blocks_path, vllm_compat.is_vocabulary_embedding))
-    family = reading.family
+    family, refused = reading.family, dict(reading.refused)
+    if vllm_compat.is_multimodal(model):
+        towers = families.encoders(model, blocks_path, vllm_compat.is_vocabulary_embedding)
+        refused["encoders"] = (f"{type(model).__name__}: {', '.join(towers)} not offered because only the language "
+                               "model's decoder blocks are read (a text prompt runs them alone)")
     stem, _, last = blocks_path.rpartition(".")
     modules = dict(model.named_modules())
     replicated = (1, 0, tp.rank == 0)
@@ -140,7 +144,7 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
                 points += attention_points(block, b, i)
     if family.final_norm:
         points.append(point(family.final_norm, "normalized", "ln_final.hook_normalized"))
-    return family, [(p, site) for p, site in points if p.module_path in modules], reading.refused
+    return family, [(p, site) for p, site in points if p.module_path in modules], refused
 
 
 def _kv_sharding(tp: TensorParallel, local_kv_heads: int) -> tuple[int, int, bool]:

@@ -153,6 +153,11 @@ def expert_counts(module: torch.nn.Module) -> set[int]:
     return {int(m.global_num_experts) for m in module.modules() if isinstance(getattr(m, "global_num_experts", None), int)}
 
 
+def is_multimodal(model: torch.nn.Module) -> bool:
+    """A model vLLM serves with encoders for images, audio or video beside its language model."""
+    return bool(getattr(model, "supports_multimodal", False))
+
+
 def is_vocabulary_embedding(module: torch.nn.Module) -> bool:
     """vLLM's embedding of the vocabulary (not a learned position embedding beside it)."""
     return hasattr(module, "org_vocab_size")

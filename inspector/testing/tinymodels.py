@@ -199,13 +199,53 @@ def build_tiny_model(spec: TinySpec, out_dir: Path, tokenizer=None) -> Path:
 def tiny_model(arch: str = "llama", **overrides) -> Path:
     """Path of a cached tiny model of ``arch``, building it (atomically) on first use."""
     spec = replace(TinySpec(arch=arch), **{**ARCH_DEFAULTS.get(arch, {}), **overrides})
-    final = cache_root() / "tiny-models" / spec.cache_key()
+    return _cached(spec.cache_key(), lambda out: build_tiny_model(spec, out))
+
+
+def tiny_vision_language_model() -> Path:
+    """Path of a cached tiny Gemma 3 vision-language model: a SigLIP vision tower and its projector
+    beside a language model that is the tiny Gemma 3 (its weights, so transformers' Gemma 3 is the
+    reference for text prompts), with an image processor and Gemma 3's image tokens. vLLM's Gemma 3
+    processor looks up newline tokens, which a byte-level tokenizer lacks: they are added too, beyond the
+    language model's vocabulary like the image tokens, so text prompts here hold no newline."""
+    return _cached(f"gemma3-vl-{TinySpec('gemma3', **ARCH_DEFAULTS['gemma3']).cache_key()}",
+                   lambda out: _build_gemma3_vl(tiny_model("gemma3"), out))
+
+
+def _build_gemma3_vl(language: Path, out_dir: Path) -> None:
+    import torch
+    import transformers
+
+    tokens = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(language, extra_special_tokens=tokens)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens.values())})
+    tokenizer.add_tokens(["\n" * n for n in range(1, 5)])
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in tokens.items()}
+    vision = transformers.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=1, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=transformers.AutoConfig.from_pretrained(language),
+                                       vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids["boi_token"],
+                                       eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"])
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).float()
+    text = transformers.AutoModelForCausalLM.from_pretrained(language, dtype=torch.float32)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model.save_pretrained(out_dir, safe_serialization=True)
+    images = transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28})
+    transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4,
+                                 chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(out_dir)
+
+
+def _cached(key: str, build) -> Path:
+    """``cache_root()/tiny-models/key``, written by ``build(directory)`` (atomically) on first use."""
+    final = cache_root() / "tiny-models" / key
     if (final / "config.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
-        build_tiny_model(spec, staging)
+        build(staging)
         try:
             staging.rename(final)
         except OSError:  # a concurrent build won the race; its result is identical

@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ["tests/test_plugin_compiled.py", "tests/test_plugin_architectures.py", "tests/test_plugin_bf16.py",
-         "tests/test_session.py", "tests/test_session_lifecycle.py"]
+         "tests/test_session.py", "tests/test_session_lifecycle.py", "tests/test_multimodal.py"]
 
 
 def main() -> int:
