@@ -119,3 +119,23 @@ def test_the_probe_blames_the_point_no_held_identity_vouches_for():
     assert withdrawn["blocks.1.mlp.resid_mid"].startswith("blocks.1: resid_pre + attn_out = resid_mid does not hold")
     # the stream between blocks vouches for block 0's output and block 1's input: they stay
     assert "blocks.0.resid_post" not in withdrawn and "blocks.1.resid_pre" not in withdrawn
+
+
+def test_a_point_whose_module_runs_twice_a_forward_is_read_at_its_last_call_and_read_only():
+    """NanoChat norms its embeddings with its final norm before the blocks, too: the final norm of the
+    last resid_post is what its hook reads at the last call, and an edit there would act on both."""
+    import torch
+
+    from inspector.capture.hooks import HookPoint
+    from inspector.plugin.hookpoints import Site
+    from inspector.plugin.probe import verify
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks, model.norm = nn.Sequential(ToyBlock(), ToyBlock()), nn.LayerNorm(4)
+    points = [(p, s) for p, s in toy_points() if p.kind not in ("odd", "unseen")]
+    points.append((HookPoint("norm.normalized", "ln_final.hook_normalized", "norm", "normalized", 4, -1), Site("output")))
+    found = verify(model, points, "float32", lambda: model.norm(model.blocks(model.norm(torch.randn(8, 4)))))
+    assert found.unsteerable["norm.normalized"] == ("its module runs 2 times a forward: it is read at its last call, "
+                                                    "and an edit there would act on every call")
+    assert "norm.normalized" not in found.withdrawn

@@ -73,6 +73,8 @@ class Recorder:
 
     def __init__(self, model: nn.Module, roots: list[str]):
         self.calls: dict[str, Call] = {}
+        self.last: dict[str, Call] = {}
+        self._open: dict[str, list[Call]] = {}
         self._order = 0
         self._handles = []
         for path, module in model.named_modules():
@@ -83,14 +85,15 @@ class Recorder:
                     lambda m, args, kwargs, out, p=path: self._leave(p, out), with_kwargs=True))
 
     def _enter(self, path: str, args, kwargs) -> None:
-        if path not in self.calls:  # a module called twice (a shared one): its first call stands
-            self.calls[path] = Call(path, self._order, _copy(hp.call_arguments(args, kwargs)))
-            self._order += 1
+        call = Call(path, self._order, _copy(hp.call_arguments(args, kwargs)))
+        self._order += 1
+        self.calls.setdefault(path, call)  # a module called twice (a shared one): its first call stands here,
+        self.last[path] = call  # and its last here
+        self._open.setdefault(path, []).append(call)
 
     def _leave(self, path: str, output) -> None:
-        call = self.calls.get(path)
-        if call is not None and call.output is None:
-            call.output = _copy(output)
+        if self._open.get(path):
+            self._open[path].pop().output = _copy(output)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -203,8 +206,11 @@ def read(model: nn.Module, blocks_path: str, blocks: nn.ModuleList, final_norm: 
         forward(lambda layer, args, output: attention.add(paths[id(layer)]))
     finally:
         recorder.remove()
+    calls = dict(recorder.calls)
+    if final_norm in recorder.last:  # its call after the blocks (NanoChat norms the embeddings with it too)
+        calls[final_norm] = recorder.last[final_norm]
     return _derive(model, blocks_path, blocks, final_norm, embeds, hidden, ROW_TOLERANCE[dtype == "float32"],
-                   recorder.calls, attention)
+                   calls, attention)
 
 
 def _derive(model, blocks_path, blocks, final_norm, embeds, hidden, tolerance, calls, attention) -> Reading:
