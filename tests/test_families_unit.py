@@ -139,3 +139,24 @@ def test_a_point_whose_module_runs_twice_a_forward_is_read_at_its_last_call_and_
     assert found.unsteerable["norm.normalized"] == ("its module runs 2 times a forward: it is read at its last call, "
                                                     "and an edit there would act on every call")
     assert "norm.normalized" not in found.withdrawn
+
+
+def test_a_model_run_twice_by_the_probes_forward_runs_no_module_twice():
+    """vLLM's dummy run may run the whole model more than once: that marks no point read only."""
+    import torch
+
+    from inspector.plugin.probe import verify
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(ToyBlock(), ToyBlock())
+
+        def forward(self, x):
+            return self.blocks(x)
+
+    torch.manual_seed(0)
+    model, x = Toy(), torch.randn(8, 4)
+    points = [(p, s) for p, s in toy_points() if p.kind not in ("odd", "unseen")]
+    found = verify(model, points, "float32", lambda: (model(x), model(x)))
+    assert not [why for why in found.unsteerable.values() if "times a forward" in why]

@@ -265,3 +265,17 @@ def test_blocks_called_by_keyword_only_are_read_and_steered_through_their_keywor
         torch.manual_seed(1), model(ids)
         handle.remove(), steered.remove()
     torch.testing.assert_close(seen[1], seen[0] + bias)
+
+
+def test_a_forward_that_runs_the_model_twice_reads_the_final_norm_after_the_first_runs_blocks():
+    """vLLM's dummy run may run a state-space model twice, its states changed between the runs."""
+    model = Model(Fused, FusedNorm)
+
+    def forward(on_attention):
+        SEEN["on_attention"] = on_attention
+        with torch.no_grad():
+            model(torch.randint(0, 32, (TOKENS,)))
+            model(torch.randint(0, 32, (TOKENS,)))  # other tokens: nothing of this run matches the first
+
+    reading = reader.read(model, "layers", model.layers, "norm", (("embed", "embed_tokens"),), WIDTH, "float32", forward)
+    assert points(reading)["resid_post"][:2] == ("", "output_pair_sum")

@@ -71,8 +71,8 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], dtype: str
         if point.routing is not None and not point.routing.unsupported:
             handles.append(module.register_forward_pre_hook(
                 lambda m, args, p=point: router_inputs.update({p.name: args[0].clone()})))
-    calls: dict[str, int] = {}  # module path -> how often the forward called it
-    for path in {p.module_path for p, _ in points}:
+    calls: dict[str, int] = {}  # module path -> how often it was called ("": the model, once a forward)
+    for path in {"", *(p.module_path for p, _ in points)}:
         handles.append(model.get_submodule(path).register_forward_hook(
             lambda m, args, out, path=path: calls.update({path: calls.get(path, 0) + 1})))
     try:
@@ -140,10 +140,11 @@ def verify(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], dtype: str
         by_kind[(-1, FINAL_NORM)] = last + FINAL_NORM
         check(f"the final norm of blocks.{layers[-1]}.resid_post = normalized", [(-1, FINAL_NORM)],
               [(-1, "normalized")])
+    forwards = max(1, calls.get("", 0))  # a dummy run may run the model more than once
     for p, _ in points:  # NanoChat norms its embeddings with its final norm, before the blocks
-        if calls.get(p.module_path, 0) > 1 and p.name not in unsteerable:
-            unsteerable[p.name] = (f"its module runs {calls[p.module_path]} times a forward: it is read at its last "
-                                   "call, and an edit there would act on every call")
+        if calls.get(p.module_path, 0) > forwards and p.name not in unsteerable:
+            unsteerable[p.name] = (f"its module runs {calls[p.module_path] // forwards} times a forward: it is read at "
+                                   "its last call, and an edit there would act on every call")
     withdrawn = {**misread, **_blame(results, tolerance)}
     unrouted = {p.name: replace(p.routing, unsupported=why) for p, _ in points if p.name in router_inputs
                 and p.name not in withdrawn and (why := _routing_differs(model, p, router_inputs[p.name], seen[p.name]))}

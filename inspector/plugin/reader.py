@@ -73,7 +73,7 @@ class Recorder:
 
     def __init__(self, model: nn.Module, roots: list[str]):
         self.calls: dict[str, Call] = {}
-        self.last: dict[str, Call] = {}
+        self.every: dict[str, list[Call]] = {}
         self._open: dict[str, list[Call]] = {}
         self._order = 0
         self._handles = []
@@ -87,8 +87,8 @@ class Recorder:
     def _enter(self, path: str, args, kwargs) -> None:
         call = Call(path, self._order, _copy(hp.call_arguments(args, kwargs)))
         self._order += 1
-        self.calls.setdefault(path, call)  # a module called twice (a shared one): its first call stands here,
-        self.last[path] = call  # and its last here
+        self.calls.setdefault(path, call)  # a module called twice (a shared one): its first call stands here
+        self.every.setdefault(path, []).append(call)
         self._open.setdefault(path, []).append(call)
 
     def _leave(self, path: str, output) -> None:
@@ -207,8 +207,9 @@ def read(model: nn.Module, blocks_path: str, blocks: nn.ModuleList, final_norm: 
     finally:
         recorder.remove()
     calls = dict(recorder.calls)
-    if final_norm in recorder.last:  # its call after the blocks (NanoChat norms the embeddings with it too)
-        calls[final_norm] = recorder.last[final_norm]
+    last_block = calls.get(f"{blocks_path}.{len(blocks) - 1}")
+    if last_block is not None:  # the final norm's call after the blocks (NanoChat norms the embeddings with it too)
+        calls[final_norm] = next((c for c in recorder.every.get(final_norm, []) if c.order > last_block.order), None)
     return _derive(model, blocks_path, blocks, final_norm, embeds, hidden, ROW_TOLERANCE[dtype == "float32"],
                    calls, attention)
 
