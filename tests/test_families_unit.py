@@ -160,3 +160,17 @@ def test_a_model_run_twice_by_the_probes_forward_runs_no_module_twice():
     points = [(p, s) for p, s in toy_points() if p.kind not in ("odd", "unseen")]
     found = verify(model, points, "float32", lambda: (model(x), model(x)))
     assert not [why for why in found.unsteerable.values() if "times a forward" in why]
+
+
+def test_rows_not_finite_on_both_sides_say_nothing_and_on_one_side_fail():
+    """A state-space layer's dummy forward reads uninitialised state: some rows come out NaN, the
+    same rows wherever the values are read."""
+    import torch
+
+    from inspector.plugin.hookpoints import row_error
+
+    values = torch.randn(4, 8)
+    values[1] = float("nan")
+    assert row_error(values.clone(), values) == 0.0
+    assert row_error(torch.randn(4, 8), values) == float("inf")
+    assert row_error(torch.full((4, 8), float("nan")), torch.full((4, 8), float("nan"))) == float("inf")

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
+import torch
 from torch import nn
 
 from inspector.capture.hooks import ROUTER_KIND, HookPoint
@@ -272,3 +273,14 @@ def replace_input(site: Site, args, scale, bias, clamp=None):
             h2, flowing = h2 + delta, flowing + delta
     i = site.arg_index
     return (*args[:i], h2, *args[i + 1:]), flowing
+
+
+def row_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest relative L2 error of a row of two tensors of one shape; inf where rows are not finite
+    on one side only, or on none at all. Rows not finite on both sides are the same rows of one model's
+    values (a state-space layer's dummy forward reads uninitialised state): they say nothing either way."""
+    finite = torch.isfinite(expected).all(-1)
+    if not torch.equal(finite, torch.isfinite(got).all(-1)) or not bool(finite.any()):
+        return float("inf")
+    got, expected = got[finite], expected[finite]
+    return float(((got - expected).norm(dim=-1) / expected.norm(dim=-1).clamp_min(1e-30)).max())

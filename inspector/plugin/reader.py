@@ -155,10 +155,7 @@ def outputs(call: Call, tokens: int) -> list[Candidate]:
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    if got.shape != want.shape:
-        return float("inf")
-    error = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-    return float(error.max()) if bool(torch.isfinite(error).all()) else float("inf")
+    return hp.row_error(got, want) if got.shape == want.shape else float("inf")
 
 
 def _fit(target: torch.Tensor, base: torch.Tensor, value: torch.Tensor, tolerance: float) -> float | None:
