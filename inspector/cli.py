@@ -432,10 +432,12 @@ def hooks(args) -> int:
     print(f"{'name':48s} {'alias':28s} {'kind':11s} {'width':>6s}")
     for h in catalogue:
         print(f"{h.name:48s} {h.alias:28s} {h.kind:11s} {h.width:6d}" + ("  WITHDRAWN" if h.withdrawn else "")
-              + (f"  sharded over {h.shards} ranks" if h.shards > 1 else ""))
+              + ("  READ ONLY" if h.unsteerable else "") + (f"  sharded over {h.shards} ranks" if h.shards > 1 else ""))
     for h in catalogue:
         if h.withdrawn:
             print(f"withdrawn {h.alias}: {h.withdrawn}")
+        elif h.unsteerable:
+            print(f"read only {h.alias}: {h.unsteerable}")
     for why in refused.values():
         print(why)
     return 0
