@@ -237,6 +237,8 @@ def call_arguments(args: tuple, kwargs: dict) -> tuple:
 
 def split_arguments(arguments: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``call_arguments``' tuple back into ``(args, kwargs)``: what a pre-hook with keywords returns."""
+    if not kwargs:
+        return arguments, kwargs
     return tuple(arguments[:len(args)]), dict(zip(kwargs, arguments[len(args):]))
 
 

@@ -72,8 +72,7 @@ class Recorder:
     """Hooks on every module under ``roots`` that copy each call's arguments and output."""
 
     def __init__(self, model: nn.Module, roots: list[str]):
-        self.calls: dict[str, Call] = {}
-        self.every: dict[str, list[Call]] = {}
+        self.every: dict[str, list[Call]] = {}  # path -> its calls, in order
         self._open: dict[str, list[Call]] = {}
         self._order = 0
         self._handles = []
@@ -87,7 +86,6 @@ class Recorder:
     def _enter(self, path: str, args, kwargs) -> None:
         call = Call(path, self._order, _copy(hp.call_arguments(args, kwargs)))
         self._order += 1
-        self.calls.setdefault(path, call)  # a module called twice (a shared one): its first call stands here
         self.every.setdefault(path, []).append(call)
         self._open.setdefault(path, []).append(call)
 
@@ -203,7 +201,7 @@ def read(model: nn.Module, blocks_path: str, blocks: nn.ModuleList, final_norm: 
         forward(lambda layer, args, output: attention.add(paths[id(layer)]))
     finally:
         recorder.remove()
-    calls = dict(recorder.calls)
+    calls = {path: every[0] for path, every in recorder.every.items()}  # a shared module: its first call
     last_block = calls.get(f"{blocks_path}.{len(blocks) - 1}")
     if last_block is not None:  # the final norm's call after the blocks (NanoChat norms the embeddings with it too)
         calls[final_norm] = next((c for c in recorder.every.get(final_norm, []) if c.order > last_block.order), None)
