@@ -91,8 +91,8 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
     family, refused = reading.family, dict(reading.refused)
     if vllm_compat.is_multimodal(model):
         towers = families.encoders(model, blocks_path, vllm_compat.is_vocabulary_embedding)
-        refused["encoders"] = (f"{type(model).__name__}: {', '.join(towers)} not offered because only the language "
-                               "model's decoder blocks are read (a text prompt runs them alone)")
+        refused["encoders"] = (f"{' and '.join(towers)} are not read: only the language model's decoder blocks are "
+                               "(a text prompt runs them alone)")
     stem, _, last = blocks_path.rpartition(".")
     modules = dict(model.named_modules())
     replicated = (1, 0, tp.rank == 0)

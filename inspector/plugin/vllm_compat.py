@@ -237,9 +237,16 @@ def probe_forward(worker, num_tokens: int, on_attention: Callable | None = None)
     """One eager forward of ``num_tokens`` dummy tokens before the KV cache exists (vLLM's own dummy
     run): compilation is bypassed for it and attention layers return seeded random values, however the
     model calls them (without a KV cache their output would be uninitialised memory; zeros would leave
-    every attention branch empty, and a block that scales that branch would pass unnoticed);
-    ``on_attention(layer, args, output)`` sees each of their calls."""
+    every attention branch empty, and a block that scales that branch would pass unnoticed), and the
+    token embeddings look up seeded random token ids: vLLM's dummy ids are zeros, whose embedding row
+    is often zero (a padding token), and a zero stream makes ``h`` and ``h + residual`` alike, so the
+    reader could not tell which one a block means (a multimodal model's dummy run passes an embeddings
+    buffer instead of ids: it gets the embeddings of such ids); ``on_attention(layer, args, output)``
+    sees each of their calls."""
     model = model_of(worker)
+    embeddings = [m.register_forward_pre_hook(_random_token_ids)  # an output head is never called
+                  for m in model.modules() if is_vocabulary_embedding(m)]
+    embeddings.append(model.register_forward_pre_hook(_embedded_ids, with_kwargs=True))
     compiled = [m for m in model.modules() if hasattr(m, "do_not_compile")]
     flags = [m.do_not_compile for m in compiled]
     layers = [m for m in model.modules() if is_attention(m)]
@@ -250,7 +257,7 @@ def probe_forward(worker, num_tokens: int, on_attention: Callable | None = None)
                 functools.partial(_random_attention, layer, width, on_attention))
     runner = worker.model_runner
     params = inspect.signature(runner._dummy_run).parameters
-    extra = {"randomize_inputs": True} if "randomize_inputs" in params else {}
+    extra = {}
     if getattr(runner, "cudagraph_manager", False) is None and "is_profile" in params:
         # vLLM's GPU runner (V2) before it has CUDA graphs runs dummy forwards only as a profile run,
         # without attention metadata: our zeroed attention layers need none
@@ -260,6 +267,8 @@ def probe_forward(worker, num_tokens: int, on_attention: Callable | None = None)
             m.do_not_compile = True
         runner._dummy_run(num_tokens, **extra)
     finally:
+        for handle in embeddings:
+            handle.remove()
         for m, flag in zip(compiled, flags):
             m.do_not_compile = flag
         for layer in layers:
@@ -267,6 +276,26 @@ def probe_forward(worker, num_tokens: int, on_attention: Callable | None = None)
                 layer.__dict__[_INNER] = None
             else:
                 del layer.forward
+
+
+def _random_token_ids(embedding: torch.nn.Module, args: tuple) -> tuple:
+    """Ids drawn from the table's vocabulary, the same on every rank (a vocab-parallel table looks up
+    its own slice of them, and the ranks' parts are summed)."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].is_floating_point():
+        return None  # called by keyword or with something else than ids: left as it is
+    ids = args[0]
+    generator = torch.Generator(ids.device).manual_seed(0)
+    random = torch.randint(0, embedding.org_vocab_size, ids.shape, generator=generator, device=ids.device)
+    return (random.to(ids.dtype), *args[1:])
+
+
+def _embedded_ids(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """A forward handed an embeddings buffer: the model's own embeddings of ids in its place."""
+    buffer = kwargs.get("inputs_embeds")
+    if not isinstance(buffer, torch.Tensor) or not hasattr(model, "embed_input_ids"):
+        return None
+    ids = torch.zeros(buffer.shape[0], dtype=torch.long, device=buffer.device)
+    return args, {**kwargs, "inputs_embeds": model.embed_input_ids(ids).to(buffer.dtype)}
 
 
 _INNER = "_inspector_inner_forward"  # what a hook-running forward calls (None: the class's forward)

@@ -232,9 +232,25 @@ def _build_gemma3_vl(language: Path, out_dir: Path) -> None:
     model.model.language_model.load_state_dict(text.model.state_dict())
     model.lm_head.load_state_dict(text.lm_head.state_dict())
     model.save_pretrained(out_dir, safe_serialization=True)
+    _publish_vision_tower_names(Path(out_dir))
     images = transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28})
     transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4,
                                  chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(out_dir)
+
+
+def _publish_vision_tower_names(out_dir: Path) -> None:
+    """Write the vision tower's weights under the names published Gemma 3 checkpoints use
+    (``vision_tower.vision_model.*``): transformers saves them without ``vision_model``, which vLLM's
+    loader does not map."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in out_dir.glob("*.safetensors"):
+        tensors = load_file(shard)
+        renamed = {(f"vision_tower.vision_model.{k[len('vision_tower.'):]}"
+                    if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+                   for k, v in tensors.items()}
+        if renamed.keys() != tensors.keys():
+            save_file(renamed, shard, metadata={"format": "pt"})
 
 
 def _cached(key: str, build) -> Path:
