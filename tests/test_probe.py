@@ -52,3 +52,15 @@ def test_a_point_where_the_identity_intervention_would_change_values_is_withdraw
     withdrawn = {p["kind"] for p in points if p["withdrawn"]}
     assert withdrawn == {"embed", "attn_out", "mlp_out"}  # the plain-tensor outputs (the final norm returns a pair)
     assert all("identity intervention" in p["withdrawn"] for p in points if p["withdrawn"])
+
+
+def test_nan_where_the_other_tensor_has_nan_is_bit_identical_and_nothing_else_is():
+    """A state-space layer's dummy forward reads uninitialised state: rows of NaN on both sides of the
+    identity check. An identity keeps them NaN; any other difference still counts."""
+    from inspector.plugin.probe import _identical
+
+    a = torch.tensor([[1.0, float("nan")], [2.0, 3.0]])
+    assert _identical(a, a.clone()) and _identical((a, None), (a * 1 + 0, None))
+    assert not _identical(a, torch.tensor([[1.0, 0.0], [2.0, 3.0]]))
+    assert not _identical(a, torch.tensor([[1.0, float("nan")], [2.0, 3.0000002]]))
+    assert not _identical(a, a.double()) and not _identical(a, a[:1])

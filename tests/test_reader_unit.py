@@ -279,3 +279,17 @@ def test_a_forward_that_runs_the_model_twice_reads_the_final_norm_after_the_firs
 
     reading = reader.read(model, "layers", model.layers, "norm", (("embed", "embed_tokens"),), WIDTH, "float32", forward)
     assert points(reading)["resid_post"][:2] == ("", "output_pair_sum")
+
+
+def test_constants_are_fitted_on_the_rows_finite_everywhere():
+    """A state-space layer's dummy forward reads uninitialised state: NaN rows must neither stop a fit
+    (LAPACK rejects them) nor decide it."""
+    from inspector.plugin.reader import _fit, _fit_two
+
+    generator = torch.Generator().manual_seed(0)
+    base, a, b = (torch.randn(6, 8, generator=generator) for _ in range(3))
+    target = base + 0.5 * a + 2.0 * b
+    for tensor in (target, base, a, b):
+        tensor[1] = float("nan")
+    assert _fit_two(target, base, a, b, 1e-5) == pytest.approx((0.5, 2.0))
+    assert _fit(base + 0.25 * a, base, a, 1e-5) == pytest.approx(0.25)

@@ -205,7 +205,7 @@ def _probe(point: HookPoint, site: hp.Site, value, read, replace, seen: dict, al
         n = hp.row_count(site, first)
         ones = torch.ones(n, site.local_width(point), dtype=first.dtype, device=first.device)
         new, flowing = replace(site, value, ones, torch.zeros_like(ones))
-        same = _identical(new, value) and torch.equal(_copy(flowing), seen[point.name])
+        same = _identical(new, value) and _identical(_copy(flowing), seen[point.name])
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
         altered[point.name] = f"an identity intervention cannot be applied there: {type(e).__name__}: {e}"
         return
@@ -226,10 +226,15 @@ def _error(got: torch.Tensor | int, expected: torch.Tensor) -> float:
 
 
 def _identical(a, b) -> bool:
-    """The same structure of tensors, each with the same shape, dtype and bits."""
+    """The same structure of tensors, each with the same shape, dtype and bits; NaN where the other has
+    NaN counts as the same (a state-space layer's dummy forward reads uninitialised state, and an identity
+    keeps NaN as NaN, whatever its bits)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and torch.equal(a, b))
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype):
+            return False
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
     return a is b or a == b

@@ -156,6 +156,12 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return hp.row_error(got, want) if got.shape == want.shape else float("inf")
 
 
+def _finite_rows(*tensors: torch.Tensor) -> torch.Tensor:
+    """Rows finite in every tensor: constants are fitted there (a state-space layer's dummy forward
+    reads uninitialised state, NaN in some rows; ``row_error`` leaves them out likewise)."""
+    return torch.stack([torch.isfinite(t).all(-1) for t in tensors]).all(0)
+
+
 def _fit(target: torch.Tensor, base: torch.Tensor, value: torch.Tensor, tolerance: float) -> float | None:
     """The constant c with ``target ≈ base + c·value`` (the stream-relative error within ``tolerance``;
     1 when 1 will do, so that a branch too small to pin c down, as in half precision, reads as 1)."""
@@ -163,8 +169,9 @@ def _fit(target: torch.Tensor, base: torch.Tensor, value: torch.Tensor, toleranc
         return None
     if _error(base + value, target) <= tolerance:
         return 1.0
-    difference = target - base
-    c = float((difference * value).sum() / (value * value).sum())
+    rows = _finite_rows(target, base, value)
+    difference, value_there = (target - base)[rows], value[rows]
+    c = float((difference * value_there).sum() / (value_there * value_there).sum())
     c = 1.0 if abs(c - 1.0) < ONE else c
     return c if c != 0.0 and _error(base + c * value, target) <= tolerance else None
 
@@ -175,8 +182,11 @@ def _fit_two(target, base, a, b, tolerance: float) -> tuple[float, float] | None
         return None
     if _error(base + a + b, target) <= tolerance:
         return 1.0, 1.0
-    basis = torch.stack([a.flatten(), b.flatten()], dim=1).double()
-    solution = torch.linalg.lstsq(basis, (target - base).flatten().double().unsqueeze(1)).solution.flatten()
+    rows = _finite_rows(target, base, a, b)
+    if not bool(rows.any()):
+        return None
+    basis = torch.stack([a[rows].flatten(), b[rows].flatten()], dim=1).double()
+    solution = torch.linalg.lstsq(basis, (target - base)[rows].flatten().double().unsqueeze(1)).solution.flatten()
     c, c2 = (1.0 if abs(float(x) - 1.0) < ONE else float(x) for x in solution)
     if c == 0.0 or c2 == 0.0:
         return None
