@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import hf_reference
-from engines import (PARITY_TOL, PATCH_TOL, assert_greedy_matches, assert_lens_matches, assert_patterns_match_transformers,
+from engines import (PARITY_TOL, PATCH_TOL, assert_greedy_matches, assert_lens_matches,
+                     assert_patterns_match_transformers,
                      assert_steering_matches_transformers,
                      assert_sweep_matches_transformers, booted, captured_patterns, generate, rel_l2, rpc,
                      same_length_prompts, session_on)

@@ -294,7 +294,7 @@ def _embedded_ids(model: torch.nn.Module, args: tuple, kwargs: dict):
     buffer = kwargs.get("inputs_embeds")
     if not isinstance(buffer, torch.Tensor) or not hasattr(model, "embed_input_ids"):
         return None
-    ids = torch.zeros(buffer.shape[0], dtype=torch.long, device=buffer.device)
+    ids = torch.zeros(buffer.shape[0], dtype=torch.long, device=buffer.device)  # the tables' hooks draw random ones
     return args, {**kwargs, "inputs_embeds": model.embed_input_ids(ids).to(buffer.dtype)}
 
 

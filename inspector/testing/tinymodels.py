@@ -244,10 +244,10 @@ def _publish_vision_tower_names(out_dir: Path) -> None:
     loader does not map."""
     from safetensors.torch import load_file, save_file
 
+    saved, published = "vision_tower.", "vision_tower.vision_model."
     for shard in out_dir.glob("*.safetensors"):
         tensors = load_file(shard)
-        renamed = {(f"vision_tower.vision_model.{k[len('vision_tower.'):]}"
-                    if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+        renamed = {(published + k[len(saved):] if k.startswith(saved) and not k.startswith(published) else k): v
                    for k, v in tensors.items()}
         if renamed.keys() != tensors.keys():
             save_file(renamed, shard, metadata={"format": "pt"})
