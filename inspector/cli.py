@@ -26,8 +26,10 @@ from inspector.capture.sae import decoder_row, feature_clamp, read_sae
 from inspector.capture.vectors import load_vector
 from inspector.capture.windows import parse_window_option, windows_from_patterns
 from inspector.experiments.compare import compare, upcoming_twins
+from inspector.harvesting import cli as harvest_cli
+from inspector.harvesting.corpus import Corpus
 
-COMMANDS = ("attention", "capture", "hooks", "patch", "scan", "serve")
+COMMANDS = ("attention", "capture", "harvest", "hooks", "patch", "scan", "serve")
 DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
 
 
@@ -320,23 +322,12 @@ def scan(args) -> int:
 
 
 def read_corpus(path: Path) -> list[str]:
-    """Documents: a JSONL file's "text" fields (.jsonl), else one per non-empty line."""
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if path.suffix != ".jsonl":
-        documents = lines
-    else:
-        documents = []
-        for number, line in enumerate(lines, 1):
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{path}, line {number}: a JSON object with a \"text\" field expected") from None
-            if not isinstance(text, str):
-                raise ValueError(f"{path}, line {number}: \"text\" must be a string")
-            documents.append(text)
-    if not documents:
-        raise ValueError(f"{path} holds no documents")
-    return documents
+    """Documents as a harvest reads them (inspector.harvesting.Corpus): text lines, JSONL, a datasets directory."""
+    return list(Corpus.open(path).texts())
+
+
+def harvest(args) -> int:
+    return harvest_cli.run(args, parallel_args(args), TerminalProgress().stage)
 
 
 def patch(args) -> int:
@@ -664,6 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--out", help="save the weights [heads, queries, keys] as .npy")
     att.add_argument("--json", action="store_true")
 
+    harvest_cli.add_parser(sub, add_engine_options)
+
     hk = sub.add_parser("hooks", help="list the hook points of a model")
     hk.add_argument("--model", default="demo")
     add_parallel_option(hk)
@@ -685,8 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the terminal shows our progress instead,
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # and stdout stays clean for --json
     try:
-        return {"attention": attention, "capture": capture, "hooks": hooks, "patch": patch, "scan": scan,
-                "serve": serve}[args.command](args)
+        return {"attention": attention, "capture": capture, "harvest": harvest, "hooks": hooks, "patch": patch,
+                "scan": scan, "serve": serve}[args.command](args)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"inspector {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -1,5 +1,5 @@
 """Layers point one way: ui → viewer → client → net → capture (and io, experiments); server → engine → plugin →
-capture. Checked by importing every module of a layer in a fresh interpreter where the modules it
+capture; harvesting → engine. Checked by importing every module of a layer in a fresh interpreter where the modules it
 must not use cannot be imported, and, for the app, by what a plain import of its window loads."""
 
 import subprocess
@@ -42,6 +42,7 @@ RULES = {
                           "inspector.server", *APP],
     "engine": QT + ["inspector.io", "inspector.net", "inspector.client", "inspector.server", *APP],
     "server": QT + ["inspector.client", *APP],
+    "harvesting": QT + NET + ["inspector.io", "inspector.net", "inspector.client", "inspector.server", *APP],
     "viewer": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server", "inspector.ui"],
     "ui": ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server"],
 }

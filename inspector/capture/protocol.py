@@ -53,6 +53,7 @@ class SessionOptions:
     # capture windows applied when the session opens: (glob pattern over installed hook names and aliases,
     # window text as in inspector.capture.windows), a later pair overriding an earlier one; unnamed hooks: all
     windows: tuple[tuple[str, str], ...] = ()
+    kept_layers: int = 0  # >0: boot only the model's first decoder blocks (nothing is computed past them)
     engine_args: dict = field(default_factory=dict)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from inspector.capture.interventions import DEFAULT_MAX_SLOTS
 from inspector.capture.protocol import MODES
 
@@ -14,8 +17,9 @@ INSPECTOR_ENGINE_ARGS = {"enforce_eager", "enable_prefix_caching", "worker_exten
 def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",
              dtype: str = "float32", max_num_batched_tokens: int = 512, max_model_len: int = 1024,
              enable_position_interventions: bool = False, hook_patterns: tuple[str, ...] = (),
-             max_slots: int = DEFAULT_MAX_SLOTS, feature_clamps: int = 0, **engine_args):
-    """An ``LLM`` whose worker has the hooks in ``capture_specs`` and ``hook_patterns`` installed.
+             max_slots: int = DEFAULT_MAX_SLOTS, feature_clamps: int = 0, kept_layers: int = 0, **engine_args):
+    """An ``LLM`` whose worker has the hooks in ``capture_specs`` and ``hook_patterns`` installed;
+    ``kept_layers`` > 0: with only the model's first decoder blocks (``layer_overrides``).
 
     Prefix caching is off: it skips prompt rows and would let K/V computed under an intervention
     leak into later clean runs.
@@ -30,6 +34,9 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     if int(engine_args.get("pipeline_parallel_size", 1)) > 1:
         raise ValueError(f"pipeline_parallel_size={engine_args['pipeline_parallel_size']}: the inspector cannot capture "
                          "under pipeline parallelism (each stage holds only some layers); use tensor_parallel_size")
+    overrides = layer_overrides(Path(model), kept_layers) if kept_layers else {}
+    if overrides:
+        engine_args["hf_overrides"] = {**engine_args.get("hf_overrides", {}), **overrides}
     prepare_environment()
     engine_precision(dtype)
     import torch
@@ -42,7 +49,8 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
         _start_ray()
     plugin.configure(capture_specs or {}, max_num_batched_tokens, getattr(torch, dtype),
                      enable_batching=mode == "eager", enable_position_interventions=enable_position_interventions,
-                     hook_patterns=hook_patterns, max_slots=max_slots, feature_clamps=feature_clamps)
+                     hook_patterns=hook_patterns, max_slots=max_slots, feature_clamps=feature_clamps,
+                     kept_layers=kept_layers if overrides else 0)
     try:
         with worker_environment(int(engine_args.get("tensor_parallel_size", 1))):
             return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
@@ -50,6 +58,28 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
                        worker_extension_cls=plugin.WORKER_EXTENSION, **engine_args)
     finally:
         plugin.clear_config()
+
+
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def layer_overrides(model: Path, kept: int) -> dict:
+    """vLLM ``hf_overrides`` that make the model in directory ``model`` its first ``kept`` decoder
+    blocks: the layer count, and every per-layer list of its config (layer types, sliding windows...)
+    cut to match; for a model whose text config is nested (``text_config``), there. ``{}`` when the
+    model has no more blocks than that. ValueError where the config names no layer count."""
+    config = json.loads((model / "config.json").read_text())
+    nested = isinstance(config.get("text_config"), dict) and any(k in config["text_config"] for k in LAYER_COUNT_KEYS)
+    text = config["text_config"] if nested else config
+    key = next((k for k in LAYER_COUNT_KEYS if isinstance(text.get(k), int)), None)
+    if key is None:
+        raise ValueError(f"{model}: its config names no layer count ({', '.join(LAYER_COUNT_KEYS)}), so the "
+                         "engine cannot be cut after the deepest hooked block; harvest at full depth")
+    layers = text[key]
+    if kept >= layers:
+        return {}
+    cut = {key: kept, **{k: v[:kept] for k, v in text.items() if isinstance(v, list) and len(v) == layers}}
+    return {"text_config": cut} if nested else cut
 
 
 def _start_ray() -> None:

@@ -17,7 +17,7 @@ import threading
 from dataclasses import replace
 
 import numpy as np
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from inspector import __version__
 from inspector.capture.hooks import HookPoint
@@ -37,6 +37,15 @@ from inspector.plugin.gather import merge_ranks, own_copies
 
 from .boot import boot_llm, shutdown_llm
 from .tokens import token_text
+
+
+class Prefilled(NamedTuple):
+    """A context's rows from ``Session.prefill``: per drain that brought some (chunked prefill may split
+    a context over steps), hook → positions, token_ids, values."""
+
+    index: int  # the context's place among those given
+    tokens: int
+    parts: tuple
 
 
 class Session(Experiments):
@@ -180,6 +189,54 @@ class Session(Experiments):
         self._unstarted += starts
         self._apply_interventions(self._open, force=True)  # the new requests' log starts now
         return starts
+
+    def prefill(self, contexts: Iterable[Sequence[int]]) -> Iterator[Prefilled]:
+        """Each context of token ids run prefill-only (no token is generated, nothing is detokenised),
+        kept in flight so that every engine step is full, its rows handed out as it finishes:
+        ``Prefilled``, in finishing order. The rows are views of the engine's host copies (copy what you
+        keep, off the engine's thread if you can). Not folded into ``run``, no step events; the session
+        must have no other request open. The current interventions apply."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._require_alive()
+        if self._open:
+            raise ValueError("prefill needs the engine to itself: requests are still open")
+        engine = self._llm.llm_engine
+        vocab, longest = engine.model_config.get_vocab_size(), engine.model_config.max_model_len - 1
+        scheduler = self._llm.llm_engine.vllm_config.scheduler_config
+        # two steps' worth queued: the scheduler fills the next step while this one runs
+        budget, seats = 2 * scheduler.max_num_batched_tokens, scheduler.max_num_seqs
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        self._apply_interventions([])
+        waiting = iter(enumerate(contexts))
+        flying: dict[str, tuple[int, int, list]] = {}  # request id -> context's index, length, drained rows
+        queued = 0
+        try:
+            while True:
+                while queued < budget and len(flying) < seats and (item := next(waiting, None)) is not None:
+                    index, ids = item
+                    ids = checked_token_ids(ids, vocab).tolist()
+                    if not 0 < len(ids) <= longest:
+                        raise ValueError(f"context {index} has {len(ids)} tokens; the engine takes 1 to {longest}")
+                    rid = f"prefill{type(self)._next_id}"
+                    type(self)._next_id += 1
+                    engine.add_request(rid, {"prompt_token_ids": ids}, params)
+                    flying[rid], queued = (index, len(ids), []), queued + len(ids)
+                if not flying:
+                    return
+                finished = [out.request_id for out in engine.step() if out.finished and out.request_id in flying]
+                for rid, rows in self._drain(wait=bool(finished)).items():
+                    if rid in flying:
+                        flying[rid][2].append(rows)
+                for rid in finished:
+                    index, length, parts = flying.pop(rid)
+                    queued -= length
+                    yield Prefilled(index, length, tuple(parts))
+        finally:
+            if flying:  # stopped early: nothing of theirs stays in the engine
+                engine.abort_request(list(flying))
+                self._drain()
 
     def lens(self, values, k: int = 5, chosen=None) -> Lens:
         self._require_alive()
@@ -491,7 +548,7 @@ def _boot(options: SessionOptions, path, report: Callable[[BootProgress], None])
                         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
                         enable_position_interventions=options.enable_position_interventions,
                         max_slots=options.max_slots, feature_clamps=options.feature_clamps,
-                        **options.engine_args)
+                        kept_layers=options.kept_layers, **options.engine_args)
     except Exception as e:
         raise SessionError(f"could not start the engine on {path}: {_root_cause(e)}") from e
     finally:

@@ -19,26 +19,32 @@ WORKER_EXTENSION = "inspector.plugin.worker_extension.InspectorWorkerExtension"
 
 
 def register() -> None:
-    """Idempotent: patch ``Worker.load_model`` and key vLLM's compile cache by the hook config; both
-    patches do nothing while no config is set."""
+    """Idempotent: patch ``Worker.load_model``, the weight loader (for an engine of fewer blocks than
+    its checkpoint) and key vLLM's compile cache by the hook config; the patches do nothing while no
+    config is set."""
     from . import vllm_compat
     from .worker_extension import install_runtime
 
     vllm_compat.patch_load_model(install_runtime)
+    vllm_compat.skip_weights_of_cut_layers(lambda: getattr(PluginConfig.from_env(), "kept_layers", 0))
     vllm_compat.key_compile_cache(lambda: os.environ.get(ENV_VAR))
 
 
 def configure(capture_specs: dict[str, tuple[str, int]], max_num_batched_tokens: int, dtype: torch.dtype,
               enable_batching: bool = False, enable_position_interventions: bool = False,
-              hook_patterns: tuple[str, ...] = (), max_slots: int = DEFAULT_MAX_SLOTS, feature_clamps: int = 0) -> None:
+              hook_patterns: tuple[str, ...] = (), max_slots: int = DEFAULT_MAX_SLOTS, feature_clamps: int = 0,
+              kept_layers: int = 0) -> None:
     """Set the hook specs (name → (module dot-path, width)) for the next engine boot in this process
     and its children. ``enable_batching`` selects the eager flavour (boot with ``enforce_eager=True``).
     ``hook_patterns`` (our extension) adds hook points by name, alias or glob, resolved in the worker
-    against the model's catalogue, so a caller need not know module paths before boot."""
+    against the model's catalogue, so a caller need not know module paths before boot. ``kept_layers``:
+    the engine is booted with only that many decoder blocks (``num_hidden_layers`` overridden), and the
+    checkpoint's weights of the others are skipped."""
     dtype_name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
     config = PluginConfig({name: (str(path), int(width)) for name, (path, width) in capture_specs.items()},
                           int(max_num_batched_tokens), dtype_name, bool(enable_batching),
-                          bool(enable_position_interventions), tuple(hook_patterns), int(max_slots), int(feature_clamps))
+                          bool(enable_position_interventions), tuple(hook_patterns), int(max_slots), int(feature_clamps),
+                          int(kept_layers))
     validate(config)
     os.environ[ENV_VAR] = config.to_env()
 

@@ -36,6 +36,7 @@ class PluginConfig:
     hook_patterns: tuple[str, ...] = ()  # names, aliases or globs, resolved in the worker
     max_slots: int = DEFAULT_MAX_SLOTS
     feature_clamps: int = 0  # per hook, features an intervention set may clamp (0: no clamp tables, no cost)
+    kept_layers: int = 0  # >0: the model was booted with only its first blocks; the checkpoint's others are skipped
 
     @property
     def eager(self) -> bool:
@@ -64,6 +65,8 @@ def validate(config: PluginConfig) -> None:
         raise ValueError(f"dtype must be one of {DTYPES}, got {config.dtype!r}")
     if not 2 <= config.max_slots <= 4096:
         raise ValueError(f"max_slots must be between 2 and 4096, got {config.max_slots}")
+    if config.kept_layers < 0:
+        raise ValueError(f"kept_layers must be 0 (every block) or more, got {config.kept_layers}")
     if not 0 <= config.feature_clamps <= 64:
         raise ValueError(f"feature_clamps must be between 0 and 64, got {config.feature_clamps}")
     for name, spec in config.capture_specs.items():

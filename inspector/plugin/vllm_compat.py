@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import re
 from typing import Callable
 
 import numpy as np
@@ -39,6 +40,39 @@ def patch_load_model(after_load: Callable[[object], None]) -> None:
 
     setattr(load_model, _PATCHED_FLAG, True)
     Worker.load_model = load_model
+
+
+def skip_weights_of_cut_layers(kept_layers: Callable[[], int]) -> None:
+    """Let a checkpoint load into a model booted with fewer decoder blocks than it has (a harvest's
+    engine, ``num_hidden_layers`` overridden): while ``kept_layers()`` is positive, the weights of
+    blocks at or past it are dropped before the model sees them (its loader refuses unknown names).
+
+    The blocks are found in the model as built: every module list of ``kept_layers()`` modules of one
+    class, by its attribute name (``layers``, ``h``, ...); a checkpoint name ``<that>.<i>.…`` with
+    ``i`` past the cut belongs to a block the model does not have."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    if getattr(DefaultModelLoader.get_all_weights, _PATCHED_FLAG, False):
+        return
+    original = DefaultModelLoader.get_all_weights
+
+    @functools.wraps(original)
+    def get_all_weights(self, model_config, model):
+        kept = kept_layers()
+        weights = original(self, model_config, model)
+        if kept <= 0:
+            yield from weights
+            return
+        lists = {path.rsplit(".", 1)[-1] for path, m in model.named_modules()
+                 if isinstance(m, torch.nn.ModuleList) and len(m) == kept and len({type(c) for c in m}) == 1}
+        cut = re.compile(rf"(?:^|\.)(?:{'|'.join(map(re.escape, sorted(lists)))})\.(\d+)\.") if lists else None
+        for name, tensor in weights:
+            found = cut.search(name) if cut else None
+            if found is None or int(found.group(1)) < kept:
+                yield name, tensor
+
+    setattr(get_all_weights, _PATCHED_FLAG, True)
+    DefaultModelLoader.get_all_weights = get_all_weights
 
 
 def key_compile_cache(extra_key: Callable[[], str | None]) -> None:

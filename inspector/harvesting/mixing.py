@@ -1,0 +1,47 @@
+"""Shuffled training batches from a stream of activation chunks, as SAELens's ``mixing_buffer`` makes
+them: rows gather until the buffer holds ``buffer_rows``; then it is shuffled, the part that
+``mix_fraction`` says stays (to be mixed with later rows), and the rest leaves in batches. Every hook's
+rows are shuffled by one permutation, so a batch's rows of two hooks are the same tokens'."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+
+def mixed_batches(chunks: Iterable[dict[str, torch.Tensor]], batch_size: int, buffer_rows: int,
+                  mix_fraction: float = 0.5, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches (hook → [batch_size, width]) from chunks (hook → [rows, width]); when the chunks end,
+    what is left is shuffled and leaves in full batches (fewer rows than a batch are dropped)."""
+    check_mixing(batch_size, buffer_rows, mix_fraction)
+    generator = torch.Generator().manual_seed(seed)
+    held: list[dict[str, torch.Tensor]] = []
+    rows = 0
+    for chunk in chunks:
+        held.append(chunk)
+        rows += len(next(iter(chunk.values())))
+        if rows >= buffer_rows:
+            buffer = _shuffled(held, generator)
+            keep = int(buffer_rows * mix_fraction)
+            leaving = (rows - keep) // batch_size * batch_size
+            for start in range(0, leaving, batch_size):
+                yield {hook: values[start:start + batch_size] for hook, values in buffer.items()}
+            held, rows = [{hook: values[leaving:] for hook, values in buffer.items()}], rows - leaving
+    if held and rows >= batch_size:
+        buffer = _shuffled(held, generator)
+        for start in range(0, rows // batch_size * batch_size, batch_size):
+            yield {hook: values[start:start + batch_size] for hook, values in buffer.items()}
+
+
+def check_mixing(batch_size: int, buffer_rows: int, mix_fraction: float) -> None:
+    if batch_size < 1 or buffer_rows < batch_size:
+        raise ValueError(f"the mixing buffer ({buffer_rows} rows) must hold at least one batch ({batch_size} rows)")
+    if not 0 <= mix_fraction < 1:
+        raise ValueError(f"mix fraction must be in [0, 1), got {mix_fraction}")
+
+
+def _shuffled(chunks: list[dict[str, torch.Tensor]], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    joined = {hook: torch.cat([c[hook] for c in chunks]) for hook in chunks[0]}
+    order = torch.randperm(len(next(iter(joined.values()))), generator=generator)
+    return {hook: values[order] for hook, values in joined.items()}

@@ -1,0 +1,183 @@
+"""A harvest on disk: shards and the manifest that lists them.
+
+Layouts: ``safetensors`` (one file a shard: each hook's rows [n, width] in the model's dtype, and
+``token_ids``, ``sequence`` (the context's index in the harvest), ``position`` [n]); ``saelens``
+(the directory is a Hugging Face ``datasets`` dataset, one Arrow file a shard, with a column per hook
+of [context, width] per context and ``token_ids``: what SAELens's ``cached_activations_path`` reads).
+A shard is written under a temporary name and renamed, then the manifest (``harvest.json``) is
+rewritten the same way: the manifest lists only complete shards, and a harvest killed at any moment
+resumes after the last one it lists (a shard file it does not list is written again)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from inspector.capture.dtypes import BFLOAT16
+
+MANIFEST = "harvest.json"
+FORMAT = "inspector-harvest/1"
+LAYOUTS = ("safetensors", "saelens")
+
+
+@dataclass
+class Chunk:
+    """Consecutive contexts' rows: hook → [rows, width] (the engine's dtype), and per row its token id,
+    context (``sequence``) and position in it."""
+
+    activations: dict[str, np.ndarray]
+    token_ids: np.ndarray
+    sequence: np.ndarray
+    position: np.ndarray
+    contexts: tuple[int, int]  # first context, how many
+
+    @property
+    def rows(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class NormEstimate:
+    """Per hook, the mean L2 norm of its rows so far: SAELens's scaling factor is sqrt(width) / that."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    rows: int = 0
+
+    def add(self, chunk: Chunk) -> None:
+        for hook, values in chunk.activations.items():
+            norms = np.linalg.norm(values.astype(np.float32), axis=1)
+            self.sums[hook] = self.sums.get(hook, 0.0) + float(norms.sum(dtype=np.float64))
+        self.rows += chunk.rows
+
+    def factors(self, widths: dict[str, int]) -> dict[str, float]:
+        return {hook: math.sqrt(widths[hook]) * self.rows / total for hook, total in self.sums.items() if total > 0}
+
+
+class HarvestDirectory:
+    """The output directory of a harvest: ``open`` checks (or starts) it, ``write`` adds a shard."""
+
+    def __init__(self, out: Path, manifest: dict):
+        self.out, self.manifest = out, manifest
+
+    @classmethod
+    def open(cls, out, settings: dict, widths: dict[str, int], extra: dict) -> "HarvestDirectory":
+        """Resume the harvest in ``out`` if it was started with the same ``settings``; start one in an
+        empty or new directory. ValueError for a directory holding something else."""
+        out = Path(out)
+        if settings["layout"] not in LAYOUTS:
+            raise ValueError(f"format must be one of {LAYOUTS}, got {settings['layout']!r}")
+        path = out / MANIFEST
+        if path.exists():
+            manifest = json.loads(path.read_text())
+            differs = sorted(k for k in settings if manifest.get("settings", {}).get(k) != settings[k])
+            if manifest.get("format") != FORMAT or differs:
+                raise ValueError(f"{out} holds a harvest of other settings ({', '.join(differs) or 'format'} differ): "
+                                 "give another --out, or remove it to start again")
+            return cls(out, manifest)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"{out} exists and is not an empty directory (nor a harvest to resume)")
+        out.mkdir(parents=True, exist_ok=True)
+        manifest = {"format": FORMAT, "settings": settings, "hooks": {h: {"width": w} for h, w in widths.items()},
+                    **extra, "shards": [], "contexts_done": 0, "rows": 0, "norm": {"sums": {}, "rows": 0},
+                    "norm_scaling_factors": {}, "complete": False}
+        directory = cls(out, manifest)
+        directory._save_manifest()
+        return directory
+
+    @property
+    def contexts_done(self) -> int:
+        return self.manifest["contexts_done"]
+
+    @property
+    def rows(self) -> int:
+        return self.manifest["rows"]
+
+    def norm(self) -> NormEstimate:
+        return NormEstimate(dict(self.manifest["norm"]["sums"]), self.manifest["norm"]["rows"])
+
+    def write(self, chunk: Chunk, norm: NormEstimate) -> None:
+        number = len(self.manifest["shards"])
+        if self.manifest["settings"]["layout"] == "saelens":
+            name = self._write_arrow(number, chunk)
+        else:
+            name = f"shard-{number:05d}.safetensors"
+            self._write_safetensors(self.out / name, chunk)
+        first, count = chunk.contexts
+        if first != self.contexts_done:
+            raise RuntimeError(f"shard {number} starts at context {first}, after {self.contexts_done}")
+        self.manifest["shards"].append({"file": name, "rows": chunk.rows, "contexts": [first, count]})
+        self.manifest["contexts_done"] = first + count
+        self.manifest["rows"] += chunk.rows
+        self.manifest["norm"] = {"sums": norm.sums, "rows": norm.rows}
+        self.manifest["norm_scaling_factors"] = norm.factors({h: v["width"] for h, v in self.manifest["hooks"].items()})
+        self._save_manifest()
+
+    def finish(self, complete: bool, why: str) -> None:
+        self.manifest["complete"], self.manifest["stopped_because"] = complete, why
+        self._save_manifest()
+
+    def _save_manifest(self) -> None:
+        _replace_atomically(self.out / MANIFEST, json.dumps(self.manifest, indent=1).encode())
+
+    def _write_safetensors(self, path: Path, chunk: Chunk) -> None:
+        import torch
+        from safetensors.torch import save
+
+        tensors = {hook: as_torch(values) for hook, values in chunk.activations.items()}
+        tensors.update(token_ids=torch.from_numpy(chunk.token_ids.astype(np.int64)),
+                       sequence=torch.from_numpy(chunk.sequence.astype(np.int64)),
+                       position=torch.from_numpy(chunk.position.astype(np.int64)))
+        _replace_atomically(path, save(tensors, metadata={"format": FORMAT}))
+
+    def _write_arrow(self, number: int, chunk: Chunk) -> str:
+        """The shard as one more Arrow file of the dataset in ``out``, and the dataset's state listing
+        the shards written so far (so the directory loads after every shard)."""
+        import datasets
+
+        context = self.manifest["settings"]["context_size"]
+        first, count = chunk.contexts
+        stored = self.manifest["stored_dtype"]
+        hooks = list(chunk.activations)
+        features = datasets.Features({**{h: datasets.Array2D((context, self.manifest["hooks"][h]["width"]), stored)
+                                         for h in hooks},
+                                      "token_ids": datasets.Sequence(datasets.Value("int32"), length=context)})
+        columns = {h: v.astype(stored).reshape(count, context, -1) for h, v in chunk.activations.items()}
+        columns["token_ids"] = chunk.token_ids.astype(np.int32).reshape(count, context)
+        name = f"data-{number:05d}.arrow"
+        with tempfile.TemporaryDirectory(dir=self.out, prefix=".shard-") as scratch:
+            datasets.Dataset.from_dict(columns, features=features).save_to_disk(scratch, num_shards=1)
+            state = json.loads((Path(scratch) / "state.json").read_text())
+            written = Path(scratch) / state["_data_files"][0]["filename"]
+            os.replace(written, self.out / name)
+            shutil.copyfile(Path(scratch) / "dataset_info.json", Path(scratch) / "info")
+            os.replace(Path(scratch) / "info", self.out / "dataset_info.json")
+        files = [{"filename": s["file"]} for s in self.manifest["shards"]] + [{"filename": name}]
+        state = {"_data_files": files, "_fingerprint": f"inspector-harvest-{number:05d}", "_format_columns": None,
+                 "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}
+        _replace_atomically(self.out / "state.json", json.dumps(state, indent=1).encode())
+        return name
+
+
+def as_torch(values: np.ndarray):
+    """A torch tensor of the rows (numpy's bfloat16 is ml_dtypes', which torch reads as its bits)."""
+    import torch
+
+    if values.dtype == BFLOAT16:
+        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(values))
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    scratch = path.with_name(f".{path.name}.partial")
+    with scratch.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(scratch, path)
