@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from inspector.capture.dtypes import ROW_DTYPES
+from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.capture.protocol import BootProgress, SessionOptions
 
 from .corpus import Corpus
@@ -220,7 +220,7 @@ class _Assembler:
             for name, r in rows.items():
                 hook = self.engine.hooks.get(name)
                 if hook is not None:
-                    chunk["activations"][hook][start + r["positions"]] = r["values"]
+                    _copy_rows(chunk["activations"][hook], start, r["positions"], r["values"])
         chunk["token_ids"][start:start + length] = ids
         chunk["in"] += 1
         while self.next_chunk in self.chunks and self.chunks[self.next_chunk]["in"] == self.chunks[self.next_chunk]["of"]:
@@ -254,6 +254,18 @@ class _Assembler:
         self.sink(Chunk({hook: values[:rows][keep] for hook, values in chunk["activations"].items()},
                         token_ids[keep], sequence[keep], position[keep],
                         (self.first + chunk["number"] * self.size, contexts)))
+
+
+def _copy_rows(into: np.ndarray, start: int, positions: np.ndarray, values: np.ndarray) -> None:
+    """``into[start + positions] = values``, as one block copy where the positions run on (as a
+    prefill's do), and as integers for bfloat16 rows (ml_dtypes' type would hold the GIL while it
+    copies, which the engine's thread needs)."""
+    if values.dtype == BFLOAT16:
+        into, values = into.view(np.uint16), values.view(np.uint16)
+    if len(positions) and positions[-1] - positions[0] + 1 == len(positions):
+        into[start + positions[0]:start + positions[-1] + 1] = values
+    else:
+        into[start + positions] = values
 
 
 class _Prefetched:

@@ -1,0 +1,262 @@
+"""Harvest throughput: the same contexts prefilled by vanilla vLLM, harvested to memory and to disk,
+and run through a Hugging Face forward stopped after the hooked layer (not a test).
+
+    packaging/dev bench harvest_bench                                  # CPU: the demo model, float32
+    python3 bench/harvest_bench.py --preset llama3-8b --layers 15 31   # GPU: Llama-3-8B shape, dummy bf16
+
+Per hooked layer L and hook count: vanilla vLLM with the model cut after block L (what the harvest's
+engine runs: no work past the deepest hooked block), then the harvest's engine on the same contexts,
+delivering rows to memory (chunks as torch tensors, what ``inspector.harvest`` mixes into batches) and
+to disk (safetensors shards and the manifest, what ``inspector harvest`` writes), then the disk's own
+bandwidth for the same bytes (one file written and fsynced), then transformers' forward of the same
+model cut after block L at SAELens's default batch (32 contexts), keeping the layer's output on the
+device: what SAELens's ``ActivationsStore`` does through TransformerLens (whose own attention is
+slower than transformers' SDPA, so this baseline flatters SAELens). The corpus is generated, its
+documents tokenized and packed by the harvest itself (on its tokenizer thread) while it runs.
+Tokens/s are medians of ``--reps`` runs; ratios are against vanilla's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plugin_bench import PRESETS, word_tokenizer  # noqa: E402
+
+DEMO = Path(__file__).resolve().parents[1] / "resources" / "demo-model"
+
+
+def model_dir(preset: str) -> tuple[Path, dict, str]:
+    """The model's directory, its engine arguments and dtype. Dummy weights: vanilla vLLM cannot load a
+    checkpoint into a model cut short (the harvest's engine filters the weights; this needs none)."""
+    if preset == "cpu":
+        return DEMO, {"load_format": "dummy"}, "float32"
+    spec = PRESETS[preset][0]
+    path = Path(tempfile.mkdtemp(prefix="harvest-bench-model-"))
+    (path / "config.json").write_text(json.dumps(spec))
+    word_tokenizer(spec["vocab_size"]).save_pretrained(path)
+    return path, {"load_format": "dummy"}, PRESETS[preset][1]
+
+
+def write_corpus(path: Path, tokens: int, vocab: int, words: bool) -> Path:
+    """Documents of 50-400 tokens; ``words``: the word tokenizer's "w<i>" words, else plain letters."""
+    rng = np.random.default_rng(0)
+    lines, total = [], 0
+    while total < tokens * 1.1:
+        n = int(rng.integers(50, 400))
+        ids = rng.integers(2, vocab, n)
+        lines.append(" ".join(f"w{i}" for i in ids) if words else " ".join("abcdefghij"[i % 10] * (1 + i % 5) for i in ids))
+        total += n
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def vanilla_rate(model: Path, engine_args: dict, dtype: str, kept: int, contexts: list[np.ndarray], reps: int,
+                 batched: int, util: float) -> list[float]:
+    from vllm import LLM, SamplingParams
+
+    from inspector.engine.boot import layer_overrides
+    from inspector.engine.environment import engine_precision, prepare_environment
+
+    prepare_environment()
+    engine_precision(dtype)
+    llm = LLM(model=str(model), dtype=dtype, max_model_len=max(len(c) for c in contexts) + 1,
+              max_num_batched_tokens=batched, enable_prefix_caching=False, gpu_memory_utilization=util,
+              hf_overrides=layer_overrides(model, kept), **engine_args)
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    prompts = [{"prompt_token_ids": c.tolist()} for c in contexts]
+    llm.generate(prompts[:64], params, use_tqdm=False)  # warm
+    rates = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        rates.append(sum(map(len, contexts)) / (time.perf_counter() - started))
+    from inspector.plugin import vllm_compat
+
+    vllm_compat.shutdown_engine(llm)
+    return rates
+
+
+def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, out_root: Path) -> dict:
+    """Tokens/s of the harvest's pipeline to memory and to disk, and the disk's bytes/s for its rows."""
+    from inspector.harvesting.shards import HarvestDirectory, NormEstimate, as_torch
+
+    engine.spec = replace(engine.spec, context_size=context_size, tokens=contexts * context_size)
+    rates: dict = {"memory": [], "disk": [], "disk MB/s": [], "raw disk MB/s": []}
+    for rep in range(reps + 1):  # the first is a warm-up
+        delivered = []
+
+        def to_memory(chunk):
+            delivered.append({hook: as_torch(v) for hook, v in chunk.activations.items()})
+
+        started = time.perf_counter()
+        engine.run(engine.contexts(corpus, 0), 0, to_memory, threading.Event())
+        seconds = time.perf_counter() - started
+        rows = sum(len(next(iter(d.values()))) for d in delivered)
+        row_bytes = sum(t[0].numel() * t.element_size() for t in delivered[0].values())
+        del delivered
+        gc.collect()
+        out = out_root / f"disk-{context_size}-{rep}"
+        directory = HarvestDirectory.open(out, {"layout": "safetensors"}, engine.widths, {"stored_dtype": "x"})
+        norm = NormEstimate()
+
+        def to_disk(chunk):
+            norm.add(chunk)
+            directory.write(chunk, norm)
+
+        os.sync()
+        started = time.perf_counter()
+        engine.run(engine.contexts(corpus, 0), 0, to_disk, threading.Event())
+        disk_seconds = time.perf_counter() - started
+        raw = raw_disk_seconds(out_root / "raw.bin", rows * row_bytes)
+        for path in out.iterdir():
+            path.unlink()
+        out.rmdir()
+        if rep:
+            rates["memory"].append(rows / seconds)
+            rates["disk"].append(rows / disk_seconds)
+            rates["disk MB/s"].append(rows * row_bytes / disk_seconds / 1e6)
+            rates["raw disk MB/s"].append(rows * row_bytes / raw / 1e6)
+    rates["row bytes"] = row_bytes
+    return rates
+
+
+def raw_disk_seconds(path: Path, size: int) -> float:
+    """Seconds to write ``size`` bytes to one file and fsync it (the disk's bandwidth for the rows)."""
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    os.sync()
+    started = time.perf_counter()
+    with path.open("wb") as f:
+        left = size
+        while left > 0:
+            f.write(block[:min(left, len(block))])
+            left -= len(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return seconds
+
+
+def hf_rate(model: Path, dtype: str, layer: int, contexts: list[np.ndarray], reps: int, batch: int = 32) -> list[float]:
+    """transformers' forward cut after block ``layer``, ``batch`` contexts at a time, the layer's output
+    kept on the device (SAELens's ActivationsStore, through TransformerLens, does this)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = AutoConfig.from_pretrained(model)
+    config.num_hidden_layers = layer + 1
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    kept = []
+    hf.model.layers[layer].register_forward_hook(lambda m, a, out: kept.append((out[0] if isinstance(out, tuple) else out).detach()))
+    ids = torch.from_numpy(np.stack(contexts)).to(device)
+    rates = []
+    with torch.inference_mode():
+        hf.model(input_ids=ids[:batch])
+        for _ in range(reps):
+            kept.clear()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            for start in range(0, len(ids), batch):
+                hf.model(input_ids=ids[start:start + batch])
+                kept[-1] = kept[-1].clone()  # keep the activations, as the store's buffer does
+                kept.clear()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            rates.append(ids.numel() / (time.perf_counter() - started))
+    del hf, kept
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 3], help="hooked block(s), one engine each")
+    parser.add_argument("--hook-counts", type=int, nargs="+", default=[1, 4],
+                        help="resid_post hooks ending at the layer (1: the layer's; 4: it and the 3 before)")
+    parser.add_argument("--context-sizes", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--tokens", type=int, default=1 << 16, help="tokens per measurement")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--out", default=None, help="where the disk runs write (default: a temporary directory)")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from inspector.harvesting import Corpus, HarvestSpec
+    from inspector.harvesting.run import Engine
+
+    model, engine_args, dtype = model_dir(args.preset)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    corpus = Corpus.open(write_corpus(Path(tempfile.mkdtemp()) / "corpus.txt", args.tokens, vocab,
+                                      words=args.preset != "cpu"))
+    out_root = Path(args.out or tempfile.mkdtemp(prefix="harvest-bench-out-"))
+    out_root.mkdir(parents=True, exist_ok=True)
+    batched, largest = max(8192, max(args.context_sizes)), max(args.context_sizes)
+    util = args.gpu_memory_utilization
+    rows = []
+    print(f"preset {args.preset} ({dtype}), corpus {corpus.documents} documents, {args.tokens} tokens a measurement, "
+          f"{args.reps} reps; engine steps of {batched} tokens", flush=True)
+    for layer in args.layers:
+        contexts_of = {}
+        for count in args.hook_counts:
+            hooks = tuple(f"blocks.{layer - k}.hook_resid_post" for k in range(count) if layer - k >= 0)
+            spec = HarvestSpec(str(model), corpus.path, hooks, context_size=largest, dtype=dtype,
+                               max_num_batched_tokens=batched,
+                               engine_args={**engine_args, "gpu_memory_utilization": util})
+            started = time.perf_counter()
+            engine = Engine(spec)
+            boot = time.perf_counter() - started
+            try:
+                for size in args.context_sizes:
+                    engine.spec = replace(engine.spec, context_size=size, tokens=args.tokens)
+                    contexts_of[size] = list(engine.contexts(corpus, 0))
+                    got = harvest_rates(engine, corpus, size, len(contexts_of[size]), args.reps, out_root)
+                    rows.append((layer, count, size, got))
+                    print(f"layer {layer}, {len(hooks)} hook(s), context {size}: memory "
+                          f"{statistics.median(got['memory']):,.0f} tok/s, disk {statistics.median(got['disk']):,.0f} "
+                          f"tok/s ({statistics.median(got['disk MB/s']):,.0f} MB/s; the disk alone "
+                          f"{statistics.median(got['raw disk MB/s']):,.0f} MB/s) [engine booted in {boot:.0f} s]",
+                          flush=True)
+            finally:
+                engine.close()
+        for size, contexts in contexts_of.items():
+            vanilla = vanilla_rate(model, engine_args, dtype, layer + 1, contexts, args.reps, batched, util)
+            hf = [] if args.skip_hf else hf_rate(model, dtype, layer, contexts, args.reps)
+            print(f"layer {layer}, context {size}: vanilla vLLM cut after the layer {statistics.median(vanilla):,.0f} "
+                  f"tok/s (reps {', '.join(f'{v:,.0f}' for v in vanilla)})"
+                  + (f"; transformers forward cut after it {statistics.median(hf):,.0f} tok/s" if hf else ""), flush=True)
+            for row in rows:
+                if row[0] == layer and row[2] == size:
+                    row[3]["vanilla"], row[3]["hf"] = vanilla, hf
+    print()
+    print("layer  hooks  context   vanilla tok/s   memory tok/s  (x)   disk tok/s  (x)  of disk bound (x)   "
+          "HF tok/s  memory/HF")
+    for layer, count, size, got in rows:
+        v, m, d = (statistics.median(got[k]) for k in ("vanilla", "memory", "disk"))
+        bound = min(v, statistics.median(got["raw disk MB/s"]) * 1e6 / got["row bytes"])  # what the disk allows
+        hf = statistics.median(got["hf"]) if got["hf"] else float("nan")
+        print(f"{layer:5d}  {count:5d}  {size:7d}  {v:14,.0f}  {m:13,.0f} {m / v:5.2f}  {d:11,.0f} {d / v:4.2f}  "
+              f"{bound:13,.0f} {d / bound:4.2f}  {hf:9,.0f}  {m / hf:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
