@@ -212,7 +212,7 @@ def test_a_killed_harvest_resumes_to_rows_that_match_transformers(tmp_path):
     assert (rows["token_ids"].reshape(75, 32)[:, 0] == 0).all()  # each context starts with BOS (id 0)
     assert_rows_match_transformers(DEMO_DIR, rows, 32, "llama")
     for hook in ("blocks.0.hook_resid_post", "blocks.1.hook_resid_post"):
-        mean_norm = np.linalg.norm(rows[hook], axis=1).mean()
+        mean_norm = np.linalg.norm(rows[hook][::8], axis=1).mean()  # a sample: every 8th row of each shard
         assert manifest["norm_scaling_factors"][hook] == pytest.approx(math.sqrt(256) / mean_norm, rel=1e-5)
 
 

@@ -141,12 +141,14 @@ class Engine:
         return max(1, self.spec.chunk_bytes // (row_bytes * self.spec.context_size))
 
     def run(self, contexts: Iterator[np.ndarray], first: int, sink: Callable[[Chunk], None],
-            stop: threading.Event) -> bool:
+            stop: threading.Event, keeps_chunks: bool = True) -> bool:
         """Prefill ``contexts`` (the first is context number ``first``), handing each complete chunk to
         ``sink`` in order (on the assembler's thread). True when the contexts ran out, False when
-        ``stop`` was set (the chunk under way is dropped). Errors of the sink come out here."""
+        ``stop`` was set (the chunk under way is dropped). Errors of the sink come out here. A sink that
+        does not keep the chunks it is given (``keeps_chunks=False``: it writes them) gets its arrays
+        back for later chunks: fresh pages cost more than the copy into them."""
         size = self.chunk_contexts()
-        assembler = _Assembler(self, first, size, sink)
+        assembler = _Assembler(self, first, size, sink, reuse=not keeps_chunks)
         ahead = _Prefetched(contexts, depth=4 * size + 64)
         given: dict[int, np.ndarray] = {}
 
@@ -179,13 +181,16 @@ class Engine:
 class _Assembler:
     """Copies each prefilled context's rows into its chunk's arrays; hands complete chunks on in order."""
 
-    def __init__(self, engine: Engine, first: int, size: int, sink: Callable[[Chunk], None]):
-        self.engine, self.first, self.size, self.sink = engine, first, size, sink
+    def __init__(self, engine: Engine, first: int, size: int, sink: Callable[[Chunk], None], reuse: bool):
+        self.engine, self.first, self.size = engine, first, size
+        self.spare: list[dict] = []  # arrays of chunks the sink is done with, for later ones (``reuse``)
         self.queue: queue.Queue = queue.Queue(maxsize=2 * size + 8)
         self.failed = threading.Event()
         self.error: BaseException | None = None
         self.chunks: dict[int, dict] = {}  # chunk number -> arrays being filled, contexts in
         self.next_chunk = 0
+        # the sink on a thread of its own: a chunk is written while the next one is filled
+        self.out = _SinkThread(sink, self.spare if reuse else None, self.failed)
 
     def put(self, item) -> None:
         while True:
@@ -201,15 +206,19 @@ class _Assembler:
             while (item := self.queue.get()) is not None:
                 if item is _DONE:
                     self._flush_last()
-                    return
+                    break
                 self._place(*item)
         except BaseException as e:  # noqa: BLE001 - handed to the engine's thread
             self.error = e
             self.failed.set()
+        finally:
+            self.out.close()  # the chunks handed on are all through the sink
 
     def raise_failure(self) -> None:
         if self.error is not None:
             raise self.error
+        if self.out.error is not None:
+            raise self.out.error
 
     def _place(self, item, ids: np.ndarray) -> None:
         number, slot = divmod(item.index, self.size)
@@ -229,9 +238,10 @@ class _Assembler:
 
     def _new_chunk(self, number: int) -> dict:
         rows = self.size * self.engine.spec.context_size
-        chunk = {"activations": {hook: np.empty((rows, width), self.engine.row_dtype)
-                                 for hook, width in self.engine.widths.items()},
-                 "token_ids": np.empty(rows, np.int64), "in": 0, "of": self.size, "number": number}
+        arrays = self.spare.pop() if self.spare else {
+            "activations": {hook: np.empty((rows, width), self.engine.row_dtype) for hook, width in self.engine.widths.items()},
+            "token_ids": np.empty(rows, np.int64)}
+        chunk = {**arrays, "in": 0, "of": self.size, "number": number}
         self.chunks[number] = chunk
         return chunk
 
@@ -251,9 +261,49 @@ class _Assembler:
         position = np.tile(np.arange(length), contexts)
         token_ids = chunk["token_ids"][:rows]
         keep = ~np.isin(token_ids, self.engine.special) if len(self.engine.special) else slice(None)
-        self.sink(Chunk({hook: values[:rows][keep] for hook, values in chunk["activations"].items()},
-                        token_ids[keep], sequence[keep], position[keep],
-                        (self.first + chunk["number"] * self.size, contexts)))
+        self.out.put(Chunk({hook: values[:rows][keep] for hook, values in chunk["activations"].items()},
+                           token_ids[keep], sequence[keep], position[keep],
+                           (self.first + chunk["number"] * self.size, contexts)),
+                     {"activations": chunk["activations"], "token_ids": chunk["token_ids"]})
+
+
+class _SinkThread:
+    """Calls the sink with each chunk on a thread of its own, one chunk waiting at most; gives a chunk's
+    arrays to ``spare`` once the sink is done with them (where the sink keeps none)."""
+
+    def __init__(self, sink: Callable[[Chunk], None], spare: list | None, failed: threading.Event):
+        self.sink, self.spare, self.failed = sink, spare, failed
+        self.queue: queue.Queue = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="harvest-sink", daemon=True)
+        self.thread.start()
+
+    def put(self, chunk: Chunk, arrays: dict) -> None:
+        while not self.failed.is_set():
+            try:
+                self.queue.put((chunk, arrays), timeout=0.5)
+                return
+            except queue.Full:
+                pass
+        raise RuntimeError("the harvest's sink failed")
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+    def _loop(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is not None:
+                continue  # drained, not written: the harvest is failing
+            chunk, arrays = item
+            try:
+                self.sink(chunk)
+            except BaseException as e:  # noqa: BLE001 - raised again on the engine's thread
+                self.error = e
+                self.failed.set()
+                continue
+            if self.spare is not None:
+                self.spare.append(arrays)
 
 
 def _copy_rows(into: np.ndarray, start: int, positions: np.ndarray, values: np.ndarray) -> None:

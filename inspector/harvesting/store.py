@@ -63,7 +63,7 @@ def harvest_to_disk(spec: HarvestSpec, out, layout: str = "safetensors",
                                          directory.rows - first_rows))
 
         skip = directory.contexts_done
-        finished = engine.run(engine.contexts(corpus, skip), skip, write, stop or threading.Event())
+        finished = engine.run(engine.contexts(corpus, skip), skip, write, stop or threading.Event(), keeps_chunks=False)
         if finished:
             asked = spec.tokens is None or directory.contexts_done * spec.context_size >= spec.tokens
             why = "done" if asked else f"the corpus ran out after {directory.contexts_done} contexts"
