@@ -6,7 +6,8 @@ and run through a Hugging Face forward stopped after the hooked layer (not a tes
 
 Per hooked layer L and hook count: vanilla vLLM with the model cut after block L (what the harvest's
 engine runs: no work past the deepest hooked block), then the harvest's engine on the same contexts,
-delivering rows to memory (chunks as torch tensors, what ``inspector.harvest`` mixes into batches) and
+delivering rows to memory (chunks as torch tensors, what ``inspector.harvest`` mixes into batches; and
+the shuffled training batches themselves, 4096 rows each, mixed in a buffer of 16 batches) and
 to disk (safetensors shards and the manifest, what ``inspector harvest`` writes), then the disk's own
 bandwidth for the same bytes (one file written and fsynced), then transformers' forward of the same
 model cut after block L at SAELens's default batch (32 contexts), keeping the layer's output on the
@@ -95,19 +96,23 @@ def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, o
     from inspector.harvesting.shards import HarvestDirectory, NormEstimate, as_torch
 
     engine.spec = replace(engine.spec, context_size=context_size, tokens=contexts * context_size)
-    rates: dict = {"memory": [], "disk": [], "disk MB/s": [], "raw disk MB/s": []}
-    for rep in range(reps + 1):  # the first is a warm-up
-        delivered = []
+    from inspector.harvesting.store import Harvest
 
-        def to_memory(chunk):
-            delivered.append({hook: as_torch(v) for hook, v in chunk.activations.items()})
+    rates: dict = {"memory": [], "batches": [], "disk": [], "disk MB/s": [], "raw disk MB/s": []}
+    for rep in range(reps + 1):  # the first is a warm-up
+        rows, row_bytes = 0, sum(engine.widths.values()) * engine.row_dtype.itemsize
+
+        def to_memory(chunk):  # the chunks as the in-memory iterator gets them, let go of at once
+            nonlocal rows
+            rows += len({hook: as_torch(v) for hook, v in chunk.activations.items()}[next(iter(engine.widths))])
 
         started = time.perf_counter()
         engine.run(engine.contexts(corpus, 0), 0, to_memory, threading.Event())
         seconds = time.perf_counter() - started
-        rows = sum(len(next(iter(d.values()))) for d in delivered)
-        row_bytes = sum(t[0].numel() * t.element_size() for t in delivered[0].values())
-        del delivered
+        started = time.perf_counter()  # and shuffled into training batches, as inspector.harvest() delivers them
+        with Harvest(engine.spec, batch_size=4096, engine=engine) as harvest:
+            batched = sum(len(batch[next(iter(engine.widths))]) for batch in harvest)
+        batch_seconds = time.perf_counter() - started
         gc.collect()
         out = out_root / f"disk-{context_size}-{rep}"
         directory = HarvestDirectory.open(out, {"layout": "safetensors"}, engine.widths, {"stored_dtype": "x"})
@@ -127,6 +132,7 @@ def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, o
         out.rmdir()
         if rep:
             rates["memory"].append(rows / seconds)
+            rates["batches"].append(batched / batch_seconds)
             rates["disk"].append(rows / disk_seconds)
             rates["disk MB/s"].append(rows * row_bytes / disk_seconds / 1e6)
             rates["raw disk MB/s"].append(rows * row_bytes / raw / 1e6)
@@ -232,7 +238,8 @@ def main() -> None:
                     got = harvest_rates(engine, corpus, size, len(contexts_of[size]), args.reps, out_root)
                     rows.append((layer, count, size, got))
                     print(f"layer {layer}, {len(hooks)} hook(s), context {size}: memory "
-                          f"{statistics.median(got['memory']):,.0f} tok/s, disk {statistics.median(got['disk']):,.0f} "
+                          f"{statistics.median(got['memory']):,.0f} tok/s (shuffled batches "
+                          f"{statistics.median(got['batches']):,.0f}), disk {statistics.median(got['disk']):,.0f} "
                           f"tok/s ({statistics.median(got['disk MB/s']):,.0f} MB/s; the disk alone "
                           f"{statistics.median(got['raw disk MB/s']):,.0f} MB/s) [engine booted in {boot:.0f} s]",
                           flush=True)
@@ -248,13 +255,14 @@ def main() -> None:
                 if row[0] == layer and row[2] == size:
                     row[3]["vanilla"], row[3]["hf"] = vanilla, hf
     print()
-    print("layer  hooks  context   vanilla tok/s   memory tok/s  (x)   disk tok/s  (x)  of disk bound (x)   "
-          "HF tok/s  memory/HF")
+    print("layer  hooks  context   vanilla tok/s   memory tok/s  (x)  batches tok/s (x)   disk tok/s  (x)  of disk "
+          "bound (x)   HF tok/s  memory/HF")
     for layer, count, size, got in rows:
-        v, m, d = (statistics.median(got[k]) for k in ("vanilla", "memory", "disk"))
+        v, m, b, d = (statistics.median(got[k]) for k in ("vanilla", "memory", "batches", "disk"))
         bound = min(v, statistics.median(got["raw disk MB/s"]) * 1e6 / got["row bytes"])  # what the disk allows
         hf = statistics.median(got["hf"]) if got["hf"] else float("nan")
-        print(f"{layer:5d}  {count:5d}  {size:7d}  {v:14,.0f}  {m:13,.0f} {m / v:5.2f}  {d:11,.0f} {d / v:4.2f}  "
+        print(f"{layer:5d}  {count:5d}  {size:7d}  {v:14,.0f}  {m:13,.0f} {m / v:5.2f}  {b:13,.0f} {b / v:4.2f}  "
+              f"{d:11,.0f} {d / v:4.2f}  "
               f"{bound:13,.0f} {d / bound:4.2f}  {hf:9,.0f}  {m / hf:9.2f}")
 
 

@@ -239,7 +239,7 @@ class _Assembler:
     def _new_chunk(self, number: int) -> dict:
         rows = self.size * self.engine.spec.context_size
         arrays = self.spare.pop() if self.spare else {
-            "activations": {hook: np.empty((rows, width), self.engine.row_dtype) for hook, width in self.engine.widths.items()},
+            "activations": {hook: _host_rows(rows, width, self.engine.row_dtype) for hook, width in self.engine.widths.items()},
             "token_ids": np.empty(rows, np.int64)}
         chunk = {**arrays, "in": 0, "of": self.size, "number": number}
         self.chunks[number] = chunk
@@ -304,6 +304,20 @@ class _SinkThread:
                 continue
             if self.spare is not None:
                 self.spare.append(arrays)
+
+
+def _host_rows(rows: int, width: int, dtype: np.dtype) -> np.ndarray:
+    """Memory for a chunk's rows of a hook. Where there is a GPU, pinned memory from torch's caching
+    host allocator: the blocks of chunks their consumer let go of come back already mapped (fresh pages
+    for every chunk held a 4-hook harvest on the H200 to 0.7-0.8x of vanilla), and a consumer's copy
+    to the GPU is direct."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return np.empty((rows, width), dtype)
+    kind = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16, BFLOAT16: torch.bfloat16}[dtype]
+    block = torch.empty((rows, width), dtype=kind, pin_memory=True)
+    return block.view(torch.int16).numpy().view(BFLOAT16) if kind == torch.bfloat16 else block.numpy()
 
 
 def _copy_rows(into: np.ndarray, start: int, positions: np.ndarray, values: np.ndarray) -> None:

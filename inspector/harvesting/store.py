@@ -110,13 +110,16 @@ class Harvest:
 
     def __init__(self, spec: HarvestSpec, batch_size: int = 4096, buffer_rows: int | None = None,
                  mix_fraction: float = 0.5, device="cpu", seed: int = 0,
-                 boot: Callable[[BootProgress], None] | None = None):
+                 boot: Callable[[BootProgress], None] | None = None, engine: Engine | None = None):
+        """``engine``: one booted already for ``spec`` (benchmarks run several harvests on one); it is
+        left open on ``close``."""
         self.spec = spec.checked()
         self.batch_size, self.buffer_rows = batch_size, buffer_rows or 16 * batch_size
         self.mix_fraction, self.device, self.seed = mix_fraction, device, seed
         check_mixing(batch_size, self.buffer_rows, mix_fraction)  # before the boot
         self.corpus = Corpus.open(spec.corpus)
-        self.engine = Engine(spec, boot)
+        self._owns_engine = engine is None
+        self.engine = engine or Engine(spec, boot)
         self.norm = NormEstimate()
         self._chunks: queue.Queue = queue.Queue(maxsize=2)
         self._stop = threading.Event()
@@ -153,7 +156,8 @@ class Harvest:
                     self._chunks.get(timeout=0.1)
                 except queue.Empty:
                     pass
-        self.engine.close()
+        if self._owns_engine:
+            self.engine.close()
 
     def __enter__(self):
         return self
