@@ -12,7 +12,8 @@ to disk (safetensors shards and the manifest, what ``inspector harvest`` writes)
 bandwidth for the same bytes (one file written and fsynced), then transformers' forward of the same
 model cut after block L at SAELens's default batch (32 contexts), keeping the layer's output on the
 device: what SAELens's ``ActivationsStore`` does through TransformerLens (whose own attention is
-slower than transformers' SDPA, so this baseline flatters SAELens). The corpus is generated, its
+slower than transformers' SDPA, so this baseline flatters SAELens); with ``--saelens`` (the demo model,
+converted to TransformerLens), SAELens's ``ActivationsStore`` itself. The corpus is generated, its
 documents tokenized and packed by the harvest itself (on its tokenizer thread) while it runs.
 Tokens/s are medians of ``--reps`` runs; ratios are against vanilla's median.
 """
@@ -193,6 +194,43 @@ def hf_rate(model: Path, dtype: str, layer: int, contexts: list[np.ndarray], rep
     return rates
 
 
+def saelens_rate(model: Path, corpus, layer: int, context_size: int, tokens: int, reps: int) -> list[float]:
+    """Tokens/s of SAELens's ActivationsStore (its forward through TransformerLens, stopped after the
+    layer, 32 contexts a batch) on the same corpus: the demo model converted to TransformerLens."""
+    import datasets
+    import torch
+    from sae_lens.training.activations_store import ActivationsStore
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    c = hf.config
+    cfg = HookedTransformerConfig(
+        d_model=c.hidden_size, d_head=c.head_dim, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, d_vocab=c.vocab_size, act_fn="silu",
+        normalization_type="RMS", eps=c.rms_norm_eps, positional_embedding_type="rotary", rotary_dim=c.head_dim,
+        rotary_base=c.rope_parameters["rope_theta"], final_rms=True, gated_mlp=True,
+        n_key_value_heads=c.num_key_value_heads, original_architecture="LlamaForCausalLM", dtype=torch.float32)
+    tl = HookedTransformer(cfg, tokenizer=AutoTokenizer.from_pretrained(model))
+    tl.load_state_dict(convert_llama_weights(hf, cfg), strict=False)
+    texts = datasets.Dataset.from_dict({"text": list(corpus.texts())})
+    batch = 32
+    rates = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        store = ActivationsStore(tl, texts, streaming=False, hook_name=f"blocks.{layer}.hook_resid_post",
+                                 hook_head_index=None, context_size=context_size, d_in=c.hidden_size,
+                                 n_batches_in_buffer=4, total_training_tokens=tokens, store_batch_size_prompts=batch,
+                                 train_batch_size_tokens=4096, prepend_bos=True, normalize_activations="none",
+                                 device=torch.device("cpu"), dtype="float32")
+        started = time.perf_counter()
+        done = 0
+        while done < tokens:
+            done += len(store.get_raw_llm_batch()[0])
+        rates.append(done / (time.perf_counter() - started))
+    return rates[1:]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -205,6 +243,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--out", default=None, help="where the disk runs write (default: a temporary directory)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--saelens", action="store_true",
+                        help="also SAELens's ActivationsStore through TransformerLens (the cpu preset's demo model)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from inspector.harvesting import Corpus, HarvestSpec
@@ -248,22 +288,25 @@ def main() -> None:
         for size, contexts in contexts_of.items():
             vanilla = vanilla_rate(model, engine_args, dtype, layer + 1, contexts, args.reps, batched, util)
             hf = [] if args.skip_hf else hf_rate(model, dtype, layer, contexts, args.reps)
+            sl = saelens_rate(model, corpus, layer, size, args.tokens, args.reps) if args.saelens else []
             print(f"layer {layer}, context {size}: vanilla vLLM cut after the layer {statistics.median(vanilla):,.0f} "
                   f"tok/s (reps {', '.join(f'{v:,.0f}' for v in vanilla)})"
-                  + (f"; transformers forward cut after it {statistics.median(hf):,.0f} tok/s" if hf else ""), flush=True)
+                  + (f"; transformers forward cut after it {statistics.median(hf):,.0f} tok/s" if hf else "")
+                  + (f"; SAELens's ActivationsStore {statistics.median(sl):,.0f} tok/s" if sl else ""), flush=True)
             for row in rows:
                 if row[0] == layer and row[2] == size:
-                    row[3]["vanilla"], row[3]["hf"] = vanilla, hf
+                    row[3]["vanilla"], row[3]["hf"], row[3]["saelens"] = vanilla, hf, sl
     print()
     print("layer  hooks  context   vanilla tok/s   memory tok/s  (x)  batches tok/s (x)   disk tok/s  (x)  of disk "
-          "bound (x)   HF tok/s  memory/HF")
+          "bound (x)   HF tok/s  memory/HF  SAELens tok/s  memory/SAELens")
     for layer, count, size, got in rows:
         v, m, b, d = (statistics.median(got[k]) for k in ("vanilla", "memory", "batches", "disk"))
         bound = min(v, statistics.median(got["raw disk MB/s"]) * 1e6 / got["row bytes"])  # what the disk allows
         hf = statistics.median(got["hf"]) if got["hf"] else float("nan")
+        sl = statistics.median(got["saelens"]) if got["saelens"] else float("nan")
         print(f"{layer:5d}  {count:5d}  {size:7d}  {v:14,.0f}  {m:13,.0f} {m / v:5.2f}  {b:13,.0f} {b / v:4.2f}  "
               f"{d:11,.0f} {d / v:4.2f}  "
-              f"{bound:13,.0f} {d / bound:4.2f}  {hf:9,.0f}  {m / hf:9.2f}")
+              f"{bound:13,.0f} {d / bound:4.2f}  {hf:9,.0f}  {m / hf:9.2f}  {sl:13,.0f}  {m / sl:14.2f}")
 
 
 if __name__ == "__main__":
