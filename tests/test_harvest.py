@@ -215,6 +215,17 @@ def test_a_killed_harvest_resumes_to_rows_that_match_transformers(tmp_path):
         mean_norm = np.linalg.norm(rows[hook][::8], axis=1).mean()  # a sample: every 8th row of each shard
         assert manifest["norm_scaling_factors"][hook] == pytest.approx(math.sqrt(256) / mean_norm, rel=1e-5)
 
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)  # finished: no engine boots
+    assert done.returncode == 0 and "[ready]" not in done.stderr, done.stderr[-2000:]
+    longer = [*command[:command.index("--tokens") + 1], "3200", *command[command.index("--tokens") + 2:]]
+    further = subprocess.run(longer + ["--json"], capture_output=True, text=True, timeout=600)
+    assert further.returncode == 0, further.stderr[-2000:]
+    extended = json.loads(further.stdout)
+    assert extended["complete"] and extended["contexts_done"] == 100 and extended["shards"][:75] == manifest["shards"]
+    assert np.array_equal(shard_rows(out)["blocks.1.hook_resid_post"][:2400], rows["blocks.1.hook_resid_post"])
+    other = subprocess.run([*command, "--context-size", "16"], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 1 and "other settings (context_size differ)" in other.stderr
+
 
 @pytest.mark.slow
 def test_saelens_reads_and_trains_from_the_saelens_layout(tmp_path):

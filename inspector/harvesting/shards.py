@@ -65,6 +65,24 @@ class NormEstimate:
         return {hook: math.sqrt(widths[hook]) * self.rows / total for hook, total in self.sums.items() if total > 0}
 
 
+def earlier_manifest(out: Path, settings: dict) -> dict | None:
+    """The manifest of the harvest in ``out`` to resume, None where ``out`` is new or empty. ValueError
+    where it holds anything else, or a harvest of other settings (the tokens asked for aside: a
+    harvest can be taken further)."""
+    path = out / MANIFEST
+    if path.exists():
+        manifest = json.loads(path.read_text())
+        earlier = manifest.get("settings", {})
+        differs = sorted(k for k in settings if k != "tokens" and earlier.get(k) != settings[k])
+        if manifest.get("format") != FORMAT or differs:
+            raise ValueError(f"{out} holds a harvest of other settings ({', '.join(differs) or 'format'} differ): "
+                             "give another --out, or remove it to start again")
+        return manifest
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty directory (nor a harvest to resume)")
+    return None
+
+
 class HarvestDirectory:
     """The output directory of a harvest: ``open`` checks (or starts) it, ``write`` adds a shard."""
 
@@ -78,16 +96,10 @@ class HarvestDirectory:
         out = Path(out)
         if settings["layout"] not in LAYOUTS:
             raise ValueError(f"format must be one of {LAYOUTS}, got {settings['layout']!r}")
-        path = out / MANIFEST
-        if path.exists():
-            manifest = json.loads(path.read_text())
-            differs = sorted(k for k in settings if manifest.get("settings", {}).get(k) != settings[k])
-            if manifest.get("format") != FORMAT or differs:
-                raise ValueError(f"{out} holds a harvest of other settings ({', '.join(differs) or 'format'} differ): "
-                                 "give another --out, or remove it to start again")
+        manifest = earlier_manifest(out, settings)
+        if manifest is not None:
+            manifest["settings"]["tokens"] = settings["tokens"]
             return cls(out, manifest)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ValueError(f"{out} exists and is not an empty directory (nor a harvest to resume)")
         out.mkdir(parents=True, exist_ok=True)
         manifest = {"format": FORMAT, "settings": settings, "hooks": {h: {"width": w} for h, w in widths.items()},
                     **extra, "shards": [], "contexts_done": 0, "rows": 0, "norm": {"sums": {}, "rows": 0},

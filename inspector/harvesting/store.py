@@ -3,7 +3,6 @@ in memory (``harvest``, the way SAELens's ``ActivationsStore`` feeds its trainer
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -20,7 +19,7 @@ from inspector.capture.protocol import BootProgress
 from .corpus import Corpus
 from .mixing import check_mixing, mixed_batches
 from .run import Engine, HarvestSpec
-from .shards import LAYOUTS, MANIFEST, Chunk, HarvestDirectory, NormEstimate, as_torch
+from .shards import LAYOUTS, Chunk, HarvestDirectory, NormEstimate, as_torch, earlier_manifest
 
 
 @dataclass(frozen=True)
@@ -45,13 +44,13 @@ def harvest_to_disk(spec: HarvestSpec, out, layout: str = "safetensors",
                          "tokens' rows when it trains): leave out --exclude-special")
     corpus = Corpus.open(spec.corpus)
     settings = spec.settings(corpus, layout)
-    _check_target(Path(out), settings)
+    earlier = earlier_manifest(Path(out), settings)  # refused before the engine boots
+    if earlier is not None and _nothing_left(earlier, spec):
+        return earlier
     engine = Engine(spec, boot)
     try:
         stored = "float32" if layout == "saelens" and engine.row_dtype == BFLOAT16 else np.dtype(engine.row_dtype).name
         directory = HarvestDirectory.open(out, settings, engine.widths, _description(engine, corpus, stored))
-        if directory.manifest["complete"]:
-            return directory.manifest
         norm, started, first_rows = directory.norm(), time.perf_counter(), directory.rows
         total = spec.tokens
 
@@ -75,17 +74,14 @@ def harvest_to_disk(spec: HarvestSpec, out, layout: str = "safetensors",
         engine.close()
 
 
-def _check_target(out: Path, settings: dict) -> None:
-    """Before the engine boots: a directory that holds a harvest of other settings is refused."""
-    path = out / MANIFEST
-    if path.exists():
-        earlier = json.loads(path.read_text()).get("settings", {})
-        differs = sorted(k for k in settings if earlier.get(k) != settings[k])
-        if differs:
-            raise ValueError(f"{out} holds a harvest of other settings ({', '.join(differs)} differ): give another "
-                             "--out, or remove it to start again")
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out} exists and is not an empty directory (nor a harvest to resume)")
+def _nothing_left(manifest: dict, spec: HarvestSpec) -> bool:
+    """A finished harvest that this one would not take further (more tokens asked of a corpus not
+    used up take it further)."""
+    if not manifest["complete"]:
+        return False
+    if manifest["stopped_because"] != "done" or manifest["settings"]["tokens"] is None:
+        return True  # the corpus is used up
+    return spec.tokens is not None and manifest["contexts_done"] * spec.context_size >= spec.tokens
 
 
 def _description(engine: Engine, corpus: Corpus, stored: str) -> dict:
