@@ -64,6 +64,20 @@ def assert_rows_match_transformers(model_dir, rows: dict[str, np.ndarray], conte
             assert error.max() < RELATIVE, (hook, c, error.max())
 
 
+def signalled(command: list[str], out: Path, shards: int, sig: int) -> subprocess.Popen:
+    """The harvest command, sent ``sig`` once its manifest lists ``shards`` shards; ended."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and child.poll() is None:
+        manifest = json.loads((out / "harvest.json").read_text()) if (out / "harvest.json").exists() else {}
+        if len(manifest.get("shards", [])) >= shards:
+            child.send_signal(sig)
+            break
+        time.sleep(0.05)
+    child.wait(timeout=120)
+    return child
+
+
 # --- without an engine ---
 
 def test_contexts_are_packed_as_saelens_packs_them():
@@ -186,23 +200,20 @@ def test_a_killed_harvest_resumes_to_rows_that_match_transformers(tmp_path):
     command = [sys.executable, "-m", "inspector.cli", "harvest", "--model", str(DEMO_DIR), "--corpus", str(corpus),
                "--hooks", "blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "--context-size", "32",
                "--tokens", "2400", "--out", str(out), "--shard-mb", "0"]
-    # --shard-mb 0: a shard a context, so that there is a shard to kill the harvest after
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and child.poll() is None:
-        manifest = json.loads((out / "harvest.json").read_text()) if (out / "harvest.json").exists() else {}
-        if len(manifest.get("shards", [])) >= 3:
-            child.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL, child.stderr.read()[-2000:]
-    killed = json.loads((out / "harvest.json").read_text())
-    assert not killed["complete"] and 3 <= len(killed["shards"]) < 75
+    # --shard-mb 0: a shard a context, so that there are shards to stop the harvest after
+    interrupted = signalled(command, out, 2, signal.SIGINT)  # Ctrl-C: the shard under way is dropped
+    assert interrupted.returncode == 130, interrupted.stderr.read()[-2000:]
+    stopped = json.loads((out / "harvest.json").read_text())
+    assert not stopped["complete"] and stopped["stopped_because"] == "stopped" and len(stopped["shards"]) >= 2
+    killed = signalled(command, out, len(stopped["shards"]) + 3, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.read()[-2000:]
+    manifest = json.loads((out / "harvest.json").read_text())
+    assert not manifest["complete"] and len(stopped["shards"]) + 3 <= len(manifest["shards"]) < 75
+    assert manifest["shards"][:len(stopped["shards"])] == stopped["shards"]
 
     finished = subprocess.run(command + ["--json"], capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-2000:]
-    assert "resum" in finished.stderr or "tokens/s" in finished.stderr
+    assert f"resuming {out} after {manifest['contexts_done']} contexts" in finished.stderr
     manifest = json.loads(finished.stdout)
     assert manifest["complete"] and manifest["contexts_done"] == math.ceil(2400 / 32) == len(manifest["shards"])
     assert manifest["kept_layers"] == 2 and manifest["rows"] == 2400

@@ -51,6 +51,9 @@ def harvest_to_disk(spec: HarvestSpec, out, layout: str = "safetensors",
     try:
         stored = "float32" if layout == "saelens" and engine.row_dtype == BFLOAT16 else np.dtype(engine.row_dtype).name
         directory = HarvestDirectory.open(out, settings, engine.widths, _description(engine, corpus, stored))
+        if directory.contexts_done and boot:
+            boot(BootProgress("ready", f"resuming {out} after {directory.contexts_done} contexts "
+                                          f"({len(directory.manifest['shards'])} shards)"))
         norm, started, first_rows = directory.norm(), time.perf_counter(), directory.rows
         total = spec.tokens
 
