@@ -571,12 +571,14 @@ def _describe(llm) -> tuple[list[HookPoint], dict[str, HookPoint], str, dict[str
 
 
 def _sampling_params(s: Sampling):
+    """vLLM's parameters for ``s``. Not detokenised by vLLM: the session makes each token's text once
+    (``_text``), where vLLM's detokeniser works per request and token on the engine's step."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     try:
         return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                               top_k=s.top_k if s.top_k > 0 else -1, seed=s.seed, logprobs=s.logprobs or None,
-                              ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA)
+                              ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA, detokenize=False)
     except Exception as e:  # noqa: BLE001 - vLLM's rules beyond ours (its errors are not all ValueErrors)
         raise ValueError(f"sampling refused: {e}") from None
