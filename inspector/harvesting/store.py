@@ -3,6 +3,7 @@ in memory (``harvest``, the way SAELens's ``ActivationsStore`` feeds its trainer
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -55,7 +56,7 @@ def harvest_to_disk(spec: HarvestSpec, out, layout: str = "safetensors",
             boot(BootProgress("ready", f"resuming {out} after {directory.contexts_done} contexts "
                                           f"({len(directory.manifest['shards'])} shards)"))
         norm, started, first_rows = directory.norm(), time.perf_counter(), directory.rows
-        total = spec.tokens
+        total = math.ceil(spec.tokens / spec.context_size) * spec.context_size if spec.tokens else None  # whole contexts
 
         def write(chunk: Chunk) -> None:
             norm.add(chunk)
