@@ -182,12 +182,11 @@ def hf_rate(model: Path, dtype: str, layer: int, contexts: list[np.ndarray], rep
             started = time.perf_counter()
             for start in range(0, len(ids), batch):
                 hf.model(input_ids=ids[start:start + batch])
-                kept[-1] = kept[-1].clone()  # keep the activations, as the store's buffer does
-                kept.clear()
+                kept.pop().clone()  # the activations copied out, as into the store's buffer
             if device == "cuda":
                 torch.cuda.synchronize()
             rates.append(ids.numel() / (time.perf_counter() - started))
-    del hf, kept
+    del hf
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -7,7 +7,6 @@ in-memory iterator."""
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys

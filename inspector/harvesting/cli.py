@@ -4,7 +4,6 @@ same command resumes)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
