@@ -64,8 +64,9 @@ def test_layer_imports_only_what_it_may(layer):
 
 
 def test_the_app_window_loads_neither_torch_nor_vllm():
-    code = "import inspector.ui.main_window, inspector.ui.app, sys; print(sorted(m for m in ('torch', 'vllm') " \
-           "if m in sys.modules))"
+    # inspector.cli is the app's entry point: the commands it parses must not load the engine either
+    code = "import inspector.ui.main_window, inspector.ui.app, inspector.cli, sys; print(sorted(m for m in " \
+           "('torch', 'vllm') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={"QT_QPA_PLATFORM": "offscreen", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]

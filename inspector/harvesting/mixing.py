@@ -5,15 +5,18 @@ rows are shuffled by one permutation, so a batch's rows of two hooks are the sam
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-import torch
+if TYPE_CHECKING:  # torch is imported when batches are made: the app's process, which parses the
+    import torch   # command line (inspector.cli imports this package), must not load it
 
 
 def mixed_batches(chunks: Iterable[dict[str, torch.Tensor]], batch_size: int, buffer_rows: int,
                   mix_fraction: float = 0.5, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
     """Batches (hook → [batch_size, width]) from chunks (hook → [rows, width]); when the chunks end,
     what is left is shuffled and leaves in full batches (fewer rows than a batch are dropped)."""
+    import torch
+
     check_mixing(batch_size, buffer_rows, mix_fraction)
     generator = torch.Generator().manual_seed(seed)
     held: list[dict[str, torch.Tensor]] = []
@@ -42,6 +45,8 @@ def check_mixing(batch_size: int, buffer_rows: int, mix_fraction: float) -> None
 
 
 def _shuffled(chunks: list[dict[str, torch.Tensor]], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    import torch
+
     joined = {hook: torch.cat([c[hook] for c in chunks]) for hook in chunks[0]}
     order = torch.randperm(len(next(iter(joined.values()))), generator=generator)
     return {hook: values[order] for hook, values in joined.items()}
