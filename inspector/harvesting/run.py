@@ -193,13 +193,7 @@ class _Assembler:
         self.out = _SinkThread(sink, self.spare if reuse else None, self.failed)
 
     def put(self, item) -> None:
-        while True:
-            try:
-                self.queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                if self.failed.is_set():
-                    return
+        put_unless(self.queue, item, self.failed)
 
     def loop(self) -> None:
         try:
@@ -279,13 +273,8 @@ class _SinkThread:
         self.thread.start()
 
     def put(self, chunk: Chunk, arrays: dict) -> None:
-        while not self.failed.is_set():
-            try:
-                self.queue.put((chunk, arrays), timeout=0.5)
-                return
-            except queue.Full:
-                pass
-        raise RuntimeError("the harvest's sink failed")
+        if not put_unless(self.queue, (chunk, arrays), self.failed):
+            raise RuntimeError("the harvest's sink failed")
 
     def close(self) -> None:
         self.queue.put(None)
@@ -304,6 +293,18 @@ class _SinkThread:
                 continue
             if self.spare is not None:
                 self.spare.append(arrays)
+
+
+def put_unless(into: queue.Queue, item, given_up: threading.Event) -> bool:
+    """Put ``item`` into a bounded queue, waiting for room unless ``given_up`` is set meanwhile (then
+    False): a thread handing work on must not wait for a consumer that has stopped."""
+    while True:
+        try:
+            into.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            if given_up.is_set():
+                return False
 
 
 def _host_rows(rows: int, width: int, dtype: np.dtype) -> np.ndarray:
@@ -345,13 +346,7 @@ class _Prefetched:
     def _fill(self, source) -> None:
         try:
             for item in source:
-                while not self.closed.is_set():
-                    try:
-                        self.queue.put(item, timeout=0.5)
-                        break
-                    except queue.Full:
-                        pass
-                if self.closed.is_set():
+                if not put_unless(self.queue, item, self.closed) or self.closed.is_set():
                     return
         except BaseException as e:  # noqa: BLE001 - raised again on the engine's thread
             self.error = e

@@ -19,7 +19,7 @@ from inspector.capture.protocol import BootProgress
 
 from .corpus import Corpus
 from .mixing import check_mixing, mixed_batches
-from .run import Engine, HarvestSpec
+from .run import Engine, HarvestSpec, put_unless
 from .shards import LAYOUTS, Chunk, HarvestDirectory, NormEstimate, as_torch, earlier_manifest
 
 
@@ -178,12 +178,7 @@ class Harvest:
         self._put(chunk)
 
     def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._chunks.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                pass
+        put_unless(self._chunks, item, self._stop)
 
     def _tensors(self) -> Iterator[dict]:
         while (chunk := self._chunks.get()) is not None:
