@@ -121,6 +121,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
 
     from inspector.engine.boot import boot_llm
 
+    plugin_s = time_plugin_hooks() if config.hooks else {}
     _, dtype, max_batched, prompt_len, _ = PRESETS[preset]
     extra = dict(extra)
     dtype = extra.pop("dtype", dtype)
@@ -184,6 +185,9 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             drain(finishing=True)
             conn.send(seconds)
             continue
+        if msg[0] == "profile":
+            conn.send(profile_prefills(msg[1], msg[2], f"{run_no}", add, engine, drain, plugin_s, cuda))
+            continue
         if msg[0] != "run":
             break
         _, batch, new_tokens = msg
@@ -214,6 +218,65 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
     conn.close()
 
 
+LAUNCHES = {"cudaLaunchKernel": "kernels", "cudaLaunchKernelExC": "kernels", "cuLaunchKernel": "kernels",
+            "cuLaunchKernelEx": "kernels", "cudaGraphLaunch": "graphs", "cudaMemcpyAsync": "copies"}
+
+
+def time_plugin_hooks() -> dict[str, float]:
+    """Seconds spent in the plugin's host work around each forward, by method (the engine runs in this
+    process: its runtime's class is patched here)."""
+    from inspector.plugin.runtime import InspectorRuntime
+
+    spent: dict[str, float] = {}
+    for name in ("before_forward", "after_forward", "on_logits"):
+        original = getattr(InspectorRuntime, name)
+
+        def timed(self, *args, _original=original, _name=name, **kwargs):
+            t = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
+        setattr(InspectorRuntime, name, timed)
+    return spent
+
+
+def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, plugin_s: dict, cuda: bool) -> dict:
+    """``count`` single-request prefills timed as they run (host time a step, the plugin's share of it),
+    then ``count`` more under torch's profiler (GPU time a forward, launches a step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prefills(prefix: str) -> tuple[float, int]:
+        seconds, steps = 0.0, 0
+        for i in range(count):
+            add([f"{tag}-{prefix}{i}"], params, capture=capture)
+            while engine.has_unfinished_requests():
+                t = time.perf_counter()
+                engine.step()
+                seconds, steps = seconds + time.perf_counter() - t, steps + 1
+                drain(finishing=False)
+            drain(finishing=True)
+        return seconds, steps
+
+    plugin_s.clear()
+    seconds, steps = prefills("t")
+    out = {"host_ms_per_step": 1000 * seconds / steps,
+           "plugin_ms_per_step": {k: 1000 * v / steps for k, v in plugin_s.items()}}
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        _, steps = prefills("p")
+        if cuda:
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    out["gpu_ms_per_forward"] = sum(e.self_device_time_total for e in averages) / 1000 / count
+    for key, kind in LAUNCHES.items():
+        out[kind] = out.get(kind, 0) + sum(e.count for e in averages if e.key == key) / steps
+    return out
+
+
 def use_caches(root: str) -> None:
     """Compiler caches under ``root``: a fresh one per configuration, so that no boot profits from
     another's compiled kernels."""
@@ -242,6 +305,9 @@ def main() -> None:
     parser.add_argument("--no-warm-boots", action="store_true", help="boot each configuration once (cold caches)")
     parser.add_argument("--prefills", type=int, default=16,
                         help="single-request prefills a rep for each configuration, taken in turn with the others")
+    parser.add_argument("--profile-prefills", type=int, default=0,
+                        help="after the reps: this many single-request prefills timed, and as many under torch's "
+                             "profiler, per configuration (capture on and off for the hooked ones)")
     args = parser.parse_args()
 
     path, extra = model_dir(args.preset)
@@ -291,9 +357,22 @@ def main() -> None:
                     conn.send(("prefill", capture))
                     (singles if capture else uncaptured)[name].append(receive(conn, proc))
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
+    profiles = {}
+    for name, (proc, conn) in workers.items() if args.profile_prefills else ():
+        for capture in (True, False) if CONFIGS[name].hooks else (True,):
+            conn.send(("profile", args.profile_prefills, capture))
+            profiles[name if capture else f"{name}, capture off"] = receive(conn, proc)
     for proc, conn in workers.values():
         conn.send(("stop",))
         proc.join(timeout=120)
+    if profiles:
+        print(f"\nsingle-request prefills of {prompt_len} tokens, {args.profile_prefills} timed and "
+              f"{args.profile_prefills} under torch's profiler, per configuration:")
+        for name, got in profiles.items():
+            plugin = ", ".join(f"{k} {v:.3f}" for k, v in got["plugin_ms_per_step"].items())
+            print(f"  {name:22s} host {got['host_ms_per_step']:.2f} ms a step ({plugin or 'no plugin'}); GPU "
+                  f"{got['gpu_ms_per_forward']:.2f} ms a forward; a step launches {got.get('kernels', 0):.0f} kernels, "
+                  f"{got.get('graphs', 0):.1f} graphs, {got.get('copies', 0):.0f} copies")
 
     def med(name, run, key):
         return statistics.median(r[key] for r in results[(name, run)])

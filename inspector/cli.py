@@ -144,7 +144,6 @@ class TerminalProgress:
 
 
 def capture(args) -> int:
-    from inspector.io import CaptureWriter
     from inspector.io.writer import check_target
 
     prompts = list(args.prompt or [])
@@ -197,24 +196,9 @@ def capture(args) -> int:
         lens_hooks = {name for name, p in session.installed.items() if p.kind in RESIDUAL_KINDS} if args.lens else set()
         if args.lens and not lens_hooks:
             raise ValueError("--lens reads the residual stream: capture a resid_pre, resid_mid or resid_post hook")
-        with CaptureWriter(out, session.run.metadata, session.installed) as writer:
-            named: set[int] = set()  # token ids whose texts the file holds (the lens names them)
-            total, done = args.max_tokens * len(prompts) * (2 if args.compare else 1), 0
-            progress.tokens(0, total)
-            for event in events:
-                for start in event.started:
-                    writer.add_request(session.run.requests[start.request_id])
-                for step in event.requests:
-                    for hook, rows in step.rows.items():
-                        writer.append_rows(step.request_id, hook, *rows)
-                    for name, features in step.features.items():
-                        writer.append_features(step.request_id, name, *features)
-                    if step.finished:
-                        writer.update_request(session.run.requests[step.request_id])
-                    done += len(step.new_token_ids)
-                if lens_hooks:
-                    write_lens(session, writer, event, lens_hooks, args.lens, named)
-                progress.tokens(min(done, total), total)
+        total = args.max_tokens * len(prompts) * (2 if args.compare else 1)
+        record(session, events, out, lambda done: progress.tokens(min(done, total), total),
+               lens_hooks=lens_hooks, lens_k=args.lens)
         summary = {
             "out": str(out.resolve()),
             "model": str(session.run.metadata["model_path"]),
@@ -375,7 +359,38 @@ def patch(args) -> int:
     return 0
 
 
-def write_lens(session, writer, event, hooks: set[str], k: int, named: set[int]) -> None:
+def record(session: SessionProtocol, events, out: Path, progress=lambda tokens: None, lens_hooks=frozenset(),
+           lens_k: int = 0) -> Path:
+    """Write ``events`` of ``session`` into the capture file ``out`` as they come: the file is written
+    on a thread of its own (``BackgroundWriter``), so the engine's thread only hands each step's rows
+    over, in bulk where the step came so. ``progress`` hears the tokens generated so far."""
+    from inspector.io import CaptureWriter
+    from inspector.io.background import BackgroundWriter
+
+    with BackgroundWriter(CaptureWriter(out, session.run.metadata, session.installed)) as file:
+        named: set[int] = set()  # token ids whose texts the file holds (the lens names them)
+        done = 0
+        progress(0)
+        for event in events:
+            for start in event.started:
+                file.call("add_request", session.run.requests[start.request_id])
+            if event.blocks is not None:
+                file.call("append_blocks", event.blocks, nbytes=event.blocks.nbytes)
+            for step in event.requests:
+                for hook, rows in (step.rows.items() if event.blocks is None else ()):
+                    file.call("append_rows", step.request_id, hook, *rows, nbytes=rows[2].nbytes)
+                for name, features in step.features.items():
+                    file.call("append_features", step.request_id, name, *features)
+                if step.finished:
+                    file.call("update_request", session.run.requests[step.request_id])
+                done += len(step.new_token_ids)
+            if lens_hooks:
+                write_lens(session, file, event, lens_hooks, lens_k, named)
+            progress(done)
+    return out
+
+
+def write_lens(session, file, event, hooks: set[str], k: int, named: set[int]) -> None:
     """The lens of an event's residual-stream rows, all of them in one call to the engine, with the
     token that came next at each row (known by now: this step sampled it), -1 where none did; and the
     texts of top tokens not ``named`` in the file yet (a reader without the model shows them)."""
@@ -393,15 +408,15 @@ def write_lens(session, writer, event, hooks: set[str], k: int, named: set[int])
     chosen_ranks = np.where(known, lens.chosen_ranks, -1)
     new_ids = sorted(set(np.unique(lens.top_ids).tolist()) - named)
     if new_ids:
-        writer.add_vocabulary(dict(zip(new_ids, session.token_texts(new_ids))))
+        file.call("add_vocabulary", dict(zip(new_ids, session.token_texts(new_ids))))
         named.update(new_ids)
     at = 0
     for rid, hook, (positions, _, _) in parts:
         n = len(positions)
         piece = slice(at, at + n)
-        writer.append_lens(rid, hook, {"positions": positions, "top_ids": lens.top_ids[piece],
-                                       "top_logprobs": lens.top_logprobs[piece], "chosen_ids": chosen[piece],
-                                       "chosen_logprobs": chosen_logprobs[piece], "chosen_ranks": chosen_ranks[piece]})
+        file.call("append_lens", rid, hook, {
+            "positions": positions, "top_ids": lens.top_ids[piece], "top_logprobs": lens.top_logprobs[piece],
+            "chosen_ids": chosen[piece], "chosen_logprobs": chosen_logprobs[piece], "chosen_ranks": chosen_ranks[piece]})
         at += n
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from inspector.capture.arrays import GrowableArray
+from inspector.capture.blocks import RowBlocks
 from inspector.capture.models import ModelNotFound, model_path_problem, resolve_model
 from inspector.capture.positions import format_positions, parse_positions
 from inspector.capture.protocol import RequestStart, RequestStep, StepEvent, fold_event
@@ -129,6 +130,62 @@ def test_rows_an_event_owns_are_kept_as_they_came_and_joined_in_order_when_read(
     assert rows.values[3:, 0].tolist() == [9.0, -1.0, 10.0] and len(frozen) == 5 and frozen.values[-1, 0] == -1.0
     with pytest.raises(ValueError, match="do not fit a hook of width 4"):
         rows.keep(np.arange(2), np.arange(2), np.ones((2, 3)))
+
+
+def _bulk_step(step: int, lengths: dict[str, int], hooks: list[str], width: int = 3) -> RowBlocks:
+    """A step's rows in bulk whose every value says (hook, request, row): hook * 1000 + request * 100 + row."""
+    bounds = np.concatenate([[0], np.cumsum(list(lengths.values()))])
+    owner = np.repeat([int(rid[1:]) for rid in lengths], list(lengths.values()))
+    row = np.concatenate([np.arange(n) + step * 10 for n in lengths.values()])
+    values = {h: np.repeat((k * 1000 + owner * 100 + row).astype(np.float32)[:, None], width, axis=1)
+              for k, h in enumerate(hooks)}
+    return RowBlocks(list(lengths), bounds, row.astype(np.int64), owner.astype(np.int64), values)
+
+
+def test_a_step_in_bulk_is_kept_as_it_came_and_each_request_reads_its_own_rows_in_order():
+    """``StepEvent.blocks``: a run keeps a bulk step whole (no per-(request, hook) work), each request's
+    ``HookRows`` takes its rows out when read, in order with rows added one request at a time, and the
+    run lets a step go once every (request, hook) has taken its rows."""
+    run, hooks = Run(metadata={}), ["a", "b"]
+    starts = tuple(RequestStart(f"r{k}", "p", (1,), ("x",), {"max_tokens": 4}) for k in range(3))
+    steps = [_bulk_step(0, {"r0": 2, "r1": 3}, hooks), _bulk_step(1, {"r0": 1, "r1": 1, "r2": 2}, hooks),
+             _bulk_step(2, {"r1": 1, "r2": 1}, hooks)]
+    for number, blocks in enumerate(steps):
+        event = StepEvent(number, tuple(RequestStep(rid, rows=blocks.of_request(rid)) for rid in blocks.request_ids),
+                          starts if number == 0 else (), owns_rows=True, blocks=blocks)
+        fold_event(run, event)
+    assert run.bulk.steps[0] is steps[0] and run.requests["r0"].hooks["a"]._kept == []  # nothing taken yet
+    fold_event(run, StepEvent(3, (RequestStep("r2", rows={"a": (np.array([99]), np.array([2]),
+                                                                 np.full((1, 3), -1.0, np.float32))}),),
+                              owns_rows=True))  # one request's rows the old way, after the bulk steps
+    expected = {"r0": [0, 1, 10], "r1": [0, 1, 2, 10, 20], "r2": [10, 11, 20]}
+    for rid, rows in expected.items():
+        for k, hook in enumerate(hooks):
+            got = run.requests[rid].hooks[hook]
+            tail = [99] if (rid, hook) == ("r2", "a") else []
+            assert len(got) == len(rows) + len(tail) and got.positions.tolist() == rows + tail
+            want = [k * 1000 + int(rid[1:]) * 100 + r for r in rows] + ([-1] if tail else [])
+            assert got.values[:, 0].tolist() == want and got.token_ids[:len(rows)].tolist() == [int(rid[1:])] * len(rows)
+    assert run.bulk.steps == [None, None, None]  # all taken: the run holds no step's arrays any more
+    not_owned = Run(metadata={})
+    blocks = _bulk_step(0, {"r0": 2}, hooks)
+    fold_event(not_owned, StepEvent(0, (RequestStep("r0", rows=blocks.of_request("r0")),), starts[:1], blocks=blocks))
+    blocks.values["a"][:] = 7  # the engine writes its arrays again: what the run kept is a copy
+    assert not_owned.requests["r0"].hooks["a"].values[:, 0].tolist() == [0, 1]
+
+
+def test_bulk_blocks_select_requests_and_hooks_under_new_names_and_refuse_bad_shapes():
+    blocks = _bulk_step(0, {"r0": 2, "r1": 1, "r2": 3}, ["a", "b"])
+    side_by_side = blocks.selected({"r1": "x", "r2": "y"}, {"b"})
+    assert side_by_side.request_ids == ("x", "y") and list(side_by_side.values) == ["b"]
+    assert np.shares_memory(side_by_side.values["b"], blocks.values["b"]) and side_by_side.bounds.tolist() == [0, 1, 4]
+    apart = blocks.selected({"r2": "z", "r0": "w"})  # in the step's order, gathered
+    assert apart.request_ids == ("w", "z") and apart.values["a"][:, 0].tolist() == [0, 1, 200, 201, 202]
+    assert blocks.selected({"r9": "q"}) is None and blocks.of_request("r1")["b"][2][:, 0].tolist() == [1100]
+    with pytest.raises(ValueError, match="ascending bounds"):
+        RowBlocks(["r0"], [0, 2, 3], np.arange(3), np.arange(3), {})
+    with pytest.raises(ValueError, match="3 rows need"):
+        RowBlocks(["r0"], [0, 3], np.arange(3), np.arange(3), {"a": np.zeros((2, 4))})
 
 
 def test_kept_rows_read_from_another_thread_while_rows_are_added_arrive_whole_and_in_order():

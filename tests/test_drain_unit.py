@@ -15,9 +15,9 @@ from torch import nn
 from inspector.capture.dtypes import BFLOAT16
 
 from inspector.plugin import vllm_compat
-from inspector.plugin.config import PluginConfig
+from inspector.plugin.config import SCORES, PluginConfig
 from inspector.plugin.copyout import Transfer
-from inspector.plugin.gather import QueuedForward, own_copies, rows_by_request
+from inspector.plugin.gather import QueuedForward, bulk_of, rows_by_request
 from inspector.plugin.runtime import InspectorRuntime
 
 
@@ -174,29 +174,32 @@ def test_a_requests_rows_are_read_set_and_deleted_like_a_dict_and_pickle_with_th
     assert back["r1"]["scores"]["positions"].tolist() == [3]
 
 
-def test_borrowed_rows_are_copied_once_a_stack_for_keeping_and_pickled_rows_are_not_borrowed():
-    """Rows viewing pinned copies in this process (a GPU engine in the session's process) are
-    ``borrowed``: a session that keeps rows copies each landed stack once, shared by its requests."""
-    import pickle
-
+def test_a_drain_in_request_order_is_one_block_per_hook_of_views_and_others_are_not_bulk():
+    """``bulk_of``: one forward (or a join of several) whose requests' rows lie one after another is
+    one array per hook, views of the landed copy; scores and features stay beside it; a request whose
+    rows are not in it (a capture window's, ranks merged by hook) makes the drain per request."""
     values = torch.arange(2 * 6 * 8, dtype=torch.float32).reshape(2, 6, 8)
     forward = QueuedForward(["r0", "r1"], np.array([0, 2, 6]), np.array([3, 4, 0, 1, 2, 3]), [["a", "b"]],
                             [values, torch.arange(6)])
     got = rows_by_request([forward])
-    assert not any(rows.borrowed for rows in got.values())  # nothing pinned here
-    for rows in got.values():
-        rows.borrowed = True
-    got["r1"]["scores"] = {"positions": np.array([3]), "values": np.ones((1, 2))}
-    owned = own_copies({**got, "r2": {"scores": {"positions": np.array([5])}}})
-    assert owned["r2"] is not None and not any(getattr(rows, "borrowed", False) for rows in owned.values())
+    got["r1"][SCORES] = {"positions": np.array([3]), "values": np.ones((1, 2))}
+    blocks = bulk_of(got)
+    assert blocks.request_ids == ("r0", "r1") and blocks.bounds.tolist() == [0, 2, 6]
+    assert blocks.positions.tolist() == [3, 4, 0, 1, 2, 3] and blocks.token_ids.tolist() == list(range(6))
+    assert list(blocks.values) == ["a", "b"] and np.shares_memory(blocks.values["b"], values.numpy())
     for rid in ("r0", "r1"):
         for hook in ("a", "b"):
-            for key in ("positions", "token_ids", "values"):
-                np.testing.assert_array_equal(owned[rid][hook][key], got[rid][hook][key])
-                assert not np.shares_memory(owned[rid][hook][key], values.numpy())
-    assert owned["r0"]["a"]["values"].base is owned["r1"]["b"]["values"].base  # one copy of the stack
-    assert owned["r1"]["scores"]["values"].tolist() == [[1.0, 1.0]]
-    assert not any(rows.borrowed for rows in pickle.loads(pickle.dumps(got)).values())  # a worker process's
+            view = blocks.of_request(rid)[hook]
+            for k, key in enumerate(("positions", "token_ids", "values")):
+                np.testing.assert_array_equal(view[k], got[rid][hook][key])
+    two = rows_by_request([forward, forward._replace(positions=np.array([5, 6, 4, 5, 6, 7]))])
+    joined = bulk_of(two)  # several forwards: joined request after request
+    assert joined.bounds.tolist() == [0, 4, 12] and joined.positions.tolist() == [3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7]
+    got["r2"] = {"a": {"positions": np.array([0]), "token_ids": np.array([1]), "values": np.zeros((1, 8))}}
+    assert bulk_of(got) is None
+    got["r1"]["a"] = got["r2"].pop("a")  # another rank's rows set by hook
+    del got["r2"]
+    assert bulk_of(got) is None
 
 
 @pytest.mark.parametrize("windows", [

@@ -15,11 +15,13 @@ import h5py
 import numpy as np
 import pytest
 
+from inspector.capture.blocks import RowBlocks
 from inspector.capture.hooks import HookPoint
 from inspector.capture.run import HookRows, LensRows, RequestCapture, Run, TopToken
 from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.io import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, CaptureWriter, H5Array, LazyHookRows,
                           open_run, read_run, write_run)
+from inspector.io.background import BackgroundWriter
 from inspector.io.format import EXPORT_CHUNK_BYTES, chunk_cols_for, chunk_rows_for, escape_name, unescape_name
 
 H5DUMP = shutil.which("h5dump") or ("/usr/bin/h5dump" if os.path.exists("/usr/bin/h5dump") else None)
@@ -211,6 +213,79 @@ def test_streaming_equals_one_shot(tmp_path):
         values = "requests/0/hooks/model.layers.1.mlp.down_proj/values"
         assert streamed[values].chunks == (119, 550) and whole[values].chunks == (700, 550)  # ~256 KiB; all of it
     assert listing(tmp_path) == ["one.h5", "stream.h5", "tiny_buffer.h5"]
+
+
+def stream_in_bulk(run: Run, path: Path, seed: int, **options) -> None:
+    """Feed a run as a session in bulk does, through a writer on its own thread: each step one
+    ``RowBlocks`` of the requests with rows left, of every hook that has them for all those requests;
+    a hook with fewer rows gets its rows one (request, hook) at a time, between bulk steps."""
+    rng = np.random.default_rng(seed)
+    done = {rid: 0 for rid in run.requests}
+    with BackgroundWriter(CaptureWriter(path, run.metadata, run.hooks, **options), backlog_bytes=1 << 16) as file:
+        for req in run.requests.values():
+            file.call("add_request", RequestCapture(req.request_id, req.prompt, list(req.prompt_token_ids),
+                                                    req.sampling))
+        while True:
+            left = {rid: max(len(rows) for rows in req.hooks.values()) - done[rid] for rid, req in run.requests.items()}
+            taking = {rid: min(n, int(rng.choice([1, 1, 2, 50]))) for rid, n in left.items() if n > 0}
+            if not taking:
+                break
+            whole = [name for name in run.hooks if all(len(run.requests[rid].hooks[name]) >= done[rid] + n
+                                                       for rid, n in taking.items())]
+            cut = {rid: slice(done[rid], done[rid] + n) for rid, n in taking.items()}
+            pick = lambda column: np.concatenate([getattr(run.requests[rid].hooks[whole[0]], column)[w]  # noqa: E731
+                                                  for rid, w in cut.items()])
+            blocks = RowBlocks(list(taking), np.concatenate([[0], np.cumsum(list(taking.values()))]), pick("positions"),
+                               pick("token_ids"), {name: np.concatenate([run.requests[rid].hooks[name].values[w]
+                                                                           for rid, w in cut.items()])
+                                                   for name in whole})
+            file.call("append_blocks", blocks, nbytes=blocks.nbytes)
+            for rid, w in cut.items():
+                for name, rows in run.requests[rid].hooks.items():
+                    if name not in whole and w.start < len(rows):
+                        file.call("append_rows", rid, name, rows.positions[w], rows.token_ids[w], rows.values[w])
+                done[rid] = w.stop
+            for rid in taking:
+                if left[rid] == taking[rid] and rng.random() < 0.5:
+                    file.call("update_request", run.requests[rid])  # finishing: its rows are written now
+        for name in run.hooks:  # a (request, hook) with no rows at all still gets its (empty) datasets
+            for req in run.requests.values():
+                if not len(req.hooks[name]):
+                    file.call("append_rows", req.request_id, name, [], [], np.zeros((0, run.hooks[name].width), np.float32))
+        for req in run.requests.values():
+            file.call("update_request", req)
+        file.call("add_vocabulary", run.vocabulary)
+        for req in run.requests.values():
+            for name, lens in req.lens.items():
+                file.call("append_lens", req.request_id, name, {c: lens.column(c) for c in LensRows.COLUMNS})
+
+
+@pytest.mark.parametrize("buffer_bytes", [128 << 20, 10_000], ids=["staged", "tiny buffer"])
+def test_steps_in_bulk_through_a_background_writer_equal_one_shot(tmp_path, buffer_bytes):
+    """``append_blocks`` (staged, written request by request) mixed with single (request, hook) rows,
+    on the writer's own thread: the file holds the same run, bit for bit."""
+    run = make_run(seed=4, rows=(700, 2, 0))
+    for req in run.requests.values():  # an engine's hooks see the same tokens at a position
+        ids = max(req.hooks.values(), key=len).token_ids
+        for name, rows in req.hooks.items():
+            req.hooks[name] = HookRows(rows.width, dtype=rows.dtype)
+            req.hooks[name].append(rows.positions, ids[:len(rows)], rows.values)
+    write_run(run, tmp_path / "one.h5")
+    stream_in_bulk(run, tmp_path / "bulk.h5", seed=5, buffer_bytes=buffer_bytes)
+    assert_runs_equal(read_run(tmp_path / "one.h5"), read_run(tmp_path / "bulk.h5"))
+
+
+def test_a_background_writers_failure_is_raised_on_the_callers_thread_and_leaves_no_file(tmp_path):
+    file = BackgroundWriter(CaptureWriter(tmp_path / "x.h5", {}, {"h": HookPoint("h", "h", "", "resid", 4)}))
+    file.call("append_blocks", RowBlocks(["nobody"], [0, 1], np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                         {"h": np.zeros((1, 4), np.float32)}))
+    with pytest.raises(ValueError, match="unknown request 'nobody'"):
+        for _ in range(1000):  # the next call after the thread met it
+            file.call("add_vocabulary", {1: "a"})
+            time.sleep(0.01)
+    with pytest.raises(ValueError, match="unknown request"):
+        file.close()
+    assert listing(tmp_path) == []
 
 
 def test_a_whole_run_is_written_in_chunks_of_up_to_4_mib_that_split_its_rows_evenly(tmp_path):

@@ -19,6 +19,7 @@ from .hooks import HookPoint, installed_name
 from .interventions import DEFAULT_MAX_SLOTS, Intervention, check_clamp_capacity, validate
 from .lens import Attribution, Lens
 from .sae import AttachedSae
+from .blocks import RowBlocks
 from .run import FeatureRows, HookRows, RequestCapture, Run, TopToken
 from .windows import CaptureWindow
 
@@ -156,6 +157,9 @@ class StepEvent:
     # the rows' arrays are this event's alone (nothing writes them again or frees their memory for
     # reuse): a run keeps them as they are instead of copying each (``HookRows.keep``)
     owns_rows: bool = False
+    # the requests' rows in bulk, where the engine laid them out so; then each request's ``rows`` are
+    # views of it (``RequestRowsView``), and keeping, writing or sending the step goes hook by hook
+    blocks: RowBlocks | None = None
 
 
 class SessionProtocol(Protocol):
@@ -253,6 +257,9 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True, new_rows: New
             start.request_id, start.prompt, list(start.prompt_token_ids), dict(start.sampling),
             token_texts=list(start.prompt_texts), windows=dict(start.windows))
     changed = {start.request_id for start in event.started}
+    bulk = keep_rows and event.blocks is not None and new_rows is None
+    if bulk:
+        _keep_blocks(run, event.blocks if event.owns_rows else event.blocks.copied())
     for step in event.requests:
         req = run.requests[step.request_id]
         req.generated_token_ids += step.new_token_ids
@@ -266,7 +273,7 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True, new_rows: New
             req.scores.update(zip(step.scores[0].tolist(), step.scores[1]))
         for sae, (positions, ids, activations) in (step.features.items() if keep_rows else ()):
             req.features.setdefault(sae, FeatureRows(ids.shape[1])).append(positions, ids, activations)
-        if keep_rows:
+        if keep_rows and not bulk:
             for hook, rows in step.rows.items():
                 if hook not in req.hooks and new_rows is not None:
                     info = run.hooks.get(hook) or HookPoint(hook, hook, "", "unknown", rows[2].shape[1])
@@ -280,3 +287,23 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True, new_rows: New
             req.finish_reason = step.finish_reason
         changed.add(step.request_id)
     return changed
+
+
+def _keep_blocks(run: Run, blocks: RowBlocks) -> None:
+    """A bulk step into ``run`` as it is: a call per hook, and per request only where it is new to
+    these hooks (then its ``HookRows`` follow the run's bulk steps)."""
+    hooks = tuple(blocks.values)
+    for rid in blocks.request_ids:
+        req = run.requests[rid]
+        if req.bulk_hooks is hooks or req.bulk_hooks == hooks:
+            continue
+        for hook in hooks:
+            rows = req.hooks.get(hook)
+            if rows is None:
+                expected = len(req.prompt_token_ids) + int(req.sampling.get("max_tokens") or 0)
+                rows = req.hooks[hook] = HookRows(blocks.values[hook].shape[1], min(expected, MAX_EXPECTED_ROWS),
+                                                  blocks.values[hook].dtype)
+            if rows._source is None:
+                rows.follow(run.bulk, rid, hook)
+        req.bulk_hooks = hooks
+    run.bulk.add(blocks)

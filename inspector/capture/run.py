@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .arrays import GrowableArray
+from .blocks import RowBlocks
 from .hooks import HookPoint
 
 
@@ -34,6 +35,9 @@ class HookRows:
     host time (page faults of the fresh memory included; docs/performance-notes.md). Reads may come
     from another thread than the one adding rows: joining is locked."""
 
+    _source: "tuple[RunBlocks, str, str] | None" = None  # (the run's bulk steps, request, hook) it follows
+    _seen = 0  # the source's steps taken into _kept so far
+
     def __init__(self, width: int, expected_rows: int = 16, dtype=np.float32):
         """``expected_rows``: room made at once (a request's prompt and token budget), so rows are
         copied once instead of again at every regrowth; untouched room costs address space, not memory."""
@@ -49,6 +53,21 @@ class HookRows:
     def dtype(self) -> np.dtype:
         return self._values.dtype
 
+    def follow(self, blocks: "RunBlocks", request_id: str, hook: str) -> None:
+        """Take this (request, hook)'s rows from the run's steps in bulk from the next one added on,
+        when they are read (``RunBlocks``)."""
+        self._sync()
+        self._source, self._seen = (blocks, request_id, hook), len(blocks.steps)
+
+    def _sync(self) -> None:
+        """Views of the rows in bulk steps added since the last read, kept for joining."""
+        if self._source is not None and self._seen < len(self._source[0].steps):
+            with self._join_lock:
+                blocks, rid, hook = self._source
+                self._seen, parts = blocks.take(rid, hook, self._seen)
+                self._kept += parts
+                self._rows += sum(len(part[0]) for part in parts)
+
     def append(self, positions, token_ids, values) -> None:
         """Copy the rows in (the caller may write its arrays again)."""
         values = self._checked(positions, token_ids, values)
@@ -62,10 +81,12 @@ class HookRows:
         """Add rows whose arrays the caller hands over and nothing writes again (a step event's that
         owns them): held as they are, joined when read."""
         values = self._checked(positions, token_ids, values)
+        self._sync()
         self._kept.append((positions, token_ids, values))
         self._rows += len(values)
 
     def _joined(self) -> None:
+        self._sync()
         if self._kept:
             with self._join_lock:
                 self._join_kept()
@@ -111,7 +132,38 @@ class HookRows:
         return self._values.view()
 
     def __len__(self) -> int:
+        self._sync()
         return self._rows
+
+
+class RunBlocks:
+    """A run's steps that came in bulk (``RowBlocks``), kept as they came: a step costs a few calls
+    whatever its number of requests and hooks, and each (request, hook)'s ``HookRows`` takes its
+    rows out when read. A step is let go once every one of its (request, hook)s has taken its rows."""
+
+    def __init__(self):
+        self.steps: list[RowBlocks | None] = []
+        self._untaken: list[int] = []  # per step: (request, hook)s that have not taken their rows yet
+        self._lock = threading.Lock()
+
+    def add(self, blocks: RowBlocks) -> None:
+        self._untaken.append(len(blocks.request_ids) * len(blocks.values))
+        self.steps.append(blocks)
+
+    def take(self, request_id: str, hook: str, start: int) -> tuple[int, list[tuple]]:
+        """The (request, hook)'s rows in steps ``start`` on: (the step to go on from, their parts)."""
+        end, parts = len(self.steps), []
+        with self._lock:
+            for i in range(start, end):
+                blocks = self.steps[i]
+                where = None if blocks is None or hook not in blocks.values else blocks.span(request_id)
+                if where is None:
+                    continue
+                parts.append((blocks.positions[where], blocks.token_ids[where], blocks.values[hook][where]))
+                self._untaken[i] -= 1
+                if not self._untaken[i]:
+                    self.steps[i] = None
+        return end, parts
 
 
 class LensRows:
@@ -199,6 +251,7 @@ class RequestCapture:
     twin_role: str | None = None  # a comparison's "clean" or "intervened" run of a prompt (experiments.compare)
     twin_of: str | None = None  # the other twin's request id
     finish_reason: str | None = None
+    bulk_hooks: tuple = field(default=(), repr=False, compare=False)  # the hooks following the run's bulk steps
 
     @property
     def token_ids(self) -> list[int]:
@@ -213,3 +266,4 @@ class Run:
     hooks: dict[str, HookPoint] = field(default_factory=dict)
     requests: dict[str, RequestCapture] = field(default_factory=dict)
     vocabulary: dict[int, str] = field(default_factory=dict)  # texts of other token ids it names (the lens's)
+    bulk: RunBlocks = field(default_factory=RunBlocks, repr=False, compare=False)  # steps kept in bulk

@@ -33,7 +33,7 @@ from inspector.experiments.methods import Experiments
 from inspector.capture.sae import AttachedSae, checked_attachment
 from inspector.capture.windows import CaptureWindow, checked_windows, windows_from_patterns
 from inspector.plugin.config import FEATURES, PLUGIN_MISSING, SCORES, feature_keys
-from inspector.plugin.gather import merge_ranks, own_copies
+from inspector.plugin.gather import bulk_of, merge_ranks
 
 from .boot import boot_llm, shutdown_llm
 from .tokens import token_text
@@ -453,9 +453,7 @@ class Session(Experiments):
         """One event for every request with news (a start, rows, tokens, log entries or an end), folded
         into ``run`` as it is made."""
         finish = finish or {}
-        owned = not any(getattr(rows, "borrowed", False) for rows in captures.values())
-        if not owned and self.options.retain_rows:
-            captures, owned = own_copies(captures), True
+        blocks = bulk_of(captures)
         started, self._unstarted = tuple(self._unstarted), []
         order = [s.request_id for s in started] + [*captures, *outputs, *self._unsent_log, *self._unsent_windows,
                                                    *finish]
@@ -464,12 +462,19 @@ class Session(Experiments):
             if rid not in self._computed:
                 continue
             hooks = captures.get(rid, {})
-            scores = hooks.get(SCORES)
+            scores = hooks[SCORES] if SCORES in hooks else None
             features = {name: (hooks[acts]["positions"], hooks[ids]["values"].astype(np.int32), hooks[acts]["values"])
-                        for name, (acts, ids) in ((n, feature_keys(n)) for n in self.saes) if acts in hooks}
-            rows = {hook: (c["positions"], c["token_ids"], c["values"]) for hook, c in hooks.items()
-                    if hook != SCORES and not hook.startswith(FEATURES)}
-            self._note_computed(rid, rows)
+                        for name, (acts, ids) in ((n, feature_keys(n)) for n in self.saes) if acts in hooks
+                        } if self.saes else {}
+            if blocks is not None:
+                where = blocks.span(rid)
+                rows = {} if where is None else blocks.of_request(rid)
+                if where is not None and where.stop > where.start:
+                    self._computed[rid] = max(self._computed[rid], int(blocks.positions[where.stop - 1]) + 1)
+            else:
+                rows = {hook: (c["positions"], c["token_ids"], c["values"]) for hook, c in hooks.items()
+                        if hook != SCORES and not hook.startswith(FEATURES)}
+                self._note_computed(rid, rows)
             tokens = self._tokens(outputs[rid]) if rid in outputs else {}
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,
@@ -486,7 +491,8 @@ class Session(Experiments):
                 self._optioned.discard(rid)
                 self._over.append(rid)
         self._steps += 1
-        event = StepEvent(self._steps - 1, tuple(steps), started, owns_rows=owned)
+        # the landed copies are the event's: the engine writes the next forward's rows into new ones
+        event = StepEvent(self._steps - 1, tuple(steps), started, owns_rows=True, blocks=blocks)
         fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
         return event
 

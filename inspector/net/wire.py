@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from inspector.capture.blocks import RowBlocks
 from inspector.capture.dtypes import BFLOAT16
 from inspector.capture.hooks import HookPoint
 from inspector.capture.protocol import BootProgress, RequestStart, RequestStep, StepEvent
@@ -193,7 +194,14 @@ def convert(value, kind: type, what: str):
 
 def event_to_body(event: StepEvent) -> dict:
     """Rows travel per hook, the requests' rows one after the other (a few large frames per step, not
-    three per request and hook); each request says how many rows of each hook are its own."""
+    three per request and hook): an event in bulk as its blocks, with the requests they hold and where;
+    else each request says how many rows of each hook are its own."""
+    body = {"step": event.step, "started": to_builtins(event.started)}
+    if event.blocks is not None:
+        b = event.blocks
+        return {**body, "requests": [_step_to_body(step, bulk=True) for step in event.requests],
+                "blocks": {"request_ids": list(b.request_ids), "bounds": b.bounds, "positions": b.positions,
+                           "token_ids": b.token_ids, "values": dict(b.values)}}
     by_hook: dict[str, list] = {}
     for step in event.requests:
         for hook, rows in step.rows.items():
@@ -208,8 +216,7 @@ def event_to_body(event: StepEvent) -> dict:
             joined[key] = _join(arrays)
         return joined[key]
 
-    return {"step": event.step, "started": to_builtins(event.started),
-            "requests": [_step_to_body(step) for step in event.requests],
+    return {**body, "requests": [_step_to_body(step) for step in event.requests],
             "rows": {hook: [join([r[k] for r in parts]) for k in range(3)] for hook, parts in by_hook.items()}}
 
 
@@ -244,13 +251,13 @@ def _consecutive(arrays: list[np.ndarray]) -> bool:
     return True
 
 
-def _step_to_body(step: RequestStep) -> dict:
+def _step_to_body(step: RequestStep, bulk: bool = False) -> dict:
     return {"request_id": step.request_id, "new_token_ids": list(step.new_token_ids),
             "new_texts": list(step.new_texts), "logprobs": list(step.logprobs),
             "top_logprobs": [[list(t) for t in tops] for tops in step.top_logprobs],
             "intervention_log": [[position, list(ivs)] for position, ivs in step.intervention_log],
             "finished": step.finished, "finish_reason": step.finish_reason,
-            "rows": {hook: len(rows[0]) for hook, rows in step.rows.items()},
+            "rows": {} if bulk else {hook: len(rows[0]) for hook, rows in step.rows.items()},
             "scores": None if step.scores is None else list(step.scores),
             "features": {name: list(features) for name, features in step.features.items()},
             "windows": step.windows}
@@ -259,7 +266,8 @@ def _step_to_body(step: RequestStep) -> dict:
 def event_from_body(body: dict) -> StepEvent:
     """The peer is the server here: its events are trusted to be well formed, and still checked."""
     try:
-        offsets = dict.fromkeys(body["rows"], 0)
+        blocks = _blocks(body["blocks"]) if "blocks" in body else None
+        offsets = dict.fromkeys(body.get("rows", ()), 0)
         steps = []
         for d in body["requests"]:
             rows = {}
@@ -267,15 +275,25 @@ def event_from_body(body: dict) -> StepEvent:
                 a = offsets[hook]
                 rows[hook] = tuple(part[a:a + n] for part in body["rows"][hook])
                 offsets[hook] = a + n
+            if blocks is not None and blocks.span(str(d["request_id"])) is not None:
+                rows = blocks.of_request(str(d["request_id"]))
             steps.append(_request_step(d, rows))
         return StepEvent(int(body["step"]), tuple(steps),
                          tuple(convert(s, RequestStart, "a request start") for s in body["started"]),
-                         owns_rows=True)  # the message's own frames
+                         owns_rows=True, blocks=blocks)  # the message's own frames
     except (KeyError, TypeError, ValueError) as e:
         raise WireError("bad-message", f"a malformed step event: {e}") from None
 
 
-def _request_step(d: dict, rows: dict) -> RequestStep:
+def _blocks(d: dict) -> RowBlocks:
+    arrays = [d["bounds"], d["positions"], d["token_ids"], *d["values"].values()]
+    if not all(isinstance(a, np.ndarray) for a in arrays):
+        raise ValueError("blocks must be arrays")
+    return RowBlocks([str(rid) for rid in d["request_ids"]], d["bounds"], d["positions"], d["token_ids"],
+                     {str(hook): v for hook, v in d["values"].items()})
+
+
+def _request_step(d: dict, rows) -> RequestStep:
     top = tuple(tuple(TopToken(int(t), float(lp), str(text)) for t, lp, text in tops) for tops in d["top_logprobs"])
     log = tuple((int(position), tuple(ivs)) for position, ivs in d["intervention_log"])
     scores = d.get("scores")

@@ -7,9 +7,10 @@ step path), each request's rows one contiguous span of it. A drain hands each re
 the landed copy; a request spanning several forwards gets its rows joined then). So a drain makes
 no host copy and a few Python objects per request, whatever the number of hooks: a drain runs on the
 engine's step path, and rows joined there were a host copy of every backlogged forward
-(measurements: docs/performance-notes.md). A landed copy's pinned block goes back to torch's host
-allocator once nothing refers to it: rows read from pinned copies in the worker's own process are
-``borrowed``, to be copied by whoever keeps them.
+(measurements: docs/performance-notes.md). Where the requests' rows lie one after another,
+``bulk_of`` hands the drain out as one block per hook (``RowBlocks``). A landed copy's pinned block
+goes back to torch's host allocator once nothing refers to it: rows kept are kept as they are, and the
+allocator's cache reuses their blocks once they are let go (a new run reuses the last one's).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from inspector.capture.blocks import RowBlocks
 from inspector.capture.dtypes import BFLOAT16
+from inspector.plugin.config import FEATURES, SCORES
 
 Rows = dict[str, np.ndarray]  # positions, token_ids, values
 
@@ -50,12 +53,11 @@ class RequestRows(MutableMapping):
     """One request's rows of a drain: hook → rows (positions, token_ids, values), each made when it is
     read. Rows set here (scores, another rank's) are kept as they are."""
 
-    __slots__ = ("_spans", "_set", "borrowed", "_join", "__weakref__")
+    __slots__ = ("_spans", "_set", "_join", "__weakref__")
 
-    def __init__(self, spans: list[Span], borrowed: bool = False):
+    def __init__(self, spans: list[Span]):
         self._spans = spans  # in forward order
         self._set: dict[str, Rows] = {}
-        self.borrowed = borrowed  # views of pinned copies: kept as they are, they would pin them for good
         self._join: DrainJoin | None = None  # set where the drain's forwards can be joined when read
 
     def _joined(self) -> None:
@@ -68,7 +70,7 @@ class RequestRows(MutableMapping):
 
     def __setstate__(self, state) -> None:
         self._spans, self._set = state
-        self.borrowed, self._join = False, None  # unpickled: arrays of their own
+        self._join = None  # unpickled: arrays of their own
 
     def __getitem__(self, hook: str) -> Rows:
         if hook in self._set:
@@ -120,30 +122,37 @@ class RequestRows(MutableMapping):
         self._spans = []
 
 
-def own_copies(drained: dict[str, MutableMapping]) -> dict[str, MutableMapping]:
-    """``drained`` with borrowed rows copied out of the pinned copies they view, one copy of each
-    landed stack shared by the requests as before: for keeping rows (views kept would pin the blocks
-    for good; a copy a stack costs far less than one a request and hook)."""
-    copies: dict[int, object] = {}
+def bulk_of(drained: dict[str, MutableMapping]) -> RowBlocks | None:
+    """A drain's rows as one block per hook (``RowBlocks``: views, no copy) where every request's rows
+    lie in one forward (or one join of several), one request after another; None where they do not (a
+    capture window's rows, a request that wants none between others, ranks merged by hook)."""
+    rows, request_ids = [], []
+    for rid, r in drained.items():
+        if type(r) is RequestRows and r._spans:
+            rows.append(r)
+            request_ids.append(rid)
+        elif any(not _pseudo(k) for k in r):
+            return None
+    if not rows:
+        return None
+    rows[0]._joined()  # a drain of several forwards: joined for all of them at once
+    index, spans = rows[0]._spans[0].index, []
+    for r in rows:
+        if len(r._spans) != 1 or r._spans[0].index is not index or any(not _pseudo(k) for k in r._set):
+            return None
+        if spans and r._spans[0].rows.start != spans[-1].rows.stop:
+            return None
+        spans.append(r._spans[0])
+    where = slice(spans[0].rows.start, spans[-1].rows.stop)
+    bounds = np.concatenate([[0], np.cumsum([s.rows.stop - s.rows.start for s in spans])])
+    return RowBlocks(request_ids, bounds,
+                     np.concatenate([s.positions for s in spans]), np.concatenate([s.token_ids for s in spans]),
+                     {hook: stack[h, where] for hook, (stack, h) in index.items() if not _pseudo(hook)})
 
-    def once(original, copy):
-        if id(original) not in copies:
-            copies[id(original)] = copy(original)
-        return copies[id(original)]
 
-    def index_copy(index):
-        return {hook: (once(stack, np.copy), h) for hook, (stack, h) in index.items()}
-
-    out = {}
-    for rid, rows in drained.items():
-        if not getattr(rows, "borrowed", False):
-            out[rid] = rows
-            continue
-        owned = RequestRows([Span(once(span.index, index_copy), span.rows, span.positions.copy(), span.token_ids.copy())
-                             for span in rows._spans])
-        owned._set = {hook: {key: np.copy(a) for key, a in r.items()} for hook, r in rows._set.items()}
-        out[rid] = owned
-    return out
+def _pseudo(key: str) -> bool:
+    """A drain's entry that is not a hook's rows: scores, an SAE's features."""
+    return key == SCORES or key.startswith(FEATURES)
 
 
 def _rows(span: Span, hook: str) -> Rows:
@@ -154,8 +163,7 @@ def _rows(span: Span, hook: str) -> Rows:
 def rows_by_request(forwards: list[QueuedForward]) -> dict[str, RequestRows]:
     """request id → hook → rows, over ``forwards`` in order. A hook set changed between them (eager
     mode) covers only the forwards it was installed for."""
-    borrowed = any(t.is_pinned() for f in forwards for t in f.host)
-    drained = {rid: RequestRows(parts, borrowed) for rid, parts in _spans(forwards).items()}
+    drained = {rid: RequestRows(parts) for rid, parts in _spans(forwards).items()}
     if len(forwards) > 1 and _same_layout(forwards):
         join = DrainJoin(forwards, drained)
         for rows in drained.values():
@@ -201,7 +209,7 @@ class DrainJoin:
             if rows is None:
                 continue
             if rows._spans:  # not emptied by a deletion meanwhile
-                rows._spans, rows.borrowed = joined[rid], False
+                rows._spans = joined[rid]
             rows._join = None
 
 

@@ -313,23 +313,26 @@ class Hub:
     # ------------------------------------------------------------------ events
     def _route(self, event: StepEvent) -> None:
         """Split a step's event by client and call, in each client's own names."""
-        parts: dict[tuple[bytes, int], tuple[list, list]] = {}
+        parts: dict[tuple[bytes, int], tuple[list, list, dict]] = {}  # started, steps, engine id -> own id
         clients = {c.tag: c for c in self.clients.values()}
         for start in event.started:
             client, rid = self._owner(clients, start.request_id)
             if client is not None and rid in client.owner:
-                parts.setdefault((client.key, client.owner[rid]), ([], []))[0].append(
+                parts.setdefault((client.key, client.owner[rid]), ([], [], {}))[0].append(
                     dataclasses.replace(start, request_id=rid))
         for step in event.requests:
             client, rid = self._owner(clients, step.request_id)
             if client is None or rid not in client.owner:
                 continue
-            parts.setdefault((client.key, client.owner[rid]), ([], []))[1].append(self._translate(client, rid, step))
-        for (key, call_id), (started, steps) in parts.items():
+            part = parts.setdefault((client.key, client.owner[rid]), ([], [], {}))
+            part[1].append(self._translate(client, rid, step, bulk=event.blocks is not None))
+            part[2][step.request_id] = rid
+        for (key, call_id), (started, steps, names) in parts.items():
             client = self.clients[key]
             call = client.calls[call_id]
-            self.send(key, Message("event", event_to_body(StepEvent(call.steps, tuple(steps), tuple(started))),
-                                   call_id))
+            blocks = None if event.blocks is None else event.blocks.selected(names, client.hooks)
+            self.send(key, Message("event", event_to_body(StepEvent(call.steps, tuple(steps), tuple(started),
+                                                                    blocks=blocks)), call_id))
             call.steps += 1
             call.tokens += sum(len(s.new_token_ids) for s in steps)
             for s in steps:
@@ -346,8 +349,10 @@ class Hub:
         tag, _, rid = internal.partition(SEPARATOR)
         return clients.get(tag), rid
 
-    def _translate(self, client: Client, rid: str, step: RequestStep) -> RequestStep:
-        rows = step.rows if client.hooks is None else {h: r for h, r in step.rows.items() if h in client.hooks}
+    def _translate(self, client: Client, rid: str, step: RequestStep, bulk: bool) -> RequestStep:
+        """``step`` as the client names it; rows in bulk travel in the event's blocks instead."""
+        rows = {} if bulk else step.rows if client.hooks is None else {
+            h: r for h, r in step.rows.items() if h in client.hooks}
         log = tuple((position, tuple(self._own(client, d) for d in ivs)) for position, ivs in step.intervention_log)
         features = {name: f for name, f in step.features.items() if name in client.saes}
         return dataclasses.replace(step, request_id=rid, rows=rows, intervention_log=log, features=features)

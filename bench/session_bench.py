@@ -1,0 +1,214 @@
+"""Rows delivered end to end: a session's tokens/s against vanilla ``LLM.generate``, side by side.
+
+    packaging/dev bench session_bench                        # CPU: the plugin bench's small Llama
+    python3 bench/session_bench.py --preset llama3-8b        # GPU: Llama-3-8B shape, dummy bf16 weights
+
+Three engines of the same model stay up at once, and the runs alternate between them (noise hits
+all alike): vanilla vLLM in a process of its own (``LLM.generate``, its defaults); a hooked engine in
+this process, whose ``Session`` delivers the rows of every block's residual stream to
+
+- memory: the session's run keeps every row;
+- file: every row written to an HDF5 capture file as ``inspector capture`` writes it (``cli.record``,
+  closed and synced before the clock stops);
+
+and a server of its own (``start_local_server``) whose client in this process keeps every row. The
+file's bound is the disk: its write speed is measured here too (a file of ``--disk-gib``, synced), and
+the target is 0.9x the lesser of vanilla and what that speed allows for the rows. Prompts are
+``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plugin_bench import PRESETS, model_dir, receive  # noqa: E402
+
+HOOKS = ("blocks.*.hook_resid_post",)
+
+
+def prompts(preset: str, batch: int, length: int) -> list[str]:
+    """Distinct prompts of ``length`` tokens (no prefix shared: the engines do not cache prefixes)."""
+    if preset == "cpu":  # the tiny model's byte-level tokenizer: a character a token, about
+        return [("".join(chr(97 + (i * 7 + k * 3) % 26) for k in range(length))) for i in range(batch)]
+    return [" ".join(f"w{2 + (i * 131 + k * 17) % 100000}" for k in range(length)) for i in range(batch)]
+
+
+def vanilla(conn, preset: str, path: str, engine_args: dict) -> None:
+    """Vanilla vLLM: answers ("run", batch, prompt_tokens, new_tokens) with generated tokens/s."""
+    from inspector.engine.environment import prepare_environment
+
+    prepare_environment()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=path, enable_prefix_caching=False, **engine_args)
+    conn.send("ready")
+    while (msg := conn.recv())[0] == "run":
+        _, batch, prompt_tokens, new_tokens = msg
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts(preset, batch, prompt_tokens), params, use_tqdm=False)
+        conn.send(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
+
+
+def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None) -> float:
+    from inspector.capture.protocol import Sampling
+
+    session.new_run()
+    events = session.generate(texts, Sampling(max_tokens=new_tokens, ignore_eos=True))
+    t0 = time.perf_counter()
+    if consume is None:
+        tokens = sum(len(step.new_token_ids) for event in events for step in event.requests)
+    else:
+        tokens = consume(events)
+    seconds = time.perf_counter() - t0
+    session.new_run()  # the rows are let go before the next run
+    return tokens / seconds
+
+
+def disk_mb_s(directory: Path, gib: float) -> float:
+    """Sequential write of ``gib`` in 64 MiB pieces, synced: what the disk takes."""
+    block = os.urandom(64 << 20)
+    path = directory / "disk-speed.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(int(gib * 16)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return int(gib * 16) * 64 * 2**20 / seconds / 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--batches", type=int, nargs="+", help="default: 1 8 on CPU, 1 32 256 on a GPU")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--consumers", nargs="+", default=["memory", "file", "server"], choices=["memory", "file", "server"])
+    p.add_argument("--out-dir", default=None, help="where the capture files go (default: a temporary folder)")
+    p.add_argument("--disk-gib", type=float, default=4.0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="per engine (three share the GPU)")
+    args = p.parse_args(argv)
+
+    from inspector.capture.protocol import SessionOptions
+    from inspector.cli import record
+    from inspector.engine.environment import prepare_environment
+
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle engines must not spin on the shared cores
+    prepare_environment()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    _, dtype, max_batched, _, _ = PRESETS[args.preset]
+    batches = args.batches or ([1, 32, 256] if cuda else [1, 8])
+    path, extra = model_dir(args.preset)
+    engine_args = {k: v for k, v in extra.items() if k != "skip_tokenizer_init"}
+    engine_args.update(dtype=dtype, max_num_batched_tokens=max_batched, max_model_len=1024,
+                       max_num_seqs=max(256, max(batches)))
+    if cuda:
+        engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="session-bench-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=vanilla, args=(child, args.preset, path, engine_args), daemon=True)
+    proc.start()
+    options = SessionOptions(model=path, hooks=HOOKS, dtype=dtype, max_model_len=1024, max_num_batched_tokens=max_batched,
+                             engine_args={k: v for k, v in engine_args.items()
+                                          if k not in ("dtype", "max_num_batched_tokens", "max_model_len")})
+    from inspector.engine.session import Session
+
+    server, booting = {}, None
+    if "server" in args.consumers:
+        from inspector.client.local import start_local_server
+
+        booting = threading.Thread(target=lambda: server.update(session=start_local_server(options)))
+        booting.start()
+    session = Session.open(replace(options, retain_rows=True))
+    receive(parent, proc)
+    if booting is not None:
+        booting.join()
+    bytes_per_token = sum(h.width for h in session.installed.values()) * torch.finfo(
+        getattr(torch, dtype)).bits // 8
+    disk = disk_mb_s(out_dir, args.disk_gib)
+    print(f"engines up; {len(session.installed)} hooks, {bytes_per_token / 1024:.0f} KiB of rows a token; "
+          f"disk {disk:,.0f} MB/s", flush=True)
+
+    def in_memory(texts, new):
+        session.options = replace(session.options, retain_rows=True)
+        return tokens_per_s(session, texts, new)
+
+    def to_file(texts, new):
+        session.options = replace(session.options, retain_rows=False)
+        target = out_dir / "bench.h5"
+        written = []
+
+        def consume(events):
+            record(session, events, target, progress=written.append)
+            return written[-1]
+        rate = tokens_per_s(session, texts, new, consume)
+        target.unlink()
+        return rate
+
+    def via_server(texts, new):
+        return tokens_per_s(server["session"], texts, new)
+
+    def vanilla_run(texts, new):
+        parent.send(("run", len(texts), args.prompt_tokens, new))
+        return receive(parent, proc)
+
+    runners = {"vanilla": vanilla_run, "memory": in_memory, "file": to_file, "server": via_server}
+    chosen = ["vanilla", *args.consumers]
+    rates = {(name, b): [] for name in chosen for b in batches}
+    try:
+        for b in batches:  # warm-up: each engine's first run of a batch size is not counted
+            for name in chosen:
+                runners[name](prompts(args.preset, b, args.prompt_tokens), 4)
+        for rep in range(args.reps):
+            for b in batches:
+                texts = prompts(args.preset, b, args.prompt_tokens)
+                for name in chosen[rep % len(chosen):] + chosen[:rep % len(chosen)]:
+                    rates[(name, b)].append(runners[name](texts, args.new_tokens))
+            print(f"rep {rep + 1}/{args.reps} done", flush=True)
+    finally:
+        parent.send(("stop",))
+        session.close()
+        if "session" in server:
+            server["session"].close()
+        if args.out_dir is None:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+    print(f"\n{'measure':58s} {'value':>14s}  target  met")
+    for b in batches:
+        med = {name: statistics.median(rates[(name, b)]) for name in chosen}
+        spread = {name: f"{min(rates[(name, b)]):,.0f}-{max(rates[(name, b)]):,.0f}" for name in chosen}
+        for name in chosen:
+            print(f"batch {b}, {name:52s} {med[name]:>10,.1f} tok/s  ({spread[name]})")
+        disk_bound = disk * 1e6 / bytes_per_token
+        for name in args.consumers:
+            bound = min(med["vanilla"], disk_bound) if name == "file" else med["vanilla"]
+            ratio = med[name] / bound
+            what = "min(vanilla, disk bound)" if name == "file" else "vanilla"
+            print(f"batch {b}, {name} / {what:40s} {ratio:>14.3f}  >= 0.9  {'yes' if ratio >= 0.9 else 'NO'}")
+        print(f"batch {b}, disk bound {disk_bound:,.0f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

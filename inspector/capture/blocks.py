@@ -1,0 +1,105 @@
+"""A step's rows in bulk: one array per hook for all its requests, the requests' rows one after another.
+
+A batch-32 decode step of 32 hooks has a thousand (request, hook) pairs; handling each in Python on
+the engine's step path held a session to about a third of the engine's speed on the H200
+(docs/performance-notes.md). ``RowBlocks`` carries such a step as the engine laid it out, so that
+keeping it (``Run``), writing it (``CaptureWriter``) and sending it (the wire) cost a few calls per
+hook, and a request's rows are made only where someone reads them (``RequestRowsView``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], token ids [n], values [n, width]
+
+
+class RowBlocks:
+    """Rows of ``request_ids`` (in that order; request k's are ``bounds[k]:bounds[k + 1]``) for every
+    hook of ``values`` (hook -> [n, width]); ``positions`` and ``token_ids`` [n] are shared by the hooks."""
+
+    __slots__ = ("request_ids", "bounds", "positions", "token_ids", "values", "_index")
+
+    def __init__(self, request_ids, bounds, positions, token_ids, values: dict[str, np.ndarray]):
+        self.request_ids = tuple(request_ids)
+        self.bounds = np.asarray(bounds, dtype=np.int64)
+        self.positions, self.token_ids, self.values = positions, token_ids, values
+        if len(self.bounds) != len(self.request_ids) + 1 or self.bounds[0] != 0 or np.any(np.diff(self.bounds) < 0):
+            raise ValueError(f"{len(self.request_ids)} requests need {len(self.request_ids) + 1} ascending bounds "
+                             f"from 0, got {self.bounds.tolist()}")
+        n = int(self.bounds[-1])
+        if len(positions) != n or len(token_ids) != n or any(len(v) != n or v.ndim != 2 for v in values.values()):
+            raise ValueError(f"{n} rows need as many positions, token ids and rows of each hook")
+        self._index: dict[str, int] | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.bounds[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.values.values()) + self.positions.nbytes + self.token_ids.nbytes
+
+    def span(self, request_id: str) -> slice | None:
+        """Where the request's rows lie, or None if it has none here."""
+        if self._index is None:
+            self._index = {rid: k for k, rid in enumerate(self.request_ids)}
+        k = self._index.get(request_id)
+        return None if k is None else slice(int(self.bounds[k]), int(self.bounds[k + 1]))
+
+    def rows_of(self, request_id: str, hook: str) -> Rows:
+        where = self.span(request_id)
+        return self.positions[where], self.token_ids[where], self.values[hook][where]
+
+    def of_request(self, request_id: str) -> "RequestRowsView":
+        return RequestRowsView(self, request_id)
+
+    def selected(self, request_ids: Mapping[str, str], hooks=None) -> "RowBlocks | None":
+        """The rows of ``request_ids`` (own id -> the id to give them) and of ``hooks`` (None: all), in
+        this order; views where those requests lie side by side, else one gather a column. None if none
+        of them has rows here."""
+        chosen = [(k, request_ids[rid]) for k, rid in enumerate(self.request_ids) if rid in request_ids]
+        if not chosen:
+            return None
+        values = self.values if hooks is None else {h: v for h, v in self.values.items() if h in hooks}
+        ks = [k for k, _ in chosen]
+        lengths = np.diff(self.bounds)[ks]
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        if ks == list(range(ks[0], ks[-1] + 1)):
+            where = slice(int(self.bounds[ks[0]]), int(self.bounds[ks[-1] + 1]))
+        else:
+            where = np.concatenate([np.arange(self.bounds[k], self.bounds[k + 1]) for k in ks])
+        return RowBlocks([new for _, new in chosen], bounds, self.positions[where], self.token_ids[where],
+                         {h: v[where] for h, v in values.items()})
+
+    def copied(self) -> "RowBlocks":
+        """With arrays of its own (for keeping rows whose memory the engine writes again)."""
+        return RowBlocks(self.request_ids, self.bounds, self.positions.copy(), self.token_ids.copy(),
+                         {h: v.copy() for h, v in self.values.items()})
+
+
+class RequestRowsView(Mapping):
+    """One request's rows of a ``RowBlocks``: hook -> (positions, token_ids, values), views made on read."""
+
+    __slots__ = ("_blocks", "_request_id")
+
+    def __init__(self, blocks: RowBlocks, request_id: str):
+        self._blocks, self._request_id = blocks, request_id
+
+    def __getitem__(self, hook: str) -> Rows:
+        if hook not in self._blocks.values:
+            raise KeyError(hook)
+        return self._blocks.rows_of(self._request_id, hook)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._blocks.values)
+
+    def __len__(self) -> int:
+        return len(self._blocks.values)
+
+    def items(self):
+        where = self._blocks.span(self._request_id)
+        positions, token_ids = self._blocks.positions[where], self._blocks.token_ids[where]
+        return [(hook, (positions, token_ids, v[where])) for hook, v in self._blocks.values.items()]
