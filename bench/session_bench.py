@@ -3,8 +3,8 @@
     packaging/dev bench session_bench                        # CPU: the plugin bench's small Llama
     python3 bench/session_bench.py --preset llama3-8b        # GPU: Llama-3-8B shape, dummy bf16 weights
 
-Three engines of the same model stay up at once, and the runs alternate between them (noise hits
-all alike): vanilla vLLM in a process of its own (``LLM.generate``, its defaults); a hooked engine in
+Three engines of the same model stay up at once (booted one after another), and the runs alternate
+between them (noise hits all alike): vanilla vLLM in a process of its own (``LLM.generate``, its defaults); a hooked engine in
 this process, whose ``Session`` delivers the rows of every block's residual stream to
 
 - memory: the session's run keeps every row;
@@ -26,7 +26,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -132,18 +131,12 @@ def main(argv=None) -> int:
     options = SessionOptions(model=path, hooks=HOOKS, dtype=dtype, max_model_len=1024, max_num_batched_tokens=max_batched,
                              engine_args={k: v for k, v in engine_args.items()
                                           if k not in ("dtype", "max_num_batched_tokens", "max_model_len")})
+    from inspector.client.local import start_local_server
     from inspector.engine.session import Session
 
-    server, booting = {}, None
-    if "server" in args.consumers:
-        from inspector.client.local import start_local_server
-
-        booting = threading.Thread(target=lambda: server.update(session=start_local_server(options)))
-        booting.start()
+    receive(parent, proc)  # one boot at a time: vLLM sizes its KV cache from the memory free meanwhile
     session = Session.open(replace(options, retain_rows=True))
-    receive(parent, proc)
-    if booting is not None:
-        booting.join()
+    server = start_local_server(options) if "server" in args.consumers else None
     bytes_per_token = sum(h.width for h in session.installed.values()) * torch.finfo(
         getattr(torch, dtype)).bits // 8
     disk = disk_mb_s(out_dir, args.disk_gib)
@@ -167,7 +160,7 @@ def main(argv=None) -> int:
         return rate
 
     def via_server(texts, new):
-        return tokens_per_s(server["session"], texts, new)
+        return tokens_per_s(server, texts, new)
 
     def vanilla_run(texts, new):
         parent.send(("run", len(texts), args.prompt_tokens, new))
@@ -189,8 +182,8 @@ def main(argv=None) -> int:
     finally:
         parent.send(("stop",))
         session.close()
-        if "session" in server:
-            server["session"].close()
+        if server is not None:
+            server.close()
         if args.out_dir is None:
             shutil.rmtree(out_dir, ignore_errors=True)
 
