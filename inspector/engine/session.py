@@ -454,6 +454,8 @@ class Session(Experiments):
         into ``run`` as it is made."""
         finish = finish or {}
         blocks = bulk_of(captures)
+        if blocks is not None and not self._computed.keys() >= set(blocks.request_ids):  # the engine's own (warm-up)
+            blocks = blocks.selected({rid: rid for rid in blocks.request_ids if rid in self._computed})
         started, self._unstarted = tuple(self._unstarted), []
         order = [s.request_id for s in started] + [*captures, *outputs, *self._unsent_log, *self._unsent_windows,
                                                    *finish]
