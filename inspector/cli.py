@@ -374,8 +374,8 @@ def record(session: SessionProtocol, events, out: Path, progress=lambda tokens: 
         for event in events:
             for start in event.started:
                 file.call("add_request", session.run.requests[start.request_id])
-            if event.blocks is not None:
-                file.call("append_blocks", event.blocks, nbytes=event.blocks.nbytes)
+            for blocks in event.blocks or ():
+                file.call("append_blocks", blocks, nbytes=blocks.nbytes)
             for step in event.requests:
                 for hook, rows in (step.rows.items() if event.blocks is None else ()):
                     file.call("append_rows", step.request_id, hook, *rows, nbytes=rows[2].nbytes)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from inspector.capture.arrays import GrowableArray
-from inspector.capture.blocks import RowBlocks
+from inspector.capture.blocks import RequestRowsView, RowBlocks
 from inspector.capture.models import ModelNotFound, model_path_problem, resolve_model
 from inspector.capture.positions import format_positions, parse_positions
 from inspector.capture.protocol import RequestStart, RequestStep, StepEvent, fold_event
@@ -151,8 +151,9 @@ def test_a_step_in_bulk_is_kept_as_it_came_and_each_request_reads_its_own_rows_i
     steps = [_bulk_step(0, {"r0": 2, "r1": 3}, hooks), _bulk_step(1, {"r0": 1, "r1": 1, "r2": 2}, hooks),
              _bulk_step(2, {"r1": 1, "r2": 1}, hooks)]
     for number, blocks in enumerate(steps):
-        event = StepEvent(number, tuple(RequestStep(rid, rows=blocks.of_request(rid)) for rid in blocks.request_ids),
-                          starts if number == 0 else (), owns_rows=True, blocks=blocks)
+        event = StepEvent(number, tuple(RequestStep(rid, rows=RequestRowsView((blocks,), rid))
+                                        for rid in blocks.request_ids),
+                          starts if number == 0 else (), owns_rows=True, blocks=(blocks,))
         fold_event(run, event)
     assert run.bulk.steps[0] is steps[0] and run.requests["r0"].hooks["a"]._kept == []  # nothing taken yet
     fold_event(run, StepEvent(3, (RequestStep("r2", rows={"a": (np.array([99]), np.array([2]),
@@ -169,7 +170,8 @@ def test_a_step_in_bulk_is_kept_as_it_came_and_each_request_reads_its_own_rows_i
     assert run.bulk.steps == [None, None, None]  # all taken: the run holds no step's arrays any more
     not_owned = Run(metadata={})
     blocks = _bulk_step(0, {"r0": 2}, hooks)
-    fold_event(not_owned, StepEvent(0, (RequestStep("r0", rows=blocks.of_request("r0")),), starts[:1], blocks=blocks))
+    fold_event(not_owned, StepEvent(0, (RequestStep("r0", rows=RequestRowsView((blocks,), "r0")),), starts[:1],
+                                    blocks=(blocks,)))
     blocks.values["a"][:] = 7  # the engine writes its arrays again: what the run kept is a copy
     assert not_owned.requests["r0"].hooks["a"].values[:, 0].tolist() == [0, 1]
 
@@ -181,7 +183,10 @@ def test_bulk_blocks_select_requests_and_hooks_under_new_names_and_refuse_bad_sh
     assert np.shares_memory(side_by_side.values["b"], blocks.values["b"]) and side_by_side.bounds.tolist() == [0, 1, 4]
     apart = blocks.selected({"r2": "z", "r0": "w"})  # in the step's order, gathered
     assert apart.request_ids == ("w", "z") and apart.values["a"][:, 0].tolist() == [0, 1, 200, 201, 202]
-    assert blocks.selected({"r9": "q"}) is None and blocks.of_request("r1")["b"][2][:, 0].tolist() == [1100]
+    assert blocks.selected({"r9": "q"}) is None and RequestRowsView((blocks,), "r1")["b"][2][:, 0].tolist() == [1100]
+    later = _bulk_step(1, {"r1": 2}, ["b"])  # a step that drained two forwards: a request's rows are joined
+    both = RequestRowsView((blocks, later), "r1")
+    assert list(both) == ["a", "b"] and both["b"][0].tolist() == [0, 10, 11] and both["a"][0].tolist() == [0]
     with pytest.raises(ValueError, match="ascending bounds"):
         RowBlocks(["r0"], [0, 2, 3], np.arange(3), np.arange(3), {})
     with pytest.raises(ValueError, match="3 rows need"):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from inspector.capture.blocks import RequestRowsView
 from inspector.capture.dtypes import BFLOAT16
 
 from inspector.plugin import vllm_compat
@@ -174,27 +175,29 @@ def test_a_requests_rows_are_read_set_and_deleted_like_a_dict_and_pickle_with_th
     assert back["r1"]["scores"]["positions"].tolist() == [3]
 
 
-def test_a_drain_in_request_order_is_one_block_per_hook_of_views_and_others_are_not_bulk():
-    """``bulk_of``: one forward (or a join of several) whose requests' rows lie one after another is
-    one array per hook, views of the landed copy; scores and features stay beside it; a request whose
-    rows are not in it (a capture window's, ranks merged by hook) makes the drain per request."""
+def test_a_drain_in_request_order_is_one_block_a_forward_of_views_and_others_are_not_bulk():
+    """``bulk_of``: each forward drained whose requests' rows lie one after another is one array per
+    hook, views of its landed copy (several forwards are not joined); scores and features stay beside
+    them; a request whose rows are not in them (a capture window's, ranks merged by hook) makes the
+    drain per request."""
     values = torch.arange(2 * 6 * 8, dtype=torch.float32).reshape(2, 6, 8)
     forward = QueuedForward(["r0", "r1"], np.array([0, 2, 6]), np.array([3, 4, 0, 1, 2, 3]), [["a", "b"]],
                             [values, torch.arange(6)])
     got = rows_by_request([forward])
     got["r1"][SCORES] = {"positions": np.array([3]), "values": np.ones((1, 2))}
-    blocks = bulk_of(got)
+    (blocks,) = bulk_of(got)
     assert blocks.request_ids == ("r0", "r1") and blocks.bounds.tolist() == [0, 2, 6]
     assert blocks.positions.tolist() == [3, 4, 0, 1, 2, 3] and blocks.token_ids.tolist() == list(range(6))
     assert list(blocks.values) == ["a", "b"] and np.shares_memory(blocks.values["b"], values.numpy())
     for rid in ("r0", "r1"):
         for hook in ("a", "b"):
-            view = blocks.of_request(rid)[hook]
+            view = RequestRowsView((blocks,), rid)[hook]
             for k, key in enumerate(("positions", "token_ids", "values")):
                 np.testing.assert_array_equal(view[k], got[rid][hook][key])
-    two = rows_by_request([forward, forward._replace(positions=np.array([5, 6, 4, 5, 6, 7]))])
-    joined = bulk_of(two)  # several forwards: joined request after request
-    assert joined.bounds.tolist() == [0, 4, 12] and joined.positions.tolist() == [3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7]
+    later = forward._replace(positions=np.array([5, 6, 4, 5, 6, 7]), host=[values + 1000, torch.arange(6)])
+    first, second = bulk_of(rows_by_request([forward, later]))  # several forwards: a block each, not joined
+    assert first.positions.tolist() == [3, 4, 0, 1, 2, 3] and second.positions.tolist() == [5, 6, 4, 5, 6, 7]
+    assert np.shares_memory(second.values["a"], later.host[0].numpy())
     got["r2"] = {"a": {"positions": np.array([0]), "token_ids": np.array([1]), "values": np.zeros((1, 8))}}
     assert bulk_of(got) is None
     got["r1"]["a"] = got["r2"].pop("a")  # another rank's rows set by hook

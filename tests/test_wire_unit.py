@@ -11,7 +11,7 @@ import zmq
 from inspector.capture.dtypes import BFLOAT16
 from inspector.capture.protocol import RequestStart, RequestStep, StepEvent
 from inspector.client.connection import Connection, ServerGone
-from inspector.capture.blocks import RowBlocks
+from inspector.capture.blocks import RequestRowsView, RowBlocks
 from inspector.net.wire import MAX_MESSAGE_BYTES, Message, WireError, decode, encode, event_from_body, \
     event_to_body
 
@@ -167,18 +167,19 @@ def test_a_step_in_bulk_crosses_the_wire_as_its_blocks_and_each_request_gets_its
     values = {f"h{h}": np.random.default_rng(h).standard_normal((5, width), dtype=np.float32).astype(dtype)
               for h in range(2)}
     blocks = RowBlocks(["r0", "r1"], [0, 2, 5], np.array([7, 8, 0, 1, 2]), np.arange(5) + 100, values)
-    steps = (RequestStep("r0", rows=blocks.of_request("r0"), new_token_ids=(3,)),
-             RequestStep("r1", rows=blocks.of_request("r1")), RequestStep("r2", new_token_ids=(4,)))
-    body = event_to_body(StepEvent(0, steps, owns_rows=True, blocks=blocks))
-    assert body["blocks"]["values"]["h1"] is values["h1"] and all(not r["rows"] for r in body["requests"])
+    steps = (RequestStep("r0", rows=RequestRowsView((blocks,), "r0"), new_token_ids=(3,)),
+             RequestStep("r1", rows=RequestRowsView((blocks,), "r1")), RequestStep("r2", new_token_ids=(4,)))
+    body = event_to_body(StepEvent(0, steps, owns_rows=True, blocks=(blocks,)))
+    assert body["blocks"][0]["values"]["h1"] is values["h1"] and all(not r["rows"] for r in body["requests"])
     got = event_from_body(decode(encode(Message("event", body, 1)), limited=False).body)
-    assert got.owns_rows and got.blocks.request_ids == ("r0", "r1") and got.blocks.bounds.tolist() == [0, 2, 5]
+    (back,) = got.blocks
+    assert got.owns_rows and back.request_ids == ("r0", "r1") and back.bounds.tolist() == [0, 2, 5]
     for step, (a, b) in zip(got.requests, [(0, 2), (2, 5)]):
         for hook, v in values.items():
             p, t, rows = step.rows[hook]
             assert p.tolist() == blocks.positions[a:b].tolist() and t.tolist() == list(range(100 + a, 100 + b))
             assert rows.dtype == dtype and np.array_equal(rows.view(np.uint8), v[a:b].view(np.uint8))
     assert dict(got.requests[2].rows) == {} and got.requests[2].new_token_ids == (4,)
-    body["blocks"]["bounds"] = [0, 2, 5]
+    body["blocks"][0]["bounds"] = [0, 2, 5]
     with pytest.raises(WireError, match="malformed"):
         event_from_body(body)

@@ -4,7 +4,9 @@ A batch-32 decode step of 32 hooks has a thousand (request, hook) pairs; handlin
 the engine's step path held a session to about a third of the engine's speed on the H200
 (docs/performance-notes.md). ``RowBlocks`` carries such a step as the engine laid it out, so that
 keeping it (``Run``), writing it (``CaptureWriter``) and sending it (the wire) cost a few calls per
-hook, and a request's rows are made only where someone reads them (``RequestRowsView``).
+hook, and a request's rows are made only where someone reads them (``RequestRowsView``). A step
+that drained several forwards (the engine ran ahead) has a ``RowBlocks`` for each, as they landed:
+joining them would copy every row on the engine's thread.
 """
 
 from __future__ import annotations
@@ -53,9 +55,6 @@ class RowBlocks:
         where = self.span(request_id)
         return self.positions[where], self.token_ids[where], self.values[hook][where]
 
-    def of_request(self, request_id: str) -> "RequestRowsView":
-        return RequestRowsView(self, request_id)
-
     def selected(self, request_ids: Mapping[str, str], hooks=None) -> "RowBlocks | None":
         """The rows of ``request_ids`` (own id -> the id to give them) and of ``hooks`` (None: all), in
         this order; views where those requests lie side by side, else one gather a column. None if none
@@ -81,25 +80,31 @@ class RowBlocks:
 
 
 class RequestRowsView(Mapping):
-    """One request's rows of a ``RowBlocks``: hook -> (positions, token_ids, values), views made on read."""
+    """One request's rows of a step's ``RowBlocks`` (one per forward the step drained): hook ->
+    (positions, token_ids, values), views made on read, joined where the request is in several."""
 
-    __slots__ = ("_blocks", "_request_id")
+    __slots__ = ("blocks", "_request_id")
 
-    def __init__(self, blocks: RowBlocks, request_id: str):
-        self._blocks, self._request_id = blocks, request_id
+    def __init__(self, blocks: tuple[RowBlocks, ...], request_id: str):
+        self.blocks = [b for b in blocks if b.span(request_id) is not None]  # those it has rows in
+        self._request_id = request_id
 
     def __getitem__(self, hook: str) -> Rows:
-        if hook not in self._blocks.values:
+        parts = [b.rows_of(self._request_id, hook) for b in self.blocks if hook in b.values]
+        if not parts:
             raise KeyError(hook)
-        return self._blocks.rows_of(self._request_id, hook)
+        return parts[0] if len(parts) == 1 else tuple(np.concatenate(column) for column in zip(*parts))
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._blocks.values)
+        return iter(dict.fromkeys(hook for b in self.blocks for hook in b.values))
 
     def __len__(self) -> int:
-        return len(self._blocks.values)
+        return len(dict.fromkeys(hook for b in self.blocks for hook in b.values))
 
     def items(self):
-        where = self._blocks.span(self._request_id)
-        positions, token_ids = self._blocks.positions[where], self._blocks.token_ids[where]
-        return [(hook, (positions, token_ids, v[where])) for hook, v in self._blocks.values.items()]
+        if len(self.blocks) != 1:
+            return [(hook, self[hook]) for hook in self]
+        blocks = self.blocks[0]
+        where = blocks.span(self._request_id)
+        positions, token_ids = blocks.positions[where], blocks.token_ids[where]
+        return [(hook, (positions, token_ids, v[where])) for hook, v in blocks.values.items()]

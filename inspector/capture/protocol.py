@@ -157,9 +157,10 @@ class StepEvent:
     # the rows' arrays are this event's alone (nothing writes them again or frees their memory for
     # reuse): a run keeps them as they are instead of copying each (``HookRows.keep``)
     owns_rows: bool = False
-    # the requests' rows in bulk, where the engine laid them out so; then each request's ``rows`` are
-    # views of it (``RequestRowsView``), and keeping, writing or sending the step goes hook by hook
-    blocks: RowBlocks | None = None
+    # the requests' rows in bulk (a block a forward drained), where the engine laid them out so; then
+    # each request's ``rows`` are views of them (``RequestRowsView``), and keeping, writing or sending
+    # the step goes hook by hook
+    blocks: tuple[RowBlocks, ...] | None = None
 
 
 class SessionProtocol(Protocol):
@@ -258,8 +259,8 @@ def fold_event(run: Run, event: StepEvent, keep_rows: bool = True, new_rows: New
             token_texts=list(start.prompt_texts), windows=dict(start.windows))
     changed = {start.request_id for start in event.started}
     bulk = keep_rows and event.blocks is not None and new_rows is None
-    if bulk:
-        _keep_blocks(run, event.blocks if event.owns_rows else event.blocks.copied())
+    for blocks in event.blocks if bulk else ():
+        _keep_blocks(run, blocks if event.owns_rows else blocks.copied())
     for step in event.requests:
         req = run.requests[step.request_id]
         req.generated_token_ids += step.new_token_ids

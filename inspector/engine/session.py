@@ -20,6 +20,7 @@ import numpy as np
 from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from inspector import __version__
+from inspector.capture.blocks import RequestRowsView
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
@@ -454,8 +455,9 @@ class Session(Experiments):
         into ``run`` as it is made."""
         finish = finish or {}
         blocks = bulk_of(captures)
-        if blocks is not None and not self._computed.keys() >= set(blocks.request_ids):  # the engine's own (warm-up)
-            blocks = blocks.selected({rid: rid for rid in blocks.request_ids if rid in self._computed})
+        if blocks is not None and any(not self._computed.keys() >= set(b.request_ids) for b in blocks):
+            mine = {rid: rid for rid in self._computed}  # not the engine's own (warm-up) requests
+            blocks = tuple(b for b in (b.selected(mine) for b in blocks) if b is not None)
         started, self._unstarted = tuple(self._unstarted), []
         order = [s.request_id for s in started] + [*captures, *outputs, *self._unsent_log, *self._unsent_windows,
                                                    *finish]
@@ -469,10 +471,11 @@ class Session(Experiments):
                         for name, (acts, ids) in ((n, feature_keys(n)) for n in self.saes) if acts in hooks
                         } if self.saes else {}
             if blocks is not None:
-                where = blocks.span(rid)
-                rows = {} if where is None else blocks.of_request(rid)
-                if where is not None and where.stop > where.start:
-                    self._computed[rid] = max(self._computed[rid], int(blocks.positions[where.stop - 1]) + 1)
+                rows = RequestRowsView(blocks, rid)
+                for b in rows.blocks:
+                    where = b.span(rid)
+                    if where.stop > where.start:
+                        self._computed[rid] = max(self._computed[rid], int(b.positions[where.stop - 1]) + 1)
             else:
                 rows = {hook: (c["positions"], c["token_ids"], c["values"]) for hook, c in hooks.items()
                         if hook != SCORES and not hook.startswith(FEATURES)}

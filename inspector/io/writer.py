@@ -80,7 +80,7 @@ class _HookBuffer:
         self.group = self.d_values = self.d_positions = self.d_token_ids = None  # the group: made with the values
 
     def new_pending(self) -> GrowableArray:
-        return GrowableArray(self.dtype, (self.width,), capacity=0, max_capacity=self.chunk_rows)
+        return GrowableArray(self.dtype, (self.width,), capacity=self.chunk_rows, max_capacity=self.chunk_rows)
 
     def gap(self) -> int:
         """Rows from what is written to the next chunk boundary, in 1..chunk_rows."""
@@ -132,7 +132,12 @@ class CaptureWriter:
         check_compression(compression)
         self._compression = compression
         self._fsync = fsync
-        self._budget = int(buffer_bytes)
+        # Rows buffered beyond the budget are written out before their chunks are full, which HDF5 then
+        # rewrites piece by piece: 1,024 (request, hook)s of a batch-32 step held a capture to a tenth
+        # of the disk's speed on the H200. So the budget grows to a chunk per (request, hook), up to a
+        # quarter of the machine's memory (docs/performance-notes.md).
+        self._budget = self._given_budget = int(buffer_bytes)
+        self._chunk_room = 0  # a chunk of every (request, hook)'s
         self._buffered = 0
         self._requests: dict[str, _Request] = {}
         self._staged: list[RowBlocks] = []  # bulk steps not written yet (append_blocks)
@@ -379,7 +384,7 @@ class CaptureWriter:
             raise ValueError(f"unknown hook {unknown[0]!r}; this writer was opened with {list(self._hooks)[:8]}")
         self._staged.append(blocks)
         self._staged_bytes += blocks.nbytes
-        if self._staged_bytes >= self._budget // 2:
+        if self._staged_bytes >= self._given_budget // 2:
             with self._guard("writing rows"):
                 self._write_staged()
 
@@ -434,9 +439,11 @@ class CaptureWriter:
         info = self._hooks.get(hook)
         if info is None:
             raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
-        req.buffers[hook] = _HookBuffer(hook, int(info.width),
-                                        dtype if dtype in ROW_DTYPES.values() else np.dtype(np.float32))
-        return req.buffers[hook]
+        buf = req.buffers[hook] = _HookBuffer(hook, int(info.width),
+                                              dtype if dtype in ROW_DTYPES.values() else np.dtype(np.float32))
+        self._chunk_room += buf.chunk_rows * buf.width * buf.dtype.itemsize
+        self._budget = max(self._given_budget, min(self._chunk_room, _MEMORY_BYTES // 4))
+        return buf
 
     def _fit_chunks(self, request_id: str, hook: str, rows: int, dtype: np.dtype) -> int:
         """Size the chunks of a (request, hook) that will get exactly ``rows`` rows (write_run knows):
@@ -671,6 +678,9 @@ class CaptureWriter:
                 fg = _named_group(features_group, name)
                 for column in ("positions", "ids", "activations"):
                     fg.create_dataset(column, data=getattr(rows, column))
+
+
+_MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _request_order(staged: list[RowBlocks]) -> tuple:

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from inspector.capture.blocks import RowBlocks
+from inspector.capture.blocks import RequestRowsView, RowBlocks
 from inspector.capture.dtypes import BFLOAT16
 from inspector.capture.hooks import HookPoint
 from inspector.capture.protocol import BootProgress, RequestStart, RequestStep, StepEvent
@@ -198,10 +198,9 @@ def event_to_body(event: StepEvent) -> dict:
     else each request says how many rows of each hook are its own."""
     body = {"step": event.step, "started": to_builtins(event.started)}
     if event.blocks is not None:
-        b = event.blocks
         return {**body, "requests": [_step_to_body(step, bulk=True) for step in event.requests],
-                "blocks": {"request_ids": list(b.request_ids), "bounds": b.bounds, "positions": b.positions,
-                           "token_ids": b.token_ids, "values": dict(b.values)}}
+                "blocks": [{"request_ids": list(b.request_ids), "bounds": b.bounds, "positions": b.positions,
+                            "token_ids": b.token_ids, "values": dict(b.values)} for b in event.blocks]}
     by_hook: dict[str, list] = {}
     for step in event.requests:
         for hook, rows in step.rows.items():
@@ -266,7 +265,7 @@ def _step_to_body(step: RequestStep, bulk: bool = False) -> dict:
 def event_from_body(body: dict) -> StepEvent:
     """The peer is the server here: its events are trusted to be well formed, and still checked."""
     try:
-        blocks = _blocks(body["blocks"]) if "blocks" in body else None
+        blocks = tuple(map(_blocks, body["blocks"])) if "blocks" in body else None
         offsets = dict.fromkeys(body.get("rows", ()), 0)
         steps = []
         for d in body["requests"]:
@@ -275,8 +274,8 @@ def event_from_body(body: dict) -> StepEvent:
                 a = offsets[hook]
                 rows[hook] = tuple(part[a:a + n] for part in body["rows"][hook])
                 offsets[hook] = a + n
-            if blocks is not None and blocks.span(str(d["request_id"])) is not None:
-                rows = blocks.of_request(str(d["request_id"]))
+            if blocks is not None:
+                rows = RequestRowsView(blocks, str(d["request_id"]))
             steps.append(_request_step(d, rows))
         return StepEvent(int(body["step"]), tuple(steps),
                          tuple(convert(s, RequestStart, "a request start") for s in body["started"]),

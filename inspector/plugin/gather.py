@@ -122,32 +122,43 @@ class RequestRows(MutableMapping):
         self._spans = []
 
 
-def bulk_of(drained: dict[str, MutableMapping]) -> RowBlocks | None:
-    """A drain's rows as one block per hook (``RowBlocks``: views, no copy) where every request's rows
-    lie in one forward (or one join of several), one request after another; None where they do not (a
-    capture window's rows, a request that wants none between others, ranks merged by hook)."""
+def bulk_of(drained: dict[str, MutableMapping]) -> tuple[RowBlocks, ...] | None:
+    """A drain's rows in bulk, one ``RowBlocks`` a forward drained (views of its landed copy, no
+    copy), where each forward's requests lie one after another; None where they do not (a capture
+    window's rows, a request that wants none between others, ranks merged by hook)."""
     rows, request_ids = [], []
     for rid, r in drained.items():
         if type(r) is RequestRows and r._spans:
+            if any(not _pseudo(k) for k in r._set):  # another rank's rows, set by hook
+                return None
             rows.append(r)
             request_ids.append(rid)
         elif any(not _pseudo(k) for k in r):
             return None
     if not rows:
         return None
-    rows[0]._joined()  # a drain of several forwards: joined for all of them at once
-    index, spans = rows[0]._spans[0].index, []
-    for r in rows:
-        if len(r._spans) != 1 or r._spans[0].index is not index or any(not _pseudo(k) for k in r._set):
+    order = [span.index for span in max((r._spans for r in rows), key=len)]  # the forwards, as they ran
+    place = {id(index): k for k, index in enumerate(order)}
+    members: list[list[tuple[Span, str]]] = [[] for _ in order]
+    for rid, r in zip(request_ids, rows):
+        last = -1
+        for span in r._spans:
+            k = place.get(id(span.index), -1)
+            if k <= last:  # a forward the longest request was not in, or out of order
+                return None
+            members[k].append((span, rid))
+            last = k
+    blocks = []
+    for index, spans in zip(order, members):
+        spans.sort(key=lambda member: member[0].rows.start)
+        if any(a.rows.stop != b.rows.start for (a, _), (b, _) in zip(spans, spans[1:])):
             return None
-        if spans and r._spans[0].rows.start != spans[-1].rows.stop:
-            return None
-        spans.append(r._spans[0])
-    where = slice(spans[0].rows.start, spans[-1].rows.stop)
-    bounds = np.concatenate([[0], np.cumsum([s.rows.stop - s.rows.start for s in spans])])
-    return RowBlocks(request_ids, bounds,
-                     np.concatenate([s.positions for s in spans]), np.concatenate([s.token_ids for s in spans]),
-                     {hook: stack[h, where] for hook, (stack, h) in index.items() if not _pseudo(hook)})
+        where = slice(spans[0][0].rows.start, spans[-1][0].rows.stop)
+        bounds = np.concatenate([[0], np.cumsum([s.rows.stop - s.rows.start for s, _ in spans])])
+        blocks.append(RowBlocks([rid for _, rid in spans], bounds, np.concatenate([s.positions for s, _ in spans]),
+                                np.concatenate([s.token_ids for s, _ in spans]),
+                                {hook: stack[h, where] for hook, (stack, h) in index.items() if not _pseudo(hook)}))
+    return tuple(blocks)
 
 
 def _pseudo(key: str) -> bool:

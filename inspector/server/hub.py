@@ -330,7 +330,8 @@ class Hub:
         for (key, call_id), (started, steps, names) in parts.items():
             client = self.clients[key]
             call = client.calls[call_id]
-            blocks = None if event.blocks is None else event.blocks.selected(names, client.hooks)
+            blocks = None if event.blocks is None else tuple(
+                b for b in (b.selected(names, client.hooks) for b in event.blocks) if b is not None)
             self.send(key, Message("event", event_to_body(StepEvent(call.steps, tuple(steps), tuple(started),
                                                                     blocks=blocks)), call_id))
             call.steps += 1
