@@ -274,7 +274,7 @@ class Session(Experiments):
         self._apply_interventions(self._open)
         self._apply_windows()
         try:
-            outputs = [out for out in self._llm.llm_engine.step() if out.request_id in self._open]
+            outputs = [out for out in self._llm.llm_engine.step() if out.request_id in self._computed]  # open ones
             # Rows still copying arrive with a later step, except a finishing request's: wait for those.
             captures = self._drain(wait=any(out.finished for out in outputs))
         except Exception as e:
