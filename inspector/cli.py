@@ -362,12 +362,11 @@ def patch(args) -> int:
 def record(session: SessionProtocol, events, out: Path, progress=lambda tokens: None, lens_hooks=frozenset(),
            lens_k: int = 0) -> Path:
     """Write ``events`` of ``session`` into the capture file ``out`` as they come: the file is written
-    on a thread of its own (``BackgroundWriter``), so the engine's thread only hands each step's rows
+    by a process of its own (``BackgroundWriter``), so the engine's thread only hands each step's rows
     over, in bulk where the step came so. ``progress`` hears the tokens generated so far."""
-    from inspector.io import CaptureWriter
     from inspector.io.background import BackgroundWriter
 
-    with BackgroundWriter(CaptureWriter(out, session.run.metadata, session.installed)) as file:
+    with BackgroundWriter(out, session.run.metadata, session.installed) as file:
         named: set[int] = set()  # token ids whose texts the file holds (the lens names them)
         done = 0
         progress(0)
@@ -375,10 +374,10 @@ def record(session: SessionProtocol, events, out: Path, progress=lambda tokens: 
             for start in event.started:
                 file.call("add_request", session.run.requests[start.request_id])
             for blocks in event.blocks or ():
-                file.call("append_blocks", blocks, nbytes=blocks.nbytes)
+                file.call("append_blocks", blocks)
             for step in event.requests:
                 for hook, rows in (step.rows.items() if event.blocks is None else ()):
-                    file.call("append_rows", step.request_id, hook, *rows, nbytes=rows[2].nbytes)
+                    file.call("append_rows", step.request_id, hook, *rows)
                 for name, features in step.features.items():
                     file.call("append_features", step.request_id, name, *features)
                 if step.finished:

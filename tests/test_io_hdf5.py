@@ -216,12 +216,13 @@ def test_streaming_equals_one_shot(tmp_path):
 
 
 def stream_in_bulk(run: Run, path: Path, seed: int, **options) -> None:
-    """Feed a run as a session in bulk does, through a writer on its own thread: each step one
+    """Feed a run as a session in bulk does, through a writer in a process of its own (a small ring of
+    shared memory, so its room is reused many times): each step one
     ``RowBlocks`` of the requests with rows left, of every hook that has them for all those requests;
     a hook with fewer rows gets its rows one (request, hook) at a time, between bulk steps."""
     rng = np.random.default_rng(seed)
     done = {rid: 0 for rid in run.requests}
-    with BackgroundWriter(CaptureWriter(path, run.metadata, run.hooks, **options), backlog_bytes=1 << 16) as file:
+    with BackgroundWriter(path, run.metadata, run.hooks, backlog_bytes=1 << 16, **options) as file:
         for req in run.requests.values():
             file.call("add_request", RequestCapture(req.request_id, req.prompt, list(req.prompt_token_ids),
                                                     req.sampling))
@@ -239,7 +240,7 @@ def stream_in_bulk(run: Run, path: Path, seed: int, **options) -> None:
                                pick("token_ids"), {name: np.concatenate([run.requests[rid].hooks[name].values[w]
                                                                            for rid, w in cut.items()])
                                                    for name in whole})
-            file.call("append_blocks", blocks, nbytes=blocks.nbytes)
+            file.call("append_blocks", blocks)
             for rid, w in cut.items():
                 for name, rows in run.requests[rid].hooks.items():
                     if name not in whole and w.start < len(rows):
@@ -263,7 +264,7 @@ def stream_in_bulk(run: Run, path: Path, seed: int, **options) -> None:
 @pytest.mark.parametrize("buffer_bytes", [128 << 20, 10_000], ids=["staged", "tiny buffer"])
 def test_steps_in_bulk_through_a_background_writer_equal_one_shot(tmp_path, buffer_bytes):
     """``append_blocks`` (staged, written request by request) mixed with single (request, hook) rows,
-    on the writer's own thread: the file holds the same run, bit for bit."""
+    in the writer's own process: the file holds the same run, bit for bit."""
     run = make_run(seed=4, rows=(700, 2, 0))
     for req in run.requests.values():  # an engine's hooks see the same tokens at a position
         ids = max(req.hooks.values(), key=len).token_ids
@@ -276,7 +277,7 @@ def test_steps_in_bulk_through_a_background_writer_equal_one_shot(tmp_path, buff
 
 
 def test_a_background_writers_failure_is_raised_on_the_callers_thread_and_leaves_no_file(tmp_path):
-    file = BackgroundWriter(CaptureWriter(tmp_path / "x.h5", {}, {"h": HookPoint("h", "h", "", "resid", 4)}))
+    file = BackgroundWriter(tmp_path / "x.h5", {}, {"h": HookPoint("h", "h", "", "resid", 4)})
     file.call("append_blocks", RowBlocks(["nobody"], [0, 1], np.zeros(1, np.int64), np.zeros(1, np.int64),
                                          {"h": np.zeros((1, 4), np.float32)}))
     with pytest.raises(ValueError, match="unknown request 'nobody'"):
@@ -698,3 +699,20 @@ def test_capture_windows_round_trip_with_their_positions(tmp_path):
     with h5py.File(path) as f:
         assert f[f"requests/0/hooks/{windowed}"].attrs["window"] == "every:3"
         assert "window" not in f[f"requests/0/hooks/{HOOK_SPECS[1][0]}"].attrs  # all: no attribute
+
+
+def test_hooks_side_by_side_in_one_landed_copy_cross_to_the_writer_in_one_piece_and_read_back(tmp_path):
+    """A forward's hooks are slices of one [hooks, rows, width] copy: they go into the writer's shared
+    memory as one array and come back as each hook's rows, bit for bit."""
+    hooks = {f"h{k}": HookPoint(f"h{k}", f"h{k}", "", "resid", 64) for k in range(3)}
+    stack = np.random.default_rng(0).standard_normal((3, 10, 64), dtype=np.float32).astype(BFLOAT16)
+    with BackgroundWriter(tmp_path / "s.h5", {}, hooks, backlog_bytes=1 << 14) as file:  # pieces of a few rows
+        for rid in ("a", "b"):
+            file.call("add_request", RequestCapture(rid, "p", [1], {}))
+        file.call("append_blocks", RowBlocks(["a", "b"], [0, 4, 10], np.arange(10), np.arange(10) + 5,
+                                             {h: stack[k] for k, h in enumerate(hooks)}))
+    run = read_run(tmp_path / "s.h5")
+    for k, h in enumerate(hooks):
+        assert np.array_equal(bits(run.requests["a"].hooks[h].values), bits(stack[k, :4]))
+        assert np.array_equal(bits(run.requests["b"].hooks[h].values), bits(stack[k, 4:]))
+        assert run.requests["b"].hooks[h].token_ids.tolist() == list(range(9, 15))

@@ -1,57 +1,103 @@
-"""A capture file written on a thread of its own, so that the engine's thread only hands rows over.
+"""A capture file written by a process of its own, so that the engine's thread only hands rows over.
 
-HDF5 lets go of the GIL while it writes, and numpy while it copies: the file's work then overlaps the
-engine's next forwards instead of following each step (``inspector capture`` at batch 32 on the
-H200: docs/performance-notes.md). Calls run in the order given. Rows waiting are bounded: past
-``backlog_bytes`` the caller waits for the disk (back-pressure, not unbounded memory).
+A writer thread in the engine's process shares its GIL: every numpy copy and HDF5 call lets the GIL
+go and must wait to get it back from the engine's busy Python. On the H200 a capture file then took
+a sixth of the disk's speed, and beside a thread spinning in Python the writer here all but stopped
+(docs/performance-notes.md). So the file is written in a child process. A step's rows travel
+through shared memory (a ring, ``backlog_bytes``): the engine's thread copies each hook's rows into it
+(one copy a hook, the GIL let go while it runs) and sends where they lie; the child copies them out
+and says the room is free again. The other calls travel pickled, in order. When the ring is full the
+caller waits for the disk: back-pressure, not unbounded memory.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import mmap
+import multiprocessing as mp
+import os
+from collections import deque
+from dataclasses import replace
+from multiprocessing import reduction
 from pathlib import Path
 
-from .writer import CaptureWriter
+import numpy as np
+
+from inspector.capture.blocks import RowBlocks, consecutive
+
+
+class _Ring:
+    """Shared memory for rows on their way: a memfd (not /dev/shm, which containers keep small),
+    handed to the child process as a file descriptor."""
+
+    def __init__(self, size: int, fd: int | None = None):
+        self.size = size
+        self.fd = os.memfd_create("inspector-capture-rows") if fd is None else fd
+        if fd is None:
+            os.ftruncate(self.fd, size)
+        self.memory = mmap.mmap(self.fd, size)
+        self.array = np.frombuffer(self.memory, dtype=np.uint8)
+
+    def __reduce__(self):  # while spawning the child: the descriptor goes with it
+        return _Ring._attach, (self.size, reduction.DupFd(self.fd))
+
+    @staticmethod
+    def _attach(size: int, fd) -> "_Ring":
+        return _Ring(size, fd.detach())
+
+    def view(self, offset: int, dtype, shape) -> np.ndarray:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.array[offset:offset + n].view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self.array = None
+        self.memory.close()
+        os.close(self.fd)
 
 
 class BackgroundWriter:
-    """Runs ``writer``'s calls on a thread: ``call("append_blocks", blocks, nbytes=...)`` queues
-    ``writer.append_blocks(blocks)`` (``nbytes``: the rows it holds, for the backlog's bound).
-    A failure there is raised by the caller's next call, or by ``close``; ``abort`` drops everything."""
+    """A ``CaptureWriter(path, metadata, hooks, **options)`` in a process of its own:
+    ``call("append_blocks", blocks)`` and the writer's other methods by name, in order. A failure there
+    (a full disk, an unknown request) is raised by the caller's next call or by ``close``, and the file
+    is not left behind; ``abort`` drops everything."""
 
-    def __init__(self, writer: CaptureWriter, backlog_bytes: int = 512 << 20):
-        self.writer = writer
-        self._queue: queue.Queue = queue.Queue()
-        self._room = threading.Condition()
-        self._waiting_bytes, self._backlog = 0, int(backlog_bytes)
+    def __init__(self, path, metadata: dict, hooks: dict, backlog_bytes: int = 512 << 20, **options):
+        ctx = mp.get_context("spawn")
+        self._ring = _Ring(backlog_bytes)
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(child, self._ring, os.fspath(path), metadata, hooks, options),
+                                    name="capture-writer", daemon=True)
+        self._process.start()
+        child.close()
+        self._used: deque[tuple[int, int]] = deque()  # regions of the ring in use, oldest first
+        self._next = 0  # where the next region starts
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="capture-writer", daemon=True)
-        self._thread.start()
+        self._closed = False
+        self._answer("ready")  # the file opened (or why it could not)
+        self._raise_failure()
 
-    def call(self, method: str, *args, nbytes: int = 0) -> None:
-        fn = getattr(self.writer, method)
+    def call(self, method: str, *args) -> None:
+        """``writer.method(*args)`` in the writer's process."""
+        from .writer import CaptureWriter
+
+        getattr(CaptureWriter, method)  # a misspelt method fails here, not later in the child
+        self._take_news()
         self._raise_failure()
-        with self._room:
-            while self._waiting_bytes and self._waiting_bytes + nbytes > self._backlog and self._error is None:
-                self._room.wait()
-            self._waiting_bytes += nbytes
-        self._raise_failure()
-        self._queue.put((fn, args, nbytes))
+        if method == "append_blocks":
+            for piece in args[0].pieces(max(1, (self._ring.size // 4) // max(1, _row_bytes(args[0])))):
+                self._send_blocks(piece)
+        elif method in ("add_request", "update_request"):  # what a request says, not its rows
+            self._conn.send(("call", method, (replace(args[0], hooks={}, lens={}, features={}, scores={}),)))
+        else:
+            self._conn.send(("call", method, args))
 
     def close(self) -> Path:
-        """Wait for every call, then finish the file."""
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            self.writer.abort()
-            raise self._error
-        return self.writer.close()
+        """Wait for every call, then finish the file (renamed onto its path, synced)."""
+        path = self._finish("close")
+        self._raise_failure()
+        return path
 
     def abort(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        self.writer.abort()
+        self._finish("abort")
 
     def __enter__(self) -> "BackgroundWriter":
         return self
@@ -63,19 +109,146 @@ class BackgroundWriter:
             self.abort()
         return False
 
+    # --- the parent's side of the ring and the pipe
+
+    def _send_blocks(self, blocks: RowBlocks) -> None:
+        """Into the ring: positions, token ids, and the hooks' rows, in one copy where they lie side by
+        side in the landed copy (each copy lets the GIL go and waits to get it back)."""
+        arrays = {"positions": np.ascontiguousarray(blocks.positions, np.int64),
+                  "token_ids": np.ascontiguousarray(blocks.token_ids, np.int64)}
+        values = list(blocks.values.values())
+        if len(values) > 1 and consecutive(values) and all(v.shape == values[0].shape for v in values):
+            arrays[_STACKED] = np.lib.stride_tricks.as_strided(values[0], shape=(len(values), *values[0].shape))
+        else:
+            arrays.update(blocks.values)
+        sizes = {key: _aligned(a.nbytes) for key, a in arrays.items()}
+        start = self._reserve(sum(sizes.values()))
+        where, at = {}, start
+        for key, a in arrays.items():
+            np.copyto(self._ring.view(at, a.dtype, a.shape), a)  # large copies let the GIL go
+            where[key] = (at, a.dtype, a.shape)
+            at += sizes[key]
+        self._conn.send(("blocks", blocks.request_ids, blocks.bounds, where, list(blocks.values)))
+
+    def _reserve(self, size: int) -> int:
+        """A region of ``size`` bytes of the ring, once the child has let go of enough (regions are
+        taken and let go of in order)."""
+        while True:
+            if not self._used:
+                start, fits = 0, True
+            elif self._used[0][0] < self._next:  # in use: from the oldest region to the newest's end
+                start = self._next if self._next + size <= self._ring.size else 0
+                fits = start == self._next or size <= self._used[0][0]
+            else:  # wrapped: in use from the oldest to the ring's end, and from its start to the newest's end
+                start = self._next
+                fits = start + size <= self._used[0][0]
+            if fits:
+                self._used.append((start, size))
+                self._next = start + size
+                return start
+            self._answer("freed")
+            self._raise_failure()
+
+    def _take_news(self) -> None:
+        while self._conn.poll():
+            self._news(self._conn.recv())
+
+    def _answer(self, wanted: str):
+        """Wait for the child's next message of kind ``wanted`` (or a failure), taking in the others."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except EOFError:
+                self._error = self._error or RuntimeError(
+                    f"the capture writer's process ended (exit code {self._process.exitcode})")
+                return None
+            self._news(message)
+            if message[0] in (wanted, "error"):
+                return message
+
+    def _news(self, message) -> None:
+        if message[0] == "freed":
+            self._used.popleft()
+        elif message[0] == "error" and self._error is None:
+            self._error = message[1]
+
+    def _finish(self, how: str) -> Path | None:
+        if self._closed:
+            return None
+        self._closed = True
+        message = None
+        try:
+            self._conn.send((how,))
+        except OSError:  # the child is gone; its error, if it sent one, is kept
+            message = ("done", None)
+        while message is None or message[0] == "error":
+            message = self._answer("done")
+            if message is None:  # the child is gone
+                break
+        self._process.join(timeout=60)
+        self._conn.close()
+        self._ring.close()
+        return None if message is None else message[1]
+
     def _raise_failure(self) -> None:
         if self._error is not None:
+            if not self._closed:
+                self.abort()
             raise self._error
 
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fn, args, nbytes = item
-            try:
-                if self._error is None:  # after a failure the rest is dropped, not written
-                    fn(*args)
-            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
-                self._error = e
-            finally:
-                with self._room:
-                    self._waiting_bytes -= nbytes
-                    self._room.notify_all()
+
+_STACKED = "@hooks"  # in the ring: every hook's rows as one [hooks, rows, width] array
+
+
+def _row_bytes(blocks: RowBlocks) -> int:
+    return 16 + sum(v.nbytes // max(1, len(v)) for v in blocks.values.values())
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _serve(conn, ring: _Ring, path: str, metadata: dict, hooks: dict, options: dict) -> None:
+    """The child: a CaptureWriter fed from the pipe, rows copied out of the ring as they come."""
+    from .writer import CaptureWriter
+
+    try:
+        writer = CaptureWriter(path, metadata, hooks, **options)
+    except BaseException as e:  # noqa: BLE001 - told to the parent
+        _tell(conn, ("error", e))
+        return
+    conn.send(("ready",))
+    failed = False
+    while True:
+        message = conn.recv()
+        kind = message[0]
+        try:
+            if kind == "blocks":
+                _, request_ids, bounds, where, hooks = message
+                arrays = {key: ring.view(at, dtype, shape).copy() for key, (at, dtype, shape) in where.items()}
+                conn.send(("freed",))
+                if not failed:
+                    positions, token_ids = arrays.pop("positions"), arrays.pop("token_ids")
+                    if _STACKED in arrays:
+                        arrays = dict(zip(hooks, arrays[_STACKED]))
+                    writer.append_blocks(RowBlocks(request_ids, bounds, positions, token_ids, arrays))
+            elif kind == "call":
+                if not failed:
+                    getattr(writer, message[1])(*message[2])
+            elif kind == "close" and not failed:
+                conn.send(("done", writer.close()))
+                return
+            else:  # abort, or close after a failure
+                writer.abort()
+                conn.send(("done", None))
+                return
+        except BaseException as e:  # noqa: BLE001 - told to the parent; what follows is dropped
+            failed = True
+            _tell(conn, ("error", e))
+
+
+def _tell(conn, message) -> None:
+    try:
+        conn.send(message)
+    except Exception:  # noqa: BLE001 - an error that does not pickle goes as its text
+        conn.send((message[0], RuntimeError(f"{type(message[1]).__name__}: {message[1]}")))

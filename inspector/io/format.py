@@ -47,6 +47,9 @@ class CaptureFileError(OSError):
     def __str__(self) -> str:  # OSError's own would add the errno
         return self.args[0]
 
+    def __reduce__(self):  # raised in a writer's process, re-raised in the caller's (io.background)
+        return type(self), (self.args[0], self.path, self.reason)
+
 
 _ERRNO_REASONS = {
     _errno.ENOSPC: "no space left on device",

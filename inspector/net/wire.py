@@ -10,7 +10,6 @@ the peer, and typed values are converted with their declared types (``msgspec.co
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from inspector.capture.blocks import RequestRowsView, RowBlocks
+from inspector.capture.blocks import RequestRowsView, RowBlocks, consecutive
 from inspector.capture.dtypes import BFLOAT16
 from inspector.capture.hooks import HookPoint
 from inspector.capture.protocol import BootProgress, RequestStart, RequestStep, StepEvent
@@ -223,31 +222,9 @@ def _join(arrays: list[np.ndarray]) -> np.ndarray:
     """One array of ``arrays`` one after the other: a view when they already lie so in memory (the
     drain hands out consecutive slices of one block), else a copy."""
     first = arrays[0]
-    if sum(a.nbytes for a in arrays) >= JOIN_VIEW_BYTES and _consecutive(arrays):
+    if sum(a.nbytes for a in arrays) >= JOIN_VIEW_BYTES and consecutive(arrays):
         return np.lib.stride_tricks.as_strided(first, shape=(sum(len(a) for a in arrays), *first.shape[1:]))
     return np.concatenate(arrays)
-
-
-def _consecutive(arrays: list[np.ndarray]) -> bool:
-    """Slices of one block, each starting where the one before ends. Addresses come through ctypes:
-    numpy's own ways (``ctypes.data``, ``__array_interface__``) cost 3-4 times more, and a step at
-    batch 32 asks a thousand times."""
-    first = arrays[0]
-    base, dtype, row = first.base, first.dtype, first.shape[1:]
-    if base is None or any(a.base is not base for a in arrays):
-        return False
-    end = None
-    try:
-        for a in arrays:
-            if a.dtype != dtype or a.shape[1:] != row:
-                return False
-            start = ctypes.addressof(ctypes.c_char.from_buffer(a if dtype != BFLOAT16 else a.view(np.uint16)))
-            if end is not None and start != end:
-                return False
-            end = start + a.nbytes
-    except (TypeError, ValueError, BufferError):  # read-only, not C-contiguous, or empty: no address here
-        return False
-    return True
 
 
 def _step_to_body(step: RequestStep, bulk: bool = False) -> dict:
