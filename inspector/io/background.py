@@ -24,6 +24,8 @@ import numpy as np
 
 from inspector.capture.blocks import RowBlocks, consecutive
 
+from .writer import CaptureWriter, FinishedOrDropped
+
 
 class _Ring:
     """Shared memory for rows on their way: a memfd (not /dev/shm, which containers keep small),
@@ -54,7 +56,7 @@ class _Ring:
         os.close(self.fd)
 
 
-class BackgroundWriter:
+class BackgroundWriter(FinishedOrDropped):
     """A ``CaptureWriter(path, metadata, hooks, **options)`` in a process of its own:
     ``call("append_blocks", blocks)`` and the writer's other methods by name, in order. A failure there
     (a full disk, an unknown request) is raised by the caller's next call or by ``close``, and the file
@@ -77,8 +79,6 @@ class BackgroundWriter:
 
     def call(self, method: str, *args) -> None:
         """``writer.method(*args)`` in the writer's process."""
-        from .writer import CaptureWriter
-
         getattr(CaptureWriter, method)  # a misspelt method fails here, not later in the child
         self._take_news()
         self._raise_failure()
@@ -98,16 +98,6 @@ class BackgroundWriter:
 
     def abort(self) -> None:
         self._finish("abort")
-
-    def __enter__(self) -> "BackgroundWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-        return False
 
     # --- the parent's side of the ring and the pipe
 
@@ -210,8 +200,6 @@ def _aligned(n: int) -> int:
 
 def _serve(conn, ring: _Ring, path: str, metadata: dict, hooks: dict, options: dict) -> None:
     """The child: a CaptureWriter fed from the pipe, rows copied out of the ring as they come."""
-    from .writer import CaptureWriter
-
     try:
         writer = CaptureWriter(path, metadata, hooks, **options)
     except BaseException as e:  # noqa: BLE001 - told to the parent

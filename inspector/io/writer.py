@@ -116,7 +116,22 @@ class _Request:
         self.features: dict[str, FeatureRows] = {}  # small too (k ids and activations a row): likewise
 
 
-class CaptureWriter:
+class FinishedOrDropped:
+    """A file being written, as a ``with`` block: finished (``close``) if the block ends well, else
+    dropped (``abort``), so that no half-written file is left under its name."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+class CaptureWriter(FinishedOrDropped):
     """Streams a Run into an HDF5 capture file; see the module docstring."""
 
     def __init__(self, path: str | os.PathLike, metadata: dict, hooks: dict[str, HookPoint], *,
@@ -309,16 +324,6 @@ class CaptureWriter:
         if self._state in ("open", "init"):
             self._discard()
             self._state = "aborted"
-
-    def __enter__(self) -> "CaptureWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-        return False
 
     def __del__(self):
         try:
