@@ -27,7 +27,7 @@ from inspector.io.format import EXPORT_CHUNK_BYTES, chunk_cols_for, chunk_rows_f
 H5DUMP = shutil.which("h5dump") or ("/usr/bin/h5dump" if os.path.exists("/usr/bin/h5dump") else None)
 REPO = Path(__file__).resolve().parents[1]
 
-HOOK_SPECS = [  # name, width (one wider than a chunk's 1024 columns), layer
+HOOK_SPECS = [  # name, width, layer
     ("model.layers.0.resid_post", 48, 0),
     ("model.layers.1.mlp.down_proj", 1100, 1),
     ("odd/name%with.slash", 5, -1),
@@ -146,9 +146,9 @@ def test_round_trip_bit_for_bit(tmp_path, dtype):
         g = f["requests/0"]
         assert g.attrs["request_id"] == "req-0-\u00e9"
         v = g["hooks/model.layers.1.mlp.down_proj/values"]
-        # width split in equal parts; written whole, a request's 300 rows fit in one ~4 MiB chunk row
+        # chunks of whole rows; written whole, a request's 300 rows fit in one chunk of up to 4 MiB
         assert v.dtype == (np.uint16 if dtype == BFLOAT16 else dtype) and v.maxshape == (None, 1100)
-        assert v.chunks == (300, 550) and v.attrs.get("dtype") == ("bfloat16" if dtype == BFLOAT16 else None)
+        assert v.chunks == (300, 1100) and v.attrs.get("dtype") == ("bfloat16" if dtype == BFLOAT16 else None)
         if dtype == BFLOAT16:  # the documented way to read it without our code
             expected = np.asarray(run.requests["req-0-\u00e9"].hooks["model.layers.1.mlp.down_proj"].values, np.float32)
             np.testing.assert_array_equal((v[...].astype(np.uint32) << 16).view(np.float32), expected)
@@ -211,7 +211,7 @@ def test_streaming_equals_one_shot(tmp_path):
         assert_runs_equal(one, read_run(tmp_path / name))
     with h5py.File(tmp_path / "stream.h5", "r") as streamed, h5py.File(tmp_path / "one.h5", "r") as whole:
         values = "requests/0/hooks/model.layers.1.mlp.down_proj/values"
-        assert streamed[values].chunks == (119, 550) and whole[values].chunks == (700, 550)  # ~256 KiB; all of it
+        assert streamed[values].chunks == (64, 1100) and whole[values].chunks == (700, 1100)  # >= 64 rows; all of it
     assert listing(tmp_path) == ["one.h5", "stream.h5", "tiny_buffer.h5"]
 
 
@@ -289,16 +289,30 @@ def test_a_background_writers_failure_is_raised_on_the_callers_thread_and_leaves
     assert listing(tmp_path) == []
 
 
+def test_a_file_the_writers_process_cannot_open_is_raised_by_a_later_call_and_nothing_is_written(tmp_path):
+    """The writer's process starts while the engine runs: the constructor does not wait for it."""
+    (tmp_path / "taken").write_text("a file where the capture's folder would be")
+    hooks = {"h": HookPoint("h", "h", "", "resid", 4)}
+    file = BackgroundWriter(tmp_path / "taken" / "x.h5", {}, hooks)
+    with pytest.raises(Exception) as raised:
+        for _ in range(1000):
+            file.call("add_request", RequestCapture("a", "p", [1], {}))
+            time.sleep(0.01)
+        file.close()
+    assert "taken" in str(raised.value)
+    assert listing(tmp_path) == ["taken"]
+
+
 def test_a_whole_run_is_written_in_chunks_of_up_to_4_mib_that_split_its_rows_evenly(tmp_path):
-    run = make_run(rows=(3 * 1906 + 1, 1906, 0))  # 1,906 rows of 1,100 float32: the most a 4 MiB chunk holds
+    run = make_run(rows=(3 * 953 + 1, 953, 0))  # 953 rows of 1,100 float32: the most a 4 MiB chunk holds
     write_run(run, tmp_path / "whole.h5", fsync=False)
     write_run(run, tmp_path / "lzf.h5", compression="lzf", fsync=False)
     assert_runs_equal(run, read_run(tmp_path / "whole.h5"))
     with h5py.File(tmp_path / "whole.h5", "r") as f, h5py.File(tmp_path / "lzf.h5", "r") as compressed:
         values = "hooks/model.layers.1.mlp.down_proj/values"
-        assert f[f"requests/0/{values}"].chunks == (1430, 550)  # 4 chunk rows for 5,719 rows: 1 row of padding
-        assert f[f"requests/1/{values}"].chunks == (1906, 550)
-        assert compressed[f"requests/0/{values}"].chunks == (119, 550)  # a compressed chunk is read whole: small
+        assert f[f"requests/0/{values}"].chunks == (715, 1100)  # 4 chunk rows for 2,860 rows: no padding
+        assert f[f"requests/1/{values}"].chunks == (953, 1100)
+        assert compressed[f"requests/0/{values}"].chunks == (64, 1100)  # a compressed chunk is read whole: small
 
 
 @pytest.mark.parametrize("compression, filters", [("lzf", {"shuffle", "lzf"}), (("gzip", 4), {"shuffle", "gzip"})])
@@ -617,10 +631,27 @@ def test_lazy_open_of_big_file(tmp_path):
 
 
 def test_chunk_shapes():
-    assert [chunk_cols_for(w) for w in (1, 64, 1024, 1100, 2560, 4096)] == [1, 64, 1024, 550, 854, 1024]
+    """Whole rows, unless 64 of them pass 4 MiB (a logits-wide hook): then equal parts that do not."""
+    assert [chunk_cols_for(w) for w in (1, 64, 1100, 4096, 14336, 16384, 16385)] == [1, 64, 1100, 4096, 14336,
+                                                                                        16384, 8193]
+    assert chunk_cols_for(128256, 2) == 32064 and chunk_cols_for(128256, 4) == 16032
     assert chunk_rows_for(4096) == 64 and chunk_rows_for(1024) == 64
     assert chunk_rows_for(64) == 1024 and chunk_rows_for(1) == 4096
-    assert chunk_rows_for(1100, 4, EXPORT_CHUNK_BYTES) == 1906 and chunk_rows_for(4096, 2, EXPORT_CHUNK_BYTES) == 2048
+    assert chunk_rows_for(1100, 4, EXPORT_CHUNK_BYTES) == 953 and chunk_rows_for(4096, 2, EXPORT_CHUNK_BYTES) == 512
+
+
+def test_a_hook_too_wide_for_whole_row_chunks_streams_and_reads_back_bit_for_bit(tmp_path):
+    """16,385 float32 columns: two column chunks, the second sticking out past the width."""
+    hook = HookPoint("logits", "logits", "", "logits", 16_385)
+    values = np.random.default_rng(0).standard_normal((70, 16_385), dtype=np.float32)
+    with CaptureWriter(tmp_path / "wide.h5", {}, {"logits": hook}, fsync=False) as writer:
+        writer.add_request(RequestCapture("a", "p", [1], {}))
+        for start in (0, 1, 65):  # a row, a chunk's worth, the rest
+            stop = {0: 1, 1: 65, 65: 70}[start]
+            writer.append_rows("a", "logits", np.arange(start, stop), np.arange(start, stop), values[start:stop])
+    with h5py.File(tmp_path / "wide.h5", "r") as f:
+        assert f["requests/0/hooks/logits/values"].chunks == (64, 8193)
+    assert np.array_equal(bits(read_run(tmp_path / "wide.h5").requests["a"].hooks["logits"].values), bits(values))
 
 
 def test_a_router_hook_stores_its_rule_and_the_chosen_experts_beside_its_logits(tmp_path):

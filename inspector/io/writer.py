@@ -72,7 +72,7 @@ class _HookBuffer:
 
     def __init__(self, name: str, width: int, dtype: np.dtype):
         self.name, self.width, self.dtype = name, width, dtype
-        self.chunk_rows, self.chunk_cols = chunk_rows_for(width, dtype.itemsize), chunk_cols_for(width)
+        self.chunk_rows, self.chunk_cols = chunk_rows_for(width, dtype.itemsize), chunk_cols_for(width, dtype.itemsize)
         self.pending = self.new_pending()
         self.rows_written = 0
         self.positions, self.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
@@ -393,6 +393,18 @@ class CaptureWriter(FinishedOrDropped):
             with self._guard("writing rows"):
                 self._write_staged()
 
+    @property
+    def holding_blocks(self) -> bool:
+        """Whether arrays given to ``append_blocks`` are still held, unwritten."""
+        return bool(self._staged)
+
+    def write_staged(self) -> None:
+        """Write the steps ``append_blocks`` holds now: afterwards their arrays may be reused."""
+        self._check_open()
+        if self._staged:
+            with self._guard("writing rows"):
+                self._write_staged()
+
     def _write_staged(self) -> None:
         """The staged bulk steps, request after request: per hook, one gather of its rows into request
         order, then each (request, hook)'s rows as one slice."""
@@ -402,36 +414,39 @@ class CaptureWriter(FinishedOrDropped):
             having = tuple(k for k, blocks in enumerate(staged) if hook in blocks.values)
             if having not in orders:
                 orders[having] = _request_order([staged[k] for k in having])
-            order, spans, positions, token_ids = orders[having]
-            values = (np.concatenate([staged[k].values[hook] for k in having])[order] if order is not None
-                      else staged[having[0]].values[hook])
-            for rid, where in spans:
-                self._append_rows(rid, hook, positions[where], token_ids[where], values[where])
+            spans, positions, token_ids = orders[having]
+            arrays = [staged[k].values[hook] for k in having]
+            for rid, where, pieces in spans:  # a request's rows of each step, copied once, into its buffer
+                parts = [arrays[k][rows] for k, rows in pieces]
+                self._append_rows(rid, hook, positions[where], token_ids[where], parts[0] if len(parts) == 1 else parts)
 
     def _append_rows(self, request_id: str, hook: str, positions, token_ids, values) -> None:
         req = self._requests.get(request_id)
         if req is None:
             req = self._request(request_id)
-        buf = req.buffers.get(hook) or self._new_buffer(req, hook, np.asarray(values).dtype)
-        if type(values) is not np.ndarray or values.dtype != buf.dtype:
-            values = np.asarray(values).astype(buf.dtype, copy=False)
+        parts = values if type(values) is list else [values]  # a list: pieces to append in order, not joined
+        buf = req.buffers.get(hook) or self._new_buffer(req, hook, np.asarray(parts[0]).dtype)
+        parts = [v if type(v) is np.ndarray and v.dtype == buf.dtype else np.asarray(v).astype(buf.dtype, copy=False)
+                 for v in parts]
         if type(positions) is not np.ndarray or positions.dtype != np.int64 or positions.ndim != 1:
             positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if type(token_ids) is not np.ndarray or token_ids.dtype != np.int64 or token_ids.ndim != 1:
             token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if values.ndim != 2 or values.shape[1] != buf.width:
-            raise ValueError(f"rows of shape {values.shape} do not fit hook {hook!r} of width {buf.width}")
-        n = len(values)
+        for v in parts:
+            if v.ndim != 2 or v.shape[1] != buf.width:
+                raise ValueError(f"rows of shape {v.shape} do not fit hook {hook!r} of width {buf.width}")
+        n = sum(len(v) for v in parts)
         if not len(positions) == len(token_ids) == n:
             raise ValueError(f"{n} rows but {len(positions)} positions and {len(token_ids)} token ids")
         try:
             buf.positions.append(positions)
             buf.token_ids.append(token_ids)
             if n and len(buf.pending) + n < buf.gap():  # the common decode step: just buffer it
-                buf.pending.append(values)
-                self._buffered += values.nbytes
+                buf.pending.extend(parts)
+                self._buffered += n * buf.width * buf.dtype.itemsize
             elif n:
-                self._push(req, buf, values)
+                for v in parts:
+                    self._push(req, buf, v)
             if self._buffered > self._budget:
                 for r in self._requests.values():
                     self._flush_request(r, final=False)
@@ -689,21 +704,23 @@ _MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _request_order(staged: list[RowBlocks]) -> tuple:
-    """Rows of ``staged`` steps laid request after request: (the gather into that order, or None where
-    they already lie so; each request's slice of it; positions and token ids in that order)."""
-    positions = np.concatenate([b.positions for b in staged]) if len(staged) > 1 else staged[0].positions
-    token_ids = np.concatenate([b.token_ids for b in staged]) if len(staged) > 1 else staged[0].token_ids
-    if len(staged) == 1:
-        bounds = staged[0].bounds.tolist()
-        spans = [(rid, slice(a, b)) for rid, a, b in zip(staged[0].request_ids, bounds, bounds[1:])]
-        return None, spans, positions, token_ids
-    numbers: dict[str, int] = {}
-    owner = np.concatenate([np.repeat([numbers.setdefault(rid, len(numbers)) for rid in b.request_ids],
-                                      np.diff(b.bounds)) for b in staged])
-    order = np.argsort(owner, kind="stable")
-    ends = np.cumsum(np.bincount(owner, minlength=len(numbers))).tolist()
-    spans = [(rid, slice(ends[k - 1] if k else 0, ends[k])) for rid, k in numbers.items()]
-    return order, spans, positions[order], token_ids[order]
+    """Rows of ``staged`` steps laid request after request: (each request's id, slice of the positions
+    and token ids, and pieces as (step, slice of its rows); positions; token ids)."""
+    runs: dict[str, list[tuple[int, slice]]] = {}
+    for k, blocks in enumerate(staged):
+        bounds = blocks.bounds.tolist()
+        for rid, a, b in zip(blocks.request_ids, bounds, bounds[1:]):
+            runs.setdefault(rid, []).append((k, slice(a, b)))
+    spans, at = [], 0
+    for rid, pieces in runs.items():
+        n = sum(rows.stop - rows.start for _, rows in pieces)
+        spans.append((rid, slice(at, at + n), pieces))
+        at += n
+    if len(staged) == 1:  # a step's rows lie request after request already
+        return spans, staged[0].positions, staged[0].token_ids
+    join = lambda column: np.concatenate([getattr(staged[k], column)[rows]  # noqa: E731
+                                          for _, _, pieces in spans for k, rows in pieces])
+    return spans, join("positions"), join("token_ids")
 
 
 def _named_group(parent, name: str):
