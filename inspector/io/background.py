@@ -5,8 +5,8 @@ go and must wait to get it back from the engine's busy Python. On the H200 a cap
 a sixth of the disk's speed, and beside a thread spinning in Python the writer here all but stopped
 (docs/performance-notes.md). So the file is written in a child process. A step's rows travel
 through shared memory (a ring, ``backlog_bytes``): the engine's thread copies each hook's rows into it
-(one copy a hook, the GIL let go while it runs) and sends where they lie; the child copies them out
-and says the room is free again. The other calls travel pickled, in order. When the ring is full the
+(one copy a hook, the GIL let go while it runs) and sends where they lie; the child writes them from
+there and says the room is free again. The other calls travel pickled, in order. When the ring is full the
 caller waits for the disk: back-pressure, not unbounded memory.
 """
 
@@ -73,9 +73,7 @@ class BackgroundWriter(FinishedOrDropped):
         self._used: deque[tuple[int, int]] = deque()  # regions of the ring in use, oldest first
         self._next = 0  # where the next region starts
         self._error: BaseException | None = None
-        self._closed = False
-        self._answer("ready")  # the file opened (or why it could not)
-        self._raise_failure()
+        self._closed = False  # the child starts meanwhile: a file it cannot open is raised by a later call
 
     def call(self, method: str, *args) -> None:
         """``writer.method(*args)`` in the writer's process."""
@@ -158,7 +156,8 @@ class BackgroundWriter(FinishedOrDropped):
 
     def _news(self, message) -> None:
         if message[0] == "freed":
-            self._used.popleft()
+            for _ in range(message[1]):
+                self._used.popleft()
         elif message[0] == "error" and self._error is None:
             self._error = message[1]
 
@@ -199,27 +198,33 @@ def _aligned(n: int) -> int:
 
 
 def _serve(conn, ring: _Ring, path: str, metadata: dict, hooks: dict, options: dict) -> None:
-    """The child: a CaptureWriter fed from the pipe, rows copied out of the ring as they come."""
+    """The child: a CaptureWriter fed from the pipe. Rows are handed to it where they lie in the ring
+    (no copy out): the regions are said to be free once the writer holds them no more, which it is
+    told to make so before a quarter of the ring is held (a piece is at most a quarter: the parent
+    always finds room then)."""
     try:
         writer = CaptureWriter(path, metadata, hooks, **options)
     except BaseException as e:  # noqa: BLE001 - told to the parent
         _tell(conn, ("error", e))
-        return
-    conn.send(("ready",))
-    failed = False
+        writer, failed = None, True
+    else:
+        failed = False
+    held: list[int] = []  # bytes of the ring regions the writer may still hold, oldest first
     while True:
         message = conn.recv()
         kind = message[0]
         try:
             if kind == "blocks":
                 _, request_ids, bounds, where, hooks = message
-                arrays = {key: ring.view(at, dtype, shape).copy() for key, (at, dtype, shape) in where.items()}
-                conn.send(("freed",))
+                held.append(sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for _, dtype, shape in where.values()))
                 if not failed:
+                    arrays = {key: ring.view(at, dtype, shape) for key, (at, dtype, shape) in where.items()}
                     positions, token_ids = arrays.pop("positions"), arrays.pop("token_ids")
                     if _STACKED in arrays:
                         arrays = dict(zip(hooks, arrays[_STACKED]))
                     writer.append_blocks(RowBlocks(request_ids, bounds, positions, token_ids, arrays))
+                    if writer.holding_blocks and sum(held) >= ring.size // 4:
+                        writer.write_staged()
             elif kind == "call":
                 if not failed:
                     getattr(writer, message[1])(*message[2])
@@ -227,12 +232,16 @@ def _serve(conn, ring: _Ring, path: str, metadata: dict, hooks: dict, options: d
                 conn.send(("done", writer.close()))
                 return
             else:  # abort, or close after a failure
-                writer.abort()
+                if writer is not None:
+                    writer.abort()
                 conn.send(("done", None))
                 return
         except BaseException as e:  # noqa: BLE001 - told to the parent; what follows is dropped
             failed = True
             _tell(conn, ("error", e))
+        if held and (failed or not writer.holding_blocks):
+            conn.send(("freed", len(held)))
+            held.clear()
 
 
 def _tell(conn, message) -> None:
