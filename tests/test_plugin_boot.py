@@ -167,3 +167,18 @@ def test_a_float32_engine_computes_in_float32_and_a_users_setting_wins(monkeypat
     for dtype in ("float32", "bfloat16"):
         engine_precision(dtype)
         assert os.environ[TRITON_F32] == "tf32"
+
+
+def test_pinned_host_memory_options_join_the_users_allocator_settings_and_never_override_them(monkeypatch):
+    """On a GPU, captured rows land in pinned memory pinned by several threads; options the user gave
+    PYTORCH_CUDA_ALLOC_CONF stay as given."""
+    from inspector.engine.environment import _add_allocator_options
+
+    wanted = ("pinned_use_cuda_host_register:True", "pinned_num_register_threads:8")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    _add_allocator_options(*wanted)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ",".join(wanted)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_num_register_threads:2")
+    _add_allocator_options(*wanted)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ("expandable_segments:True,pinned_num_register_threads:2,"
+                                                     "pinned_use_cuda_host_register:True")

