@@ -14,7 +14,12 @@ this process, whose ``Session`` delivers the rows of every block's residual stre
 and a server of its own (``start_local_server``) whose client in this process keeps every row. The
 file's bound is the disk: its write speed is measured here too (a file of ``--disk-gib``, synced), and
 the target is 0.9x the lesser of vanilla and what that speed allows for the rows. Prompts are
-``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``.
+``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``. Each engine's first run
+of a size is printed apart: it allocates the host memory that later runs reuse.
+
+Where the time goes: run it under ``py-spy record --format raw --subprocesses --idle --threads -o F --``;
+each run's stacks pass through a frame named ``<consumer>_b<batch>`` (``<consumer>first_b<batch>``
+for the first) (``bench/stacks.py F`` sums them).
 """
 
 from __future__ import annotations
@@ -27,14 +32,23 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from capture_file_bench import disk_mb_s  # noqa: E402
 from plugin_bench import PRESETS, model_dir, receive  # noqa: E402
 
 HOOKS = ("blocks.*.hook_resid_post",)
+
+
+def labelled(fn, label: str):
+    """``fn`` under the name ``label``, so that a sampling profiler's stacks (``py-spy record --format
+    raw``) tell the runs apart by consumer and batch."""
+    code = fn.__code__.replace(co_name=label, co_qualname=label)
+    return types.FunctionType(code, fn.__globals__, label, fn.__defaults__, fn.__closure__)
 
 
 def prompts(preset: str, batch: int, length: int) -> list[str]:
@@ -53,12 +67,16 @@ def vanilla(conn, preset: str, path: str, engine_args: dict) -> None:
 
     llm = LLM(model=path, enable_prefix_caching=False, **engine_args)
     conn.send("ready")
-    while (msg := conn.recv())[0] == "run":
-        _, batch, prompt_tokens, new_tokens = msg
+
+    def run(batch, prompt_tokens, new_tokens):
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate(prompts(preset, batch, prompt_tokens), params, use_tqdm=False)
-        conn.send(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+    while (msg := conn.recv())[0] == "run":
+        _, batch, prompt_tokens, new_tokens = msg
+        conn.send(labelled(run, f"vanilla_b{batch}")(batch, prompt_tokens, new_tokens))
 
 
 def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None) -> float:
@@ -74,21 +92,6 @@ def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None) -> fl
     seconds = time.perf_counter() - t0
     session.new_run()  # the rows are let go before the next run
     return tokens / seconds
-
-
-def disk_mb_s(directory: Path, gib: float) -> float:
-    """Sequential write of ``gib`` in 64 MiB pieces, synced: what the disk takes."""
-    block = os.urandom(64 << 20)
-    path = directory / "disk-speed.bin"
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(int(gib * 16)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - t0
-    path.unlink()
-    return int(gib * 16) * 64 * 2**20 / seconds / 1e6
 
 
 def main(argv=None) -> int:
@@ -169,15 +172,18 @@ def main(argv=None) -> int:
     runners = {"vanilla": vanilla_run, "memory": in_memory, "file": to_file, "server": via_server}
     chosen = ["vanilla", *args.consumers]
     rates = {(name, b): [] for name in chosen for b in batches}
+    first = {}  # each engine's first run of a size, not counted: it allocates the host memory later runs reuse
     try:
-        for b in batches:  # warm-up: each engine's first run of a batch size is not counted
+        for b in batches:
             for name in chosen:
-                runners[name](prompts(args.preset, b, args.prompt_tokens), 4)
+                run = labelled(runners[name], f"{name}first_b{b}")
+                first[(name, b)] = run(prompts(args.preset, b, args.prompt_tokens), args.new_tokens)
         for rep in range(args.reps):
             for b in batches:
                 texts = prompts(args.preset, b, args.prompt_tokens)
                 for name in chosen[rep % len(chosen):] + chosen[:rep % len(chosen)]:
-                    rates[(name, b)].append(runners[name](texts, args.new_tokens))
+                    run = labelled(runners[name], f"{name}_b{b}")
+                    rates[(name, b)].append(run(texts, args.new_tokens))
             print(f"rep {rep + 1}/{args.reps} done", flush=True)
     finally:
         parent.send(("stop",))
@@ -192,7 +198,8 @@ def main(argv=None) -> int:
         med = {name: statistics.median(rates[(name, b)]) for name in chosen}
         spread = {name: f"{min(rates[(name, b)]):,.0f}-{max(rates[(name, b)]):,.0f}" for name in chosen}
         for name in chosen:
-            print(f"batch {b}, {name:52s} {med[name]:>10,.1f} tok/s  ({spread[name]})")
+            print(f"batch {b}, {name:52s} {med[name]:>10,.1f} tok/s  ({spread[name]}; "
+                  f"first run {first[(name, b)]:,.0f})")
         disk_bound = disk * 1e6 / bytes_per_token
         for name in args.consumers:
             bound = min(med["vanilla"], disk_bound) if name == "file" else med["vanilla"]

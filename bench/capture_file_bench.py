@@ -1,0 +1,125 @@
+"""A capture file's writer alone, fed a session's steps, against the disk: is the file path bound by the
+writer or by the engine beside it?
+
+    python3 bench/capture_file_bench.py [--batch 32 --prompt-tokens 128 --new-tokens 128 --hooks 32
+                                         --width 4096 --dtype bfloat16 --reps 2 --dir DIR --disk-gib 2]
+
+No engine, no GPU: steps shaped as ``Session.generate`` makes them (one prefill block of every request,
+then a block a decode step, every hook in each) go to a capture file as ``inspector capture`` writes
+it, through the writer's process (``BackgroundWriter``) and, for comparison, a ``CaptureWriter`` in
+this process; each timed until the file is closed and synced. The disk's speed is measured as
+``session_bench`` measures it (64 MiB writes, synced). Prints MB/s, the tokens/s each allows for
+these rows, and the share of the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inspector.capture.blocks import RowBlocks  # noqa: E402
+from inspector.capture.dtypes import ROW_DTYPES  # noqa: E402
+from inspector.capture.hooks import HookPoint  # noqa: E402
+from inspector.capture.run import RequestCapture  # noqa: E402
+from inspector.io import CaptureWriter  # noqa: E402
+from inspector.io.background import BackgroundWriter  # noqa: E402
+
+
+def disk_mb_s(directory: Path, gib: float) -> float:
+    """Sequential write of ``gib`` in 64 MiB pieces, synced: what the disk takes."""
+    block = os.urandom(64 << 20)
+    path = directory / "disk-speed.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(int(gib * 16)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return int(gib * 16) * 64 * 2**20 / seconds / 1e6
+
+
+def session_steps(batch: int, prompt: int, new: int, hooks: dict, pool: np.ndarray):
+    """(request ids, the steps' RowBlocks): a prefill of every prompt, then a row a request a step."""
+    ids = [f"req{i}" for i in range(batch)]
+    positions = np.tile(np.arange(prompt, dtype=np.int64), batch)
+    steps = [RowBlocks(ids, np.arange(batch + 1) * prompt, positions, positions % 50_000,
+                       {h: pool[k % len(pool), :batch * prompt] for k, h in enumerate(hooks)})]
+    for step in range(new):
+        at = np.full(batch, prompt + step, dtype=np.int64)
+        rows = slice(step * batch % (len(pool[0]) - batch), step * batch % (len(pool[0]) - batch) + batch)
+        steps.append(RowBlocks(ids, np.arange(batch + 1), at, at % 50_000,
+                               {h: pool[k % len(pool), rows] for k, h in enumerate(hooks)}))
+    return ids, steps
+
+
+def write(kind: str, path: Path, ids, steps, hooks, prompt: int) -> float:
+    t0 = time.perf_counter()
+    if kind == "writer process":
+        with BackgroundWriter(path, {}, hooks) as file:
+            for rid in ids:
+                file.call("add_request", RequestCapture(rid, "p", list(range(prompt)), {}))
+            for blocks in steps:
+                file.call("append_blocks", blocks)
+    else:
+        with CaptureWriter(path, {}, hooks) as file:
+            for rid in ids:
+                file.add_request(RequestCapture(rid, "p", list(range(prompt)), {}))
+            for blocks in steps:
+                file.append_blocks(blocks)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--hooks", type=int, default=32)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--dtype", choices=sorted(ROW_DTYPES), default="bfloat16")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--dir", default=None, help="where the files go (default: a temporary folder)")
+    p.add_argument("--disk-gib", type=float, default=2.0)
+    args = p.parse_args(argv)
+
+    dtype = ROW_DTYPES[args.dtype]
+    hooks = {f"blocks.{k}.hook_resid_post": HookPoint(f"blocks.{k}.hook_resid_post", f"blocks.{k}.hook_resid_post",
+                                                      f"model.layers.{k}", "resid", args.width, k, args.dtype)
+             for k in range(args.hooks)}
+    rows = max(args.batch * args.prompt_tokens, 2 * args.batch)
+    pool = np.random.default_rng(0).standard_normal((4, rows, args.width), dtype=np.float32).astype(dtype)
+    ids, steps = session_steps(args.batch, args.prompt_tokens, args.new_tokens, hooks, pool)
+    total = sum(blocks.nbytes for blocks in steps)
+    token_bytes = args.hooks * args.width * dtype.itemsize
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="capture-file-bench-") as tmp:
+        folder = Path(tmp)
+        disk = disk_mb_s(folder, args.disk_gib)
+        print(f"{args.batch} requests x ({args.prompt_tokens} + {args.new_tokens}) tokens x {args.hooks} hooks x "
+              f"{args.width} {args.dtype}: {total / 1e9:.2f} GB a run; disk {disk:,.0f} MB/s "
+              f"({disk * 1e6 / token_bytes:,.0f} tok/s of rows)", flush=True)
+        seconds = {"writer process": [], "in process": []}
+        for rep in range(args.reps):
+            for kind in list(seconds)[::1 if rep % 2 == 0 else -1]:
+                path = folder / "bench.h5"
+                seconds[kind].append(write(kind, path, ids, steps, hooks, args.prompt_tokens))
+                path.unlink()
+                print(f"  rep {rep + 1} {kind:15s} {total / 1e6 / seconds[kind][-1]:8,.0f} MB/s", flush=True)
+    for kind, times in seconds.items():
+        mb_s = total / 1e6 / statistics.median(times)
+        print(f"{kind:15s} {mb_s:8,.0f} MB/s  {mb_s * 1e6 / token_bytes:8,.0f} tok/s  {mb_s / disk:6.3f} of the disk")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
