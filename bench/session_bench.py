@@ -17,7 +17,8 @@ the target is 0.9x the lesser of vanilla and what that speed allows for the rows
 ``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``. Each engine's first run
 of a size is printed apart: it allocates the host memory that later runs reuse.
 
-Where the time goes: run it under ``py-spy record --format raw --subprocesses --idle --threads -o F --``;
+Where the time goes: ``--time-parts`` prints, for each run of the in-process session, the seconds spent in
+vLLM's step (and the plugin's copies queued in it), the drain and the event; or run it under ``py-spy record --format raw --subprocesses --idle --threads -o F --``;
 each run's stacks pass through a frame named ``<consumer>_b<batch>`` (``<consumer>first_b<batch>``
 for the first) (``bench/stacks.py F`` sums them).
 """
@@ -79,10 +80,36 @@ def vanilla(conn, preset: str, path: str, engine_args: dict) -> None:
         conn.send(labelled(run, f"vanilla_b{batch}")(batch, prompt_tokens, new_tokens))
 
 
-def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None) -> float:
+PARTS: dict[str, float] = {}  # seconds a run spent in the in-process session's parts (--time-parts)
+
+
+def time_parts(session) -> None:
+    """Count the seconds spent in the session's parts: vLLM's step (the plugin's copies queued inside
+    it counted apart too), the drain of the worker's rows, and the event made and folded into the run."""
+    from inspector.plugin.copyout import CopyOut
+
+    def timed(owner, name: str, part: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                PARTS[part] = PARTS.get(part, 0.0) + time.perf_counter() - t0
+        setattr(owner, name, wrapper)
+
+    timed(type(session._llm.llm_engine), "step", "vLLM step")
+    timed(CopyOut, "queue", "copies queued (in the step)")
+    timed(type(session), "_drain", "drain")
+    timed(type(session), "_event", "event and fold")
+
+
+def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None, what: str = "") -> float:
     from inspector.capture.protocol import Sampling
 
     session.new_run()
+    PARTS.clear()
     events = session.generate(texts, Sampling(max_tokens=new_tokens, ignore_eos=True))
     t0 = time.perf_counter()
     if consume is None:
@@ -91,6 +118,9 @@ def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None) -> fl
         tokens = consume(events)
     seconds = time.perf_counter() - t0
     session.new_run()  # the rows are let go before the next run
+    if PARTS:
+        print(f"  {what} {len(texts)} x {new_tokens}: {seconds:.3f} s, of which " +
+              ", ".join(f"{part} {spent:.3f}" for part, spent in PARTS.items()), flush=True)
     return tokens / seconds
 
 
@@ -105,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=None, help="where the capture files go (default: a temporary folder)")
     p.add_argument("--disk-gib", type=float, default=4.0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="per engine (three share the GPU)")
+    p.add_argument("--time-parts", action="store_true",
+                   help="print, for each run of the in-process session, the seconds spent in its parts")
     args = p.parse_args(argv)
 
     from inspector.capture.protocol import SessionOptions
@@ -139,6 +171,8 @@ def main(argv=None) -> int:
 
     receive(parent, proc)  # one boot at a time: vLLM sizes its KV cache from the memory free meanwhile
     session = Session.open(replace(options, retain_rows=True))
+    if args.time_parts:
+        time_parts(session)
     server = start_local_server(options) if "server" in args.consumers else None
     bytes_per_token = sum(h.width for h in session.installed.values()) * torch.finfo(
         getattr(torch, dtype)).bits // 8
@@ -148,7 +182,7 @@ def main(argv=None) -> int:
 
     def in_memory(texts, new):
         session.options = replace(session.options, retain_rows=True)
-        return tokens_per_s(session, texts, new)
+        return tokens_per_s(session, texts, new, what="memory")
 
     def to_file(texts, new):
         session.options = replace(session.options, retain_rows=False)
@@ -158,7 +192,7 @@ def main(argv=None) -> int:
         def consume(events):
             record(session, events, target, progress=written.append)
             return written[-1]
-        rate = tokens_per_s(session, texts, new, consume)
+        rate = tokens_per_s(session, texts, new, consume, "file")
         target.unlink()
         return rate
 
