@@ -17,10 +17,11 @@ the target is 0.9x the lesser of vanilla and what that speed allows for the rows
 ``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``. Each engine's first run
 of a size is printed apart: it allocates the host memory that later runs reuse.
 
-Where the time goes: ``--time-parts`` prints, for each run of the in-process session, the seconds spent in
-vLLM's step (and the plugin's copies queued in it), the drain and the event; or run it under ``py-spy record --format raw --subprocesses --idle --threads -o F --``;
-each run's stacks pass through a frame named ``<consumer>_b<batch>`` (``<consumer>first_b<batch>``
-for the first) (``bench/stacks.py F`` sums them).
+Where the time goes: ``--time-parts`` prints, for each run of the in-process session, the seconds spent
+in vLLM's step (and the plugin's copies queued in it), the drain and the event. On a small machine,
+``py-spy record --format raw --subprocesses --idle --threads -o F -- python3 bench/session_bench.py``
+works too (on the H200 it fell minutes behind): each run's stacks pass through a frame named
+``<consumer>_b<batch>`` (``<consumer>first_b<batch>`` for the first), and ``bench/stacks.py F`` sums them.
 """
 
 from __future__ import annotations
