@@ -406,8 +406,8 @@ class CaptureWriter(FinishedOrDropped):
                 self._write_staged()
 
     def _write_staged(self) -> None:
-        """The staged bulk steps, request after request: per hook, one gather of its rows into request
-        order, then each (request, hook)'s rows as one slice."""
+        """The staged bulk steps, request after request: per hook, each request's rows of every staged
+        step copied once, into its buffer or the file (not joined first)."""
         staged, self._staged, self._staged_bytes = self._staged, [], 0
         orders: dict[tuple, tuple] = {}  # the staged steps a hook has -> their rows' order, and each request's
         for hook in dict.fromkeys(h for blocks in staged for h in blocks.values):
