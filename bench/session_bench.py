@@ -17,8 +17,9 @@ the target is 0.9x the lesser of vanilla and what that speed allows for the rows
 ``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``. Each engine's first run
 of a size is printed apart: it allocates the host memory that later runs reuse.
 
-Where the time goes: ``--time-parts`` prints, for each run of the in-process session, the seconds spent
-in vLLM's step (and the plugin's copies queued in it), the drain and the event. On a small machine,
+Where the time goes: ``--time-parts`` prints, for each run, the seconds spent in vLLM's step (vanilla's
+and the in-process session's) and, for the session, in the plugin's copies queued in it, the drain and
+the event. On a small machine,
 ``py-spy record --format raw --subprocesses --idle --threads -o F -- python3 bench/session_bench.py``
 works too (on the H200 it fell minutes behind): each run's stacks pass through a frame named
 ``<consumer>_b<batch>`` (``<consumer>first_b<batch>`` for the first), and ``bench/stacks.py F`` sums them.
@@ -60,7 +61,29 @@ def prompts(preset: str, batch: int, length: int) -> list[str]:
     return [" ".join(f"w{2 + (i * 131 + k * 17) % 100000}" for k in range(length)) for i in range(batch)]
 
 
-def vanilla(conn, preset: str, path: str, engine_args: dict) -> None:
+PARTS: dict[str, float] = {}  # seconds a run spent in the parts counted (--time-parts)
+
+
+def count_seconds(owner, name: str, part: str) -> None:
+    """Add the seconds spent in ``owner.name`` to ``PARTS[part]``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            PARTS[part] = PARTS.get(part, 0.0) + time.perf_counter() - t0
+    setattr(owner, name, wrapper)
+
+
+def report_parts(what: str, batch: int, new_tokens: int, seconds: float) -> None:
+    if PARTS:
+        print(f"  {what} {batch} x {new_tokens}: {seconds:.3f} s, of which " +
+              ", ".join(f"{part} {spent:.3f}" for part, spent in PARTS.items()), flush=True)
+
+
+def vanilla(conn, preset: str, path: str, engine_args: dict, parts: bool) -> None:
     """Vanilla vLLM: answers ("run", batch, prompt_tokens, new_tokens) with generated tokens/s."""
     from inspector.engine.environment import prepare_environment
 
@@ -68,20 +91,22 @@ def vanilla(conn, preset: str, path: str, engine_args: dict) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=path, enable_prefix_caching=False, **engine_args)
+    if parts:
+        count_seconds(type(llm.llm_engine), "step", "vLLM step")
     conn.send("ready")
 
     def run(batch, prompt_tokens, new_tokens):
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        PARTS.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts(preset, batch, prompt_tokens), params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        report_parts("vanilla", batch, new_tokens, seconds)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
 
     while (msg := conn.recv())[0] == "run":
         _, batch, prompt_tokens, new_tokens = msg
         conn.send(labelled(run, f"vanilla_b{batch}")(batch, prompt_tokens, new_tokens))
-
-
-PARTS: dict[str, float] = {}  # seconds a run spent in the in-process session's parts (--time-parts)
 
 
 def time_parts(session) -> None:
@@ -89,21 +114,10 @@ def time_parts(session) -> None:
     it counted apart too), the drain of the worker's rows, and the event made and folded into the run."""
     from inspector.plugin.copyout import CopyOut
 
-    def timed(owner, name: str, part: str) -> None:
-        original = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                PARTS[part] = PARTS.get(part, 0.0) + time.perf_counter() - t0
-        setattr(owner, name, wrapper)
-
-    timed(type(session._llm.llm_engine), "step", "vLLM step")
-    timed(CopyOut, "queue", "copies queued (in the step)")
-    timed(type(session), "_drain", "drain")
-    timed(type(session), "_event", "event and fold")
+    count_seconds(type(session._llm.llm_engine), "step", "vLLM step")
+    count_seconds(CopyOut, "queue", "copies queued (in the step)")
+    count_seconds(type(session), "_drain", "drain")
+    count_seconds(type(session), "_event", "event and fold")
 
 
 def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None, what: str = "") -> float:
@@ -119,9 +133,7 @@ def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None, what:
         tokens = consume(events)
     seconds = time.perf_counter() - t0
     session.new_run()  # the rows are let go before the next run
-    if PARTS:
-        print(f"  {what} {len(texts)} x {new_tokens}: {seconds:.3f} s, of which " +
-              ", ".join(f"{part} {spent:.3f}" for part, spent in PARTS.items()), flush=True)
+    report_parts(what, len(texts), new_tokens, seconds)
     return tokens / seconds
 
 
@@ -137,7 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--disk-gib", type=float, default=4.0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="per engine (three share the GPU)")
     p.add_argument("--time-parts", action="store_true",
-                   help="print, for each run of the in-process session, the seconds spent in its parts")
+                   help="print, for each run of vanilla and the in-process session, the seconds spent in its parts")
     args = p.parse_args(argv)
 
     from inspector.capture.protocol import SessionOptions
@@ -162,7 +174,8 @@ def main(argv=None) -> int:
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=vanilla, args=(child, args.preset, path, engine_args), daemon=True)
+    proc = ctx.Process(target=vanilla, args=(child, args.preset, path, engine_args, args.time_parts),
+                       daemon=True)
     proc.start()
     options = SessionOptions(model=path, hooks=HOOKS, dtype=dtype, max_model_len=1024, max_num_batched_tokens=max_batched,
                              engine_args={k: v for k, v in engine_args.items()
