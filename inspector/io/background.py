@@ -110,13 +110,14 @@ class BackgroundWriter(FinishedOrDropped):
         else:
             arrays.update(blocks.values)
         sizes = {key: _aligned(a.nbytes) for key, a in arrays.items()}
-        start = self._reserve(sum(sizes.values()))
+        size = sum(sizes.values())
+        start = self._reserve(size)
         where, at = {}, start
         for key, a in arrays.items():
             np.copyto(self._ring.view(at, a.dtype, a.shape), a)  # large copies let the GIL go
             where[key] = (at, a.dtype, a.shape)
             at += sizes[key]
-        self._conn.send(("blocks", blocks.request_ids, blocks.bounds, where, list(blocks.values)))
+        self._conn.send(("blocks", size, blocks.request_ids, blocks.bounds, where, list(blocks.values)))
 
     def _reserve(self, size: int) -> int:
         """A region of ``size`` bytes of the ring, once the child has let go of enough (regions are
@@ -209,21 +210,21 @@ def _serve(conn, ring: _Ring, path: str, metadata: dict, hooks: dict, options: d
         writer, failed = None, True
     else:
         failed = False
-    held: list[int] = []  # bytes of the ring regions the writer may still hold, oldest first
+    held_regions = held_bytes = 0  # of the ring, what the writer may still hold
     while True:
         message = conn.recv()
         kind = message[0]
         try:
             if kind == "blocks":
-                _, request_ids, bounds, where, hooks = message
-                held.append(sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for _, dtype, shape in where.values()))
+                _, size, request_ids, bounds, where, hooks = message
+                held_regions, held_bytes = held_regions + 1, held_bytes + size
                 if not failed:
                     arrays = {key: ring.view(at, dtype, shape) for key, (at, dtype, shape) in where.items()}
                     positions, token_ids = arrays.pop("positions"), arrays.pop("token_ids")
                     if _STACKED in arrays:
                         arrays = dict(zip(hooks, arrays[_STACKED]))
                     writer.append_blocks(RowBlocks(request_ids, bounds, positions, token_ids, arrays))
-                    if writer.holding_blocks and sum(held) >= ring.size // 4:
+                    if writer.holding_blocks and held_bytes >= ring.size // 4:
                         writer.write_staged()
             elif kind == "call":
                 if not failed:
@@ -239,9 +240,9 @@ def _serve(conn, ring: _Ring, path: str, metadata: dict, hooks: dict, options: d
         except BaseException as e:  # noqa: BLE001 - told to the parent; what follows is dropped
             failed = True
             _tell(conn, ("error", e))
-        if held and (failed or not writer.holding_blocks):
-            conn.send(("freed", len(held)))
-            held.clear()
+        if held_regions and (failed or not writer.holding_blocks):
+            conn.send(("freed", held_regions))
+            held_regions = held_bytes = 0
 
 
 def _tell(conn, message) -> None:

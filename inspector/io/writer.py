@@ -368,12 +368,8 @@ class CaptureWriter(FinishedOrDropped):
         Called once per decode step per (request, hook), so it is kept lean (~10 us for one row); a
         step of many is cheaper through ``append_blocks``.
         """
-        if self._state != "open":
-            self._check_open()
-        if self._staged:
-            with self._guard("writing rows"):
-                self._write_staged()
-        self._append_rows(request_id, hook, positions, token_ids, values)
+        self.write_staged()  # checks the file is open
+        self._append_rows(request_id, hook, positions, token_ids, [values])
 
     def append_blocks(self, blocks: RowBlocks) -> None:
         """A step's rows of all its requests and hooks at once (``StepEvent.blocks``), handed over (the
@@ -400,7 +396,8 @@ class CaptureWriter(FinishedOrDropped):
 
     def write_staged(self) -> None:
         """Write the steps ``append_blocks`` holds now: afterwards their arrays may be reused."""
-        self._check_open()
+        if self._state != "open":
+            self._check_open()
         if self._staged:
             with self._guard("writing rows"):
                 self._write_staged()
@@ -417,14 +414,13 @@ class CaptureWriter(FinishedOrDropped):
             spans, positions, token_ids = orders[having]
             arrays = [staged[k].values[hook] for k in having]
             for rid, where, pieces in spans:  # a request's rows of each step, copied once, into its buffer
-                parts = [arrays[k][rows] for k, rows in pieces]
-                self._append_rows(rid, hook, positions[where], token_ids[where], parts[0] if len(parts) == 1 else parts)
+                self._append_rows(rid, hook, positions[where], token_ids[where], [arrays[k][rows] for k, rows in pieces])
 
-    def _append_rows(self, request_id: str, hook: str, positions, token_ids, values) -> None:
+    def _append_rows(self, request_id: str, hook: str, positions, token_ids, parts: list) -> None:
+        """``parts``: the rows' values in pieces, appended in order (never joined first)."""
         req = self._requests.get(request_id)
         if req is None:
             req = self._request(request_id)
-        parts = values if type(values) is list else [values]  # a list: pieces to append in order, not joined
         buf = req.buffers.get(hook) or self._new_buffer(req, hook, np.asarray(parts[0]).dtype)
         parts = [v if type(v) is np.ndarray and v.dtype == buf.dtype else np.asarray(v).astype(buf.dtype, copy=False)
                  for v in parts]
@@ -518,10 +514,7 @@ class CaptureWriter(FinishedOrDropped):
         """Rows ``rows`` (a slice with step 1 within the rows appended) of a (request, hook) as appended
         so far, in their stored dtype: those written from the file, the rest from the buffer. What a
         write-through run reads back (``inspector.io.spool``)."""
-        self._check_open()
-        if self._staged:
-            with self._guard("writing rows"):
-                self._write_staged()
+        self.write_staged()
         buf = self._request(request_id).buffers[hook]
         a, b = rows.start, rows.stop
         parts = []
