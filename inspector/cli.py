@@ -28,6 +28,7 @@ from inspector.capture.windows import parse_window_option, windows_from_patterns
 from inspector.experiments.compare import compare, upcoming_twins
 from inspector.harvesting import cli as harvest_cli
 from inspector.harvesting.corpus import Corpus
+from inspector.openai import cli as openai_cli
 
 COMMANDS = ("attention", "capture", "harvest", "hooks", "patch", "scan", "serve")
 DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
@@ -505,6 +506,12 @@ def serve(args) -> int:
         engine_args = json.loads(args.engine_args)
     except ValueError as e:
         raise ValueError(f"--engine-args is not JSON: {e}") from None
+    if args.openai:
+        from inspector.engine.environment import prepare_environment
+
+        prepare_environment()
+        args.hooks = args.hooks or list(DEFAULT_HOOKS)
+        return openai_cli.serve(args, {**engine_args, **parallel_args(args)})
     options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks or DEFAULT_HOOKS),
                              dtype=args.dtype, max_model_len=args.max_model_len,
                              windows=tuple(parse_window_option(text) for text in args.window or []),
@@ -584,6 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "much waiting is disconnected (default 256)")
     srv.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                      help="exit once the last client has been gone this long (the app's own server does)")
+    openai_cli.add_options(srv)
 
     cap = sub.add_parser("capture", help="generate headless and write the captures to HDF5")
     add_engine_options(cap)

@@ -42,6 +42,8 @@ RULES = {
                           "inspector.server", *APP],
     "engine": QT + ["inspector.io", "inspector.net", "inspector.client", "inspector.server", *APP],
     "server": QT + ["inspector.client", *APP],
+    "openai": QT + NET + ["h5py", "inspector.plugin", "inspector.io", "inspector.net", "inspector.client",
+                          "inspector.server", *APP],
     "harvesting": QT + NET + ["inspector.io", "inspector.net", "inspector.client", "inspector.server", *APP],
     "viewer": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server", "inspector.ui"],
     "ui": ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server"],

@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from inspector.capture.interventions import DEFAULT_MAX_SLOTS
+from inspector.capture.request_edits import SERVED_SECTION
 
 ENV_VAR = "INSPECTOR_PLUGIN_CONFIG"
 SCORES = "@scores"  # in a drain: a scored request's logprobs of its score tokens, beside its hooks' rows
@@ -37,6 +38,7 @@ class PluginConfig:
     max_slots: int = DEFAULT_MAX_SLOTS
     feature_clamps: int = 0  # per hook, features an intervention set may clamp (0: no clamp tables, no cost)
     kept_layers: int = 0  # >0: the model was booted with only its first blocks; the checkpoint's others are skipped
+    capture_rows: bool = True  # False: no request's rows leave the device (an OpenAI server, where nobody drains)
 
     @property
     def eager(self) -> bool:
@@ -55,6 +57,30 @@ class PluginConfig:
         data["capture_specs"] = {name: (path, int(width)) for name, (path, width) in data["capture_specs"].items()}
         data["hook_patterns"] = tuple(data["hook_patterns"])
         return cls(**data)
+
+
+SERVED_FIELDS = {"hooks": list, "max_slots": int, "feature_clamps": int, "vectors": list}  # vectors: the server's
+
+
+def served_config(section: dict, dtype: str, max_num_batched_tokens: int, eager: bool) -> PluginConfig:
+    """The config of an engine that ``vllm serve`` booted with ``--additional-config '{"inspector": {...}}'``:
+    ``hooks`` (names, aliases or globs), ``max_slots`` and ``feature_clamps``; the flavour, dtype and
+    sizes are vLLM's own. Its requests steer themselves (position edits allowed) and keep no rows."""
+    if not isinstance(section, dict):
+        raise ValueError(f"--additional-config's {SERVED_SECTION!r} must be a JSON object, got {section!r}")
+    unknown = set(section) - SERVED_FIELDS.keys()
+    if unknown:
+        raise ValueError(f"--additional-config's {SERVED_SECTION!r}: unknown fields {sorted(unknown)} "
+                         f"(known: {', '.join(SERVED_FIELDS)})")
+    for name, kind in SERVED_FIELDS.items():
+        if name in section and not isinstance(section[name], kind):
+            raise ValueError(f"--additional-config's {SERVED_SECTION}.{name} must be a JSON {kind.__name__}")
+    config = PluginConfig({}, max_num_batched_tokens, dtype, enable_batching=eager, enable_position_interventions=True,
+                          hook_patterns=tuple(str(h) for h in section.get("hooks", [])),
+                          max_slots=section.get("max_slots", DEFAULT_MAX_SLOTS),
+                          feature_clamps=section.get("feature_clamps", 0), capture_rows=False)
+    validate(config)
+    return config
 
 
 def validate(config: PluginConfig) -> None:

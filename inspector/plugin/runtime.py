@@ -12,6 +12,7 @@ rows per request (``gather``) waits until the driver drains, keeping the per-ste
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,6 +32,8 @@ from .copyout import CopyOut, Transfer
 from .features import DeviceSae
 from .gather import QueuedForward, rows_by_request
 from .slots import SlotPlanner, compose
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class InspectorRuntime:
         # The compiled graph must contain the affine, since interventions arrive after tracing.
         self._affine_in_graph = not config.eager
         self._has_interventions = False
+        self._driver_interventions: list[Intervention] = []
+        self._request_edits: dict[str, list[Intervention]] = {}  # request -> the edits it carries
         self._slotted: set[str] = set()  # hooks whose row_slot is not all zeros
         self._clamped: set[str] = set()  # hooks whose interventions clamp features
         self._copy_out = CopyOut(device)
@@ -253,7 +258,9 @@ class InspectorRuntime:
         self._stacks = [stack for stack in self._stacks if any(stack.names)]
         self._index_slots()
         self.saes = {name: sae for name, sae in self.saes.items() if sae.attached.hook not in names}
-        self.set_interventions([iv for iv in self.planner.interventions if iv.hook not in names])
+        self._request_edits = {rid: [iv for iv in edits if iv.hook not in names]
+                               for rid, edits in self._request_edits.items()}
+        self.set_interventions([iv for iv in self._driver_interventions if iv.hook not in names])
 
     def attach_sae(self, attached: AttachedSae) -> None:
         """Encode an installed hook's rows with an SAE after every forward, on the device."""
@@ -339,7 +346,7 @@ class InspectorRuntime:
     def after_forward(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
         """Queue the copy of this forward's live rows to the host: one per stack of same-width hooks, and
         each attached SAE's strongest features of its hook's rows."""
-        rows_wanted = not (self._no_capture and self._no_capture.issuperset(step.req_ids))
+        rows_wanted = self.config.capture_rows and not (self._no_capture and self._no_capture.issuperset(step.req_ids))
         if not rows_wanted and not self.saes:
             return  # nothing of it is wanted
         windowed = (rows_wanted and bool(self._windows) and not self._windows.keys().isdisjoint(step.req_ids)
@@ -513,6 +520,36 @@ class InspectorRuntime:
                     self._whole_from.pop(rid, None)
 
     def set_interventions(self, interventions: list[Intervention]) -> None:
+        """The driver's interventions (the app's, a session's); the requests' own edits stay."""
+        self._check(interventions)
+        check_clamp_capacity([*interventions, *self._edit_list()], self.config.feature_clamps)
+        self._driver_interventions = list(interventions)
+        self._apply_interventions()
+
+    def set_request_edits(self, added: dict[str, list[Intervention]], finished: set[str]) -> None:
+        """Edits that requests carry (``request_edits``): ``added`` start with their requests, those of
+        ``finished`` requests end. The server checked them; one that still fails here is logged and its
+        request runs unedited, since an exception in a step would stop the engine for every request."""
+        changed = bool(finished & self._request_edits.keys())
+        for rid in finished:
+            self._request_edits.pop(rid, None)
+        for rid, edits in added.items():
+            try:
+                self._check(edits)
+                check_clamp_capacity([*self._driver_interventions, *self._edit_list(), *edits],
+                                     self.config.feature_clamps)
+            except ValueError as e:
+                logger.error("request %s runs without its edit: %s", rid, e)
+                continue
+            self._request_edits[rid] = edits
+            changed = True
+        if changed:
+            self._apply_interventions()
+
+    def _edit_list(self) -> list[Intervention]:
+        return [iv for edits in self._request_edits.values() for iv in edits]
+
+    def _check(self, interventions: list[Intervention]) -> None:
         widths = {name: hook.point.width for name, hook in self.active.items()}
         for iv in interventions:
             validate(iv, widths, self.max_model_len, self.config.enable_position_interventions, self.config.dtype)
@@ -522,7 +559,9 @@ class InspectorRuntime:
             if iv.clamp is not None and self.active[iv.hook].site.shards > 1:
                 raise ValueError(f"a feature clamp on {self.active[iv.hook].point.alias}, which is split over the "
                                  "tensor-parallel ranks; clamp features of a replicated point")
-        check_clamp_capacity(interventions, self.config.feature_clamps)
+
+    def _apply_interventions(self) -> None:
+        interventions = [*self._driver_interventions, *self._edit_list()]
         self.planner.set(interventions)
         with torch.inference_mode():
             for name, hook in self.active.items():
@@ -577,6 +616,7 @@ class InspectorRuntime:
             "family": self.family,
             "dtype": self.config.dtype,
             "max_tokens": self.max_tokens,
+            "max_model_len": self.max_model_len,
             "max_slots": self.config.max_slots,
             "allocated_bytes": self.allocated_bytes(),
             "enable_position_interventions": self.config.enable_position_interventions,

