@@ -46,3 +46,41 @@ def running_server(model_dir, mode: str = "compiled", hooks=HOOKS, listen: str |
 
 def tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def running_openai_server(model_dir, extra=(), env=None, engine_args=None):
+    """``inspector serve --openai`` (vLLM's OpenAI server with our plugins) in a child process: yields
+    (base url, process) once it answers /health; stopped with SIGTERM. ``engine_args``: more of vLLM's
+    arguments (``--engine-args``)."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    home = Path(tempfile.mkdtemp(prefix="inspector-test-openai-"))
+    log_path = home / "server.log"
+    command = [sys.executable, "-m", "inspector.cli", "serve", "--openai", "--model", str(model_dir),
+               "--port", str(port), "--max-num-batched-tokens", "64",
+               "--engine-args", json.dumps({**ENGINE_ARGS, **(engine_args or {})}), *extra]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    process.log_path = log_path
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, tail(log_path)
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(120)

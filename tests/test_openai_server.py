@@ -1,0 +1,202 @@
+"""vLLM's own OpenAI server with the inspector's plugins (``inspector serve --openai``), driven by the
+real ``openai`` client: per-request steering through ``vllm_xargs``, the prefix cache kept clean, the
+refusals, the named vectors' endpoints, and steering equal to the same edit through ``Session``."""
+
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+
+from servers import running_openai_server
+from session_kinds import options
+from inspector.capture.hooks import installed_name
+from inspector.capture.interventions import Intervention
+from inspector.capture.protocol import Sampling
+from inspector.capture.request_edits import encode_vector
+from inspector.engine.session import Session
+
+pytestmark = pytest.mark.slow
+HOOK = "blocks.1.hook_resid_post"
+TOKEN = "test-admin-token"
+MAX_SLOTS = 4
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"  # the tiny model has none
+LONG_PROMPT = " ".join(f"item {i} of the list," for i in range(28))  # ~240 tokens: a full 128-token block (the CPU's) and more
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    """(openai client, base url, the named vector 'push', the model's directory)."""
+    home = tmp_path_factory.mktemp("openai-vectors")
+    push = (np.random.default_rng(7).normal(size=128) * 6).astype(np.float32)
+    np.save(home / "push.npy", push)
+    (home / "chat.jinja").write_text(CHAT_TEMPLATE)
+    model = tiny_models["llama"]
+    extra = ["--hooks", "blocks.*.hook_resid_post", "--max-model-len", "512", "--max-slots", str(MAX_SLOTS),
+             "--vectors", f"push={home / 'push.npy'}@{HOOK}"]
+    with running_openai_server(model, extra, env={"INSPECTOR_ADMIN_TOKEN": TOKEN},
+                               engine_args={"chat_template": str(home / "chat.jinja")}) as (url, process):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        yield client, url, push, str(model)
+    assert process.returncode in (0, -15), process.returncode
+
+
+def complete(server, prompt, max_tokens=8, **xargs):
+    client, _, _, model = server
+    answer = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       extra_body={"vllm_xargs": xargs, "return_token_ids": True} if xargs
+                                       else {"return_token_ids": True})
+    return answer.choices[0]
+
+
+def prefix_hits(url) -> float:
+    with urllib.request.urlopen(f"{url}/metrics") as answer:
+        text = answer.read().decode()
+    return float(re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+def settled_hits(url, before=None) -> float:
+    """The hit counter once the engine's last step has been counted (it is published after the answer)."""
+    deadline = time.monotonic() + 5
+    hits = prefix_hits(url)
+    while hits == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+        hits = prefix_hits(url)
+    return hits
+
+
+def test_the_server_lists_its_hooks_and_vectors(server):
+    _, url, push, _ = server
+    hooks = json.load(urllib.request.urlopen(f"{url}/inspector/v1/hooks"))
+    assert hooks["mode"] == "compiled" and hooks["max_slots"] == MAX_SLOTS
+    assert {h["alias"] for h in hooks["hooks"]} == {f"blocks.{i}.hook_resid_post" for i in range(2)}
+    [vector] = json.load(urllib.request.urlopen(f"{url}/inspector/v1/vectors"))["vectors"]
+    assert vector["name"] == "push" and vector["width"] == 128
+    assert vector["norm"] == pytest.approx(float(np.linalg.norm(push)), rel=1e-6)
+
+
+def test_steering_changes_the_output_and_leaves_the_prefix_cache_clean(server):
+    _, url, _, _ = server
+    hits = settled_hits(url)
+    clean = complete(server, LONG_PROMPT)
+    hits = settled_hits(url, hits)  # (the first may hit blocks of an earlier test's prompt: none here)
+    steered = complete(server, LONG_PROMPT, inspector_steer="push", inspector_scale=3)
+    assert steered.token_ids != clean.token_ids
+    time.sleep(0.5)
+    assert prefix_hits(url) == hits  # the steered request read none of the clean blocks
+    again = complete(server, LONG_PROMPT)
+    assert again.token_ids == clean.token_ids  # and left none of its own where a clean one reads
+    hits_after_clean = settled_hits(url, hits)
+    assert hits_after_clean >= hits + 128  # the clean repeat read the clean blocks
+    steered_again = complete(server, LONG_PROMPT, inspector_steer="push", inspector_scale=3)
+    assert steered_again.token_ids == steered.token_ids
+    assert settled_hits(url, hits_after_clean) >= hits_after_clean + 128  # steered alike: shared
+
+
+def test_chat_completions_steer_too(server):
+    client, _, _, model = server
+    messages = [{"role": "user", "content": "Say something about lists."}]
+    def chat(**xargs):
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                                extra_body={"vllm_xargs": xargs} if xargs else {})
+        return answer.choices[0].message.content
+
+    clean = chat()
+    assert chat(inspector_steer="push", inspector_scale=3) != clean
+    assert chat() == clean
+
+
+def test_an_inline_vector_steers_as_the_named_one(server):
+    _, _, push, _ = server
+    named = complete(server, "one two three", inspector_steer="push", inspector_scale=2, inspector_positions="2-40")
+    inline = complete(server, "one two three", inspector_vector=f"{HOOK}:{encode_vector(push * 2)}",
+                      inspector_positions=list(range(2, 41)))
+    assert inline.token_ids == named.token_ids != complete(server, "one two three").token_ids
+
+
+@pytest.mark.parametrize("xargs, words", [
+    ({"inspector_steer": "nope"}, "no vector named 'nope'"),
+    ({"inspector_steer": "push", "inspector_scale": "big"}, "must be a number"),
+    ({"inspector_steer": "push", "inspector_positions": "9-2"}, "backwards"),
+    ({"inspector_vector": f"{HOOK}:" + encode_vector(np.ones(128 * 4))}, "longer than 128"),
+    ({"inspector_vector": f"blocks.0.hook_resid_pre:{encode_vector(np.ones(128))}"}, "not a hook this server compiled"),
+    ({"inspector_edit": "[]"}, "written by the server"),
+    ({"inspector_bogus": 1}, "unknown steering field"),
+])
+def test_malformed_steering_is_a_400_and_the_engine_serves_on(server, xargs, words):
+    with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+        complete(server, "hello", **xargs)
+    assert complete(server, "hello").text  # the engine is still there for everyone
+
+
+def test_steered_equals_the_same_edit_through_a_session(server, tiny_models):
+    _, _, push, _ = server
+    prompt = "the list goes on and on"
+    served = complete(server, prompt, max_tokens=8, inspector_steer="push", inspector_scale=2.5,
+                      inspector_positions="3-30")
+    session = Session.open(options(tiny_models["llama"]))
+    try:
+        hook = installed_name(HOOK, session.installed)
+        session.set_interventions([Intervention(hook, bias=(push * 2.5).astype(np.float32), positions=tuple(range(3, 31)))])
+        session.new_run()
+        list(session.generate([prompt], Sampling(max_tokens=8)))
+        [request] = session.run.requests.values()
+    finally:
+        session.close()
+    assert list(request.generated_token_ids) == list(served.token_ids)
+
+
+def test_vectors_are_registered_with_the_token_only(server):
+    client, url, push, _ = server
+
+    def put(name, payload, token=None):
+        request = urllib.request.Request(f"{url}/inspector/v1/vectors/{name}", json.dumps(payload).encode(), method="PUT",
+                                         headers={"content-type": "application/json",
+                                                  **({"x-inspector-token": token} if token else {})})
+        try:
+            with urllib.request.urlopen(request) as answer:
+                return answer.status, json.load(answer)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    flipped = {"hook": HOOK, "vector": encode_vector(-push)}
+    assert put("pull", flipped)[0] == 403
+    assert put("pull", flipped, "wrong")[0] == 403
+    status, found = put("pull", {"hook": HOOK, "vector": encode_vector(push[:5])}, TOKEN)
+    assert status == 400 and "5 values" in found["error"]["message"]
+    status, found = put("pull", flipped, TOKEN)
+    assert status == 200 and found["width"] == 128
+    pulled = complete(server, "one two three", inspector_steer="pull")
+    assert pulled.token_ids == complete(server, "one two three", inspector_vector=f"{HOOK}:{encode_vector(-push)}").token_ids
+    delete = urllib.request.Request(f"{url}/inspector/v1/vectors/pull", method="DELETE",
+                                    headers={"x-inspector-token": TOKEN})
+    assert urllib.request.urlopen(delete).status == 204
+    with pytest.raises(openai.BadRequestError, match="no vector named 'pull'"):
+        complete(server, "one two three", inspector_steer="pull")
+
+
+def test_more_distinct_edits_than_slots_wait_with_a_429(server):
+    """Three distinct edits stream at once (max_slots 4: three and the unedited); a fourth is told to
+    retry, one alike to a running one is admitted, and once they end a new one is admitted again."""
+    client, _, _, model = server
+    streams = [client.completions.create(model=model, prompt="count", max_tokens=200, temperature=0, stream=True,
+                                         extra_body={"vllm_xargs": {"inspector_steer": "push", "inspector_scale": s},
+                                                     "ignore_eos": True})
+               for s in (1, 2, 3)]
+    try:
+        for stream in streams:
+            next(iter(stream))  # each is admitted and running
+        with pytest.raises(openai.RateLimitError, match="distinct edits are running"):
+            complete(server, "count", inspector_steer="push", inspector_scale=4)
+        assert complete(server, "count", inspector_steer="push", inspector_scale=2).text
+    finally:
+        threads = [threading.Thread(target=lambda s=s: [None for _ in s]) for s in streams]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert complete(server, "count", inspector_steer="push", inspector_scale=4).text

@@ -1,0 +1,156 @@
+"""The OpenAI server's admission, without an engine: steering fields → edits, the edit string, salts, slots."""
+
+import json
+
+import numpy as np
+import pytest
+
+from inspector.capture.hooks import HookPoint
+from inspector.capture.interventions import Intervention
+from inspector.capture.request_edits import EDIT_KEY, decode_edit, encode_edit, encode_vector, fingerprint
+from inspector.openai.admission import Admission
+from inspector.openai.steering import HookTable, Refused
+from inspector.openai.vectors import absolute_vector_spec, parse_vector_spec, split_vector_spec
+from inspector.plugin.config import served_config
+
+WIDTH = 8
+RNG = np.random.default_rng(0)
+HAPPY = RNG.normal(size=WIDTH).astype(np.float32)
+
+
+def hook_table(max_slots=4):
+    points = {f"model.layers.{i}.resid_post": HookPoint(f"model.layers.{i}.resid_post", f"blocks.{i}.hook_resid_post",
+                                                        f"model.layers.{i}", "resid_post", WIDTH, i)
+              for i in range(2)}
+    return HookTable(points, "float32", max_slots, 64, "compiled")
+
+
+@pytest.fixture
+def admission():
+    found = Admission()
+    found.hooks = hook_table()
+    found.vectors.add("happy", "model.layers.1.resid_post", HAPPY, "test", found.hooks.widths)
+    return found
+
+
+def body(**xargs):
+    return json.dumps({"model": "m", "prompt": "hi", **({"vllm_xargs": xargs} if xargs else {})}).encode()
+
+
+def admitted(admission, raw):
+    out, found = admission.admit(raw)
+    return json.loads(out), found
+
+
+def test_named_vector_becomes_a_scaled_edit_with_a_content_salt(admission):
+    data, found = admitted(admission, body(inspector_steer="happy", inspector_scale=2.5, inspector_positions="1-3",
+                                           other_field=7))
+    assert data["vllm_xargs"].keys() == {EDIT_KEY, "other_field"}  # our fields rewritten, others kept
+    [iv] = decode_edit(data["vllm_xargs"][EDIT_KEY], "r1")
+    assert iv.hook == "model.layers.1.resid_post" and iv.request_id == "r1" and iv.positions == (1, 2, 3)
+    np.testing.assert_array_equal(iv.bias, (HAPPY * 2.5).astype(np.float32))  # the engine holds float32 at most
+    assert found == fingerprint(data["vllm_xargs"][EDIT_KEY]) and data["cache_salt"].startswith("i-")
+
+
+def test_same_contents_share_a_salt_whatever_their_name(admission):
+    inline = f"blocks.1.hook_resid_post:{encode_vector(HAPPY)}"
+    by_name, _ = admitted(admission, body(inspector_steer="happy"))
+    by_value, _ = admitted(admission, body(inspector_vector=inline))
+    other, _ = admitted(admission, body(inspector_steer="happy", inspector_scale=2))
+    assert by_name["cache_salt"] == by_value["cache_salt"] != other["cache_salt"]
+    assert by_name["vllm_xargs"] == by_value["vllm_xargs"]
+
+
+def test_client_salts_live_in_their_own_namespace(admission):
+    plain, found = admitted(admission, json.dumps({"prompt": "x", "cache_salt": "team-a"}).encode())
+    assert plain["cache_salt"] == "c-team-a" and found is None
+    long, _ = admitted(admission, json.dumps({"prompt": "x", "cache_salt": "y" * 128}).encode())
+    assert long["cache_salt"].startswith("h-") and len(long["cache_salt"]) <= 128
+    steered_a, _ = admitted(admission, json.dumps({"cache_salt": "a", "vllm_xargs": {"inspector_steer": "happy"}}).encode())
+    steered_b, _ = admitted(admission, json.dumps({"cache_salt": "b", "vllm_xargs": {"inspector_steer": "happy"}}).encode())
+    assert steered_a["cache_salt"] != steered_b["cache_salt"] and steered_a["cache_salt"].startswith("i-")
+    untouched = json.dumps({"prompt": "x"}).encode()
+    assert admission.admit(untouched) == (untouched, None)  # unsteered, no salt: as it came (cache hits kept)
+
+
+@pytest.mark.parametrize("xargs, field, words", [
+    ({"inspector_steer": "sad"}, "inspector_steer", "no vector named 'sad'"),
+    ({"inspector_stear": "happy"}, "inspector_stear", "unknown steering field"),
+    ({EDIT_KEY: "[]"}, EDIT_KEY, "written by the server"),
+    ({"inspector_steer": "happy", "inspector_scale": "lots"}, "inspector_scale", "must be a number"),
+    ({"inspector_steer": "happy", "inspector_scale": "nan"}, "inspector_scale", "finite"),
+    ({"inspector_steer": "happy", "inspector_positions": "3-1"}, "inspector_positions", "backwards"),
+    ({"inspector_steer": "happy", "inspector_positions": [1, -2]}, "inspector_positions", "whole numbers"),
+    ({"inspector_steer": "happy", "inspector_positions": "60-70"}, "inspector_positions", "out of range"),
+    ({"inspector_scale": 2}, "inspector_steer", "without a vector"),
+    ({"inspector_vector": "blocks.1.hook_resid_post"}, "inspector_vector", "HOOK:BASE64"),
+    ({"inspector_vector": "blocks.9.hook_resid_post:AAAA"}, "inspector_vector", "not a hook this server compiled"),
+    ({"inspector_vector": "blocks.1.hook_resid_post:%%%"}, "inspector_vector", "not base64"),
+    ({"inspector_vector": "blocks.1.hook_resid_post:" + encode_vector(np.ones(WIDTH * 50))}, "inspector_vector",
+     "longer than 8"),
+    ({"inspector_vector": "blocks.1.hook_resid_post:" + encode_vector(np.ones(3))}, None, "3 values"),
+    ({"inspector_vector": "blocks.1.hook_resid_post:" + encode_vector(np.full(WIDTH, np.inf))}, None, "NaN/Inf"),
+])
+def test_bad_fields_are_refused_with_a_reason(admission, xargs, field, words):
+    with pytest.raises(Refused) as refused:
+        admission.admit(body(**xargs))
+    assert refused.value.status == 400 and refused.value.field == field and words in str(refused.value)
+
+
+def test_a_bad_client_salt_on_a_steered_request_is_refused(admission):
+    with pytest.raises(Refused, match="cache_salt"):
+        admission.admit(json.dumps({"cache_salt": "a/b", "vllm_xargs": {"inspector_steer": "happy"}}).encode())
+
+
+def test_distinct_edits_beyond_the_slots_wait_for_a_retry(admission):
+    running = [admission.admit(body(inspector_steer="happy", inspector_scale=s))[1] for s in (1, 2, 3)]
+    assert admission.admit(body(inspector_steer="happy", inspector_scale=1))[1] == running[0]  # shares a slot
+    with pytest.raises(Refused) as refused:
+        admission.admit(body(inspector_steer="happy", inspector_scale=4))
+    assert refused.value.status == 429 and "max_slots 4" in str(refused.value)
+    admission.release(running[1])
+    admission.admit(body(inspector_steer="happy", inspector_scale=4))
+    admission.release(running[0])  # still one request of it running: its slot stays taken
+    with pytest.raises(Refused):
+        admission.admit(body(inspector_steer="happy", inspector_scale=5))
+
+
+def test_a_server_without_hooks_refuses_steering_but_serves_the_rest():
+    bare = Admission()
+    plain = body()
+    assert bare.admit(plain) == (plain, None)
+    with pytest.raises(Refused, match="additional-config"):
+        bare.admit(body(inspector_steer="happy"))
+
+
+def test_edit_string_round_trip_and_fingerprint_are_stable():
+    ivs = [Intervention("h", scale=2.0, bias=HAPPY, positions=(0, 4)), Intervention("g", bias=0.5)]
+    text = encode_edit(ivs)
+    assert text == encode_edit(list(ivs)) and fingerprint(text) == fingerprint(encode_edit(ivs))
+    back = decode_edit(text, "r")
+    assert [iv.effect for iv in back] == [iv.effect for iv in ivs]
+    assert all(iv.request_id == "r" for iv in back)
+
+
+def test_vector_specs(tmp_path):
+    np.save(tmp_path / "v.npy", HAPPY)
+    assert split_vector_spec("a=x.npy@blocks.1.hook_resid_post") == ("a", "x.npy", "@", "blocks.1.hook_resid_post")
+    assert absolute_vector_spec(f"a={tmp_path}/v.npy@h").endswith("/v.npy@h")
+    name, hook, vector, _ = parse_vector_spec(f"a={tmp_path / 'v.npy'}@h")
+    assert (name, hook) == ("a", "h") and np.array_equal(vector, HAPPY)
+    for bad, words in [("a", "NAME=FILE@HOOK"), ("a b=x@h", "vector name"), ("a=x.npy", "NAME=FILE@HOOK"),
+                       ("a=dir#x", "must be a number"), (f"a={tmp_path}/none.npy@h", "cannot read")]:
+        with pytest.raises(ValueError, match=words):
+            parse_vector_spec(bad)
+
+
+def test_served_config_reads_the_inspector_section():
+    config = served_config({"hooks": ["blocks.*"], "max_slots": 8, "vectors": []}, "bfloat16", 256, eager=False)
+    assert (config.hook_patterns, config.max_slots, config.dtype, config.capture_rows,
+            config.enable_position_interventions, config.eager) == (("blocks.*",), 8, "bfloat16", False, True, False)
+    with pytest.raises(ValueError, match="unknown fields"):
+        served_config({"hookz": []}, "float32", 256, eager=False)
+    with pytest.raises(ValueError, match="max_slots must be a JSON int"):
+        served_config({"max_slots": "8"}, "float32", 256, eager=False)
+    with pytest.raises(ValueError, match="max_slots must be between"):
+        served_config({"max_slots": 1}, "float32", 256, eager=False)
