@@ -4,8 +4,11 @@ refusals, the named vectors' endpoints, and steering equal to the same edit thro
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -19,6 +22,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import Sampling
 from inspector.capture.request_edits import encode_vector
 from inspector.engine.session import Session
+from inspector.io import read_run
 
 pytestmark = pytest.mark.slow
 HOOK = "blocks.1.hook_resid_post"
@@ -40,7 +44,7 @@ def server(tiny_models, tmp_path_factory):
              "--vectors", f"push={home / 'push.npy'}@{HOOK}"]
     with running_openai_server(model, extra, env={"INSPECTOR_ADMIN_TOKEN": TOKEN},
                                engine_args={"chat_template": str(home / "chat.jinja")}) as (url, process):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         yield client, url, push, str(model)
     assert process.returncode in (0, -15), process.returncode
 
@@ -200,3 +204,67 @@ def test_more_distinct_edits_than_slots_wait_with_a_429(server):
         for thread in threads:
             thread.join(120)
     assert complete(server, "count", inspector_steer="push", inspector_scale=4).text
+
+
+def fetch_capture(url, response_id, path):
+    with urllib.request.urlopen(f"{url}/inspector/v1/captures/{response_id}") as answer:
+        assert answer.headers["content-type"] == "application/x-hdf5"
+        path.write_bytes(answer.read())
+    return read_run(path)
+
+
+def test_a_capture_over_the_api_equals_inspector_capture(server, tiny_models, tmp_path):
+    """The same prompt, greedy, steered alike: the file the server keeps for the response holds the rows
+    and tokens that `inspector capture` writes."""
+    client, url, push, model = server
+    prompt = "the list goes on and on"
+    answer = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body={
+        "vllm_xargs": {"inspector_capture": "blocks.*.hook_resid_post", "inspector_steer": "push",
+                       "inspector_scale": 2.0}})
+    served = fetch_capture(url, answer.id, tmp_path / "served.h5")
+    np.save(tmp_path / "push2.npy", push * 2)
+    reference = tmp_path / "cli.h5"
+    result = subprocess.run([sys.executable, "-m", "inspector.cli", "capture", "--model", model, "--prompt", prompt,
+                             "--max-tokens", "6", "--hooks", "blocks.*.hook_resid_post", "--max-model-len", "512",
+                             "--intervene", f"{HOOK}:bias={tmp_path / 'push2.npy'}", "--logprobs", "0",
+                             "--out", str(reference)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [request] = served.requests.values()
+    [expected] = read_run(reference).requests.values()
+    assert request.request_id == f"{answer.id}/0" and request.prompt == prompt
+    assert request.token_ids == expected.token_ids and len(request.generated_token_ids) == 6
+    assert request.token_texts == expected.token_texts and request.finish_reason == "length"
+    assert set(request.hooks) == set(expected.hooks) == {f"model.layers.{i}.resid_post" for i in range(2)}
+    for hook, rows in request.hooks.items():
+        assert rows.positions.tolist() == expected.hooks[hook].positions.tolist()
+        np.testing.assert_array_equal(np.asarray(rows.values), np.asarray(expected.hooks[hook].values))
+    assert served.metadata["engine_mode"] == "compiled" and served.metadata["response_id"] == answer.id
+
+
+def test_a_streamed_chat_with_n_choices_captures_each_choice_in_its_window(server, tmp_path):
+    client, url, _, model = server
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "count to three"}], max_tokens=5, temperature=1.0, n=2,
+        seed=3, stream=True, extra_body={"vllm_xargs": {"inspector_capture": HOOK, "inspector_window": "last:2"}})
+    chunks = list(stream)
+    tokens = {i: [t for c in chunks if c.choices and c.choices[0].index == i for t in getattr(c.choices[0], "token_ids",
+                                                                                               None) or []]
+              for i in range(2)}  # the stream carries them: the server asks for them when it captures
+    run = fetch_capture(url, chunks[0].id, tmp_path / "chat.h5")
+    assert list(run.requests) == [f"{chunks[0].id}/0", f"{chunks[0].id}/1"]
+    hook = "model.layers.1.resid_post"
+    for i, request in enumerate(run.requests.values()):
+        prompt_len = len(request.prompt_token_ids)
+        assert request.generated_token_ids == tokens[i] and len(tokens[i]) == 5
+        assert request.hooks.keys() == {hook} and request.windows == {hook: "last:2"}
+        # the prompt's last two positions and every generated one but the last (it is never an input)
+        assert request.hooks[hook].positions.tolist() == list(range(prompt_len - 2, len(request.token_ids) - 1))
+
+
+def test_captures_that_did_not_ask_or_are_unknown_are_404(server):
+    client, url, _, model = server
+    answer = client.completions.create(model=model, prompt="hi", max_tokens=2, temperature=0)
+    for capture_id in (answer.id, "cmpl-c" + "0" * 32, "../etc"):
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"{url}/inspector/v1/captures/{capture_id}")
+        assert missing.value.code == 404

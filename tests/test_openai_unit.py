@@ -7,7 +7,7 @@ import pytest
 
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
-from inspector.capture.request_edits import EDIT_KEY, decode_edit, encode_edit, encode_vector, fingerprint
+from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, decode_edit, encode_edit, encode_vector, fingerprint
 from inspector.openai.admission import Admission
 from inspector.openai.steering import HookTable, Refused
 from inspector.openai.vectors import absolute_vector_spec, parse_vector_spec, split_vector_spec
@@ -38,8 +38,8 @@ def body(**xargs):
 
 
 def admitted(admission, raw):
-    out, found = admission.admit(raw)
-    return json.loads(out), found
+    ticket = admission.admit(raw)
+    return json.loads(ticket.body), ticket.fingerprint
 
 
 def test_named_vector_becomes_a_scaled_edit_with_a_content_salt(admission):
@@ -70,13 +70,17 @@ def test_client_salts_live_in_their_own_namespace(admission):
     steered_b, _ = admitted(admission, json.dumps({"cache_salt": "b", "vllm_xargs": {"inspector_steer": "happy"}}).encode())
     assert steered_a["cache_salt"] != steered_b["cache_salt"] and steered_a["cache_salt"].startswith("i-")
     untouched = json.dumps({"prompt": "x"}).encode()
-    assert admission.admit(untouched) == (untouched, None)  # unsteered, no salt: as it came (cache hits kept)
+    assert admission.admit(untouched).body is untouched  # unsteered, no salt: as it came (cache hits kept)
 
 
 @pytest.mark.parametrize("xargs, field, words", [
     ({"inspector_steer": "sad"}, "inspector_steer", "no vector named 'sad'"),
     ({"inspector_stear": "happy"}, "inspector_stear", "unknown steering field"),
     ({EDIT_KEY: "[]"}, EDIT_KEY, "written by the server"),
+    ({CAPTURE_KEY: "all"}, CAPTURE_KEY, "written by the server"),
+    ({"inspector_capture": "blocks.7.*"}, "inspector_capture", "matches no hook"),
+    ({"inspector_capture": "blocks.*", "inspector_window": "last:0"}, "inspector_window", "whole number"),
+    ({"inspector_window": "generated"}, "inspector_window", "without inspector_capture"),
     ({"inspector_steer": "happy", "inspector_scale": "lots"}, "inspector_scale", "must be a number"),
     ({"inspector_steer": "happy", "inspector_scale": "nan"}, "inspector_scale", "finite"),
     ({"inspector_steer": "happy", "inspector_positions": "3-1"}, "inspector_positions", "backwards"),
@@ -103,8 +107,8 @@ def test_a_bad_client_salt_on_a_steered_request_is_refused(admission):
 
 
 def test_distinct_edits_beyond_the_slots_wait_for_a_retry(admission):
-    running = [admission.admit(body(inspector_steer="happy", inspector_scale=s))[1] for s in (1, 2, 3)]
-    assert admission.admit(body(inspector_steer="happy", inspector_scale=1))[1] == running[0]  # shares a slot
+    running = [admission.admit(body(inspector_steer="happy", inspector_scale=s)).fingerprint for s in (1, 2, 3)]
+    assert admission.admit(body(inspector_steer="happy", inspector_scale=1)).fingerprint == running[0]  # shares a slot
     with pytest.raises(Refused) as refused:
         admission.admit(body(inspector_steer="happy", inspector_scale=4))
     assert refused.value.status == 429 and "max_slots 4" in str(refused.value)
@@ -118,7 +122,7 @@ def test_distinct_edits_beyond_the_slots_wait_for_a_retry(admission):
 def test_a_server_without_hooks_refuses_steering_but_serves_the_rest():
     bare = Admission()
     plain = body()
-    assert bare.admit(plain) == (plain, None)
+    assert bare.admit(plain).body is plain
     with pytest.raises(Refused, match="additional-config"):
         bare.admit(body(inspector_steer="happy"))
 
@@ -154,3 +158,13 @@ def test_served_config_reads_the_inspector_section():
         served_config({"max_slots": "8"}, "float32", 256, eager=False)
     with pytest.raises(ValueError, match="max_slots must be between"):
         served_config({"max_slots": 1}, "float32", 256, eager=False)
+
+
+def test_a_capturing_request_gets_a_key_its_window_and_no_cache_reads(admission):
+    ticket = admission.admit(body(inspector_capture="blocks.1.*", inspector_window="last:2", inspector_steer="happy"))
+    data = json.loads(ticket.body)
+    assert ticket.capture.hooks == ("model.layers.1.resid_post",) and ticket.capture.window == "last:2"
+    assert data["vllm_xargs"][CAPTURE_KEY] == "last:2" and EDIT_KEY in data["vllm_xargs"]
+    assert data["cache_salt"] == "x-" + ticket.key and data["return_token_ids"] is True
+    other = admission.admit(body(inspector_capture="blocks.*"))
+    assert other.key != ticket.key and other.capture.hooks == tuple(f"model.layers.{i}.resid_post" for i in range(2))

@@ -1,24 +1,38 @@
 """What the server decides about each generation request before vLLM sees it: its steering fields
 become the edit its workers apply, its prefix-cache salt is set from that edit's contents, and the
-engine's slots bound how many distinct edits run at once (one more waits for a 429's retry).
+engine's slots bound how many distinct edits run at once (one more waits for a 429's retry). A request
+that captures gets a key of its own (its vLLM request id, so its engine requests are known by it).
 
 Salts: a steered request's is a digest of its edit and of the client's own salt; an unsteered request
 that brought a salt gets it in a namespace of its own. No client salt can equal a steered one, so an
-unsteered request never reads KV computed under an edit, and requests steered alike share theirs.
+unsteered request never reads KV computed under an edit, and requests steered alike share theirs. A
+capturing request's salt is its key: it reads no cached block, so every prompt row is computed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import uuid
+from typing import NamedTuple
 
-from inspector.capture.request_edits import EDIT_KEY, encode_edit, fingerprint
+from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, encode_edit, fingerprint
 
-from .steering import PREFIX, HookTable, Refused, resolve, steering_fields
+from .steering import PREFIX, CaptureAsk, HookTable, Refused, capture_ask, resolve, steering_fields
 from .vectors import VectorRegistry
 
 SALT_LIMIT = 128  # vLLM's longest cache_salt
 SALT_FORBIDDEN = "@/\\\0"  # characters vLLM refuses in a cache_salt
+
+
+class Ticket(NamedTuple):
+    """An admitted request: the body vLLM gets, its edit's fingerprint (None: unsteered), and for a
+    capturing request its key and what it keeps."""
+
+    body: bytes
+    fingerprint: str | None = None
+    key: str | None = None
+    capture: CaptureAsk | None = None
 
 
 class Admission:
@@ -27,38 +41,49 @@ class Admission:
         self.vectors = VectorRegistry()
         self._running: dict[str, int] = {}  # edit fingerprint -> its requests under way
 
-    def admit(self, body: bytes) -> tuple[bytes, str | None]:
-        """The request body vLLM gets, and the fingerprint of its edit (None: unsteered); Refused
-        with the reason. A body that is not a JSON object passes as it is (vLLM answers it)."""
+    def admit(self, body: bytes) -> Ticket:
+        """What vLLM gets of this request; Refused with the reason. A body that is not a JSON object
+        passes as it is (vLLM answers it)."""
         try:
             data = json.loads(body)
         except ValueError:
-            return body, None
+            return Ticket(body)
         if not isinstance(data, dict):
-            return body, None
+            return Ticket(body)
         xargs = data.get("vllm_xargs")
         fields = steering_fields(xargs) if isinstance(xargs, dict) else {}
         salt = data.get("cache_salt")
         if not fields:
             if not _valid_salt(salt):
-                return body, None  # none, or one vLLM refuses with its own reason
+                return Ticket(body)  # none, or one vLLM refuses with its own reason
             data["cache_salt"] = _client_salt(salt)
-            return json.dumps(data).encode(), None
+            return Ticket(json.dumps(data).encode())
         if self.hooks is None:
             raise Refused("this server steers nothing: it was started without the inspector's section in "
                           "--additional-config (inspector serve --openai sets it)", next(iter(fields)))
         if salt is not None and not _valid_salt(salt):
             raise Refused(f"cache_salt must be a non-empty string of at most {SALT_LIMIT} characters without "
                           "'@', '/', '\\' or NUL", "cache_salt")
-        edit = encode_edit(resolve(fields, self.vectors, self.hooks))
-        found = fingerprint(edit)
-        self._claim(found)
-        data["vllm_xargs"] = {**{k: v for k, v in xargs.items() if not k.startswith(PREFIX)}, EDIT_KEY: edit}
-        data["cache_salt"] = "i-" + hashlib.sha256(f"{found}\n{salt or ''}".encode()).hexdigest()
-        return json.dumps(data).encode(), found
+        interventions = resolve(fields, self.vectors, self.hooks)
+        ask = capture_ask(fields, self.hooks)
+        xargs = {k: v for k, v in xargs.items() if not k.startswith(PREFIX)}
+        found = key = None
+        if interventions:
+            xargs[EDIT_KEY] = edit = encode_edit(interventions)
+            found = fingerprint(edit)
+            data["cache_salt"] = "i-" + hashlib.sha256(f"{found}\n{salt or ''}".encode()).hexdigest()
+        if ask is not None:
+            key = "c" + uuid.uuid4().hex
+            xargs[CAPTURE_KEY] = ask.window
+            data["cache_salt"] = "x-" + key
+            data["return_token_ids"] = True  # the capture file's tokens come from the answer
+        if found is not None:
+            self._claim(found)
+        data["vllm_xargs"] = xargs
+        return Ticket(json.dumps(data).encode(), found, key, ask)
 
     def release(self, found: str | None) -> None:
-        """The request of ``admit``'s fingerprint is over (answered, failed or disconnected)."""
+        """The request of this edit fingerprint is over (answered, failed or disconnected)."""
         if found is None:
             return
         self._running[found] -= 1

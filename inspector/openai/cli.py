@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 from inspector.capture.interventions import DEFAULT_MAX_SLOTS
 from inspector.capture.models import resolve_model
@@ -30,6 +31,11 @@ def add_options(parser) -> None:
                              "NAME=SAE_DIR#FEATURE), which requests name in inspector_steer")
     parser.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS, metavar="N",
                         help=f"with --openai: distinct edits running at once, plus one (default {DEFAULT_MAX_SLOTS})")
+    parser.add_argument("--capture-dir", metavar="DIR",
+                        help="with --openai: where the captures of requests that ask (inspector_capture) are kept "
+                             "(default: a new temporary directory)")
+    parser.add_argument("--capture-store-mib", type=int, default=1024, metavar="MIB",
+                        help="with --openai: the captures kept, at most this much, oldest evicted first (default 1024)")
 
 
 def vllm_arguments(args, engine_args: dict) -> list[str]:
@@ -42,7 +48,9 @@ def vllm_arguments(args, engine_args: dict) -> list[str]:
         parse_vector_spec(spec)  # read now: a bad file fails before the engine boots
     vectors = [absolute_vector_spec(spec) for spec in args.vectors]
     section = {"hooks": list(args.hooks), "max_slots": args.max_slots, "feature_clamps": args.feature_clamps,
-               "vectors": vectors}
+               "vectors": vectors, "capture_store_mib": args.capture_store_mib}
+    if args.capture_dir:
+        section["capture_dir"] = str(Path(args.capture_dir).expanduser().resolve())
     argv = ["--model", str(resolve_model(args.model)), "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
             "--max-model-len", str(args.max_model_len), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--additional-config", json.dumps({SERVED_SECTION: section})]

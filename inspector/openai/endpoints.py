@@ -1,25 +1,31 @@
 """vLLM's endpoint plugin (entry point ``vllm.endpoint_plugins``): the steering middleware, and the
-routes under ``/inspector/v1``: the hooks the engine compiled, and the named vectors (listed by anyone
-the server lets in; registered and removed with the token in ``INSPECTOR_ADMIN_TOKEN``)."""
+routes under ``/inspector/v1``: the hooks the engine compiled, the captures of requests that asked, and
+the named vectors (listed by anyone the server lets in; registered and removed with the token in
+``INSPECTOR_ADMIN_TOKEN``)."""
 
 from __future__ import annotations
 
 import hmac
 import logging
 import os
+import tempfile
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from inspector.capture.request_edits import SERVED_SECTION, decode_vector
+from inspector.engine.tokens import token_text
 
 from .admission import Admission
+from .capture_store import CaptureStore, server_metadata
 from .middleware import SteeringMiddleware
 from .steering import HookTable
 from .vectors import parse_vector_spec
 
 TOKEN_ENV = "INSPECTOR_ADMIN_TOKEN"
 TOKEN_HEADER = "x-inspector-token"
+CAPTURE_STORE_MIB = 1024  # the cap of the capture files kept, unless the section's capture_store_mib says
 logger = logging.getLogger(__name__)
 
 
@@ -29,15 +35,17 @@ class InspectorEndpoints:
 
     def __init__(self):
         self.admission = Admission()
+        self.captures: CaptureStore | None = None
 
     def attach_router(self, app: FastAPI) -> None:
         router = APIRouter(prefix="/inspector/v1")
         router.add_api_route("/hooks", self.hooks, methods=["GET"])
+        router.add_api_route("/captures/{capture_id}", self.capture, methods=["GET"])
         router.add_api_route("/vectors", self.list_vectors, methods=["GET"])
         router.add_api_route("/vectors/{name}", self.put_vector, methods=["PUT"])
         router.add_api_route("/vectors/{name}", self.delete_vector, methods=["DELETE"])
         app.include_router(router)
-        app.add_middleware(SteeringMiddleware, admission=self.admission)
+        app.add_middleware(SteeringMiddleware, admission=self.admission, captures=lambda: self.captures)
 
     async def init_state(self, engine_client, state, args) -> None:
         """Ask the engine's worker what it compiled, and register the vectors named at start."""
@@ -51,6 +59,15 @@ class InspectorEndpoints:
         for spec in section.get("vectors", []):
             name, hook, vector, source = parse_vector_spec(spec)
             self.admission.vectors.add(name, hooks.installed(hook), vector, source, hooks.widths)
+        tokenizer = engine_client.renderer.get_tokenizer()
+
+        async def drain():
+            return (await engine_client.collective_rpc("inspector_drain", args=(True, True)))[0]
+
+        directory = section.get("capture_dir") or tempfile.mkdtemp(prefix="inspector-captures-")
+        self.captures = CaptureStore(Path(directory), int(section.get("capture_store_mib", CAPTURE_STORE_MIB)) << 20,
+                                     hooks, server_metadata(state.vllm_config, hooks.mode), drain,
+                                     lambda ids: [token_text(tokenizer, i) for i in ids])
         self.admission.hooks = hooks
         logger.info("inspector: steering %d compiled hooks, %d named vectors", len(hooks.points),
                     len(self.admission.vectors.summaries()))
@@ -59,6 +76,14 @@ class InspectorEndpoints:
         if self.admission.hooks is None:
             return _error(503, "this server was started without the inspector's section in --additional-config")
         return JSONResponse(self.admission.hooks.describe())
+
+    async def capture(self, capture_id: str) -> Response:
+        """The capture file of a response that asked for one (its id, as the answer gave it)."""
+        path = self.captures.path(capture_id) if self.captures else None
+        if path is None:
+            return _error(404, f"no capture of {capture_id!r}: it did not ask (inspector_capture), is not over, or "
+                               "was evicted (the store keeps the newest up to its capture_store_mib)")
+        return FileResponse(path, media_type="application/x-hdf5", filename=f"{capture_id}.h5")
 
     async def list_vectors(self) -> JSONResponse:
         return JSONResponse({"vectors": self.admission.vectors.summaries()})

@@ -4,7 +4,9 @@ reason it is refused (an HTTP 400 before vLLM admits it).
 Fields: ``inspector_steer`` (registered vectors' names, comma-separated), ``inspector_vector`` (an inline
 vector: ``HOOK:BASE64`` of float32, or a list of them), ``inspector_scale`` (the vectors' multiplier,
 default 1), ``inspector_positions`` (the positions they apply at, the project's syntax ``3-7, 10``, or a
-list; default every position).
+list; default every position); ``inspector_capture`` (hook patterns, comma-separated: the server keeps
+the request's rows of those hooks) and ``inspector_window`` (which rows: ``all``, ``generated``,
+``last:N``, ``every:K``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from dataclasses import dataclass
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention, validate
 from inspector.capture.positions import parse_positions
-from inspector.capture.request_edits import EDIT_KEY, decode_vector
+from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, decode_vector
+from inspector.capture.windows import CaptureWindow
 
 from .vectors import VectorRegistry
 
 PREFIX = "inspector_"
-FIELDS = ("inspector_steer", "inspector_vector", "inspector_scale", "inspector_positions")
+STEER_FIELDS = ("inspector_steer", "inspector_vector", "inspector_scale", "inspector_positions")
+CAPTURE_FIELDS = ("inspector_capture", "inspector_window")
+FIELDS = STEER_FIELDS + CAPTURE_FIELDS
 
 
 class Refused(ValueError):
@@ -72,16 +77,50 @@ def steering_fields(xargs: dict) -> dict:
     """The request's inspector fields; Refused for a field no version of ours reads, or one only the
     server may write."""
     ours = {key: value for key, value in xargs.items() if key.startswith(PREFIX)}
-    if EDIT_KEY in ours:
-        raise Refused(f"{EDIT_KEY} is written by the server, not by clients", EDIT_KEY)
+    for reserved in (EDIT_KEY, CAPTURE_KEY):
+        if reserved in ours:
+            raise Refused(f"{reserved} is written by the server, not by clients", reserved)
     unknown = sorted(ours.keys() - set(FIELDS))
     if unknown:
         raise Refused(f"unknown steering field {unknown[0]!r} (known: {', '.join(FIELDS)})", unknown[0])
     return ours
 
 
+@dataclass(frozen=True)
+class CaptureAsk:
+    """Which rows of a request the server keeps: its hooks (installed names) and window."""
+
+    hooks: tuple[str, ...]
+    window: str
+
+
+def capture_ask(fields: dict, hooks: HookTable) -> CaptureAsk | None:
+    """What ``inspector_capture`` and ``inspector_window`` ask for (None: no capture)."""
+    if "inspector_capture" not in fields:
+        if "inspector_window" in fields:
+            raise Refused("inspector_window without inspector_capture: name the hooks to keep", "inspector_window")
+        return None
+    asked = fields["inspector_capture"]
+    patterns = [str(p).strip() for p in (asked if isinstance(asked, list) else str(asked).split(","))]
+    if not patterns or not all(patterns):
+        raise Refused(f"inspector_capture {asked!r} holds an empty pattern", "inspector_capture")
+    chosen = []
+    for pattern in patterns:
+        found = [name for name, p in hooks.points.items() if p.matches(pattern)]
+        if not found:
+            raise Refused(f"inspector_capture {pattern!r} matches no hook this server compiled "
+                          "(GET /inspector/v1/hooks)", "inspector_capture")
+        chosen += [name for name in found if name not in chosen]
+    try:
+        window = str(CaptureWindow.parse(str(fields.get("inspector_window", "all"))))
+    except ValueError as e:
+        raise Refused(f"inspector_window: {e}", "inspector_window") from None
+    return CaptureAsk(tuple(chosen), window)
+
+
 def resolve(fields: dict, vectors: VectorRegistry, hooks: HookTable) -> list[Intervention]:
     """The interventions a request's steering fields ask for (no request id: the worker adds it)."""
+    fields = {key: value for key, value in fields.items() if key in STEER_FIELDS}
     if not fields:
         return []
     scale = _scale(fields.get("inspector_scale", 1.0))

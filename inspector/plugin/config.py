@@ -38,7 +38,7 @@ class PluginConfig:
     max_slots: int = DEFAULT_MAX_SLOTS
     feature_clamps: int = 0  # per hook, features an intervention set may clamp (0: no clamp tables, no cost)
     kept_layers: int = 0  # >0: the model was booted with only its first blocks; the checkpoint's others are skipped
-    capture_rows: bool = True  # False: no request's rows leave the device (an OpenAI server, where nobody drains)
+    capture_rows: bool = True  # False: only the rows of requests that ask (CAPTURE_KEY) leave the device (an OpenAI server)
 
     @property
     def eager(self) -> bool:
@@ -59,7 +59,9 @@ class PluginConfig:
         return cls(**data)
 
 
-SERVED_FIELDS = {"hooks": list, "max_slots": int, "feature_clamps": int, "vectors": list}  # vectors: the server's
+# the worker reads the first three; the rest are the API server's (its vectors and capture store)
+SERVED_FIELDS = {"hooks": list, "max_slots": int, "feature_clamps": int, "vectors": list, "capture_dir": str,
+                 "capture_store_mib": int}
 
 
 def served_config(section: dict, dtype: str, max_num_batched_tokens: int, eager: bool) -> PluginConfig:

@@ -346,7 +346,7 @@ class InspectorRuntime:
     def after_forward(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
         """Queue the copy of this forward's live rows to the host: one per stack of same-width hooks, and
         each attached SAE's strongest features of its hook's rows."""
-        rows_wanted = self.config.capture_rows and not (self._no_capture and self._no_capture.issuperset(step.req_ids))
+        rows_wanted = not (self._no_capture and self._no_capture.issuperset(step.req_ids))
         if not rows_wanted and not self.saes:
             return  # nothing of it is wanted
         windowed = (rows_wanted and bool(self._windows) and not self._windows.keys().isdisjoint(step.req_ids)

@@ -377,15 +377,16 @@ def external_request_id(internal: str) -> str:
     return internal.rsplit("-", 1)[0]
 
 
-def watch_scheduled_requests(worker, scheduled: Callable[[dict[str, dict], set[str]], None]) -> None:
+def watch_scheduled_requests(worker, scheduled: Callable[[dict[str, tuple[dict, int]], set[str]], None]) -> None:
     """Call ``scheduled(new, finished)`` before each step the scheduler sends this worker: ``new`` maps each
-    request it starts to its ``SamplingParams.extra_args``, ``finished`` holds those it ended (external
-    ids). Every rank receives the scheduler's output, so every rank learns a request's edits itself."""
+    request it starts to its ``SamplingParams.extra_args`` and prompt length, ``finished`` holds those it
+    ended (external ids). Every rank receives the scheduler's output, so every rank learns a request's
+    edits itself."""
     original = worker.execute_model
 
     @functools.wraps(original)
     def execute_model(scheduler_output, *args, **kwargs):
-        new = {external_request_id(r.req_id): dict(r.sampling_params.extra_args or {})
+        new = {external_request_id(r.req_id): (dict(r.sampling_params.extra_args or {}), len(r.prompt_token_ids or ()))
                for r in scheduler_output.scheduled_new_reqs if r.sampling_params is not None}
         finished = {external_request_id(r) for r in scheduler_output.finished_req_ids}
         if new or finished:

@@ -14,7 +14,8 @@ import types
 from dataclasses import replace
 
 from inspector.capture.interventions import Intervention
-from inspector.capture.request_edits import EDIT_KEY, decode_edit
+from inspector.capture.portable import to_portable
+from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, decode_edit
 from inspector.capture.sae import AttachedSae, SaeConfig
 
 from . import hookpoints, lens, probe, reader, vllm_compat
@@ -84,23 +85,31 @@ def install_runtime(worker) -> None:
     vllm_compat.count_as_model_memory(worker, runtime.allocated_bytes())
     vllm_compat.wrap_model_forward(worker, runtime.before_forward, runtime.after_forward)
     vllm_compat.watch_logits(worker, runtime.on_logits)
-    vllm_compat.watch_scheduled_requests(worker, functools.partial(_read_request_edits, runtime))
+    vllm_compat.watch_scheduled_requests(worker, functools.partial(_read_requests, runtime))
     setattr(worker, _ATTR, runtime)
     _offer_extension(worker)
     for listener in on_hooks_installed:
         listener()
 
 
-def _read_request_edits(runtime: InspectorRuntime, new: dict[str, dict], finished: set[str]) -> None:
-    """The edits that requests carry themselves (the OpenAI server writes them; request_edits.py)."""
-    edits = {}
-    for rid, extra in new.items():
+def _read_requests(runtime: InspectorRuntime, new: dict[str, tuple[dict, int]], finished: set[str]) -> None:
+    """What requests carry themselves (the OpenAI server writes it; request_edits.py): their edits and,
+    on a server that keeps no rows by default, whether and where to keep theirs."""
+    edits, options = {}, {}
+    for rid, (extra, prompt_tokens) in new.items():
         if EDIT_KEY in extra:
             try:
                 edits[rid] = decode_edit(extra[EDIT_KEY], rid)
             except (ValueError, KeyError, TypeError) as e:  # the server checked it: a request from elsewhere
                 logger.error("request %s runs without its edit, which cannot be read: %s", rid, e)
+        if not runtime.config.capture_rows:
+            window = extra.get(CAPTURE_KEY)
+            options[rid] = {"capture": isinstance(window, str)}
+            if isinstance(window, str):
+                options[rid].update(windows={name: window for name in runtime.active}, prompt_tokens=prompt_tokens)
     runtime.set_request_edits(edits, finished)
+    if options or finished:
+        runtime.set_request_options(options, list(finished))
 
 
 def _offer_extension(worker) -> None:
@@ -121,9 +130,16 @@ class InspectorWorkerExtension:
     def inspector_describe(self) -> dict:
         return self._inspector().describe()
 
-    def inspector_drain(self, wait: bool = True) -> dict:
-        """Captured rows since the last drain; ``wait=False`` leaves steps still copying for later."""
-        return self._inspector().drain(wait)
+    def inspector_drain(self, wait: bool = True, portable: bool = False) -> dict:
+        """Captured rows since the last drain; ``wait=False`` leaves steps still copying for later.
+        ``portable``: plain dicts of ``capture.portable`` arrays, for vLLM's own RPC, which sends neither
+        our mappings nor typed arrays (and fails the engine on what it cannot send)."""
+        rows = self._inspector().drain(wait)
+        if not portable:
+            return rows
+        return {rid: {hook: {key: to_portable(found[key]) for key in ("positions", "token_ids", "values")}
+                      for hook, found in hooks.items() if not hook.startswith("@")}  # scores, features: not here
+                for rid, hooks in rows.items()}
 
     def inspector_queued_positions(self, request_ids: list[str]) -> dict[str, int]:
         return self._inspector().queued_positions(list(request_ids))

@@ -1,0 +1,168 @@
+"""The OpenAI server's captures: rows of the requests that asked (``inspector_capture``), drained from the
+engine while they run and written, as each answer ends, to one capture file per response, which
+``GET /inspector/v1/captures/{response id}`` returns. Kept under a size cap, oldest first out.
+
+Ids and ownership: a response fans out to an engine request per prompt and sample (``n``). Its file
+holds one request per choice, in choice order, with request id ``<response id>/<choice index>``, its
+tokens from the answer and its rows from that choice's engine request. On a served engine this store is
+the only reader of rows: it drains them all (requests that did not ask keep none on the device).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inspector.capture.portable import from_portable
+from inspector.capture.run import RequestCapture
+from inspector.io.writer import CaptureWriter
+
+from .steering import CaptureAsk, HookTable
+
+POLL_S = 0.25  # while captures run, rows are drained this often (the worker holds them until then)
+ENGINE_ID = re.compile(r"^(?:(\d+)_)?[A-Za-z]+-(c[0-9a-f]{32})(?:-(\d+))?$")  # [sample_]kind-key[-prompt]
+SAMPLING_KEYS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop")
+
+
+@dataclass
+class _Pending:
+    ask: CaptureAsk
+    request: dict  # the body vLLM got
+    rows: dict[int, dict[str, list[tuple]]] = field(default_factory=dict)  # choice -> hook -> (positions, ids, values)
+
+
+@dataclass
+class _Choice:
+    prompt: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+class CaptureStore:
+    def __init__(self, directory: Path, limit_bytes: int, hooks: HookTable, metadata: dict, drain, token_texts):
+        """``drain()``: an awaitable of the engine's rows since the last; ``token_texts(ids)``: their texts."""
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.limit_bytes = limit_bytes
+        self.hooks, self.metadata = hooks, metadata
+        self._drain, self._token_texts = drain, token_texts
+        self._pending: dict[str, _Pending] = {}
+        self._lock = asyncio.Lock()
+        self._poller: asyncio.Task | None = None
+
+    def begin(self, key: str, ask: CaptureAsk, request: dict) -> None:
+        self._pending[key] = _Pending(ask, request)
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    def discard(self, key: str) -> None:
+        self._pending.pop(key, None)
+
+    async def finish(self, key: str, answer: bytes) -> Path:
+        """Write the capture of ``key`` once its answer (the whole body, JSON or a stream) has been made."""
+        await self._collect()  # the last step's rows
+        pending = self._pending.pop(key)
+        choices = _choices(answer)
+        path = self.directory / f"{key}.h5"
+        await asyncio.to_thread(self._write, path, pending, choices, _response_id(answer) or key)
+        self._evict(keep=path)
+        return path
+
+    def path(self, capture_id: str) -> Path | None:
+        """The file of a response id (``cmpl-…``, ``chatcmpl-…``) or key; None if unknown or evicted."""
+        key = capture_id.rpartition("-")[2]
+        found = self.directory / f"{key}.h5"
+        return found if re.fullmatch(r"c[0-9a-f]{32}", key) and found.is_file() else None
+
+    async def _poll(self) -> None:
+        while self._pending:
+            await asyncio.sleep(POLL_S)
+            await self._collect()
+
+    async def _collect(self) -> None:
+        async with self._lock:
+            drained = await self._drain()
+        for rid, hooks in drained.items():
+            match = ENGINE_ID.match(rid)
+            pending = self._pending.get(match.group(2)) if match else None
+            if pending is None:
+                continue  # a request that ended without its answer (a disconnect)
+            sample, prompt = int(match.group(1) or 0), int(match.group(3) or 0)
+            choice = prompt * int(pending.request.get("n") or 1) + sample
+            rows = pending.rows.setdefault(choice, {})
+            for hook in pending.ask.hooks:
+                if hook in hooks:
+                    found = hooks[hook]
+                    rows.setdefault(hook, []).append(tuple(from_portable(found[key])
+                                                           for key in ("positions", "token_ids", "values")))
+
+    def _write(self, path: Path, pending: _Pending, choices: dict[int, _Choice], response_id: str) -> None:
+        metadata = {**self.metadata, "response_id": response_id, "capture_window": pending.ask.window,
+                    "request": {k: v for k, v in pending.request.items() if k in ("model", "prompt", "messages")}}
+        sampling = {k: pending.request[k] for k in SAMPLING_KEYS if k in pending.request}
+        prompts = pending.request.get("prompt")
+        prompts = prompts if isinstance(prompts, list) and all(isinstance(p, str) for p in prompts) else [prompts]
+        n = int(pending.request.get("n") or 1)
+        with CaptureWriter(path, metadata, {h: self.hooks.points[h] for h in pending.ask.hooks}, fsync=False) as writer:
+            for index, choice in sorted(choices.items()):
+                rid = f"{response_id}/{index}"
+                prompt = prompts[index // n] if index // n < len(prompts) else None
+                request = RequestCapture(rid, prompt if isinstance(prompt, str) else "", choice.prompt, sampling,
+                                         choice.tokens, self._token_texts(choice.prompt + choice.tokens),
+                                         windows={h: pending.ask.window for h in pending.ask.hooks})
+                writer.add_request(request)
+                for hook, parts in pending.rows.get(index, {}).items():
+                    for positions, token_ids, values in parts:
+                        writer.append_rows(rid, hook, positions, token_ids, values)
+                request.finish_reason = choice.finish or "stop"
+                writer.update_request(request)
+
+    def _evict(self, keep: Path) -> None:
+        files = sorted(self.directory.glob("c*.h5"), key=lambda f: f.stat().st_mtime)
+        total = sum(f.stat().st_size for f in files)
+        for old in files:
+            if total <= self.limit_bytes:
+                break
+            if old != keep:
+                total -= old.stat().st_size
+                old.unlink(missing_ok=True)
+
+
+def _objects(answer: bytes) -> list[dict]:
+    """The JSON objects of an answer: itself, or a stream's chunks (``data: {...}`` lines)."""
+    text = answer.decode("utf-8", errors="replace")
+    if not text.lstrip().startswith("data:"):
+        return [json.loads(text)]
+    return [json.loads(line[5:]) for line in text.splitlines()
+            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]")]
+
+
+def _choices(answer: bytes) -> dict[int, _Choice]:
+    choices: dict[int, _Choice] = {}
+    for obj in _objects(answer):
+        prompt = obj.get("prompt_token_ids")  # a chat answer's, for all its choices
+        for found in obj.get("choices") or []:
+            choice = choices.setdefault(int(found.get("index", 0)), _Choice())
+            ids = found.get("prompt_token_ids") or prompt
+            if ids and not choice.prompt:
+                choice.prompt = list(ids)
+            choice.tokens += found.get("token_ids") or []
+            choice.finish = found.get("finish_reason") or choice.finish
+    return choices
+
+
+def _response_id(answer: bytes) -> str | None:
+    objects = _objects(answer)
+    return objects[0].get("id") if objects else None
+
+
+def server_metadata(vllm_config, mode: str) -> dict:
+    """What a capture file says about the engine that made it."""
+    import vllm
+
+    model = vllm_config.model_config
+    return {"model_path": str(model.model), "dtype": str(model.dtype).removeprefix("torch."), "engine_mode": mode,
+            "vllm_version": vllm.__version__, "source": "OpenAI server"}
