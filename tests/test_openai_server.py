@@ -15,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 
+from sae_files import write_sae
 from servers import running_openai_server
 from session_kinds import options
 from inspector.capture.hooks import installed_name
@@ -33,7 +34,13 @@ LONG_PROMPT = " ".join(f"item {i} of the list," for i in range(28))  # ~240 toke
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
+def sae_dir(tmp_path_factory):
+    """An SAE on the tiny Llama's blocks.1 residual stream, whose feature 3 the server registers."""
+    return write_sae(tmp_path_factory.mktemp("openai-sae") / "sae", "standard", 128, 32, HOOK)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory, sae_dir):
     """(openai client, base url, the named vector 'push', the model's directory)."""
     home = tmp_path_factory.mktemp("openai-vectors")
     push = (np.random.default_rng(7).normal(size=128) * 6).astype(np.float32)
@@ -41,7 +48,7 @@ def server(tiny_models, tmp_path_factory):
     (home / "chat.jinja").write_text(CHAT_TEMPLATE)
     model = tiny_models["llama"]
     extra = ["--hooks", "blocks.*.hook_resid_post", "--max-model-len", "512", "--max-slots", str(MAX_SLOTS),
-             "--vectors", f"push={home / 'push.npy'}@{HOOK}"]
+             "--feature-clamps", "2", "--vectors", f"push={home / 'push.npy'}@{HOOK}", f"feature={sae_dir}#3"]
     with running_openai_server(model, extra, env={"INSPECTOR_ADMIN_TOKEN": TOKEN},
                                engine_args={"chat_template": str(home / "chat.jinja")}) as (url, process):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -78,9 +85,11 @@ def test_the_server_lists_its_hooks_and_vectors(server):
     hooks = json.load(urllib.request.urlopen(f"{url}/inspector/v1/hooks"))
     assert hooks["mode"] == "compiled" and hooks["max_slots"] == MAX_SLOTS
     assert {h["alias"] for h in hooks["hooks"]} == {f"blocks.{i}.hook_resid_post" for i in range(2)}
-    [vector] = json.load(urllib.request.urlopen(f"{url}/inspector/v1/vectors"))["vectors"]
-    assert vector["name"] == "push" and vector["width"] == 128
+    feature, vector = json.load(urllib.request.urlopen(f"{url}/inspector/v1/vectors"))["vectors"]
+    assert vector["name"] == "push" and vector["width"] == 128 and not vector["clampable"]
     assert vector["norm"] == pytest.approx(float(np.linalg.norm(push)), rel=1e-6)
+    assert feature["name"] == "feature" and feature["source"] == "sae#3" and feature["clampable"]
+    assert feature["norm"] == pytest.approx(1.0, rel=1e-6)  # an SAE's decoder row
 
 
 def test_steering_changes_the_output_and_leaves_the_prefix_cache_clean(server):
@@ -268,3 +277,42 @@ def test_captures_that_did_not_ask_or_are_unknown_are_404(server):
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"{url}/inspector/v1/captures/{capture_id}")
         assert missing.value.code == 404
+
+
+def captured_rows(server, prompt, tmp_path, **xargs):
+    client, url, _, model = server
+    answer = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, extra_body={
+        "vllm_xargs": {"inspector_capture": HOOK, **xargs}})
+    [request] = fetch_capture(url, answer.id, tmp_path / f"{answer.id}.h5").requests.values()
+    return np.asarray(request.hooks["model.layers.1.resid_post"].values, dtype=np.float64)
+
+
+def test_an_ablated_direction_is_gone_from_the_rows_where_asked(server, tmp_path):
+    _, _, push, _ = server
+    unit = push / np.linalg.norm(push)
+    clean = captured_rows(server, "one two three four", tmp_path)
+    ablated = captured_rows(server, "one two three four", tmp_path, inspector_ablate="push", inspector_positions="2-40")
+    assert np.abs(clean @ unit).min() > 1e-2  # there was something to remove
+    along = ablated @ unit
+    assert np.abs(along[2:]).max() < 1e-5 * np.linalg.norm(ablated[2:], axis=1).max()
+    np.testing.assert_array_equal(ablated[:2], clean[:2])  # positions 0, 1 untouched
+    inline = captured_rows(server, "one two three four", tmp_path, inspector_ablate=f"{HOOK}:{encode_vector(push)}",
+                           inspector_positions="2-40")
+    np.testing.assert_allclose(inline, ablated, rtol=1e-6, atol=1e-6)
+
+
+def test_a_clamped_sae_feature_moves_the_rows_along_its_decoder_to_its_value(server, sae_dir, tmp_path):
+    """A clamp is the SAE's reconstruction with the feature at the value, plus the SAE's error: each row
+    moves along the feature's decoder row by (value - its activation). At the model's last block the
+    prompt's rows see no other change."""
+    from inspector.capture.sae import feature_clamp, read_sae
+
+    assert json.load(urllib.request.urlopen(f"{server[1]}/inspector/v1/hooks"))["feature_clamps"] == 2
+    clamp = feature_clamp(read_sae(sae_dir), 3, 2.5)
+    clean = captured_rows(server, "one two three four", tmp_path)[:3]
+    clamped = captured_rows(server, "one two three four", tmp_path, inspector_clamp="feature=2.5")[:3]
+    p = clean @ clamp.encoder + clamp.offset
+    activation = p * (p > clamp.floor)
+    np.testing.assert_allclose(clamped, clean + (2.5 - activation)[:, None] * clamp.decoder, rtol=1e-5, atol=1e-5)
+    with pytest.raises(openai.BadRequestError, match="cannot be clamped"):
+        complete(server, "x", inspector_clamp="push=1")

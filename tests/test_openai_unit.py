@@ -18,11 +18,11 @@ RNG = np.random.default_rng(0)
 HAPPY = RNG.normal(size=WIDTH).astype(np.float32)
 
 
-def hook_table(max_slots=4):
+def hook_table(max_slots=4, feature_clamps=1):
     points = {f"model.layers.{i}.resid_post": HookPoint(f"model.layers.{i}.resid_post", f"blocks.{i}.hook_resid_post",
                                                         f"model.layers.{i}", "resid_post", WIDTH, i)
               for i in range(2)}
-    return HookTable(points, "float32", max_slots, 64, "compiled")
+    return HookTable(points, "float32", max_slots, 64, "compiled", feature_clamps)
 
 
 @pytest.fixture
@@ -140,8 +140,8 @@ def test_vector_specs(tmp_path):
     np.save(tmp_path / "v.npy", HAPPY)
     assert split_vector_spec("a=x.npy@blocks.1.hook_resid_post") == ("a", "x.npy", "@", "blocks.1.hook_resid_post")
     assert absolute_vector_spec(f"a={tmp_path}/v.npy@h").endswith("/v.npy@h")
-    name, hook, vector, _ = parse_vector_spec(f"a={tmp_path / 'v.npy'}@h")
-    assert (name, hook) == ("a", "h") and np.array_equal(vector, HAPPY)
+    spec = parse_vector_spec(f"a={tmp_path / 'v.npy'}@h")
+    assert (spec.name, spec.hook, spec.clamp) == ("a", "h", None) and np.array_equal(spec.vector, HAPPY)
     for bad, words in [("a", "NAME=FILE@HOOK"), ("a b=x@h", "vector name"), ("a=x.npy", "NAME=FILE@HOOK"),
                        ("a=dir#x", "must be a number"), (f"a={tmp_path}/none.npy@h", "cannot read")]:
         with pytest.raises(ValueError, match=words):
@@ -168,3 +168,44 @@ def test_a_capturing_request_gets_a_key_its_window_and_no_cache_reads(admission)
     assert data["cache_salt"] == "x-" + ticket.key and data["return_token_ids"] is True
     other = admission.admit(body(inspector_capture="blocks.*"))
     assert other.key != ticket.key and other.capture.hooks == tuple(f"model.layers.{i}.resid_post" for i in range(2))
+
+
+def test_an_ablation_is_a_clamp_of_the_unit_direction_to_zero(admission):
+    data, _ = admitted(admission, body(inspector_ablate="happy", inspector_positions=[3]))
+    [iv] = decode_edit(data["vllm_xargs"][EDIT_KEY], "r")
+    unit = HAPPY / np.linalg.norm(HAPPY)
+    np.testing.assert_allclose(iv.clamp.encoder, unit, rtol=1e-6)
+    np.testing.assert_allclose(iv.clamp.decoder, unit, rtol=1e-6)
+    assert (iv.clamp.value, iv.clamp.offset, iv.positions) == (0.0, 0.0, (3,)) and iv.clamp.floor < -1e29
+    x = RNG.normal(size=WIDTH)  # what the engine computes: x + (value - a(x)) * decoder
+    p = x @ iv.clamp.encoder + iv.clamp.offset
+    assert abs((x + (0.0 - p) * iv.clamp.decoder) @ unit) < 1e-6
+
+
+def test_clamps_share_the_hooks_clamp_room(admission):
+    sad = -HAPPY
+    first = admission.admit(body(inspector_ablate="happy"))
+    assert admission.admit(body(inspector_ablate="happy", inspector_positions=[5])).fingerprint != first.fingerprint
+    with pytest.raises(Refused) as full:  # a second direction at the hook: room for one (feature_clamps 1)
+        admission.admit(body(inspector_ablate=f"blocks.1.hook_resid_post:{encode_vector(sad + 1)}"))
+    assert full.value.status == 429 and "retry" in str(full.value)
+    admission.admit(body(inspector_ablate=f"blocks.0.hook_resid_post:{encode_vector(sad)}"))  # another hook: room
+    admission.release(first.fingerprint)
+    with pytest.raises(Refused):  # the position-5 request clamps the same direction and still runs
+        admission.admit(body(inspector_ablate=f"blocks.1.hook_resid_post:{encode_vector(sad + 1)}"))
+    with pytest.raises(Refused) as never:
+        admission.admit(body(inspector_ablate=["happy", f"blocks.1.hook_resid_post:{encode_vector(sad + 1)}"]))
+    assert never.value.status == 400  # more than the room on its own: it never fits
+
+
+def test_clamps_need_room_and_an_sae_feature(admission):
+    admission.hooks = hook_table(feature_clamps=0)
+    with pytest.raises(Refused, match="--feature-clamps"):
+        admission.admit(body(inspector_ablate="happy"))
+    admission.hooks = hook_table()
+    with pytest.raises(Refused, match="cannot be clamped: it is not an SAE feature"):
+        admission.admit(body(inspector_clamp="happy=2"))
+    with pytest.raises(Refused, match="NAME=VALUE"):
+        admission.admit(body(inspector_clamp="happy"))
+    with pytest.raises(Refused, match="no direction"):
+        admission.admit(body(inspector_ablate=f"blocks.1.hook_resid_post:{encode_vector(np.zeros(WIDTH))}"))

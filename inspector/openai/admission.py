@@ -40,6 +40,7 @@ class Admission:
         self.hooks: HookTable | None = None  # None: the engine has no inspector runtime
         self.vectors = VectorRegistry()
         self._running: dict[str, int] = {}  # edit fingerprint -> its requests under way
+        self._clamped: dict[str, dict[str, set]] = {}  # edit fingerprint -> hook -> the directions it clamps
 
     def admit(self, body: bytes) -> Ticket:
         """What vLLM gets of this request; Refused with the reason. A body that is not a JSON object
@@ -78,7 +79,7 @@ class Admission:
             data["cache_salt"] = "x-" + key
             data["return_token_ids"] = True  # the capture file's tokens come from the answer
         if found is not None:
-            self._claim(found)
+            self._claim(found, interventions)
         data["vllm_xargs"] = xargs
         return Ticket(json.dumps(data).encode(), found, key, ask)
 
@@ -89,12 +90,31 @@ class Admission:
         self._running[found] -= 1
         if not self._running[found]:
             del self._running[found]
+            del self._clamped[found]
 
-    def _claim(self, found: str) -> None:
-        if found not in self._running and len(self._running) >= self.hooks.max_slots - 1:
-            raise Refused(f"{len(self._running)} distinct edits are running, as many as the engine has room for "
-                          f"(max_slots {self.hooks.max_slots}, one of which is the unedited); retry when one "
-                          "ends, or start the server with a larger --max-slots", status=429)
+    def _claim(self, found: str, interventions) -> None:
+        """Room for one more request of this edit: a slot per hook (shared by requests edited alike), and
+        the hook's clamp tables for the directions it clamps (shared by all running edits)."""
+        if found not in self._running:
+            limit = self.hooks.max_slots - 1
+            if len(self._running) >= limit:
+                raise Refused(f"{len(self._running)} distinct edits are running, as many as the engine has room for "
+                              f"(max_slots {self.hooks.max_slots}, one of which is the unedited); retry when one "
+                              "ends, or start the server with a larger --max-slots", status=429)
+            clamped: dict[str, set] = {}
+            for iv in interventions:
+                if iv.clamp is not None:
+                    clamped.setdefault(iv.hook, set()).add(iv.clamp.direction)
+            for hook, directions in clamped.items():
+                taken = set().union(*(other.get(hook, set()) for other in self._clamped.values())) | directions
+                if len(taken) > self.hooks.feature_clamps:
+                    alone = len(directions) > self.hooks.feature_clamps
+                    raise Refused(f"{len(directions if alone else taken)} directions clamped or ablated at {hook}"
+                                  f"{'' if alone else ' by the running edits and this one'}, more than the "
+                                  f"{self.hooks.feature_clamps} the server has room for (--feature-clamps)"
+                                  + ("" if alone else "; retry when one ends"), "inspector_clamp",
+                                  status=400 if alone else 429)
+            self._clamped[found] = clamped
         self._running[found] = self._running.get(found, 0) + 1
 
 

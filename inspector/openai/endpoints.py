@@ -56,9 +56,10 @@ class InspectorEndpoints:
             return
         described = (await engine_client.collective_rpc("inspector_describe"))[0]
         hooks = HookTable.from_description(described)
-        for spec in section.get("vectors", []):
-            name, hook, vector, source = parse_vector_spec(spec)
-            self.admission.vectors.add(name, hooks.installed(hook), vector, source, hooks.widths)
+        for text in section.get("vectors", []):
+            spec = parse_vector_spec(text)
+            self.admission.vectors.add(spec.name, hooks.installed(spec.hook), spec.vector, spec.source, hooks.widths,
+                                       spec.clamp, spec.unclampable)
         tokenizer = engine_client.renderer.get_tokenizer()
 
         async def drain():

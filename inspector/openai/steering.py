@@ -1,21 +1,28 @@
 """A request's ``vllm_xargs`` steering fields → the interventions it carries, checked; or the one-line
 reason it is refused (an HTTP 400 before vLLM admits it).
 
-Fields: ``inspector_steer`` (registered vectors' names, comma-separated), ``inspector_vector`` (an inline
-vector: ``HOOK:BASE64`` of float32, or a list of them), ``inspector_scale`` (the vectors' multiplier,
-default 1), ``inspector_positions`` (the positions they apply at, the project's syntax ``3-7, 10``, or a
-list; default every position); ``inspector_capture`` (hook patterns, comma-separated: the server keeps
-the request's rows of those hooks) and ``inspector_window`` (which rows: ``all``, ``generated``,
-``last:N``, ``every:K``).
+Fields (lists: comma-separated, or JSON lists):
+
+- ``inspector_steer``: vectors added at their hooks, by registered name or inline (``HOOK:BASE64``,
+  float32 little-endian); ``inspector_vector``: inline ones only; ``inspector_scale``: their multiplier
+  (default 1);
+- ``inspector_ablate``: vectors (named or inline) whose direction is projected out of the hook's rows;
+- ``inspector_clamp``: registered SAE features clamped to a value, ``NAME=VALUE``;
+- ``inspector_positions``: where all of these apply (the project's syntax ``3-7, 10``, or a list;
+  default every position);
+- ``inspector_capture``: hook patterns whose rows the server keeps for the request, and
+  ``inspector_window``: which rows (``all``, ``generated``, ``last:N``, ``every:K``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from inspector.capture.hooks import HookPoint
-from inspector.capture.interventions import Intervention, validate
+from inspector.capture.interventions import FeatureClamp, Intervention, validate
 from inspector.capture.positions import parse_positions
 from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, decode_vector
 from inspector.capture.windows import CaptureWindow
@@ -23,7 +30,9 @@ from inspector.capture.windows import CaptureWindow
 from .vectors import VectorRegistry
 
 PREFIX = "inspector_"
-STEER_FIELDS = ("inspector_steer", "inspector_vector", "inspector_scale", "inspector_positions")
+STEER_FIELDS = ("inspector_steer", "inspector_vector", "inspector_scale", "inspector_ablate", "inspector_clamp",
+                "inspector_positions")
+ABLATION_FLOOR = -1e30  # an ablation is a clamp to 0 whose activation is never floored (finite in every dtype)
 CAPTURE_FIELDS = ("inspector_capture", "inspector_window")
 FIELDS = STEER_FIELDS + CAPTURE_FIELDS
 
@@ -45,13 +54,14 @@ class HookTable:
     max_slots: int
     max_model_len: int
     mode: str
+    feature_clamps: int = 0  # per hook, directions that running edits may clamp (ablations included)
 
     @classmethod
     def from_description(cls, described: dict) -> "HookTable":
         catalogue = {p["name"]: HookPoint.from_dict(p) for p in described["hook_points"]}
         points = {name: catalogue[point] for name, point in described["installed"].items()}
         return cls(points, described["dtype"], int(described["max_slots"]), int(described["max_model_len"]),
-                   described["mode"])
+                   described["mode"], int(described.get("feature_clamps", 0)))
 
     @property
     def widths(self) -> dict[str, int]:
@@ -68,7 +78,7 @@ class HookTable:
                          "(GET /inspector/v1/hooks)")
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "dtype": self.dtype, "max_slots": self.max_slots,
+        return {"mode": self.mode, "dtype": self.dtype, "max_slots": self.max_slots, "feature_clamps": self.feature_clamps,
                 "hooks": [{"name": name, "alias": p.alias, "kind": p.kind, "layer": p.layer, "width": p.width,
                            "steerable": not p.unsteerable} for name, p in self.points.items()]}
 
@@ -123,22 +133,26 @@ def resolve(fields: dict, vectors: VectorRegistry, hooks: HookTable) -> list[Int
     fields = {key: value for key, value in fields.items() if key in STEER_FIELDS}
     if not fields:
         return []
-    scale = _scale(fields.get("inspector_scale", 1.0))
+    scale = _number(fields.get("inspector_scale", 1.0), "inspector_scale")
     positions = _positions(fields.get("inspector_positions"))
-    found: list[tuple[str, object]] = []  # (installed hook, vector)
-    for name in _names(fields.get("inspector_steer")):
-        try:
-            named = vectors.get(name)
-        except ValueError as e:
-            raise Refused(str(e), "inspector_steer") from None
-        found.append((named.hook, named.vector))
-    inline = fields.get("inspector_vector", [])
-    for item in inline if isinstance(inline, list) else [inline]:
-        found.append(_inline(item, hooks))
-    if not found:
-        raise Refused("inspector_scale or inspector_positions without a vector: name one in inspector_steer or "
-                      "give one in inspector_vector", "inspector_steer")
-    interventions = [Intervention(hook, bias=vector * scale, positions=positions) for hook, vector in found]
+    interventions = [Intervention(hook, bias=vector * scale, positions=positions)
+                     for field in ("inspector_steer", "inspector_vector")
+                     for hook, vector in _vectors(fields, field, vectors, hooks)]
+    for hook, vector in _vectors(fields, "inspector_ablate", vectors, hooks):
+        norm = float(np.linalg.norm(vector))
+        if not norm:
+            raise Refused(f"inspector_ablate: a zero vector at {hook} has no direction", "inspector_ablate")
+        unit = vector / norm
+        interventions.append(Intervention(hook, positions=positions,
+                                          clamp=FeatureClamp(unit, 0.0, ABLATION_FLOOR, unit, 0.0, "ablation")))
+    interventions += [Intervention(named.hook, positions=positions, clamp=clamp)
+                      for named, clamp in _clamps(fields.get("inspector_clamp"), vectors)]
+    if not interventions:
+        raise Refused("inspector_scale or inspector_positions without a vector: name one in inspector_steer (or "
+                      "inspector_ablate, inspector_clamp) or give one in inspector_vector", "inspector_steer")
+    if any(iv.clamp is not None for iv in interventions) and not hooks.feature_clamps:
+        raise Refused("this server has no room for clamps or ablations: start it with --feature-clamps N",
+                      "inspector_ablate" if "inspector_ablate" in fields else "inspector_clamp")
     for iv in interventions:
         point = hooks.points[iv.hook]
         if point.unsteerable:
@@ -150,24 +164,58 @@ def resolve(fields: dict, vectors: VectorRegistry, hooks: HookTable) -> list[Int
     return interventions
 
 
-def _names(value) -> list[str]:
+def _vectors(fields: dict, field: str, vectors: VectorRegistry, hooks: HookTable) -> list[tuple[str, object]]:
+    """(installed hook, vector) for each item of a vector field: a registered name, or ``HOOK:BASE64``
+    (``inspector_vector`` takes only the latter)."""
+    found = []
+    for item in _names(fields.get(field), field):
+        if ":" in item or field == "inspector_vector":
+            found.append(_inline(item, hooks, field))
+            continue
+        try:
+            named = vectors.get(item)
+        except ValueError as e:
+            raise Refused(str(e), field) from None
+        found.append((named.hook, named.vector))
+    return found
+
+
+def _clamps(value, vectors: VectorRegistry) -> list[tuple]:
+    """(named vector, its clamp at the value asked) for each ``NAME=VALUE``."""
+    found = []
+    for item in _names(value, "inspector_clamp"):
+        name, equals, number = item.partition("=")
+        if not equals:
+            raise Refused(f"inspector_clamp {item!r}: write NAME=VALUE (a registered SAE feature)", "inspector_clamp")
+        try:
+            named = vectors.get(name.strip())
+        except ValueError as e:
+            raise Refused(str(e), "inspector_clamp") from None
+        if named.clamp is None:
+            raise Refused(f"inspector_clamp: {name.strip()!r} cannot be clamped: {named.unclampable}", "inspector_clamp")
+        found.append((named, replace(named.clamp, value=_number(number, "inspector_clamp"))))
+    return found
+
+
+def _names(value, field: str) -> list[str]:
+    """A field's items: a list, or comma-separated (base64 holds no comma)."""
     if value is None:
         return []
     items = value if isinstance(value, list) else str(value).split(",")
     names = [str(item).strip() for item in items]
     if not all(names):
-        raise Refused(f"inspector_steer {value!r} holds an empty name", "inspector_steer")
+        raise Refused(f"{field} {value!r} holds an empty name", field)
     return names
 
 
-def _scale(value) -> float:
+def _number(value, field: str) -> float:
     try:
-        scale = float(value)
+        number = float(value)
     except (TypeError, ValueError):
-        raise Refused(f"inspector_scale must be a number, got {value!r}", "inspector_scale") from None
-    if not math.isfinite(scale):
-        raise Refused(f"inspector_scale must be finite, got {value!r}", "inspector_scale")
-    return scale
+        raise Refused(f"{field} must be a number, got {value!r}", field) from None
+    if not math.isfinite(number):
+        raise Refused(f"{field} must be finite, got {value!r}", field)
+    return number
 
 
 def _positions(value) -> tuple[int, ...] | None:
@@ -184,19 +232,18 @@ def _positions(value) -> tuple[int, ...] | None:
         raise Refused(f"inspector_positions: {e}", "inspector_positions") from None
 
 
-def _inline(item, hooks: HookTable) -> tuple[str, object]:
+def _inline(item, hooks: HookTable, field: str) -> tuple[str, object]:
     if not isinstance(item, str) or ":" not in item:
-        raise Refused("inspector_vector takes HOOK:BASE64 (float32, little-endian), or a list of them",
-                      "inspector_vector")
+        raise Refused(f"{field} takes HOOK:BASE64 (float32, little-endian), or a list of them", field)
     hook, _, text = item.rpartition(":")
     try:
         name = hooks.installed(hook)
     except ValueError as e:
-        raise Refused(f"inspector_vector: {e}", "inspector_vector") from None
+        raise Refused(f"{field}: {e}", field) from None
     width = hooks.points[name].width
     if len(text) > 4 * ((4 * width + 2) // 3):  # longer than its width's base64: refused before decoding
-        raise Refused(f"inspector_vector for {hook!r} is longer than {width} float32 values", "inspector_vector")
+        raise Refused(f"{field} for {hook!r} is longer than {width} float32 values", field)
     try:
-        return name, decode_vector(text, f"inspector_vector for {hook!r}")
+        return name, decode_vector(text, f"{field} for {hook!r}")
     except ValueError as e:
-        raise Refused(str(e), "inspector_vector") from None
+        raise Refused(str(e), field) from None

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from inspector.capture.sae import decoder_row, read_sae
+from inspector.capture.interventions import FeatureClamp
+from inspector.capture.sae import decoder_row, feature_clamp, read_sae
 from inspector.capture.vectors import check_vector, load_vector
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -21,10 +22,12 @@ class NamedVector:
     hook: str  # an installed hook's name (an alias given is resolved when registered)
     vector: np.ndarray  # float64, the hook's width
     source: str  # where it came from, for people: a file, an SAE feature, "http"
+    clamp: FeatureClamp | None = None  # an SAE feature's: what clamping it needs (its value set per request)
+    unclampable: str = "it is not an SAE feature (register one as NAME=SAE_DIR#FEATURE)"  # why clamp is None
 
     def summary(self) -> dict:
         return {"name": self.name, "hook": self.hook, "width": int(self.vector.shape[0]),
-                "norm": float(np.linalg.norm(self.vector)), "source": self.source}
+                "norm": float(np.linalg.norm(self.vector)), "source": self.source, "clampable": self.clamp is not None}
 
 
 def split_vector_spec(spec: str) -> tuple[str, str, str, str]:
@@ -48,15 +51,32 @@ def absolute_vector_spec(spec: str) -> str:
     return f"{name}={Path(path).expanduser().resolve()}{mark}{rest}"
 
 
-def parse_vector_spec(spec: str) -> tuple[str, str, np.ndarray, str]:
-    """The vector a spec names: (name, hook as given, vector, source); ValueError with the reason."""
+@dataclass(frozen=True)
+class VectorSpec:
+    """What a ``--vectors`` spec names, read: the hook as given (a name or alias), and for an SAE's feature
+    what clamping it needs (or why it cannot be clamped)."""
+
+    name: str
+    hook: str
+    vector: np.ndarray
+    source: str
+    clamp: FeatureClamp | None = None
+    unclampable: str = NamedVector.unclampable
+
+
+def parse_vector_spec(spec: str) -> VectorSpec:
+    """The vector a spec names; ValueError with the reason."""
     name, path, mark, rest = split_vector_spec(spec)
-    if mark == "#":
-        config = read_sae(path)
-        if not config.hook:
-            raise ValueError(f"--vectors {spec!r}: the SAE in {path} does not say which hook it reads")
-        return name, config.hook, decoder_row(config, int(rest)), f"{config.name}#{rest}"
-    return name, rest, load_vector(path, what=f"vector {name!r}"), path
+    if mark == "@":
+        return VectorSpec(name, rest, load_vector(path, what=f"vector {name!r}"), path)
+    config = read_sae(path)
+    if not config.hook:
+        raise ValueError(f"--vectors {spec!r}: the SAE in {path} does not say which hook it reads")
+    try:
+        clamp, unclampable = feature_clamp(config, int(rest), 0.0), ""
+    except ValueError as e:
+        clamp, unclampable = None, str(e)
+    return VectorSpec(name, config.hook, decoder_row(config, int(rest)), f"{config.name}#{rest}", clamp, unclampable)
 
 
 def check_name(name: str) -> None:
@@ -71,7 +91,8 @@ class VectorRegistry:
     def __init__(self):
         self._vectors: dict[str, NamedVector] = {}
 
-    def add(self, name: str, hook: str, values, source: str, widths: dict[str, int]) -> NamedVector:
+    def add(self, name: str, hook: str, values, source: str, widths: dict[str, int], clamp: FeatureClamp | None = None,
+            unclampable: str = NamedVector.unclampable) -> NamedVector:
         """Register (or replace) ``name``; ``hook`` must be installed (``widths``: installed name → width)."""
         check_name(name)
         if hook not in widths:
@@ -79,7 +100,7 @@ class VectorRegistry:
                              f"(see GET /inspector/v1/hooks)")
         vector = check_vector(values, widths[hook], f"vector {name!r}")
         vector.setflags(write=False)
-        found = self._vectors[name] = NamedVector(name, hook, vector, source)
+        found = self._vectors[name] = NamedVector(name, hook, vector, source, clamp, unclampable)
         return found
 
     def remove(self, name: str) -> None:

@@ -618,6 +618,7 @@ class InspectorRuntime:
             "max_tokens": self.max_tokens,
             "max_model_len": self.max_model_len,
             "max_slots": self.config.max_slots,
+            "feature_clamps": self.config.feature_clamps,
             "allocated_bytes": self.allocated_bytes(),
             "enable_position_interventions": self.config.enable_position_interventions,
             "modules": [(path, type(m).__name__) for path, m in self.model.named_modules()],
