@@ -48,7 +48,8 @@ def server(tiny_models, tmp_path_factory, sae_dir):
     (home / "chat.jinja").write_text(CHAT_TEMPLATE)
     model = tiny_models["llama"]
     extra = ["--hooks", "blocks.*.hook_resid_post", "--max-model-len", "512", "--max-slots", str(MAX_SLOTS),
-             "--feature-clamps", "2", "--vectors", f"push={home / 'push.npy'}@{HOOK}", f"feature={sae_dir}#3"]
+             "--feature-clamps", "2", "--vectors", f"push={home / 'push.npy'}@{HOOK}", f"feature={sae_dir}#3",
+             f"early={home / 'push.npy'}@blocks.0.hook_resid_post"]  # block 1's keys and values read it
     with running_openai_server(model, extra, env={"INSPECTOR_ADMIN_TOKEN": TOKEN},
                                engine_args={"chat_template": str(home / "chat.jinja")}) as (url, process):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -85,7 +86,7 @@ def test_the_server_lists_its_hooks_and_vectors(server):
     hooks = json.load(urllib.request.urlopen(f"{url}/inspector/v1/hooks"))
     assert hooks["mode"] == "compiled" and hooks["max_slots"] == MAX_SLOTS
     assert {h["alias"] for h in hooks["hooks"]} == {f"blocks.{i}.hook_resid_post" for i in range(2)}
-    feature, vector = json.load(urllib.request.urlopen(f"{url}/inspector/v1/vectors"))["vectors"]
+    _, feature, vector = json.load(urllib.request.urlopen(f"{url}/inspector/v1/vectors"))["vectors"]
     assert vector["name"] == "push" and vector["width"] == 128 and not vector["clampable"]
     assert vector["norm"] == pytest.approx(float(np.linalg.norm(push)), rel=1e-6)
     assert feature["name"] == "feature" and feature["source"] == "sae#3" and feature["clampable"]
@@ -108,6 +109,16 @@ def test_steering_changes_the_output_and_leaves_the_prefix_cache_clean(server):
     steered_again = complete(server, LONG_PROMPT, inspector_steer="push", inspector_scale=3)
     assert steered_again.token_ids == steered.token_ids
     assert settled_hits(url, hits_after_clean) >= hits_after_clean + 128  # steered alike: shared
+
+
+def test_a_steered_request_first_leaves_no_blocks_a_clean_one_reads(server):
+    """Steered at block 0 (so block 1's cached keys and values are steered) before any clean request of
+    the prompt: the clean one that follows computes what a request that reads no cached block does."""
+    prompt = " ".join(f"entry {i} in the table," for i in range(26))
+    steered = complete(server, prompt, inspector_steer="early", inspector_scale=2)
+    clean = complete(server, prompt)
+    fresh = complete(server, prompt, inspector_capture=HOOK)  # a capturing request reads no cached block
+    assert clean.token_ids == fresh.token_ids != steered.token_ids
 
 
 def test_chat_completions_steer_too(server):

@@ -106,7 +106,7 @@ def test_boot_after_failures_captures(tiny_models):
         assert json.dumps(rpc(llm, "inspector_describe")["installed"]) == '{"x": "model.layers.0.resid_post"}'
 
 
-@pytest.mark.parametrize("argument", ["enable_prefix_caching", "enforce_eager", "worker_extension_cls"])
+@pytest.mark.parametrize("argument", ["enforce_eager", "worker_extension_cls"])
 def test_engine_arguments_the_inspector_sets_are_refused_clearly_before_booting(tiny_models, argument):
     from inspector.engine.boot import boot_llm
 

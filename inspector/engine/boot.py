@@ -11,7 +11,7 @@ from inspector.capture.protocol import MODES
 from .environment import engine_precision, prepare_environment, worker_environment
 
 
-INSPECTOR_ENGINE_ARGS = {"enforce_eager", "enable_prefix_caching", "worker_extension_cls"}
+INSPECTOR_ENGINE_ARGS = {"enforce_eager", "worker_extension_cls"}
 
 
 def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",
@@ -21,16 +21,16 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     """An ``LLM`` whose worker has the hooks in ``capture_specs`` and ``hook_patterns`` installed;
     ``kept_layers`` > 0: with only the model's first decoder blocks (``layer_overrides``).
 
-    Prefix caching is off: it skips prompt rows and would let K/V computed under an intervention
-    leak into later clean runs.
+    Prefix caching is off unless ``enable_prefix_caching=True`` is given: a session then keys cached
+    blocks by the edits they were computed under and makes capturing requests compute every row
+    (``Session``).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     ours = sorted(set(engine_args) & INSPECTOR_ENGINE_ARGS)
     if ours:
         raise ValueError(f"engine argument(s) {', '.join(ours)} are set by the inspector and cannot be "
-                         "given: prefix caching would skip prompt rows and leak intervened K/V into clean "
-                         "runs, enforce_eager follows the mode, the worker extension is the plugin's")
+                         "given: enforce_eager follows the mode, the worker extension is the plugin's")
     if int(engine_args.get("pipeline_parallel_size", 1)) > 1:
         raise ValueError(f"pipeline_parallel_size={engine_args['pipeline_parallel_size']}: the inspector cannot capture "
                          "under pipeline parallelism (each stage holds only some layers); use tensor_parallel_size")
@@ -54,7 +54,8 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     try:
         with worker_environment(int(engine_args.get("tensor_parallel_size", 1))):
             return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-                       max_model_len=max_model_len, enforce_eager=mode == "eager", enable_prefix_caching=False,
+                       max_model_len=max_model_len, enforce_eager=mode == "eager",
+                       enable_prefix_caching=bool(engine_args.pop("enable_prefix_caching", False)),
                        worker_extension_cls=plugin.WORKER_EXTENSION, **engine_args)
     finally:
         plugin.clear_config()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import itertools
 import threading
 from dataclasses import replace
@@ -23,6 +24,7 @@ from inspector import __version__
 from inspector.capture.blocks import RequestRowsView
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
+from inspector.capture.request_edits import encode_edit
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
 from inspector.capture.models import model_config, resolve_model
@@ -72,6 +74,11 @@ class Session(Experiments):
         self._stop = threading.Event()
         self._pending: list[Intervention] | None = None  # set from another thread, applied between steps
         self._interventions: list[Intervention] = []
+        # prefix caching (engine_args enable_prefix_caching): cached blocks are keyed by the edits they were
+        # computed under and by how many times the edits changed, so a block computed while a live change
+        # happened is read by no request admitted after it
+        self._prefix_caching = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+        self._edit_generation = 0
         self._computed: dict[str, int] = {}  # request id -> positions whose rows have been drained
         self._unsent_log: dict[str, list[tuple[int, tuple[dict, ...]]]] = {}  # for the next event
         self._logged: dict[str, tuple[Intervention, ...]] = {}  # per open request, the set its log last noted
@@ -164,7 +171,7 @@ class Session(Experiments):
         is added)."""
         self._require_alive()
         check_request(prompts, sampling)
-        params = _sampling_params(sampling)
+        params = _sampling_params(sampling, skip_cache=self._prefix_caching and sampling.capture)
         vocab = self._llm.llm_engine.model_config.get_vocab_size()
         checked_token_ids(sampling.score_token_ids, vocab)
         ids = list(request_ids) if request_ids is not None else self.upcoming_request_ids(len(prompts))
@@ -175,11 +182,13 @@ class Session(Experiments):
         windows = {name: str(w) for name, w in (self.windows if windows is None else windows).items()}
         starts = [self._start(rid, prompt, sampling, windows) for rid, prompt in zip(ids, prompts)]
         self._send_request_options(starts, sampling)
+        self._apply_interventions(self._open)  # a pending set applies to these too: their cache salt says so
         engine = self._llm.llm_engine
         for k, start in enumerate(starts):
             try:
                 engine.add_request(start.request_id, {"prompt_token_ids": list(start.prompt_token_ids),
-                                                      "prompt": start.prompt}, params)
+                                                      "prompt": start.prompt, **self._cache_salt(start.request_id)},
+                                   params)
             except Exception as e:
                 engine.abort_request(ids[:k])
                 raise ValueError(f"request refused: {e}") from None
@@ -208,7 +217,8 @@ class Session(Experiments):
         scheduler = self._llm.llm_engine.vllm_config.scheduler_config
         # two steps' worth queued: the scheduler fills the next step while this one runs
         budget, seats = 2 * scheduler.max_num_batched_tokens, scheduler.max_num_seqs
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                                skip_reading_prefix_cache=self._prefix_caching)  # every row is computed
         self._apply_interventions([])
         waiting = iter(enumerate(contexts))
         flying: dict[str, tuple[int, int, list]] = {}  # request id -> context's index, length, drained rows
@@ -222,7 +232,7 @@ class Session(Experiments):
                         raise ValueError(f"context {index} has {len(ids)} tokens; the engine takes 1 to {longest}")
                     rid = f"prefill{type(self)._next_id}"
                     type(self)._next_id += 1
-                    engine.add_request(rid, {"prompt_token_ids": ids}, params)
+                    engine.add_request(rid, {"prompt_token_ids": ids, **self._cache_salt(rid)}, params)
                     flying[rid], queued = (index, len(ids), []), queued + len(ids)
                 if not flying:
                     return
@@ -428,6 +438,7 @@ class Session(Experiments):
         queued = {}
         if pending is not None:
             self._llm.collective_rpc("inspector_set_interventions", args=([iv.as_dict(arrays=True) for iv in pending],))
+            self._edit_generation += pending != self._interventions
             self._interventions = pending
             # forwards already queued (async scheduling) or not yet drained run before the change
             queued = self._llm.collective_rpc("inspector_queued_positions", args=(open_ids,))[0]
@@ -442,6 +453,18 @@ class Session(Experiments):
                 self._logged[rid] = active
                 entry = (max(self._computed[rid], queued.get(rid, 0)), tuple(iv.as_dict(arrays=True) for iv in active))
                 self._unsent_log.setdefault(rid, []).append(entry)
+
+    def _cache_salt(self, rid: str) -> dict:
+        """The prompt's ``cache_salt`` under prefix caching: none for an unedited request while the edits
+        never changed (clean blocks are shared), else a digest of the edits that apply to it and of their
+        generation (a set that changed while requests ran leaves their blocks to no later request)."""
+        if not self._prefix_caching:
+            return {}
+        active = [iv for iv in self._interventions if iv.request_id in (None, rid)]
+        if not active and not self._edit_generation:
+            return {}
+        digest = hashlib.sha256(f"{self._edit_generation}\n{encode_edit(active)}".encode()).hexdigest()
+        return {"cache_salt": f"s-{digest}"}
 
     def _drain(self, wait: bool = True) -> dict:
         """The workers' rows since the last drain; ``wait=False`` leaves those still copying, except
@@ -581,15 +604,17 @@ def _describe(llm) -> tuple[list[HookPoint], dict[str, HookPoint], str, dict[str
     return catalogue, installed, info["family"], dict(info.get("refused", {}))
 
 
-def _sampling_params(s: Sampling):
+def _sampling_params(s: Sampling, skip_cache: bool = False):
     """vLLM's parameters for ``s``. Not detokenised by vLLM: the session makes each token's text once
-    (``_text``), where vLLM's detokeniser works per request and token on the engine's step."""
+    (``_text``), where vLLM's detokeniser works per request and token on the engine's step.
+    ``skip_cache``: read no cached block (a capturing request under prefix caching needs every row)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     try:
         return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                               top_k=s.top_k if s.top_k > 0 else -1, seed=s.seed, logprobs=s.logprobs or None,
-                              ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA, detokenize=False)
+                              ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA, detokenize=False,
+                              skip_reading_prefix_cache=skip_cache)
     except Exception as e:  # noqa: BLE001 - vLLM's rules beyond ours (its errors are not all ValueErrors)
         raise ValueError(f"sampling refused: {e}") from None

@@ -54,6 +54,9 @@ class InspectorEndpoints:
             logger.warning("the inspector's endpoints are loaded but --additional-config has no %r section: "
                            "this server steers nothing", SERVED_SECTION)
             return
+        if (getattr(args, "api_server_count", None) or 1) > 1:
+            raise ValueError("the inspector's endpoints need one API server process (--api-server-count 1): each "
+                             "process would count the engine's slots and drain its rows as if it were alone")
         described = (await engine_client.collective_rpc("inspector_describe"))[0]
         hooks = HookTable.from_description(described)
         for text in section.get("vectors", []):

@@ -1,0 +1,174 @@
+"""vLLM's OpenAI server with the inspector's plugins against stock vLLM, under concurrent load.
+
+    python3 bench/openai_bench.py                          # CPU: the demo model
+    python3 bench/openai_bench.py --model DIR --dtype bfloat16 --requests 512 --engine-args '{...}'   # GPU
+
+Stock vLLM is served twice (first and last: the A/A pair that says how noisy the machine is), and between
+them ``inspector serve --openai`` once, under four loads in turn: unsteered (the plugin idle), four named
+vectors (requests cycle through them), a distinct inline vector per request, and unsteered again. Every
+request shares one system prompt (a prefix-cache hit for all but the first) and adds a line of its own.
+Printed: completion tokens/s of each load, the prefix-cache hit rate over it, and the ratios the issue
+targets: plugin idle / stock (>= 0.98), steered / plugin idle (>= 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inspector.capture.models import resolve_model  # noqa: E402
+from inspector.capture.request_edits import encode_vector  # noqa: E402
+from inspector.engine.environment import prepare_environment  # noqa: E402
+
+HOOK = "blocks.1.hook_resid_post"
+SYSTEM = "You are a careful assistant who answers in short sentences about lists, numbers and words. " * 4
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start(command: list[str], env: dict, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen([*command, "--port", str(port)], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                               env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start; see {log}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return process, url
+        except OSError:
+            time.sleep(0.5)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def prefix_counters(url: str) -> tuple[float, float]:
+    text = urllib.request.urlopen(f"{url}/metrics").read().decode()
+
+    def counter(name):
+        return float(re.search(rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+    return counter("prefix_cache_hits"), counter("prefix_cache_queries")
+
+
+async def load(url: str, model: str, requests: int, concurrency: int, max_tokens: int, xargs) -> float:
+    """Completion tokens per second of ``requests`` requests, ``concurrency`` at a time; ``xargs(i)``:
+    request i's vllm_xargs (None: unsteered)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    gate = asyncio.Semaphore(concurrency)
+    tokens = 0
+
+    async def one(i: int) -> None:
+        nonlocal tokens
+        extra = {"ignore_eos": True, **({"vllm_xargs": xargs(i)} if xargs(i) else {})}
+        async with gate:
+            answer = await client.completions.create(model=model, prompt=f"{SYSTEM}\nQuestion {i}: count to {i % 9}.",
+                                                     max_tokens=max_tokens, temperature=0, extra_body=extra)
+        tokens += answer.usage.completion_tokens
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(requests)))
+    seconds = time.perf_counter() - started
+    await client.close()
+    return tokens / seconds
+
+
+def measure(url: str, model: str, args, xargs) -> dict:
+    asyncio.run(load(url, model, args.concurrency, args.concurrency, 4, xargs))  # warm: compile sizes, the prefix
+    hits, queries = prefix_counters(url)
+    rate = asyncio.run(load(url, model, args.requests, args.concurrency, args.max_tokens, xargs))
+    hits2, queries2 = prefix_counters(url)
+    return {"tokens_per_s": rate, "prefix_hit_rate": (hits2 - hits) / max(queries2 - queries, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--requests", type=int, default=192)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--engine-args", default="{}", help="more vLLM arguments, as JSON (both servers)")
+    args = parser.parse_args()
+    prepare_environment()  # both servers inherit it: stock vLLM runs with what ours sets (threads, tokenizers)
+    model = str(resolve_model(args.model))
+    home = Path(tempfile.mkdtemp(prefix="openai-bench-"))
+    width = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
+    rng = np.random.default_rng(0)
+    for k in range(4):
+        np.save(home / f"v{k}.npy", rng.normal(size=width).astype(np.float32))
+    inline = [f"{HOOK}:{encode_vector(rng.normal(size=width).astype(np.float32))}" for _ in range(args.requests)]
+    engine_args = json.loads(args.engine_args)
+    common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    vllm_flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, (dict, list)) else v}"
+                  for k, v in engine_args.items()]
+    stock = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model, *common, *vllm_flags]
+    ours = [sys.executable, "-m", "inspector.cli", "serve", "--openai", "--model", model, *common,
+            "--hooks", "blocks.*.hook_resid_post", "--engine-args", json.dumps(engine_args),
+            "--vectors", *(f"v{k}={home / f'v{k}.npy'}@{HOOK}" for k in range(4))]
+    results: dict[str, dict] = {}
+
+    def served(name: str, command: list[str], env: dict, loads: dict) -> None:
+        process, url = start(command, env, home / f"{name}.log")
+        try:
+            for label, xargs in loads.items():
+                results[label] = measure(url, model, args, xargs)
+                print(f"{label:>16}: {results[label]['tokens_per_s']:8.1f} tok/s, prefix-cache hits "
+                      f"{results[label]['prefix_hit_rate']:.1%}", flush=True)
+        finally:
+            stop(process)
+
+    print(f"{args.requests} requests, {args.concurrency} at a time, {args.max_tokens} tokens each; model {model}")
+    print(f"logs in {home}")
+    served("stock-a", stock, {"VLLM_PLUGINS": ""}, {"stock A": lambda i: None})
+    served("inspector", ours, {}, {
+        "plugin idle": lambda i: None,
+        "4 named vectors": lambda i: {"inspector_steer": f"v{i % 4}"},
+        "inline vectors": lambda i: {"inspector_vector": inline[i]},
+        "plugin idle 2": lambda i: None,
+    })
+    served("stock-b", stock, {"VLLM_PLUGINS": ""}, {"stock B": lambda i: None})
+    rate = {label: r["tokens_per_s"] for label, r in results.items()}
+    stock_rate = (rate["stock A"] + rate["stock B"]) / 2
+    idle = (rate["plugin idle"] + rate["plugin idle 2"]) / 2
+    print(f"A/A stock B / stock A: {rate['stock B'] / rate['stock A']:.3f}; "
+          f"plugin idle 2 / plugin idle: {rate['plugin idle 2'] / rate['plugin idle']:.3f}")
+    print(f"plugin idle / stock: {idle / stock_rate:.3f} (target >= 0.98)")
+    for label in ("4 named vectors", "inline vectors"):
+        print(f"{label} / plugin idle: {rate[label] / idle:.3f} (target >= 0.95)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
