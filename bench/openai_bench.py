@@ -6,7 +6,8 @@
 Stock vLLM is served twice (first and last: the A/A pair that says how noisy the machine is), and between
 them ``inspector serve --openai`` once, under four loads in turn: unsteered (the plugin idle), four named
 vectors (requests cycle through them), a distinct inline vector per request, and unsteered again. Every
-request shares one system prompt (a prefix-cache hit for all but the first) and adds a line of its own.
+request shares one system prompt (a prefix-cache hit for all but the first; ``--no-shared-prefix``: none)
+and adds a line of its own.
 Printed: completion tokens/s of each load, the prefix-cache hit rate over it, and the ratios the issue
 targets: plugin idle / stock (>= 0.98), steered / plugin idle (>= 0.95).
 """
@@ -77,7 +78,7 @@ def prefix_counters(url: str) -> tuple[float, float]:
     return counter("prefix_cache_hits"), counter("prefix_cache_queries")
 
 
-async def load(url: str, model: str, requests: int, concurrency: int, max_tokens: int, xargs) -> float:
+async def load(url: str, model: str, requests: int, concurrency: int, max_tokens: int, xargs, system: str) -> float:
     """Completion tokens per second of ``requests`` requests, ``concurrency`` at a time; ``xargs(i)``:
     request i's vllm_xargs (None: unsteered)."""
     from openai import AsyncOpenAI
@@ -90,7 +91,7 @@ async def load(url: str, model: str, requests: int, concurrency: int, max_tokens
         nonlocal tokens
         extra = {"ignore_eos": True, **({"vllm_xargs": xargs(i)} if xargs(i) else {})}
         async with gate:
-            answer = await client.completions.create(model=model, prompt=f"{SYSTEM}\nQuestion {i}: count to {i % 9}.",
+            answer = await client.completions.create(model=model, prompt=f"{system}\nQuestion {i}: count to {i % 9}.",
                                                      max_tokens=max_tokens, temperature=0, extra_body=extra)
         tokens += answer.usage.completion_tokens
 
@@ -102,9 +103,10 @@ async def load(url: str, model: str, requests: int, concurrency: int, max_tokens
 
 
 def measure(url: str, model: str, args, xargs) -> dict:
-    asyncio.run(load(url, model, args.concurrency, args.concurrency, 4, xargs))  # warm: compile sizes, the prefix
+    system = SYSTEM if args.shared_prefix else ""
+    asyncio.run(load(url, model, args.concurrency, args.concurrency, 4, xargs, system))  # warm: compile sizes, the prefix
     hits, queries = prefix_counters(url)
-    rate = asyncio.run(load(url, model, args.requests, args.concurrency, args.max_tokens, xargs))
+    rate = asyncio.run(load(url, model, args.requests, args.concurrency, args.max_tokens, xargs, system))
     hits2, queries2 = prefix_counters(url)
     return {"tokens_per_s": rate, "prefix_hit_rate": (hits2 - hits) / max(queries2 - queries, 1)}
 
@@ -119,6 +121,9 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--engine-args", default="{}", help="more vLLM arguments, as JSON (both servers)")
+    parser.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
+                        help="no system prompt: each request's prompt is its own line (what steering costs, without "
+                             "the prefix-cache hits a distinct edit gives up)")
     args = parser.parse_args()
     prepare_environment()  # both servers inherit it: stock vLLM runs with what ours sets (threads, tokenizers)
     model = str(resolve_model(args.model))
