@@ -27,21 +27,29 @@ def running_server(model_dir, mode: str = "compiled", hooks=HOOKS, listen: str |
     command = [sys.executable, "-m", "inspector.cli", "serve", "--model", str(model_dir), "--mode", mode,
                "--hooks", *hooks, "--max-model-len", "256", "--max-num-batched-tokens", "64", "--listen", url,
                "--engine-args", json.dumps(ENGINE_ARGS), "--feature-clamps", str(FEATURE_CLAMPS), *extra]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    process.log_path = log_path
-    try:
+    with child(command, log_path) as process:
         deadline = time.monotonic() + 120
         while "listening on" not in log_path.read_text(errors="replace"):  # bound, signals handled
             assert process.poll() is None and time.monotonic() < deadline, tail(log_path)
             time.sleep(0.1)
         yield url, process
+    assert process.returncode in (0, -9), f"the server exited with {process.returncode}: {tail(log_path)}"
+
+
+@contextlib.contextmanager
+def child(command: list[str], log_path: Path, env=None):
+    """``command`` in a child process, its output in ``log_path`` (``process.log_path``); stopped with
+    SIGTERM when the block ends."""
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    process.log_path = log_path
+    try:
+        yield process
     finally:
         if process.poll() is None:
             process.terminate()
             process.wait(120)
-    assert process.returncode in (0, -9), f"the server exited with {process.returncode}: {tail(log_path)}"
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -64,12 +72,8 @@ def running_openai_server(model_dir, extra=(), env=None, engine_args=None):
     command = [sys.executable, "-m", "inspector.cli", "serve", "--openai", "--model", str(model_dir),
                "--port", str(port), "--max-num-batched-tokens", "64",
                "--engine-args", json.dumps({**ENGINE_ARGS, **(engine_args or {})}), *extra]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    process.log_path = log_path
     url = f"http://127.0.0.1:{port}"
-    try:
+    with child(command, log_path, env) as process:
         deadline = time.monotonic() + 240
         while True:
             assert process.poll() is None and time.monotonic() < deadline, tail(log_path)
@@ -80,7 +84,3 @@ def running_openai_server(model_dir, extra=(), env=None, engine_args=None):
             except OSError:
                 time.sleep(0.5)
         yield url, process
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            process.wait(120)

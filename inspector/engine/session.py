@@ -24,13 +24,13 @@ from inspector import __version__
 from inspector.capture.blocks import RequestRowsView
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
-from inspector.capture.request_edits import encode_edit
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
 from inspector.capture.models import model_config, resolve_model
 from inspector.capture.protocol import (MODES, BootProgress, RequestStart, RequestStep, Rows, Sampling, check_request,
                                         SessionError, SessionOptions, StepEvent, checked_interventions,
                                         NewRows, fold_event)
+from inspector.capture.request_edits import encode_edit
 from inspector.capture.run import Run, TopToken
 from inspector.experiments.methods import Experiments
 from inspector.capture.sae import AttachedSae, checked_attachment

@@ -5,9 +5,11 @@ the named vectors (listed by anyone the server lets in; registered and removed w
 
 from __future__ import annotations
 
+import atexit
 import hmac
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -68,7 +70,10 @@ class InspectorEndpoints:
         async def drain():
             return (await engine_client.collective_rpc("inspector_drain", args=(True, True)))[0]
 
-        directory = section.get("capture_dir") or tempfile.mkdtemp(prefix="inspector-captures-")
+        directory = section.get("capture_dir")
+        if directory is None:  # a directory of this server's own, gone when it stops
+            directory = tempfile.mkdtemp(prefix="inspector-captures-")
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
         self.captures = CaptureStore(Path(directory), int(section.get("capture_store_mib", CAPTURE_STORE_MIB)) << 20,
                                      hooks, server_metadata(state.vllm_config, hooks.mode), drain,
                                      lambda ids: [token_text(tokenizer, i) for i in ids])

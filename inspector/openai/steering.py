@@ -121,6 +121,11 @@ def capture_ask(fields: dict, hooks: HookTable) -> CaptureAsk | None:
             raise Refused(f"inspector_capture {pattern!r} matches no hook this server compiled "
                           "(GET /inspector/v1/hooks)", "inspector_capture")
         chosen += [name for name in found if name not in chosen]
+    split = [hooks.points[name].alias for name in chosen if hooks.points[name].shards > 1]
+    if split:
+        raise Refused(f"inspector_capture: {split[0]} is split over the tensor-parallel ranks, and the server keeps "
+                      "the rows of one rank; capture a replicated point (the residual stream, an attention or MLP "
+                      "output)", "inspector_capture")
     try:
         window = str(CaptureWindow.parse(str(fields.get("inspector_window", "all"))))
     except ValueError as e:

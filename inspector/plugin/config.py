@@ -67,7 +67,8 @@ SERVED_FIELDS = {"hooks": list, "max_slots": int, "feature_clamps": int, "vector
 def served_config(section: dict, dtype: str, max_num_batched_tokens: int, eager: bool) -> PluginConfig:
     """The config of an engine that ``vllm serve`` booted with ``--additional-config '{"inspector": {...}}'``:
     ``hooks`` (names, aliases or globs), ``max_slots`` and ``feature_clamps``; the flavour, dtype and
-    sizes are vLLM's own. Its requests steer themselves (position edits allowed) and keep no rows."""
+    sizes are vLLM's own. Its requests steer themselves (position edits allowed) and keep rows only when
+    they ask."""
     if not isinstance(section, dict):
         raise ValueError(f"--additional-config's {SERVED_SECTION!r} must be a JSON object, got {section!r}")
     unknown = set(section) - SERVED_FIELDS.keys()
