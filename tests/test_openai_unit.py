@@ -209,3 +209,15 @@ def test_clamps_need_room_and_an_sae_feature(admission):
         admission.admit(body(inspector_clamp="happy"))
     with pytest.raises(Refused, match="no direction"):
         admission.admit(body(inspector_ablate=f"blocks.1.hook_resid_post:{encode_vector(np.zeros(WIDTH))}"))
+
+
+def test_points_split_over_ranks_are_not_captured(admission):
+    from dataclasses import replace
+
+    points = dict(admission.hooks.points)
+    points["model.layers.0.mlp.post"] = HookPoint("model.layers.0.mlp.post", "blocks.0.mlp.hook_post",
+                                                  "model.layers.0.mlp", "mlp_post", 32, 0, shards=2)
+    admission.hooks = replace(admission.hooks, points=points)
+    with pytest.raises(Refused, match="split over the tensor-parallel ranks"):
+        admission.admit(body(inspector_capture="blocks.0.*"))
+    assert admission.admit(body(inspector_capture="blocks.0.hook_resid_post")).key
