@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inspector.capture.models import resolve_model  # noqa: E402
 from inspector.capture.request_edits import encode_vector  # noqa: E402
 from inspector.engine.environment import prepare_environment  # noqa: E402
+from inspector.openai.cli import vllm_flags  # noqa: E402
 
 HOOK = "blocks.1.hook_resid_post"
 SYSTEM = "You are a careful assistant who answers in short sentences about lists, numbers and words. " * 4
@@ -136,9 +137,8 @@ def main() -> int:
     engine_args = json.loads(args.engine_args)
     common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    vllm_flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, (dict, list)) else v}"
-                  for k, v in engine_args.items()]
-    stock = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model, *common, *vllm_flags]
+    stock = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model, *common,
+             *vllm_flags(engine_args)]
     ours = [sys.executable, "-m", "inspector.cli", "serve", "--openai", "--model", model, *common,
             "--hooks", "blocks.*.hook_resid_post", "--engine-args", json.dumps(engine_args),
             "--vectors", *(f"v{k}={home / f'v{k}.npy'}@{HOOK}" for k in range(4))]

@@ -56,15 +56,21 @@ def vllm_arguments(args, engine_args: dict) -> list[str]:
             "--additional-config", json.dumps({SERVED_SECTION: section})]
     if args.mode == "eager":
         argv.append("--enforce-eager")
+    return argv + vllm_flags(engine_args)
+
+
+def vllm_flags(engine_args: dict) -> list[str]:
+    """vLLM engine arguments (``LLM(...)``'s keywords) as ``vllm serve`` options."""
+    flags = []
     for key, value in engine_args.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
-            argv.append(flag)
+            flags.append(flag)
         elif value is False:
-            argv.append("--no-" + flag[2:])
+            flags.append("--no-" + flag[2:])
         else:
-            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
-    return argv
+            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return flags
 
 
 def serve(args, engine_args: dict) -> int:
