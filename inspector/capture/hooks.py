@@ -15,6 +15,14 @@ def matches_pattern(name: str, alias: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(alias, pattern)
 
 
+def check_patterns(patterns, points) -> None:
+    """ValueError for the first hook pattern that matches none of ``points`` (HookPoints)."""
+    points = list(points)
+    for pattern in patterns:
+        if not any(p.matches(pattern) for p in points):
+            raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
+
+
 RESIDUAL_KINDS = ("resid_pre", "resid_mid", "resid_post")  # the residual stream: what the logit lens reads
 ATTENTION_KINDS = ("q", "k")  # what the attention kernel receives: patterns are recomputed from them
 ROUTER_KIND = "router"  # a mixture-of-experts layer's router logits: the chosen experts are recomputed from them

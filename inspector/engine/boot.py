@@ -8,7 +8,7 @@ from pathlib import Path
 from inspector.capture.interventions import DEFAULT_MAX_SLOTS
 from inspector.capture.protocol import MODES
 
-from .environment import engine_precision, prepare_environment, worker_environment
+from .environment import engine_precision, parallel_ranks, prepare_environment, worker_environment
 
 
 INSPECTOR_ENGINE_ARGS = {"enforce_eager", "worker_extension_cls"}
@@ -31,9 +31,6 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     if ours:
         raise ValueError(f"engine argument(s) {', '.join(ours)} are set by the inspector and cannot be "
                          "given: enforce_eager follows the mode, the worker extension is the plugin's")
-    if int(engine_args.get("pipeline_parallel_size", 1)) > 1:
-        raise ValueError(f"pipeline_parallel_size={engine_args['pipeline_parallel_size']}: the inspector cannot capture "
-                         "under pipeline parallelism (each stage holds only some layers); use tensor_parallel_size")
     overrides = layer_overrides(Path(model), kept_layers) if kept_layers else {}
     if overrides:
         engine_args["hf_overrides"] = {**engine_args.get("hf_overrides", {}), **overrides}
@@ -52,7 +49,7 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
                      hook_patterns=hook_patterns, max_slots=max_slots, feature_clamps=feature_clamps,
                      kept_layers=kept_layers if overrides else 0)
     try:
-        with worker_environment(int(engine_args.get("tensor_parallel_size", 1))):
+        with worker_environment(parallel_ranks(engine_args)):
             return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len, enforce_eager=mode == "eager",
                        enable_prefix_caching=bool(engine_args.pop("enable_prefix_caching", False)),

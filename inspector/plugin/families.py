@@ -55,12 +55,15 @@ class Family:
     batched: bool = False  # transformers' own modules (vLLM's Transformers backend): [1, tokens, width]
 
 
-def find_blocks(model: nn.Module, is_attention=lambda m: False) -> tuple[str, nn.ModuleList]:
-    """The decoder block list: of the module lists (of more than one module, each with parameters),
-    the one holding the most attention layers (``is_attention``), else the longest; ValueError naming
-    the model and its top modules when it has none."""
+def find_blocks(model: nn.Module, is_attention=lambda m: False,
+                is_placeholder=lambda m: False) -> tuple[str, nn.ModuleList]:
+    """The decoder block list: of the module lists (of more than one module, each with parameters
+    or a placeholder for a block another pipeline stage holds, ``is_placeholder``), the one holding the
+    most attention layers (``is_attention``), else the longest; ValueError naming the model and its top
+    modules when it has none."""
     lists = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1
-             and all(any(True for _ in b.parameters()) for b in m)]
+             and all(is_placeholder(b) or any(True for _ in b.parameters()) for b in m)
+             and not all(is_placeholder(b) for b in m)]
     if not lists:
         top = ", ".join(f"{name} ({type(m).__name__})" for name, m in model.named_children())
         raise ValueError(f"{type(model).__name__}: no list of decoder blocks found (top modules: {top}); hook a "

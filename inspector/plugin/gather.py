@@ -262,20 +262,3 @@ def _token_ids(f: QueuedForward) -> np.ndarray:
 def _numpy(t: torch.Tensor) -> np.ndarray:
     """A view; numpy's bfloat16 is ``ml_dtypes``', which torch does not know: the bits are viewed as it."""
     return t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
-
-
-def merge_ranks(per_rank: list[dict[str, dict[str, Rows]]], sharded: set[str]) -> dict[str, dict[str, Rows]]:
-    """One drain of every tensor-parallel rank as one drain: a ``sharded`` hook's column slices side by
-    side in rank order (each slice comes from one rank), every other hook as the one rank that sends it."""
-    merged = per_rank[0]
-    for rows_of_rank in per_rank[1:]:
-        for rid, hooks in rows_of_rank.items():
-            mine = merged.setdefault(rid, {})
-            for hook, rows in hooks.items():
-                if hook not in mine:
-                    mine[hook] = rows
-                    continue
-                if hook not in sharded or not np.array_equal(mine[hook]["positions"], rows["positions"]):
-                    raise RuntimeError(f"request {rid}, hook {hook}: the tensor-parallel ranks sent different rows")
-                mine[hook] = {**mine[hook], "values": np.concatenate([mine[hook]["values"], rows["values"]], axis=1)}
-    return merged

@@ -81,13 +81,16 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
               ) -> tuple[families.Family, list[tuple[HookPoint, Site]], dict[str, str]]:
     """The family of a model's decoder blocks and its hook points, in model order: embeddings, each
     block's points with its queries and keys, the final norm's output; and why each kind the blocks
-    lack is not offered. ``read(blocks path, blocks, embeddings, final norm)`` reads the blocks from a
-    forward (``reader.read``). Widths are the model's (all ranks' columns); each site says which of
+    lack is not offered; under pipeline parallelism, of this stage's blocks and of the embeddings or final
+    norm where it holds them. ``read(blocks path, blocks, first block's index, embeddings, final norm)``
+    reads the blocks from a forward (``reader.read``). Widths are the model's (all ranks' columns); each site says which of
     them this rank holds."""
     from . import vllm_compat  # imports the runtime, which imports this module
 
-    blocks_path, blocks = families.find_blocks(model, vllm_compat.is_attention)
-    reading = read(blocks_path, blocks, *families.beside_blocks(model, blocks_path, vllm_compat.is_vocabulary_embedding))
+    blocks_path, blocks = families.find_blocks(model, vllm_compat.is_attention, vllm_compat.is_pipeline_placeholder)
+    held = [i for i, b in enumerate(blocks) if not vllm_compat.is_pipeline_placeholder(b)]  # this pipeline stage's
+    reading = read(blocks_path, blocks[held[0]:held[-1] + 1], held[0],
+                   *families.beside_blocks(model, blocks_path, vllm_compat.is_vocabulary_embedding))
     family, refused = reading.family, dict(reading.refused)
     if vllm_compat.is_multimodal(model):
         towers = families.encoders(model, blocks_path, vllm_compat.is_vocabulary_embedding)
@@ -131,9 +134,9 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
         return found
 
     points = [point(module, kind, f"hook_{kind}") for kind, module in family.embeds]
-    for i in range(len(blocks)):
+    for i, specs in zip(held, family.points):
         block, b = path(last, str(i)), f"blocks.{i}"
-        for spec in family.points[i]:
+        for spec in specs:
             module_path = ".".join(p for p in (block, spec.module) if p)
             module = modules[module_path]
             width = {"in": _input_width, "out": _output_width}.get(spec.width, lambda _: hidden)(module)

