@@ -18,6 +18,7 @@ import torch
 
 from engines import PARITY_TOL, rel_l2
 from sae_files import write_sae
+from ui_fixtures import fail_on_qt_warnings, keep, ui_settings  # noqa: F401
 from servers import running_openai_server
 from session_kinds import options
 from inspector.capture.hooks import installed_name
@@ -261,6 +262,82 @@ def test_a_capture_over_the_api_equals_inspector_capture(server, tiny_models, tm
         assert rows.positions.tolist() == expected.hooks[hook].positions.tolist()
         np.testing.assert_array_equal(np.asarray(rows.values), np.asarray(expected.hooks[hook].values))
     assert served.metadata["engine_mode"] == "compiled" and served.metadata["response_id"] == answer.id
+
+
+def listed(url) -> dict[str, dict]:
+    with urllib.request.urlopen(f"{url}/inspector/v1/captures") as answer:
+        return {c["id"]: c for c in json.loads(answer.read())["captures"]}
+
+
+def long_captured_request(server, max_tokens=300):
+    """Start a capturing completion of ``max_tokens`` in a thread: (thread, a list the answer goes to)."""
+    client, _, _, model = server
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(client.completions.create(
+        model=model, prompt="count the items", max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True, "vllm_xargs": {"inspector_capture": "blocks.*.hook_resid_post"}})))
+    thread.start()
+    return thread, answers
+
+
+def test_a_running_capture_is_listed_and_read_as_far_as_its_rows_go(server, tmp_path):
+    """While it runs: listed as running with its rows so far, and its file holds them (every position
+    from 0, the tokens the rows were computed for); once over: listed as done, its file the whole
+    capture, whose first rows are the snapshot's."""
+    _, url, _, _ = server
+    thread, answers = long_captured_request(server)
+    deadline = time.monotonic() + 60
+    while not any(c["state"] == "running" and c["rows"] > 8 for c in listed(url).values()):
+        assert thread.is_alive() and time.monotonic() < deadline, "no running capture with rows was listed"
+        time.sleep(0.05)
+    [running] = [c for c in listed(url).values() if c["state"] == "running"]
+    with urllib.request.urlopen(f"{url}/inspector/v1/captures/{running['id']}") as answer:
+        assert answer.headers["X-Inspector-Capture-State"] == "running"
+        (tmp_path / "snapshot.h5").write_bytes(answer.read())
+    thread.join(120)
+    snapshot, [answer] = read_run(tmp_path / "snapshot.h5"), answers
+    assert running["id"] == answer.id and listed(url)[answer.id]["state"] == "done"
+    [partial], [whole] = snapshot.requests.values(), fetch_capture(url, answer.id, tmp_path / "whole.h5").requests.values()
+    assert partial.request_id == whole.request_id == f"{answer.id}/0" and partial.finish_reason is None
+    rows = partial.hooks["model.layers.1.resid_post"]
+    n = len(rows.positions)
+    assert n >= running["rows"] and rows.positions.tolist() == list(range(n)) and n < len(whole.token_ids)
+    assert partial.token_ids == whole.token_ids[:n]
+    for hook, got in partial.hooks.items():
+        np.testing.assert_array_equal(np.asarray(got.values), np.asarray(whole.hooks[hook].values)[:n])
+
+
+def test_the_app_watching_the_server_shows_each_capture_while_it_runs_and_when_it_ends(server, qtbot, ui_settings,
+                                                                                       tmp_path, monkeypatch):
+    """File ▸ Watch an OpenAI Server: a capturing request is listed while it runs, with its rows so far
+    on show, and replaced by its whole capture once its answer ends (the app looks every 0.2 s here:
+    the tiny model's answer takes about a second)."""
+    from fake_session import FakeSession
+    from inspector.ui.main_window import MainWindow
+    from inspector.viewer import served
+
+    monkeypatch.setattr(served, "POLL_S", 0.2)
+    _, url, _, _ = server
+    window = keep(qtbot, MainWindow(FakeSession.open))
+    window.show()
+    window.watch_served(url)
+    watched = window.controller.served
+    thread, answers = long_captured_request(server, max_tokens=480)
+    qtbot.waitUntil(lambda: bool(watched.running), timeout=60000)
+    qtbot.waitUntil(lambda: window.shown.rows(window.shown.selection.request, window.shown.selection.hook) is not None,
+                    timeout=30000)
+    rid = window.shown.selection.request
+    assert rid.split("/")[0] in watched.running and window.windowTitle().startswith(f"OpenAI server {url}")
+    thread.join(120)
+    [answer] = answers
+    qtbot.waitUntil(lambda: not watched.running, timeout=30000)
+    assert rid == f"{answer.id}/0" and window.shown.selection.request == rid
+    [whole] = fetch_capture(url, answer.id, tmp_path / "whole.h5").requests.values()
+    assert window.shown.request(rid).token_ids == whole.token_ids
+    positions, values = window.shown.rows(rid, window.shown.selection.hook)
+    np.testing.assert_array_equal(values, np.asarray(whole.hooks[window.shown.selection.hook].values))
+    window.refresh()
+    window.grab().save(str(tmp_path / "watching.png"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="two pipeline stages need two GPUs")

@@ -5,7 +5,10 @@ engine while they run and written, as each answer ends, to one capture file per 
 Ids and ownership: a response fans out to an engine request per prompt and sample (``n``). Its file
 holds one request per choice, in choice order, with request id ``<response id>/<choice index>``, its
 tokens from the answer and its rows from that choice's engine request. On a served engine this store is
-the only reader of rows: it drains them all (requests that did not ask keep none on the device).
+the only reader of rows: it drains them all (requests that did not ask keep none on the device), and
+others read them from it: ``GET /inspector/v1/captures`` lists the captures running and kept, and a
+running one's file is a snapshot of its rows so far (its tokens are those the rows were computed for,
+all counted as prompt until the answer ends). The desktop app watches a server that way.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from inspector.capture.portable import from_portable
@@ -32,6 +36,8 @@ class _Pending:
     ask: CaptureAsk
     request: dict  # the body vLLM got
     rows: dict[int, dict[str, list[tuple]]] = field(default_factory=dict)  # choice -> hook -> (positions, ids, values)
+    response_id: str = ""  # as the answer will give it, once the engine's first rows name it
+    started: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -50,6 +56,7 @@ class CaptureStore:
         self.hooks, self.metadata = hooks, metadata
         self._drain, self._token_texts = drain, token_texts
         self._pending: dict[str, _Pending] = {}
+        self._ids: dict[str, str] = {}  # key -> response id, of the files written
         self._lock = asyncio.Lock()
         self._poller: asyncio.Task | None = None
 
@@ -67,7 +74,9 @@ class CaptureStore:
         pending = self._pending.pop(key)
         choices = _choices(answer)
         path = self.directory / f"{key}.h5"
-        await asyncio.to_thread(self._write, path, pending, choices, _response_id(answer) or key)
+        self._ids[key] = _response_id(answer) or key
+        await asyncio.to_thread(self._write, path, pending, choices, self._ids[key])
+        (self.directory / f"running-{key}.h5").unlink(missing_ok=True)
         self._evict(keep=path)
         return path
 
@@ -76,6 +85,34 @@ class CaptureStore:
         key = capture_id.rpartition("-")[2]
         found = self.directory / f"{key}.h5"
         return found if re.fullmatch(r"c[0-9a-f]{32}", key) and found.is_file() else None
+
+    def running(self, capture_id: str) -> bool:
+        return capture_id.rpartition("-")[2] in self._pending
+
+    def listing(self) -> list[dict]:
+        """Captures running (from their first rows, which name their response; rows so far: of the first
+        hook, over the choices) and kept, oldest first."""
+        running = [{"id": p.response_id, "state": "running", "started": p.started,
+                    "rows": sum(len(part[0]) for rows in p.rows.values() for part in rows.get(p.ask.hooks[0], []))}
+                   for p in self._pending.values() if p.response_id]
+        kept = [{"id": self._ids.get(f.stem, f.stem), "state": "done", "started": f.stat().st_mtime, "bytes": f.stat().st_size}
+                for f in self.directory.glob("c*.h5")]
+        return sorted(running + kept, key=lambda c: c["started"])
+
+    async def snapshot(self, capture_id: str) -> Path | None:
+        """A running capture's file as far as its rows go (rewritten at each call); if it ended
+        meanwhile, its file (None until written)."""
+        key = capture_id.rpartition("-")[2]
+        running = self._pending[key]  # copied here: the poller appends to its lists while the file is written
+        pending = replace(running, rows={i: {hook: list(parts) for hook, parts in rows.items()}
+                                         for i, rows in running.rows.items()})
+        choices = {index: _Choice(prompt=_tokens_of(rows)) for index, rows in pending.rows.items()}
+        path = self.directory / f"running-{key}.h5"
+        await asyncio.to_thread(self._write, path, pending, choices, pending.response_id, None)
+        if key not in self._pending:  # it ended meanwhile: its own file is the capture
+            path.unlink(missing_ok=True)
+            return self.path(key)
+        return path
 
     async def _poll(self) -> None:
         while self._pending:
@@ -90,6 +127,7 @@ class CaptureStore:
             pending = self._pending.get(match.group(2)) if match else None
             if pending is None:
                 continue  # a request that ended without its answer (a disconnect)
+            pending.response_id = pending.response_id or re.sub(r"^\d+_", "", rid[:match.end(2)])
             sample, prompt = int(match.group(1) or 0), int(match.group(3) or 0)
             choice = prompt * int(pending.request.get("n") or 1) + sample
             rows = pending.rows.setdefault(choice, {})
@@ -99,7 +137,10 @@ class CaptureStore:
                     rows.setdefault(hook, []).append(tuple(from_portable(found[key])
                                                            for key in ("positions", "token_ids", "values")))
 
-    def _write(self, path: Path, pending: _Pending, choices: dict[int, _Choice], response_id: str) -> None:
+    def _write(self, path: Path, pending: _Pending, choices: dict[int, _Choice], response_id: str,
+               finish: str | None = "stop") -> None:
+        """The capture file of ``pending``; ``finish``: the reason of a choice whose answer names none
+        (None: the choices still run)."""
         metadata = {**self.metadata, "response_id": response_id, "capture_window": pending.ask.window,
                     "request": {k: v for k, v in pending.request.items() if k in ("model", "prompt", "messages")}}
         sampling = {k: pending.request[k] for k in SAMPLING_KEYS if k in pending.request}
@@ -117,7 +158,7 @@ class CaptureStore:
                 for hook, parts in pending.rows.get(index, {}).items():
                     for positions, token_ids, values in parts:
                         writer.append_rows(rid, hook, positions, token_ids, values)
-                request.finish_reason = choice.finish or "stop"
+                request.finish_reason = choice.finish or finish
                 writer.update_request(request)
 
     def _evict(self, keep: Path) -> None:
@@ -129,6 +170,18 @@ class CaptureStore:
             if old != keep:
                 total -= old.stat().st_size
                 old.unlink(missing_ok=True)
+
+
+def _tokens_of(rows: dict[str, list[tuple]]) -> list[int]:
+    """The tokens a choice's rows so far were computed for, by position (a window's gaps: 0)."""
+    found: dict[int, int] = {}
+    for parts in rows.values():
+        for positions, token_ids, _ in parts:
+            found.update(zip(positions.tolist(), token_ids.tolist()))
+    tokens = [0] * (max(found) + 1 if found else 0)
+    for position, token in found.items():
+        tokens[position] = token
+    return tokens
 
 
 def _objects(answer: bytes) -> list[dict]:

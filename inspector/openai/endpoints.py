@@ -44,6 +44,7 @@ class InspectorEndpoints:
     def attach_router(self, app: FastAPI) -> None:
         router = APIRouter(prefix="/inspector/v1")
         router.add_api_route("/hooks", self.hooks, methods=["GET"])
+        router.add_api_route("/captures", self.list_captures, methods=["GET"])
         router.add_api_route("/captures/{capture_id}", self.capture, methods=["GET"])
         router.add_api_route("/vectors", self.list_vectors, methods=["GET"])
         router.add_api_route("/vectors/{name}", self.put_vector, methods=["PUT"])
@@ -90,11 +91,22 @@ class InspectorEndpoints:
             return _error(503, "this server was started without the inspector's section in --additional-config")
         return JSONResponse(self.admission.hooks.describe())
 
+    async def list_captures(self) -> JSONResponse:
+        """The captures running and kept (what the desktop app watches)."""
+        return JSONResponse({"captures": self.captures.listing() if self.captures else []})
+
     async def capture(self, capture_id: str) -> Response:
-        """The capture file of a response that asked for one (its id, as the answer gave it)."""
-        path = self.captures.path(capture_id) if self.captures else None
+        """The capture file of a response that asked for one (its id, as the answer gave it); of one still
+        running, its rows so far (header ``X-Inspector-Capture-State: running``)."""
+        if self.captures and self.captures.running(capture_id):
+            path = await self.captures.snapshot(capture_id)
+            if path is not None and path.name.startswith("running-"):
+                return FileResponse(path, media_type="application/x-hdf5", filename=f"{capture_id}.h5",
+                                    headers={"X-Inspector-Capture-State": "running"})
+        else:
+            path = self.captures.path(capture_id) if self.captures else None
         if path is None:
-            return _error(404, f"no capture of {capture_id!r}: it did not ask (inspector_capture), is not over, or "
+            return _error(404, f"no capture of {capture_id!r}: it did not ask (inspector_capture) or "
                                "was evicted (the store keeps the newest up to its capture_store_mib)")
         return FileResponse(path, media_type="application/x-hdf5", filename=f"{capture_id}.h5")
 

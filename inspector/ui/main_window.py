@@ -185,6 +185,7 @@ class MainWindow(QMainWindow):
         self.recent_captures_menu = m.addMenu("Recent Captures")
         self.recent_captures_menu.triggered.connect(self._recent_capture_triggered)
         m.addAction("Open S&can…", self.open_scan_dialog)
+        m.addAction("&Watch an OpenAI Server…", self.watch_served_dialog)
         m.addAction("&Export…", self.export_dialog, QKeySequence("Ctrl+E"))
         m.addSeparator()
         self.act_new_run = m.addAction("&New Run", self.controller.new_run)
@@ -422,6 +423,18 @@ class MainWindow(QMainWindow):
 
     def open_capture(self, path: str) -> bool:
         return self.controller.open_capture(path)
+
+    def watch_served_dialog(self) -> None:
+        url, ok = QInputDialog.getText(self, "Watch an OpenAI Server",
+                                       "The address of `inspector serve --openai` (its requests that ask for\n"
+                                       "inspector_capture are shown as they arrive):",
+                                       text=self.controller.served.url if self.controller.served else
+                                       "http://127.0.0.1:8000")
+        if ok and url.strip():
+            self.watch_served(url)
+
+    def watch_served(self, url: str) -> None:
+        self.controller.watch_served(url)
 
     def open_scan_dialog(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a corpus scan", self.settings.last_dir,
@@ -677,7 +690,9 @@ class MainWindow(QMainWindow):
     def _update_title(self) -> None:
         """The app's name is appended by Qt (the application's display name)."""
         view, options = self.shown, self.controller.options
-        if view.source is not RunSource.LIVE:
+        if view.source is RunSource.SERVED:
+            self.setWindowTitle(view.label)
+        elif view.source is not RunSource.LIVE:
             self.setWindowTitle(Path(view.label).name)
         elif options is not None:
             where = f" on {self.controller.server[0]}" if self.controller.server else ""

@@ -31,7 +31,7 @@ from inspector.experiments.patching import SweepResult
 
 from inspector.net.keys import ClientKeys
 
-from . import jobs
+from . import jobs, served
 from .dashboard import ScanDashboard, open_dashboard
 from .feature_labels import LabelBook, sae_key
 from .jobs import Cancelled, GenerationResult, LensBox, SessionInfo, TaskState
@@ -198,6 +198,8 @@ class Controller:
         self.labels = LabelBook()  # the features' labels of every SAE shown
         self.scan: ScanDashboard | None = None  # the scan the Dashboard shows
         self.write_through_bytes = WRITE_THROUGH_BYTES
+        self.served: served.ServedRun | None = None  # the OpenAI server whose captures are watched
+        self._served_task: TaskState | None = None
 
     # ================================================================== state
     def enabled(self, action: Action) -> bool:
@@ -780,6 +782,56 @@ class Controller:
         self.view.status(f"Opened {path}: {len(run_file.run.requests)} request(s), "
                          f"{len(run_file.run.hooks)} hook point(s).", 8000)
         return True
+
+    # ================================================================== an OpenAI server's captures
+    def watch_served(self, url: str) -> None:
+        """Show the captures of an OpenAI server (``inspector serve --openai``) as they arrive: its
+        requests that asked for rows, read while they run and again once they end (a watch of another
+        server stops)."""
+        self.stop_watching()
+        self.served = served.ServedRun(url.strip().rstrip("/"))
+        self.show(RunView(self.served.run, RunSource.SERVED, f"OpenAI server {self.served.url}"))
+        self.view.status(f"Watching {self.served.url} for captures (requests with inspector_capture)…")
+        self._look_at_served()
+
+    def stop_watching(self) -> None:
+        if self._served_task is not None:
+            self._served_task.cancel()
+        self._served_task, self.served = None, None
+
+    def _look_at_served(self) -> None:
+        watched = self.served
+        self._served_task = self.files.start(
+            served.look, watched.url, watched.seen, on_done=functools.partial(self._served_news, watched),
+            on_exception=functools.partial(self._served_failed, watched))
+
+    def _served_news(self, watched: served.ServedRun, captures: list[served.ServedCapture]) -> None:
+        if watched is not self.served:  # stopped, or another server watched since
+            return
+        new = [c for c in captures if not any(r.startswith(c.id + "/") for r in watched.run.requests)]
+        for capture in captures:
+            watched.add(capture)
+        if captures:  # a new view of the run (its requests changed): the selection stays, or goes to the newest
+            shown = self.shown.run is watched.run
+            view = RunView(watched.run, RunSource.SERVED, f"OpenAI server {watched.url}")
+            if shown:
+                view.selection = self.shown.selection
+            if new or view.selection.request not in watched.run.requests:
+                view.selection.request = next(reversed(watched.run.requests), None)
+                hooks = view.hooks_for(view.selection.request)
+                view.selection.hook = view.selection.hook if view.selection.hook in {h.name for h in hooks} else (
+                    hooks[0].name if hooks else None)
+            if shown:
+                self.show(view)
+                self.view.status(f"{watched.url}: {len(watched.run.requests)} captured request(s), "
+                                 f"{len(watched.running)} running")
+        self._look_at_served()
+
+    def _served_failed(self, watched: served.ServedRun, exc: BaseException) -> None:
+        if watched is not self.served:
+            return
+        self.stop_watching()
+        self.view.error(f"Stopped watching {watched.url}.\n\n{exc}", details_of(exc), title="Watch an OpenAI Server")
 
     def open_scan(self, path: str) -> bool:
         """Show the corpus scan in ``path`` on the Dashboard; its top tokens label its SAE's features

@@ -33,6 +33,7 @@ class RunSource(enum.Enum):
     LIVE = "live"  # growing as the engine generates
     EARLIER = "earlier"  # the live run of a model opened before the current one, kept in memory
     FILE = "file"  # a reopened capture file
+    SERVED = "served"  # the captures of an OpenAI server, read as they arrive (served.py)
 
 
 @dataclass
