@@ -9,3 +9,13 @@ def harvest(*args, **kwargs):
     from inspector.harvesting import harvest as start
 
     return start(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    """``from inspector import Inspector``: the notebook API, imported when asked for (not in the engine's
+    workers, which import this package too)."""
+    if name in ("Inspector", "ActivationCache"):
+        import inspector.notebook
+
+        return getattr(inspector.notebook, name)
+    raise AttributeError(f"module 'inspector' has no attribute {name!r}")

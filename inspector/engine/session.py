@@ -266,9 +266,19 @@ class Session(Experiments):
         return Attribution.from_arrays(_from_head(self._llm.collective_rpc("inspector_attribution",
                                                                            args=(values, final_residual, k, chosen))))
 
-    def tokenize(self, text: str) -> list[int]:
+    def logits(self, values) -> np.ndarray:
+        """The model's logits of final-norm output rows (``normalized``), float32 [rows, vocab]: its own
+        unembedding (tied embeddings, logit scale and soft cap as the model has them)."""
         self._require_alive()
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        width = next(h.width for h in self.catalogue if h.kind == "normalized")
+        values, _ = checked_lens_request(values, 1, None, width, self._llm.llm_engine.model_config.get_vocab_size())
+        return _from_head(self._llm.collective_rpc("inspector_logits", args=(values,)))["logits"]
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The text's token ids; ``add_special_tokens``: as vLLM tokenizes a prompt (a BOS where the
+        model's tokenizer adds one)."""
+        self._require_alive()
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def token_texts(self, ids) -> list[str]:
         self._require_alive()

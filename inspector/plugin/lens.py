@@ -40,6 +40,20 @@ def lens(model: nn.Module, norm: nn.Module, values: np.ndarray, k: int, chosen: 
 
 
 @torch.inference_mode()
+def logits(model: nn.Module, values: np.ndarray, device: torch.device, dtype: torch.dtype) -> np.ndarray | None:
+    """The model's own logits (its ``compute_logits``) of final-norm output rows, float32 [rows, vocab],
+    in chunks of ``CHUNK_ROWS``; None on a tensor-parallel rank other than the first."""
+    out = []
+    for start in range(0, len(values), CHUNK_ROWS):
+        rows = torch.from_numpy(np.ascontiguousarray(values[start:start + CHUNK_ROWS])).to(device, dtype)
+        found = vllm_compat.logits(model, rows)
+        if found is None:
+            return None
+        out.append(found.float().cpu().numpy())
+    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+@torch.inference_mode()
 def attribution(model: nn.Module, norm: nn.Module, values: np.ndarray, residual: np.ndarray, k: int,
                 chosen: np.ndarray | None, device: torch.device, dtype: torch.dtype) -> dict[str, np.ndarray]:
     """Direct logit attribution: per row of a component's output (``values``), what it adds to each

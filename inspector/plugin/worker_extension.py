@@ -185,6 +185,15 @@ class InspectorWorkerExtension:
         return lens.lens(runtime.model, lens.final_norm(runtime.model, runtime.catalogue), values, int(k), chosen,
                          runtime.device, dtype)
 
+    def inspector_logits(self, values) -> dict:
+        """The model's logits of final-norm output rows (checked by the caller), float32 [rows, vocab];
+        nothing from a rank without the model's head."""
+        runtime = self._inspector()
+        if runtime.head_elsewhere():
+            return {}
+        dtype = next(runtime.model.parameters()).dtype
+        return {"logits": lens.logits(runtime.model, values, runtime.device, dtype)}
+
     def inspector_attribution(self, values, residual, k: int, chosen=None) -> dict:
         """Direct logit attribution of component rows (checked by the caller): top ``k`` and ``chosen``;
         nothing from a rank without the model's head."""

@@ -1,0 +1,186 @@
+"""``Inspector``: the engine as a notebook user drives TransformerLens's ``HookedTransformer``:
+``logits, cache = ins.run_with_cache(prompts)``, tokens in and out as torch tensors. Prefill only, at
+full batch through the compiled (or eager) engine; the logits are the model's own unembedding of the
+captured final-norm rows (vLLM computes logits only where it samples). No gradients: the engine runs
+inference only (for attribution, the patching sweep: ``Session.sweep``)."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from inspector.capture.protocol import Sampling, SessionOptions
+from inspector.engine.session import Session
+
+from .cache import ActivationCache, tensors_of
+
+NamesFilter = str | Sequence[str] | Callable[[str], bool] | None
+
+
+class Generated(NamedTuple):
+    text: list[str]  # each prompt's generated text
+    tokens: torch.Tensor  # [batch, pos]: prompt and generated token ids, 0 after each one's end
+    cache: ActivationCache
+
+
+class Inspector:
+    """``Inspector(model, hooks=PATTERNS, mode=…, dtype=…, device=…, **engine_args)``: boots the engine
+    with the hook points matching ``hooks`` (names, TransformerLens names or globs; all by default);
+    ``close()`` (or ``with``) frees it."""
+
+    def __init__(self, model: str = "demo", hooks: Sequence[str] = ("*",), mode: str = "compiled",
+                 dtype: str = "float32", device: str | torch.device = "cpu", max_model_len: int = 1024,
+                 **engine_args):
+        self.device = torch.device(device)
+        self.session = Session.open(SessionOptions(model=model, mode=mode, hooks=tuple(hooks), dtype=dtype,
+                                                   max_model_len=max_model_len, engine_args=engine_args))
+        self.points = {name: point for name, point in self.session.installed.items()}
+        self.n_layers = 1 + max((p.layer for p in self.session.catalogue), default=-1)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> "Inspector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- tokens ---
+
+    def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
+        """Token ids [batch, pos] as the engine tokenizes a prompt (a BOS where the tokenizer adds one),
+        prompts of different lengths padded with 0 on the right (see ``run_with_cache``'s mask)."""
+        ids = [self.session.tokenize(t, add_special_tokens=True) for t in ([text] if isinstance(text, str) else text)]
+        out = torch.zeros((len(ids), max(map(len, ids))), dtype=torch.long)
+        for i, row in enumerate(ids):
+            out[i, :len(row)] = torch.tensor(row)
+        return out.to(self.device)
+
+    def to_str_tokens(self, tokens: str | torch.Tensor | Sequence[int]) -> list[str]:
+        ids = self.to_tokens(tokens)[0] if isinstance(tokens, str) else tokens
+        return self.session.token_texts(np.asarray(torch.as_tensor(ids).cpu()).reshape(-1))
+
+    def to_string(self, tokens: torch.Tensor | Sequence[int]) -> str:
+        return "".join(self.to_str_tokens(tokens))
+
+    # --- runs ---
+
+    def run_with_cache(self, input, names_filter: NamesFilter = None, return_type: str | None = "logits",
+                       remove_batch_dim: bool = False) -> tuple[torch.Tensor | None, ActivationCache]:
+        """``(logits [batch, pos, vocab] or None, cache)`` of a prefill of ``input``: a prompt, prompts,
+        or token ids ([pos] or [batch, pos]; a list of lists for different lengths). Prompts of
+        different lengths are padded on the right; ``cache.attention_mask`` marks their tokens.
+        ``names_filter``: a glob, names, or a function of the name, choosing the cached activations."""
+        if return_type not in ("logits", None):
+            raise ValueError(f"return_type must be 'logits' or None, got {return_type!r}")
+        contexts = self._contexts(input)
+        self._check_filter(names_filter)
+        chosen = {name: point for name, point in self.points.items() if _wanted(point.alias, names_filter)}
+        normalized = next((name for name, p in self.points.items() if p.kind == "normalized"), None)
+        if return_type == "logits" and normalized is None:
+            raise ValueError("logits are computed from the final norm's output, which this engine does not capture: "
+                             "include ln_final.hook_normalized in hooks, or pass return_type=None")
+        lengths = [len(c) for c in contexts]
+        rows = {name: [None] * len(contexts) for name in {*chosen, *([normalized] if return_type else [])}}
+        for done in self.session.prefill(contexts):
+            for name in rows:
+                parts = [part[name] for part in done.parts if name in part]
+                order = np.argsort(np.concatenate([np.asarray(p["positions"]) for p in parts]), kind="stable")
+                rows[name][done.index] = np.concatenate([np.asarray(p["values"]) for p in parts])[order]
+        mask = torch.zeros((len(contexts), max(lengths)), dtype=torch.long)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        logits = self._logits(rows[normalized], lengths) if return_type else None
+        tensors = tensors_of(self.points, {name: rows[name] for name in chosen}, lengths)
+        cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers)
+        if remove_batch_dim:
+            cache = cache.remove_batch_dim()
+            logits = None if logits is None else logits[0]
+        return logits, cache
+
+    def generate_with_cache(self, prompts: str | Sequence[str], max_new_tokens: int = 32, names_filter: NamesFilter = None,
+                            **sampling) -> Generated:
+        """Generate from ``prompts`` (``sampling``: temperature, top_p, top_k, seed, ignore_eos; greedy by
+        default) and cache every position the model ran on: the prompt's and each generated token's but
+        the last (no forward reads it). ``tokens`` [batch, pos] (prompt and generated, 0 after the end),
+        ``cache.attention_mask`` marking the positions cached."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        try:
+            params = Sampling(max_tokens=max_new_tokens, logprobs=0, **sampling)
+        except TypeError as e:
+            raise ValueError(f"generate_with_cache: {e} (known: temperature, top_p, top_k, seed, ignore_eos)") from None
+        self._check_filter(names_filter)
+        self.session.new_run()
+        ids = self.session.upcoming_request_ids(len(prompts))
+        for _ in self.session.generate(prompts, params):
+            pass
+        requests = [self.session.run.requests[rid] for rid in ids]
+        self.session.new_run()  # the rows live in the cache from here on
+        longest = max(len(r.token_ids) for r in requests)
+        tokens, mask = torch.zeros((len(requests), longest), dtype=torch.long), torch.zeros((len(requests), longest),
+                                                                                          dtype=torch.long)
+        rows = {}
+        for i, request in enumerate(requests):
+            tokens[i, :len(request.token_ids)] = torch.tensor(request.token_ids)
+            for name, found in request.hooks.items():
+                if _wanted(self.points[name].alias, names_filter):
+                    positions = np.asarray(found.positions)
+                    mask[i, positions] = 1
+                    full = np.zeros((longest, found.values.shape[1]), dtype=found.values.dtype)
+                    full[positions] = found.values
+                    rows.setdefault(name, [None] * len(requests))[i] = full
+        for name, per_request in rows.items():  # a request may have kept no row of a hook
+            template = next(v for v in per_request if v is not None)
+            rows[name] = [np.zeros_like(template) if v is None else v for v in per_request]
+        tensors = tensors_of(self.points, rows, [longest] * len(requests))
+        texts = ["".join(self.session.token_texts(r.generated_token_ids)) if r.generated_token_ids else ""
+                 for r in requests]
+        cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers)
+        return Generated(texts, tokens.to(self.device), cache)
+
+    def _check_filter(self, names_filter: NamesFilter) -> None:
+        """ValueError for a name in a list filter that no installed point has, with the closest ones."""
+        if isinstance(names_filter, (list, tuple, set)):
+            aliases = [p.alias for p in self.points.values()]
+            unknown = [n for n in names_filter if n not in aliases]
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], aliases, n=3)
+                raise ValueError(f"{unknown[0]!r} is not a hook point this engine captures"
+                                 + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+    def _contexts(self, input) -> list[list[int]]:
+        if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input)):
+            return [self.session.tokenize(t, add_special_tokens=True) for t in ([input] if isinstance(input, str) else input)]
+        if isinstance(input, torch.Tensor):
+            ids = input.detach().cpu()
+            return [row.tolist() for row in (ids[None] if ids.ndim == 1 else ids)]
+        if isinstance(input, (list, tuple)) and input and all(isinstance(t, int) for t in input):
+            return [list(input)]
+        if isinstance(input, (list, tuple)) and input and all(isinstance(t, (list, tuple)) for t in input):
+            return [list(map(int, row)) for row in input]
+        raise ValueError("input must be a prompt, a list of prompts, or token ids ([pos], [batch, pos], or a list of "
+                         f"lists); got {type(input).__name__}")
+
+    def _logits(self, normalized: list[np.ndarray], lengths: list[int]) -> torch.Tensor:
+        flat = self.session.logits(np.concatenate(normalized))
+        out = torch.zeros((len(lengths), max(lengths), flat.shape[1]), dtype=torch.float32)
+        start = 0
+        for i, n in enumerate(lengths):
+            out[i, :n] = torch.from_numpy(flat[start:start + n])
+            start += n
+        return out.to(self.device)
+
+
+def _wanted(alias: str, names_filter: NamesFilter) -> bool:
+    if names_filter is None:
+        return True
+    if callable(names_filter):
+        return bool(names_filter(alias))
+    if isinstance(names_filter, str):
+        return fnmatch.fnmatchcase(alias, names_filter)
+    return alias in names_filter

@@ -1,0 +1,147 @@
+"""``Inspector``, the notebook API: ``run_with_cache`` on the tiny Llama (one compiled engine for the
+module) against transformers: the logits through the model's own unembedding, every block's points
+in TransformerLens's names and shapes, padding, and the errors a notebook user meets."""
+
+import numpy as np
+import pytest
+import torch
+
+import hf_reference
+from engines import PARITY_TOL, rel_l2
+
+PROMPTS = ["def fibonacci(n):\n    if n < 2:", "import os"]
+TL_NAMES = {"resid_pre": "hook_resid_pre", "resid_post": "hook_resid_post", "resid_mid": "hook_resid_mid",
+            "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "mlp_post": "mlp.hook_post", "z": "attn.hook_z"}
+
+
+@pytest.fixture(scope="module")
+def ins(tiny_models):
+    from inspector import Inspector
+
+    with Inspector(str(tiny_models["llama"]), max_model_len=256) as inspector:
+        yield inspector
+
+
+@pytest.fixture(scope="module")
+def cached(ins):
+    return ins.run_with_cache(PROMPTS)
+
+
+def test_the_logits_are_the_models_own_at_every_prompt_position(ins, cached, tiny_models):
+    logits, cache = cached
+    lengths = cache.attention_mask.sum(1).tolist()
+    assert logits.shape == (2, max(lengths), 512) and logits.dtype == torch.float32 and lengths[0] > lengths[1]
+    for i, prompt in enumerate(PROMPTS):
+        ids = ins.to_tokens(prompt)[0].tolist()
+        assert len(ids) == lengths[i]
+        expected = hf_reference.logits(tiny_models["llama"], ids)
+        assert rel_l2(logits[i, :len(ids)].numpy(), expected).max() < PARITY_TOL
+        assert not logits[i, len(ids):].any()  # the padding
+
+
+def test_every_block_point_is_transformers_in_transformerlens_names_and_shapes(ins, cached, tiny_models):
+    _, cache = cached
+    heads = cache["q", 0].shape[2]
+    assert cache["blocks.0.attn.hook_q"] is cache["q", 0] and cache["q", 0].shape[3] * heads == 128
+    assert cache["k", 1].ndim == 4 and cache["z", 1].shape == cache["q", 1].shape
+    for i, prompt in enumerate(PROMPTS):
+        ids = ins.to_tokens(prompt)[0].tolist()
+        for (layer, kind), expected in hf_reference.block_points(tiny_models["llama"], "llama", ids).items():
+            if kind not in TL_NAMES:
+                continue
+            got = cache[f"blocks.{layer}.{TL_NAMES[kind]}"][i, :len(ids)]
+            assert rel_l2(got.reshape(len(ids), -1).numpy(), expected).max() < PARITY_TOL, (layer, kind)
+
+
+def test_accumulated_resid_and_stacks_follow_transformerlens(cached):
+    _, cache = cached
+    stacked, labels = cache.accumulated_resid(return_labels=True)
+    assert labels == ["0_pre", "1_pre", "final_post"] and stacked.shape == (3, *cache["resid_post", 1].shape)
+    assert torch.equal(stacked[-1], cache["blocks.1.hook_resid_post"])
+    assert cache.accumulated_resid(1, incl_mid=True, return_labels=True)[1] == ["0_pre", "0_mid"]
+    assert cache.stack_activation("resid_post").shape == (2, *cache["resid_post", 0].shape)
+
+
+def test_token_ids_in_one_prompt_without_its_batch_dim_and_a_filter(ins, cached):
+    logits, cache = cached
+    n = int(cache.attention_mask[1].sum())
+    tokens = ins.to_tokens(PROMPTS[1])
+    one_logits, one = ins.run_with_cache(tokens, names_filter="blocks.1.*", remove_batch_dim=True)
+    assert one_logits.shape == (n, 512) and set(one) == {k for k in cache if k.startswith("blocks.1.")}
+    np.testing.assert_allclose(one["resid_post", 1].numpy(), cache["resid_post", 1][1, :n].numpy(), atol=1e-5)
+    assert ins.to_string(tokens[0]) == PROMPTS[1] and len(ins.to_str_tokens(PROMPTS[1])) == n
+    _, none = ins.run_with_cache([tokens[0].tolist()], names_filter=lambda name: name == "hook_embed", return_type=None)
+    assert list(none) == ["hook_embed"]
+
+
+def test_unknown_names_and_bad_input_are_one_clear_error_each(ins, cached):
+    _, cache = cached
+    with pytest.raises(KeyError, match="did you mean blocks.1.hook_resid_post"):
+        cache["blocks.1.hook_resid_pots"]
+    with pytest.raises(ValueError, match="did you mean blocks.0.hook_resid_pre"):
+        ins.run_with_cache(PROMPTS[0], names_filter=["blocks.0.hook_resid_pr"])
+    with pytest.raises(ValueError, match="input must be a prompt"):
+        ins.run_with_cache(3.5)
+    with pytest.raises(ValueError, match="has 400 tokens; the engine takes 1 to 255"):
+        ins.run_with_cache([[5] * 400])
+    with pytest.raises(ValueError, match="needs a batch of one"):
+        cache.remove_batch_dim()
+
+
+def test_generate_with_cache_caches_every_position_the_model_ran_on(ins, tiny_models):
+    """Greedy: the tokens are transformers' argmax continuation; the cache holds the prompt's and the
+    generated tokens' rows (all but the last token's), equal to a prefill of the same tokens."""
+    text, tokens, cache = ins.generate_with_cache(PROMPTS, max_new_tokens=5, ignore_eos=True)
+    assert tokens.shape[0] == 2 and len(text) == 2
+    for i, prompt in enumerate(PROMPTS):
+        prompt_ids = ins.to_tokens(prompt)[0].tolist()
+        ids = tokens[i, :len(prompt_ids) + 5].tolist()
+        assert ids[:len(prompt_ids)] == prompt_ids and text[i] == ins.to_string(ids[len(prompt_ids):])
+        logits = hf_reference.logits(tiny_models["llama"], ids[:-1])
+        assert logits[len(prompt_ids) - 1:].argmax(-1).tolist() == ids[len(prompt_ids):]
+        assert cache.attention_mask[i].tolist() == [1] * (len(ids) - 1) + [0] * (tokens.shape[1] - len(ids) + 1)
+        _, prefilled = ins.run_with_cache([ids[:-1]], names_filter="*resid_post", return_type=None)
+        assert rel_l2(cache["resid_post", 1][i, :len(ids) - 1].numpy(), prefilled["resid_post", 1][0].numpy()).max() < PARITY_TOL
+    with pytest.raises(ValueError, match="unexpected keyword argument 'temprature'"):
+        ins.generate_with_cache(PROMPTS[0], temprature=0.5)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tiny_models):
+    from inspector import Inspector
+
+    with Inspector(str(tiny_models["gpt2"]), max_model_len=256) as inspector:
+        yield inspector
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_cache_is_transformerlens_own_name_for_name(arch, ins, gpt2, tiny_models):
+    """TransformerLens's HookedTransformer of the same weights (unprocessed), on the same tokens: every
+    activation both caches name is the same, shape for shape, and so are the logits and the
+    accumulated residual stream. Queries and keys are those the attention kernel receives: after the
+    rotary embedding (TransformerLens's ``hook_rot_q``/``hook_rot_k``) where the model has one. The final
+    norm's output is after its weight and bias (TransformerLens's ``hook_normalized`` is before them), so
+    it is left out; the logits it gives are compared."""
+    from tl_reference import hooked_transformer
+
+    inspector = {"llama": ins, "gpt2": gpt2}[arch]
+    reference = hooked_transformer(tiny_models[arch], arch)
+    tokens = torch.tensor([[5, 17, 99, 3, 42, 7, 250, 11], [8, 64, 1, 2, 3, 4, 5, 6]])
+    logits, cache = inspector.run_with_cache(tokens)
+    with torch.no_grad():
+        expected_logits, expected = reference.run_with_cache(tokens)
+    assert rel_l2(logits.numpy().reshape(-1, 512), expected_logits.numpy().reshape(-1, 512)).max() < PARITY_TOL
+    rotary = {"q": "rot_q", "k": "rot_k"} if arch == "llama" else {}
+    compared = []
+    for name, got in cache.items():
+        kind = name.rpartition("hook_")[2]
+        theirs = name.replace(f"hook_{kind}", f"hook_{rotary[kind]}") if kind in rotary else name
+        if theirs in expected and kind != "normalized":
+            assert got.shape == expected[theirs].shape, name
+            assert rel_l2(got.reshape(-1, got.shape[-1]).numpy(),
+                          expected[theirs].reshape(-1, got.shape[-1]).numpy()).max() < PARITY_TOL, name
+            compared.append(kind)
+    assert {"embed", "resid_pre", "resid_post", "attn_out", "mlp_out", "q", "k", "z", "post"} <= set(compared)
+    mine, labels = cache.accumulated_resid(return_labels=True)
+    theirs, their_labels = expected.accumulated_resid(return_labels=True)
+    assert labels == their_labels and rel_l2(mine.reshape(-1, 128).numpy(), theirs.reshape(-1, 128).numpy()).max() < PARITY_TOL
