@@ -145,3 +145,23 @@ def test_the_cache_is_transformerlens_own_name_for_name(arch, ins, gpt2, tiny_mo
     mine, labels = cache.accumulated_resid(return_labels=True)
     theirs, their_labels = expected.accumulated_resid(return_labels=True)
     assert labels == their_labels and rel_l2(mine.reshape(-1, 128).numpy(), theirs.reshape(-1, 128).numpy()).max() < PARITY_TOL
+
+
+def test_edits_in_a_hooks_block_apply_to_its_runs_only(ins, cached):
+    """Compiled: a steering vector added at every row, a scale of zero, a row patched at one position;
+    out of the block the runs are plain again."""
+    _, plain = cached
+    push, row = torch.linspace(-1, 1, 128), torch.full((128,), 0.5)
+    with ins.hooks(steer={"blocks.0.hook_resid_post": push}, scale={"blocks.1.hook_mlp_out": 0.0},
+                   patch={"blocks.1.hook_resid_post": (2, row)}):
+        _, edited = ins.run_with_cache(PROMPTS, names_filter="blocks.*", return_type=None)
+    mask = plain.attention_mask.bool()
+    np.testing.assert_allclose(edited["resid_post", 0][mask].numpy(), (plain["resid_post", 0][mask] + push).numpy(),
+                               atol=1e-5)
+    assert not edited["mlp_out", 1].any()
+    np.testing.assert_allclose(edited["resid_post", 1][:, 2].numpy(), row.expand(2, 128).numpy(), atol=1e-6)
+    _, again = ins.run_with_cache(PROMPTS, names_filter="blocks.*", return_type=None)
+    assert torch.equal(again["resid_post", 1], plain["resid_post", 1]) and not ins.session.interventions
+    with pytest.raises(ValueError, match="did you mean blocks.0.hook_resid_post"):
+        with ins.hooks(steer={"blocks.0.hook_resid_pots": push}):
+            pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from dataclasses import asdict, dataclass
 
@@ -74,4 +75,6 @@ def installed_name(name_or_alias: str, installed: dict[str, HookPoint]) -> str:
     for name, info in installed.items():
         if info.alias == name_or_alias:
             return name
-    raise ValueError(f"{name_or_alias!r} is not an installed hook point")
+    close = difflib.get_close_matches(name_or_alias, [*installed, *(info.alias for info in installed.values())], n=3)
+    raise ValueError(f"{name_or_alias!r} is not an installed hook point"
+                     + (f"; did you mean {', '.join(close)}?" if close else ""))

@@ -6,6 +6,7 @@ inference only (for attribution, the patching sweep: ``Session.sweep``)."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import fnmatch
 from typing import Callable, NamedTuple, Sequence
@@ -13,6 +14,8 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from inspector.capture.hooks import installed_name
+from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import Sampling, SessionOptions
 from inspector.engine.session import Session
 
@@ -67,6 +70,28 @@ class Inspector:
 
     def to_string(self, tokens: torch.Tensor | Sequence[int]) -> str:
         return "".join(self.to_str_tokens(tokens))
+
+    # --- edits ---
+
+    @contextlib.contextmanager
+    def hooks(self, steer: dict | None = None, scale: dict | None = None, patch: dict | None = None):
+        """Edits for the runs inside the block, by hook name (TransformerLens's or ours): ``steer``
+        {hook: vector} adds the vector to every row, ``scale`` {hook: factor or vector} multiplies, ``patch``
+        {hook: (position, vector)} puts the vector in place of the row at that position. Compiled mode
+        takes them without recompiling; the edits in force before come back after the block."""
+        def name(hook: str) -> str:
+            return installed_name(hook, self.session.installed)
+
+        edits = [*(Intervention(name(h), bias=_vector(v)) for h, v in (steer or {}).items()),
+                 *(Intervention(name(h), scale=_vector(v)) for h, v in (scale or {}).items()),
+                 *(Intervention(name(h), scale=0.0, bias=_vector(v), positions=(int(p),))
+                   for h, (p, v) in (patch or {}).items())]
+        before = self.session.interventions
+        self.session.set_interventions([*before, *edits])
+        try:
+            yield self
+        finally:
+            self.session.set_interventions(before)
 
     # --- runs ---
 
@@ -184,3 +209,10 @@ def _wanted(alias: str, names_filter: NamesFilter) -> bool:
     if isinstance(names_filter, str):
         return fnmatch.fnmatchcase(alias, names_filter)
     return alias in names_filter
+
+
+def _vector(value):
+    """A factor, or a vector (a tensor anywhere, an array, a list) as numpy."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().cpu().numpy()
+    return value
