@@ -142,6 +142,10 @@ def test_the_cache_is_transformerlens_own_name_for_name(arch, ins, gpt2, tiny_mo
                           expected[theirs].reshape(-1, got.shape[-1]).numpy()).max() < PARITY_TOL, name
             compared.append(kind)
     assert {"embed", "resid_pre", "resid_post", "attn_out", "mlp_out", "q", "k", "z", "post"} <= set(compared)
+    for layer in range(2):  # recomputed from the captured queries and keys
+        assert cache["pattern", layer].shape == expected["pattern", layer].shape == (2, 2, 8, 8)
+        assert rel_l2(cache["pattern", layer].reshape(-1, 8).numpy(),
+                      expected["pattern", layer].reshape(-1, 8).numpy()).max() < PARITY_TOL
     mine, labels = cache.accumulated_resid(return_labels=True)
     theirs, their_labels = expected.accumulated_resid(return_labels=True)
     assert labels == their_labels and rel_l2(mine.reshape(-1, 128).numpy(), theirs.reshape(-1, 128).numpy()).max() < PARITY_TOL
@@ -165,3 +169,13 @@ def test_edits_in_a_hooks_block_apply_to_its_runs_only(ins, cached):
     with pytest.raises(ValueError, match="did you mean blocks.0.hook_resid_post"):
         with ins.hooks(steer={"blocks.0.hook_resid_pots": push}):
             pass
+
+
+def test_the_pattern_of_a_padded_prompt_covers_its_tokens_only(cached):
+    _, cache = cached
+    n = int(cache.attention_mask[1].sum())
+    pattern = cache["blocks.1.attn.hook_pattern"]
+    assert "blocks.1.attn.hook_pattern" in cache and pattern.shape[:2] == (2, 2)
+    np.testing.assert_allclose(pattern[1, :, :n, :n].sum(-1).numpy(), 1.0, rtol=1e-5)
+    assert not pattern[1, :, n:].any() and not pattern[1, :, :, n:].any()
+    assert torch.equal(pattern[1, :, :n, :n].triu(1), torch.zeros(2, n, n))  # causal

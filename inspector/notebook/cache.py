@@ -11,6 +11,7 @@ import re
 import numpy as np
 import torch
 
+from inspector.capture.attention import AttentionGeometry, attention_weights
 from inspector.capture.dtypes import BFLOAT16
 from inspector.capture.hooks import HookPoint
 
@@ -34,12 +35,15 @@ class ActivationCache:
     of different lengths are padded on the right, with zeros)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], attention_mask: torch.Tensor, n_layers: int,
-                 has_batch_dim: bool = True):
+                 has_batch_dim: bool = True, geometries: dict[int, AttentionGeometry] | None = None):
         self._tensors, self.attention_mask, self.n_layers = dict(tensors), attention_mask, n_layers
         self.has_batch_dim = has_batch_dim
+        self.geometries = dict(geometries or {})  # layer -> how its attention turns q and k into a pattern
 
     def __getitem__(self, key) -> torch.Tensor:
         name = act_name(*key) if isinstance(key, tuple) else key
+        if name not in self._tensors and self._pattern_layer(name) is not None:
+            self._tensors[name] = self._pattern(self._pattern_layer(name))
         if name not in self._tensors:
             close = difflib.get_close_matches(name, self._tensors, n=3)
             raise KeyError(f"{name!r} is not in the cache" + (f"; did you mean {', '.join(close)}?" if close else
@@ -47,7 +51,33 @@ class ActivationCache:
         return self._tensors[name]
 
     def __contains__(self, key) -> bool:
-        return (act_name(*key) if isinstance(key, tuple) else key) in self._tensors
+        name = act_name(*key) if isinstance(key, tuple) else key
+        return name in self._tensors or self._pattern_layer(name) is not None
+
+    def _pattern_layer(self, name: str) -> int | None:
+        """The layer of ``blocks.L.attn.hook_pattern`` where its queries and keys are cached, else None."""
+        found = re.fullmatch(r"blocks\.(\d+)\.attn\.hook_pattern", name)
+        layer = int(found.group(1)) if found else None
+        ready = layer in self.geometries and all(f"blocks.{layer}.attn.hook_{kind}" in self._tensors for kind in "qk")
+        return layer if ready else None
+
+    def _pattern(self, layer: int) -> torch.Tensor:
+        """The attention pattern [batch, head, query, key] recomputed from the captured queries and keys
+        (``attention_weights``: causal, windowed, soft-capped as the model is); 0 at padding."""
+        q, k = self[f"blocks.{layer}.attn.hook_q"], self[f"blocks.{layer}.attn.hook_k"]
+        mask = self.attention_mask
+        if not self.has_batch_dim:
+            q, k, mask = q[None], k[None], mask[None]
+        geometry = self.geometries[layer]
+        out = torch.zeros((q.shape[0], geometry.heads, q.shape[1], q.shape[1]), dtype=torch.float32)
+        for i in range(q.shape[0]):
+            positions = torch.nonzero(mask[i]).flatten().cpu().numpy()
+            rows = (q[i, positions].reshape(len(positions), -1).float().cpu().numpy(),
+                    k[i, positions].reshape(len(positions), -1).float().cpu().numpy())
+            weights = attention_weights(rows[0], positions, rows[1], positions, geometry)
+            out[i][:, positions[:, None], positions[None, :]] = torch.from_numpy(weights)
+        out = out.to(q.device)
+        return out if self.has_batch_dim else out[0]
 
     def __iter__(self):
         return iter(self._tensors)
@@ -69,7 +99,7 @@ class ActivationCache:
 
     def to(self, device) -> "ActivationCache":
         return ActivationCache({k: t.to(device) for k, t in self._tensors.items()}, self.attention_mask.to(device),
-                               self.n_layers, self.has_batch_dim)
+                               self.n_layers, self.has_batch_dim, self.geometries)
 
     def cpu(self) -> "ActivationCache":
         return self.to("cpu")
@@ -82,7 +112,7 @@ class ActivationCache:
         if batch != 1:
             raise ValueError(f"remove_batch_dim needs a batch of one; this cache holds {batch} prompts")
         return ActivationCache({k: t[0] for k, t in self._tensors.items()}, self.attention_mask[0], self.n_layers,
-                               has_batch_dim=False)
+                               has_batch_dim=False, geometries=self.geometries)
 
     def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False,
                           return_labels: bool = False):

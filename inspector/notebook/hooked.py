@@ -43,6 +43,7 @@ class Inspector:
                                                    max_model_len=max_model_len, engine_args=engine_args))
         self.points = {name: point for name, point in self.session.installed.items()}
         self.n_layers = 1 + max((p.layer for p in self.session.catalogue), default=-1)
+        self.geometries = {p.layer: p.attention for p in self.session.catalogue if p.kind == "q" and p.attention}
 
     def close(self) -> None:
         self.session.close()
@@ -122,7 +123,8 @@ class Inspector:
             mask[i, :n] = 1
         logits = self._logits(rows[normalized], lengths) if return_type else None
         tensors = tensors_of(self.points, {name: rows[name] for name in chosen}, lengths)
-        cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers)
+        cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
+                                geometries=self.geometries)
         if remove_batch_dim:
             cache = cache.remove_batch_dim()
             logits = None if logits is None else logits[0]
@@ -165,7 +167,8 @@ class Inspector:
         tensors = tensors_of(self.points, rows, [longest] * len(requests))
         texts = ["".join(self.session.token_texts(r.generated_token_ids)) if r.generated_token_ids else ""
                  for r in requests]
-        cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers)
+        cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
+                                geometries=self.geometries)
         return Generated(texts, tokens.to(self.device), cache)
 
     def _check_filter(self, names_filter: NamesFilter) -> None:
