@@ -179,3 +179,20 @@ def test_the_pattern_of_a_padded_prompt_covers_its_tokens_only(cached):
     np.testing.assert_allclose(pattern[1, :, :n, :n].sum(-1).numpy(), 1.0, rtol=1e-5)
     assert not pattern[1, :, n:].any() and not pattern[1, :, :, n:].any()
     assert torch.equal(pattern[1, :, :n, :n].triu(1), torch.zeros(2, n, n))  # causal
+
+
+@pytest.mark.parametrize("normalize", ["none", "constant_norm_rescale"])
+def test_a_saelens_sae_encodes_a_cache_entry_directly(cached, tmp_path, normalize):
+    """SAELens's own SAE, loaded from disk, takes ``cache[hook]`` as it is ([batch, pos, d_model]), and its
+    features are those of the same rows one by one (its input normalisation its own)."""
+    sae_lens = pytest.importorskip("sae_lens")
+    from sae_files import write_sae
+
+    _, cache = cached
+    directory = write_sae(tmp_path / "sae", "standard", 128, 32, "blocks.1.hook_resid_post", normalize=normalize)
+    sae = sae_lens.SAE.load_from_disk(str(directory), device="cpu")
+    with torch.no_grad():
+        features = sae.encode(cache["blocks.1.hook_resid_post"])
+        rows = sae.encode(cache["blocks.1.hook_resid_post"].reshape(-1, 128))
+    assert features.shape == (*cache["resid_post", 1].shape[:2], 32) and features.any()
+    np.testing.assert_allclose(features.reshape(-1, 32).numpy(), rows.numpy(), atol=1e-5)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import fnmatch
+import logging
+import os
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -33,11 +35,14 @@ class Generated(NamedTuple):
 class Inspector:
     """``Inspector(model, hooks=PATTERNS, mode=…, dtype=…, device=…, **engine_args)``: boots the engine
     with the hook points matching ``hooks`` (names, TransformerLens names or globs; all by default);
-    ``close()`` (or ``with``) frees it."""
+    ``close()`` (or ``with``) frees it. ``log_level``: of vLLM's logger (None: leave it as it is)."""
 
     def __init__(self, model: str = "demo", hooks: Sequence[str] = ("*",), mode: str = "compiled",
                  dtype: str = "float32", device: str | torch.device = "cpu", max_model_len: int = 1024,
-                 **engine_args):
+                 log_level: str | None = "WARNING", **engine_args):
+        if log_level is not None:  # vLLM's info lines would fill the cell's output
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level)  # read when vLLM is first imported
+            logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
         self.device = torch.device(device)
         self.session = Session.open(SessionOptions(model=model, mode=mode, hooks=tuple(hooks), dtype=dtype,
                                                    max_model_len=max_model_len, engine_args=engine_args))
