@@ -95,8 +95,8 @@ class CaptureStore:
         running = [{"id": p.response_id, "state": "running", "started": p.started,
                     "rows": sum(len(part[0]) for rows in p.rows.values() for part in rows.get(p.ask.hooks[0], []))}
                    for p in self._pending.values() if p.response_id]
-        kept = [{"id": self._ids.get(f.stem, f.stem), "state": "done", "started": f.stat().st_mtime, "bytes": f.stat().st_size}
-                for f in self.directory.glob("c*.h5")]
+        kept = [{"id": self._ids.get(f.stem, f.stem), "state": "done", "started": f.stat().st_mtime,
+                 "bytes": f.stat().st_size} for f in self.directory.glob("c*.h5")]
         return sorted(running + kept, key=lambda c: c["started"])
 
     async def snapshot(self, capture_id: str) -> Path | None:
