@@ -294,7 +294,8 @@ def test_v2_runner_queues_the_rows_copy_after_the_sampled_tokens_copy():
 
 def test_two_pipeline_stages_describe_one_model():
     """Each stage's points in the model's order, once (tensor-parallel ranks of a stage repeat them);
-    a kind is refused only where no stage offers it; placeholders are not the model's modules."""
+    a kind is refused only where no stage offers it; each stage's modules (its placeholders left out by
+    the stage), in the model's order."""
     from inspector.capture.ranks import merge_descriptions
 
     def stage(points, installed, refused, modules, seconds):
@@ -303,10 +304,10 @@ def test_two_pipeline_stages_describe_one_model():
 
     first = stage([("embed", "embed"), ("b0.resid_post", "resid_post")], {"b0.resid_post": "b0.resid_post"},
                   {"normalized": "the final norm is another stage's", "router": "no experts"},
-                  [("layers.0", "Block"), ("layers.1", "PPMissingLayer"), ("norm", "PPMissingLayer")], 1.5)
+                  [("layers.0", "Block")], 1.5)
     last = stage([("b1.resid_post", "resid_post"), ("norm.normalized", "normalized")],
                  {"b1.resid_post": "b1.resid_post"}, {"router": "no experts"},
-                 [("layers.0", "PPMissingLayer"), ("layers.1", "Block"), ("norm", "RMSNorm")], 2.0)
+                 [("layers.1", "Block"), ("norm", "RMSNorm")], 2.0)
     merged = merge_descriptions([first, first, last, last])  # TP=2 × PP=2
     assert [p["name"] for p in merged["hook_points"]] == ["embed", "b0.resid_post", "b1.resid_post", "norm.normalized"]
     assert list(merged["installed"]) == ["b0.resid_post", "b1.resid_post"]

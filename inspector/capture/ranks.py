@@ -37,8 +37,7 @@ def merge_descriptions(per_rank: list[dict]) -> dict:
     modules = {}
     for described in per_rank:
         for path, kind in described["modules"]:
-            if kind != "PPMissingLayer":
-                modules.setdefault(path, kind)
+            modules.setdefault(path, kind)
     merged.update(hook_points=list(points.values()), modules=list(modules.items()),
                   installed={name: point for described in per_rank for name, point in described["installed"].items()},
                   refused={kind: why for described in per_rank for kind, why in described["refused"].items()

@@ -140,11 +140,11 @@ class ActivationCache:
         return torch.stack([self[kind, layer] for layer in range(self.n_layers)])
 
 
-def tensors_of(points: dict[str, HookPoint], rows: dict[str, list], lengths: list[int]) -> dict[str, torch.Tensor]:
+def tensors_of(points: dict[str, HookPoint], rows: dict[str, list], lengths: list[int],
+               geometries: dict[int, AttentionGeometry]) -> dict[str, torch.Tensor]:
     """Per TransformerLens name, the prompts' rows ([tokens, width] numpy arrays, in prompt order) as
     one tensor [batch, pos, ...] padded with zeros on the right; heads split out of queries, keys and
     head outputs."""
-    heads = {p.layer: p.attention for p in points.values() if p.attention is not None and p.kind == "q"}
     batch, longest = len(lengths), max(lengths)
     out = {}
     for name, per_prompt in rows.items():
@@ -154,9 +154,8 @@ def tensors_of(points: dict[str, HookPoint], rows: dict[str, list], lengths: lis
         for i, values in enumerate(per_prompt):
             padded[i, :len(values)] = as_torch(values)
         kind = re.sub(r"^.*hook_", "", point.alias)
-        if kind in ("q", "k", "z") and point.layer in heads:
-            geometry = heads[point.layer]
-            padded = padded.reshape(batch, longest, -1, geometry.head_size)
+        if kind in ("q", "k", "z") and point.layer in geometries:
+            padded = padded.reshape(batch, longest, -1, geometries[point.layer].head_size)
         out[point.alias] = padded
     return out
 

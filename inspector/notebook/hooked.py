@@ -127,7 +127,7 @@ class Inspector:
         for i, n in enumerate(lengths):
             mask[i, :n] = 1
         logits = self._logits(rows[normalized], lengths) if return_type else None
-        tensors = tensors_of(self.points, {name: rows[name] for name in chosen}, lengths)
+        tensors = tensors_of(self.points, {name: rows[name] for name in chosen}, lengths, self.geometries)
         cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
                                 geometries=self.geometries)
         if remove_batch_dim:
@@ -169,7 +169,7 @@ class Inspector:
         for name, per_request in rows.items():  # a request may have kept no row of a hook
             template = next(v for v in per_request if v is not None)
             rows[name] = [np.zeros_like(template) if v is None else v for v in per_request]
-        tensors = tensors_of(self.points, rows, [longest] * len(requests))
+        tensors = tensors_of(self.points, rows, [longest] * len(requests), self.geometries)
         texts = ["".join(self.session.token_texts(r.generated_token_ids)) if r.generated_token_ids else ""
                  for r in requests]
         cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,

@@ -651,7 +651,8 @@ class InspectorRuntime:
             "feature_clamps": self.config.feature_clamps,
             "allocated_bytes": self.allocated_bytes(),
             "enable_position_interventions": self.config.enable_position_interventions,
-            "modules": [(path, type(m).__name__) for path, m in self.model.named_modules()],
+            "modules": [(path, type(m).__name__) for path, m in self.model.named_modules()
+                        if not self.held_elsewhere(path)],  # not another pipeline stage's placeholders
             "hook_points": [p.as_dict() for p in self.catalogue.values()],
             "refused": dict(self.refused),
             "probe_seconds": self.probe_seconds,
