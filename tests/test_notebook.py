@@ -171,6 +171,13 @@ def test_edits_in_a_hooks_block_apply_to_its_runs_only(ins, cached):
             pass
 
 
+def test_a_hook_function_on_the_compiled_engine_is_refused_naming_the_compiled_edits(ins):
+    with pytest.raises(ValueError, match=r"eager engine \(mode='eager'\).*steer=, scale=, patch="):
+        ins.run_with_hooks(PROMPTS[0], fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: x)])
+    logits, _ = ins.run_with_cache(PROMPTS[0], names_filter=[])  # nothing left in force
+    assert torch.equal(logits, ins.run_with_hooks(PROMPTS[0]))
+
+
 def test_the_pattern_of_a_padded_prompt_covers_its_tokens_only(cached):
     _, cache = cached
     n = int(cache.attention_mask[1].sum())

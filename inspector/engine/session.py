@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import hashlib
 import itertools
+import os
 import threading
 from dataclasses import replace
 
@@ -202,12 +203,13 @@ class Session(Experiments):
         self._apply_interventions(self._open, force=True)  # the new requests' log starts now
         return starts
 
-    def prefill(self, contexts: Iterable[Sequence[int]]) -> Iterator[Prefilled]:
+    def prefill(self, contexts: Iterable[Sequence[int]], request_ids: Sequence[str] | None = None) -> Iterator[Prefilled]:
         """Each context of token ids run prefill-only (no token is generated, nothing is detokenised),
         kept in flight so that every engine step is full, its rows handed out as it finishes:
         ``Prefilled``, in finishing order. The rows are views of the engine's host copies (copy what you
         keep, off the engine's thread if you can). Not folded into ``run``, no step events; the session
-        must have no other request open. The current interventions apply."""
+        must have no other request open. The current interventions apply. ``request_ids``: the
+        contexts' engine request ids, in order (what Python hook functions are told), else new ones."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -232,8 +234,11 @@ class Session(Experiments):
                     ids = checked_token_ids(ids, vocab).tolist()
                     if not 0 < len(ids) <= longest:
                         raise ValueError(f"context {index} has {len(ids)} tokens; the engine takes 1 to {longest}")
-                    rid = f"prefill{type(self)._next_id}"
-                    type(self)._next_id += 1
+                    if request_ids is None:
+                        rid = f"prefill{type(self)._next_id}"
+                        type(self)._next_id += 1
+                    else:
+                        rid = request_ids[index]
                     engine.add_request(rid, {"prompt_token_ids": ids, **self._cache_salt(rid)}, params)
                     flying[rid], queued = (index, len(ids), []), queued + len(ids)
                 if not flying:
@@ -336,6 +341,30 @@ class Session(Experiments):
         checked = checked_interventions(interventions, self.installed, self.options)
         with self._lock:
             self._pending = checked
+
+    def set_python_hooks(self, functions: dict[str, Callable]) -> None:
+        """Python functions on installed hooks' rows at every forward (``plugin.python_hooks``), replacing
+        those set before ({} removes them). Eager mode, with the engine in this process and no
+        parallelism: the worker runs the very functions given."""
+        self._require_alive()
+        parallel = self._llm.llm_engine.vllm_config.parallel_config
+        if functions and self.options.mode != "eager":
+            raise ValueError("Python hook functions need the eager engine (mode='eager'): the compiled graph runs "
+                             "scale, bias, patch and clamp edits only (steer=, scale=, patch= in the notebook's "
+                             "hooks(), or Session.set_interventions), without recompiling")
+        if functions and (parallel.world_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"):
+            raise ValueError("Python hook functions need the engine in this process without tensor or pipeline "
+                             "parallelism: the worker calls the functions themselves")
+        unknown = sorted(set(functions) - self.installed.keys())
+        if unknown:
+            raise ValueError(f"no installed hook named {unknown[0]!r}")
+        self._llm.collective_rpc("inspector_set_python_hooks", args=(dict(functions),))
+
+    def python_hook_error(self) -> BaseException | None:
+        """The first exception a Python hook function raised since the last call (its forward went on
+        without that function's edit), or None."""
+        self._require_alive()
+        return self._llm.collective_rpc("inspector_python_hook_error")[0]
 
     def set_windows(self, windows: dict[str, CaptureWindow], request_ids: list[str] | None = None) -> None:
         """Thread-safe. Capture windows by installed hook name or alias (hooks not named: all), checked at

@@ -7,8 +7,10 @@ inference only (for attribution, the patching sweep: ``Session.sweep``)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import fnmatch
+import itertools
 import logging
 import os
 from typing import Callable, NamedTuple, Sequence
@@ -22,8 +24,10 @@ from inspector.capture.protocol import Sampling, SessionOptions
 from inspector.engine.session import Session
 
 from .cache import ActivationCache, tensors_of
+from .hook_functions import HEADED_KINDS, HookFunction, row_function
 
 NamesFilter = str | Sequence[str] | Callable[[str], bool] | None
+_RUNS = itertools.count()  # numbers the notebook's prefill requests
 
 
 class Generated(NamedTuple):
@@ -43,15 +47,32 @@ class Inspector:
         if log_level is not None:  # vLLM's info lines would fill the cell's output
             os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level)  # read when vLLM is first imported
             logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+        ours = {f.name for f in dataclasses.fields(SessionOptions)}  # e.g. max_num_batched_tokens: the session's
+        options = {k: engine_args.pop(k) for k in list(engine_args) if k in ours}
+        self._attach(Session.open(SessionOptions(model=model, mode=mode, hooks=tuple(hooks), dtype=dtype,
+                                                 max_model_len=max_model_len, engine_args=engine_args, **options)),
+                     device)
+
+    def _attach(self, session, device: str | torch.device) -> None:
+        """Drive ``session`` (an engine in this process, or a server's), tensors out on ``device``."""
         self.device = torch.device(device)
-        self.session = Session.open(SessionOptions(model=model, mode=mode, hooks=tuple(hooks), dtype=dtype,
-                                                   max_model_len=max_model_len, engine_args=engine_args))
+        self._session = session
+        self._fwd_hooks: list[tuple[str, HookFunction]] = []  # (installed name, function), in force now
+        self._request_index: dict[str, int] = {}  # engine request id -> the prompt's index, for hook functions
         self.points = {name: point for name, point in self.session.installed.items()}
         self.n_layers = 1 + max((p.layer for p in self.session.catalogue), default=-1)
         self.geometries = {p.layer: p.attention for p in self.session.catalogue if p.kind == "q" and p.attention}
 
+    @property
+    def session(self):
+        if self._session is None:
+            raise RuntimeError("this Inspector is closed: create a new one (Inspector(...)) to run the model again")
+        return self._session
+
     def close(self) -> None:
-        self.session.close()
+        if self._session is not None:
+            session, self._session = self._session, None
+            session.close()
 
     def __enter__(self) -> "Inspector":
         return self
@@ -80,11 +101,19 @@ class Inspector:
     # --- edits ---
 
     @contextlib.contextmanager
-    def hooks(self, steer: dict | None = None, scale: dict | None = None, patch: dict | None = None):
-        """Edits for the runs inside the block, by hook name (TransformerLens's or ours): ``steer``
-        {hook: vector} adds the vector to every row, ``scale`` {hook: factor or vector} multiplies, ``patch``
-        {hook: (position, vector)} puts the vector in place of the row at that position. Compiled mode
-        takes them without recompiling; the edits in force before come back after the block."""
+    def hooks(self, fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFunction]] = (),
+              steer: dict | None = None, scale: dict | None = None, patch: dict | None = None, bwd_hooks=()):
+        """Edits for the runs inside the block, by hook name (TransformerLens's or ours). ``steer`` {hook:
+        vector} adds the vector to every row, ``scale`` {hook: factor or vector} multiplies, ``patch``
+        {hook: (position, vector)} puts the vector in place of the row at that position: the compiled
+        engine takes these without recompiling. ``fwd_hooks`` [(name or a filter of names, fn)]:
+        TransformerLens hook functions ``fn(activation, hook)`` (``hook_functions``), run on every
+        forward by the eager engine only. No gradients flow (``bwd_hooks`` are refused): for
+        attribution, the patching sweep (``Session.sweep``). The edits in force before come back after."""
+        if bwd_hooks:
+            raise ValueError("the engine runs inference only, without gradients, so backward hooks never run; for "
+                             "attribution patching use the activation-patching sweep (Session.sweep)")
+
         def name(hook: str) -> str:
             return installed_name(hook, self.session.installed)
 
@@ -92,12 +121,61 @@ class Inspector:
                  *(Intervention(name(h), scale=_vector(v)) for h, v in (scale or {}).items()),
                  *(Intervention(name(h), scale=0.0, bias=_vector(v), positions=(int(p),))
                    for h, (p, v) in (patch or {}).items())]
-        before = self.session.interventions
-        self.session.set_interventions([*before, *edits])
+        functions = [(installed, fn) for hook, fn in fwd_hooks for installed in self._hooked(hook)]
+        before, before_functions = self.session.interventions, self._fwd_hooks
+        self._set_functions([*before_functions, *functions])
         try:
+            self.session.set_interventions([*before, *edits])
             yield self
         finally:
             self.session.set_interventions(before)
+            self._set_functions(before_functions)
+
+    def _hooked(self, hook: str | Callable[[str], bool]) -> list[str]:
+        """The installed points a ``fwd_hooks`` entry names: one name, or every alias a filter accepts."""
+        if callable(hook):
+            found = [name for name, point in self.points.items() if hook(point.alias)]
+            if not found:
+                raise ValueError("the hook filter function accepts none of this engine's hook points")
+            return found
+        return [installed_name(hook, self.session.installed)]
+
+    def _set_functions(self, functions: list[tuple[str, HookFunction]]) -> None:
+        if not functions and not self._fwd_hooks:
+            return
+        if not hasattr(self.session, "set_python_hooks"):
+            raise ValueError("hook functions run only in an engine in this process (Inspector(model, mode='eager')); "
+                             "a server takes steer=, scale= and patch= edits")
+        by_point: dict[str, list[HookFunction]] = {}
+        for name, fn in functions:
+            by_point.setdefault(name, []).append(fn)
+        self.session.set_python_hooks({name: row_function(self.points[name], fns, self._request_index,
+                                                          self._head_size(self.points[name]))
+                                       for name, fns in by_point.items()})
+        self._fwd_hooks = functions
+
+    def _head_size(self, point) -> int | None:
+        kind = point.alias.rsplit("hook_", 1)[-1]
+        geometry = self.geometries.get(point.layer)
+        return geometry.head_size if kind in HEADED_KINDS and geometry is not None else None
+
+    def _index_requests(self, request_ids: list[str]) -> None:
+        """Tell the hook functions in force (which hold this very dict) whose rows each request's are."""
+        self._request_index.clear()
+        self._request_index.update({rid: i for i, rid in enumerate(request_ids)})
+
+    def _raise_hook_error(self) -> None:
+        """A hook function's exception, raised after the run it failed in (the engine went on without
+        that function's edit, since an exception inside a forward would fail the engine)."""
+        if self._fwd_hooks and (error := self.session.python_hook_error()) is not None:
+            raise error
+
+    def run_with_hooks(self, input, fwd_hooks: Sequence[tuple] = (), bwd_hooks=(), return_type: str | None = "logits",
+                       **edits) -> torch.Tensor | None:
+        """TransformerLens's ``run_with_hooks``: the logits of ``input`` (as ``run_with_cache`` takes it)
+        with the hook functions and edits of ``hooks(...)`` in force for this run only."""
+        with self.hooks(fwd_hooks, bwd_hooks=bwd_hooks, **edits):
+            return self.run_with_cache(input, names_filter=(), return_type=return_type)[0]
 
     # --- runs ---
 
@@ -118,11 +196,14 @@ class Inspector:
                              "include ln_final.hook_normalized in hooks, or pass return_type=None")
         lengths = [len(c) for c in contexts]
         rows = {name: [None] * len(contexts) for name in {*chosen, *([normalized] if return_type else [])}}
-        for done in self.session.prefill(contexts):
+        ids = [f"notebook{next(_RUNS)}" for _ in contexts]  # told to hook functions, as their prompt's index
+        self._index_requests(ids)
+        for done in self.session.prefill(contexts, ids) if self._fwd_hooks else self.session.prefill(contexts):
             for name in rows:
                 parts = [part[name] for part in done.parts if name in part]
                 order = np.argsort(np.concatenate([np.asarray(p["positions"]) for p in parts]), kind="stable")
                 rows[name][done.index] = np.concatenate([np.asarray(p["values"]) for p in parts])[order]
+        self._raise_hook_error()
         mask = torch.zeros((len(contexts), max(lengths)), dtype=torch.long)
         for i, n in enumerate(lengths):
             mask[i, :n] = 1
@@ -149,8 +230,10 @@ class Inspector:
         self._check_filter(names_filter)
         self.session.new_run()
         ids = self.session.upcoming_request_ids(len(prompts))
+        self._index_requests(ids)
         for _ in self.session.generate(prompts, params):
             pass
+        self._raise_hook_error()
         requests = [self.session.run.requests[rid] for rid in ids]
         self.session.new_run()  # the rows live in the cache from here on
         longest = max(len(r.token_ids) for r in requests)

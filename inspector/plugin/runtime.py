@@ -31,6 +31,7 @@ from .config import FEATURES, SCORES, PluginConfig, feature_keys
 from .copyout import CopyOut, Transfer
 from .features import DeviceSae
 from .gather import QueuedForward, rows_by_request
+from .python_hooks import PythonHooks
 from .slots import SlotPlanner, compose
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class InspectorRuntime:
         self.saes: dict[str, DeviceSae] = {}  # attached SAEs whose hook's rows this rank sends
         # per queued forward: its rows and host copies, and the transfer that says when they have landed
         self._pending: list[tuple[QueuedForward, Transfer]] = []
+        self.python_hooks = PythonHooks()  # set only in eager mode, where a forward can run any Python
 
     # --- hook set ---
 
@@ -322,11 +324,14 @@ class InspectorRuntime:
         if self._use_affine():
             n = hp.row_count(site, output[0] if isinstance(output, tuple) else output)
             output, value = hp.replace_output(site, output, *self._gather(hook, module, n))
+            replaced = output
         else:
-            value, output = hp.read_output(site, output), None
+            value, replaced = hp.read_output(site, output), None
+        if (delta := self._python_delta(hook, value)) is not None:
+            replaced, value = hp.replace_output(site, output, 1.0, delta)
         if hook.buffer is not None:
             getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
-        return output
+        return replaced
 
     def _on_input(self, hook: ActiveHook, module, args, kwargs):
         site, prefix = hook.site, hook.prefix
@@ -337,9 +342,19 @@ class InspectorRuntime:
             replaced = hp.split_arguments(arguments, args, kwargs)
         else:
             value = hp.read_input(site, arguments)
+        if (delta := self._python_delta(hook, value)) is not None:
+            arguments, value = hp.replace_input(site, arguments, 1.0, delta)
+            replaced = hp.split_arguments(arguments, args, kwargs)
         if hook.buffer is not None:
             getattr(module, f"{prefix}_rows").narrow(0, 0, value.shape[0]).copy_(value)
         return replaced
+
+    def _python_delta(self, hook: ActiveHook, value: torch.Tensor) -> torch.Tensor | None:
+        """What the hook's Python function (eager mode only) adds to the forward's rows, if it has one."""
+        step = self._logits_step
+        if not self.python_hooks.functions or step is None:
+            return None
+        return self.python_hooks.delta(hook.point.name, value, step.req_ids, step.query_start_loc, step.positions)
 
     # --- between forwards ---
 

@@ -154,6 +154,22 @@ class InspectorWorkerExtension:
     def inspector_clear_interventions(self) -> None:
         self._inspector().set_interventions([])
 
+    def inspector_set_python_hooks(self, functions: dict) -> None:
+        """Python functions on installed hooks' rows (``python_hooks``), replacing those set before: eager
+        mode only, and only where the engine runs in the caller's process (the functions are the
+        caller's objects, not copies)."""
+        runtime = self._inspector()
+        if functions and not runtime.config.eager:
+            raise RuntimeError("Python hook functions run only in eager mode: the compiled graph cannot call them")
+        unknown = sorted(set(functions) - runtime.active.keys())
+        if unknown:
+            raise ValueError(f"no installed hook named {unknown[0]!r}")
+        runtime.python_hooks.set(functions)
+
+    def inspector_python_hook_error(self):
+        """The first exception a Python hook function raised since the last call (None if none)."""
+        return self._inspector().python_hooks.take_error()
+
     def inspector_set_hook_patterns(self, patterns: list[str]) -> dict:
         """Make the installed hooks exactly those matching ``patterns``; returns name → point."""
         runtime = self._eager_runtime("changed")
