@@ -43,7 +43,7 @@ class Inspector:
 
     def __init__(self, model: str = "demo", hooks: Sequence[str] = ("*",), mode: str = "compiled",
                  dtype: str = "float32", device: str | torch.device = "cpu", max_model_len: int = 1024,
-                 log_level: str | None = "WARNING", **engine_args):
+                 log_level: str | None = "ERROR", **engine_args):
         if log_level is not None:  # vLLM's info lines would fill the cell's output
             os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level)  # read when vLLM is first imported
             logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
