@@ -23,6 +23,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import Sampling, SessionOptions
 from inspector.engine.session import Session
 
+from . import files
 from .cache import ActivationCache, tensors_of
 from .hook_functions import HEADED_KINDS, HookFunction, row_function
 
@@ -258,6 +259,22 @@ class Inspector:
         cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
                                 geometries=self.geometries)
         return Generated(texts, tokens.to(self.device), cache)
+
+    # --- files and the app ---
+
+    def save(self, target, path, tokens: torch.Tensor | None = None, prompt_lengths: Sequence[int] | None = None):
+        """A cache (``tokens``: its token ids, e.g. ``to_tokens(prompts)``), a generation or a ``Run`` as a
+        capture file of the project's format (``files.save``): the app opens it, ``files.load`` reads it
+        back into an ``ActivationCache``. Returns the path."""
+        return files.save(target, path, tokens=tokens, prompt_lengths=prompt_lengths, **self._file_args())
+
+    def open_in_app(self, target, path=None, tokens: torch.Tensor | None = None):
+        """Show a cache, a generation, a ``Run`` or a capture file in the desktop app, a process of its own
+        (returned); the file goes to ``path`` or the temporary directory."""
+        return files.open_in_app(target, path, tokens=tokens, **self._file_args())
+
+    def _file_args(self) -> dict:
+        return {"points": self.points, "token_texts": self.session.token_texts, "metadata": self.session.run.metadata}
 
     def _check_filter(self, names_filter: NamesFilter) -> None:
         """ValueError for a name in a list filter that no installed point has, with the closest ones."""
