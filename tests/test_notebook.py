@@ -151,6 +151,97 @@ def test_the_cache_is_transformerlens_own_name_for_name(arch, ins, gpt2, tiny_mo
     assert labels == their_labels and rel_l2(mine.reshape(-1, 128).numpy(), theirs.reshape(-1, 128).numpy()).max() < PARITY_TOL
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_decompose_resid_apply_ln_and_logit_attrs_are_transformerlens(arch, ins, gpt2, tiny_models):
+    """TransformerLens's HookedTransformer of the same weights, on the same tokens: ``decompose_resid``
+    and ``apply_ln_to_stack`` are its own unprocessed (LayerNorm centres, RMS does not) and add up to the
+    last block's output; ``logit_attrs`` (the engine's direct logit attribution) is its own with the
+    final norm folded into the unembedding (``fold_ln=True``), and summed over the parts, for the next
+    tokens, gives the logits less the unembedding's (folded) bias."""
+    from tl_reference import hooked_transformer
+
+    inspector = {"llama": ins, "gpt2": gpt2}[arch]
+    plain, folded = hooked_transformer(tiny_models[arch], arch), hooked_transformer(tiny_models[arch], arch)
+    folded.process_weights_(fold_ln=True, center_writing_weights=False, center_unembed=False)
+    tokens = torch.tensor([[5, 17, 99, 3, 42, 7, 250, 11], [8, 64, 1, 2, 3, 4, 5, 6]])
+    logits, cache = inspector.run_with_cache(tokens)
+    with torch.no_grad():
+        _, expected = plain.run_with_cache(tokens)
+        _, expected_folded = folded.run_with_cache(tokens)
+
+    def same(mine, theirs):
+        assert mine.shape == theirs.shape
+        assert rel_l2(mine.reshape(-1).numpy(), theirs.detach().reshape(-1).numpy()) < PARITY_TOL
+
+    stack, labels = cache.decompose_resid(return_labels=True)
+    theirs, their_labels = expected.decompose_resid(return_labels=True)
+    assert labels == their_labels and labels[-2:] == ["1_attn_out", "1_mlp_out"]
+    assert ("pos_embed" in labels) == (arch == "gpt2")
+    same(stack, theirs)
+    same(stack.sum(0), cache["resid_post", 1])
+    part = dict(layer=1, mlp_input=True, mode="attn", incl_embeds=False, return_labels=True)
+    (mine, part_labels), (theirs, their_part_labels) = cache.decompose_resid(**part), expected.decompose_resid(**part)
+    assert part_labels == their_part_labels == ["0_attn_out", "1_attn_out"]
+    same(mine, theirs)
+
+    same(cache["ln_final.hook_scale"], expected["ln_final.hook_scale"])
+    for pos in (None, -1, (0, -1)):
+        same(cache.apply_ln_to_stack(cache.decompose_resid(pos_slice=pos), pos_slice=pos, batch_slice=[1, 0]),
+             expected.apply_ln_to_stack(expected.decompose_resid(pos_slice=pos), pos_slice=pos, batch_slice=[1, 0]))
+    same(cache.decompose_resid(apply_ln=True, pos_slice=-1), expected.decompose_resid(apply_ln=True, pos_slice=-1))
+
+    following = tokens[:, 1:]
+    attrs = cache.logit_attrs(cache.decompose_resid(pos_slice=(0, -1)), following, pos_slice=(0, -1))
+    same(attrs, expected_folded.logit_attrs(expected_folded.decompose_resid(pos_slice=(0, -1)), following,
+                                            pos_slice=(0, -1)))
+    same(attrs.sum(0) + folded.b_U.detach()[following], logits[:, :-1].gather(-1, following[..., None])[..., 0])
+    last = cache.decompose_resid(pos_slice=-1)
+    diff = cache.logit_attrs(last, tokens[:, 0], incorrect_tokens=tokens[:, 1], pos_slice=-1)
+    assert diff.shape == (len(labels), 2)
+    same(diff, expected_folded.logit_attrs(expected_folded.decompose_resid(pos_slice=-1), tokens[:, 0],
+                                           incorrect_tokens=tokens[:, 1], pos_slice=-1))
+    same(diff, cache.logit_attrs(last, tokens[:, 0], pos_slice=-1)
+         - cache.logit_attrs(last, tokens[:, 1], pos_slice=-1))
+    same(cache.logit_attrs(last, 7, pos_slice=-1, batch_slice=1),
+         expected_folded.logit_attrs(expected_folded.decompose_resid(pos_slice=-1), 7, pos_slice=-1, batch_slice=1))
+
+
+def test_logit_attrs_take_a_one_token_string_and_a_cache_without_its_batch_dim(ins, cached):
+    """A string is its one token; a prompt's cache without its batch dimension (the model carried over)
+    attributes as its row of the batch's does."""
+    _, cache = cached
+    n = int(cache.attention_mask[1].sum())
+    stack = cache.decompose_resid()
+    assert ins.to_single_token("def") == 446  # the tiny tokenizer's
+    assert torch.equal(cache.logit_attrs(stack, "def"), cache.logit_attrs(stack, 446))
+    with pytest.raises(ValueError, match="'import' is 3 tokens, not one"):
+        cache.logit_attrs(stack, "import")
+    following = ins.to_tokens(PROMPTS[1])[0, 1:]
+    _, one = ins.run_with_cache(PROMPTS[1], remove_batch_dim=True)
+    attrs = one.logit_attrs(one.decompose_resid(pos_slice=(0, -1)), following, pos_slice=(0, -1), has_batch_dim=False)
+    batched = cache.logit_attrs(cache.decompose_resid(pos_slice=(0, n - 1)), following, pos_slice=(0, n - 1),
+                                batch_slice=1)
+    assert attrs.shape == batched.shape == (len(stack), n - 1)
+    np.testing.assert_allclose(attrs.numpy(), batched.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_blocks_norms_and_a_cache_without_its_model_are_refused_clearly(cached):
+    from inspector.notebook.cache import ActivationCache
+
+    _, cache = cached
+    stack = cache.decompose_resid()
+    with pytest.raises(ValueError, match="only the final norm's scale is known .* not that of block 1's norm"):
+        cache.apply_ln_to_stack(stack, layer=1)
+    with pytest.raises(ValueError, match="only the final norm's scale is known"):
+        cache.decompose_resid(1, apply_ln=True)
+    bare = ActivationCache(dict(cache.items()), cache.attention_mask, cache.n_layers)
+    assert "ln_final.hook_scale" in cache and "ln_final.hook_scale" not in bare
+    assert "ln_final.hook_scale" not in cache.keys()  # derived, not captured: a saved cache leaves it out
+    for call in (lambda: bare.logit_attrs(stack, 5), lambda: bare.apply_ln_to_stack(stack)):
+        with pytest.raises(ValueError, match="this cache holds no model"):
+            call()
+
+
 def test_edits_in_a_hooks_block_apply_to_its_runs_only(ins, cached):
     """Compiled: a steering vector added at every row, a scale of zero, a row patched at one position;
     out of the block the runs are plain again."""

@@ -271,6 +271,13 @@ class Session(Experiments):
         return Attribution.from_arrays(_from_head(self._llm.collective_rpc("inspector_attribution",
                                                                            args=(values, final_residual, k, chosen))))
 
+    def final_norm_kind(self) -> tuple[bool, float]:
+        """(centres like LayerNorm, epsilon) of the model's final norm: what its scale of the final
+        residual stream (TransformerLens's ``ln_final.hook_scale``) is made of."""
+        self._require_alive()
+        found = _from_head(self._llm.collective_rpc("inspector_final_norm_kind"))
+        return found["centred"], found["eps"]
+
     def logits(self, values) -> np.ndarray:
         """The model's logits of final-norm output rows (``normalized``), float32 [rows, vocab]: its own
         unembedding (tied embeddings, logit scale and soft cap as the model has them)."""

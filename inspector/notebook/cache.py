@@ -6,7 +6,9 @@ reads it as it is."""
 from __future__ import annotations
 
 import difflib
+import functools
 import re
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -14,16 +16,37 @@ import torch
 from inspector.capture.attention import AttentionGeometry, attention_weights
 from inspector.capture.dtypes import BFLOAT16
 from inspector.capture.hooks import HookPoint
+from inspector.capture.lens import Attribution
 
 ATTENTION_KINDS = ("q", "k", "v", "z", "pattern", "attn_scores")
 MLP_KINDS = ("pre", "post", "pre_linear")
+FINAL_SCALE = "ln_final.hook_scale"
+ATTRIBUTION_ROWS = 8192  # rows per engine call of logit_attrs: 128 MiB of float32 each way at a width of 4096
+
+SliceInput = int | tuple | slice | list | np.ndarray | torch.Tensor | None
+
+
+class _Engine(Protocol):
+    def final_norm_kind(self) -> tuple[bool, float]: ...
+
+    def attribution(self, values, final_residual, k: int = 5, chosen=None) -> Attribution: ...
+
+
+class CacheModel(Protocol):
+    """What a cache asks of the model it came from (an ``Inspector``) to apply the final norm and
+    attribute logits: the engine's own norm and unembedding, so no weights are copied out."""
+
+    @property
+    def session(self) -> _Engine: ...
+
+    def to_single_token(self, string: str) -> int: ...
 
 
 def act_name(kind: str, layer: int | None = None) -> str:
     """TransformerLens's name of an activation (its ``utils.get_act_name``): ``("resid_post", 3)`` →
     ``blocks.3.hook_resid_post``, ``("q", 0)`` → ``blocks.0.attn.hook_q``, ``"embed"`` → ``hook_embed``."""
     if layer is None:
-        return {"normalized": "ln_final.hook_normalized", "embed": "hook_embed",
+        return {"normalized": "ln_final.hook_normalized", "scale": FINAL_SCALE, "embed": "hook_embed",
                 "pos_embed": "hook_pos_embed"}.get(kind, kind)
     inner = "attn." if kind in ATTENTION_KINDS else "mlp." if kind in MLP_KINDS else ""
     return f"blocks.{layer}.{inner}hook_{kind}"
@@ -32,16 +55,21 @@ def act_name(kind: str, layer: int | None = None) -> str:
 class ActivationCache:
     """Activations by TransformerLens name, as torch tensors with a batch dimension first (until
     ``remove_batch_dim``); ``attention_mask`` [batch, pos] says which positions hold a token (prompts
-    of different lengths are padded on the right, with zeros)."""
+    of different lengths are padded on the right, with zeros). ``model``: the ``Inspector`` the cache
+    came from, which ``apply_ln_to_stack`` and ``logit_attrs`` ask for the final norm and unembedding."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], attention_mask: torch.Tensor, n_layers: int,
-                 has_batch_dim: bool = True, geometries: dict[int, AttentionGeometry] | None = None):
+                 has_batch_dim: bool = True, geometries: dict[int, AttentionGeometry] | None = None,
+                 model: CacheModel | None = None):
         self._tensors, self.attention_mask, self.n_layers = dict(tensors), attention_mask, n_layers
         self.has_batch_dim = has_batch_dim
         self.geometries = dict(geometries or {})  # layer -> how its attention turns q and k into a pattern
+        self.model = model
 
     def __getitem__(self, key) -> torch.Tensor:
         name = act_name(*key) if isinstance(key, tuple) else key
+        if name == FINAL_SCALE and name not in self._tensors and self._scale_derivable():
+            return self._final_scale  # derived, so not kept among the captured activations (nor saved with them)
         if name not in self._tensors and self._pattern_layer(name) is not None:
             self._tensors[name] = self._pattern(self._pattern_layer(name))
         if name not in self._tensors:
@@ -52,7 +80,8 @@ class ActivationCache:
 
     def __contains__(self, key) -> bool:
         name = act_name(*key) if isinstance(key, tuple) else key
-        return name in self._tensors or self._pattern_layer(name) is not None
+        return (name in self._tensors or self._pattern_layer(name) is not None
+                or (name == FINAL_SCALE and self._scale_derivable()))
 
     def _pattern_layer(self, name: str) -> int | None:
         """The layer of ``blocks.L.attn.hook_pattern`` where its queries and keys are cached, else None."""
@@ -79,6 +108,31 @@ class ActivationCache:
         out = out.to(q.device)
         return out if self.has_batch_dim else out[0]
 
+    def _scale_derivable(self) -> bool:
+        return self.model is not None and act_name("resid_post", self.n_layers - 1) in self._tensors
+
+    @functools.cached_property
+    def _final_scale(self) -> torch.Tensor:
+        """The final norm's scale at each position, [batch, pos, 1] (``ln_final.hook_scale``, which the
+        engine does not capture): sqrt(mean(x²) + eps) of its input, the last block's output, centred
+        first where the norm centres (LayerNorm)."""
+        centred, eps = self._final_norm
+        resid = self["resid_post", self.n_layers - 1]
+        x = resid.float()
+        x = x - x.mean(-1, keepdim=True) if centred else x
+        return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps).to(resid.dtype)
+
+    @functools.cached_property
+    def _final_norm(self) -> tuple[bool, float]:
+        """(centres like LayerNorm, epsilon) of the model's final norm, asked of the engine once."""
+        return self._engine().final_norm_kind()
+
+    def _engine(self) -> _Engine:
+        if self.model is None:
+            raise ValueError("this cache holds no model (ActivationCache(..., model=inspector); Inspector."
+                             "run_with_cache gives one): the final norm and unembedding are the engine's")
+        return self.model.session
+
     def __iter__(self):
         return iter(self._tensors)
 
@@ -99,7 +153,7 @@ class ActivationCache:
 
     def to(self, device) -> "ActivationCache":
         return ActivationCache({k: t.to(device) for k, t in self._tensors.items()}, self.attention_mask.to(device),
-                               self.n_layers, self.has_batch_dim, self.geometries)
+                               self.n_layers, self.has_batch_dim, self.geometries, self.model)
 
     def cpu(self) -> "ActivationCache":
         return self.to("cpu")
@@ -112,7 +166,7 @@ class ActivationCache:
         if batch != 1:
             raise ValueError(f"remove_batch_dim needs a batch of one; this cache holds {batch} prompts")
         return ActivationCache({k: t[0] for k, t in self._tensors.items()}, self.attention_mask[0], self.n_layers,
-                               has_batch_dim=False, geometries=self.geometries)
+                               has_batch_dim=False, geometries=self.geometries, model=self.model)
 
     def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False,
                           return_labels: bool = False):
@@ -138,6 +192,115 @@ class ActivationCache:
     def stack_activation(self, kind: str) -> torch.Tensor:
         """One kind of activation of every block, stacked: [layers, (batch,) pos, ...]."""
         return torch.stack([self[kind, layer] for layer in range(self.n_layers)])
+
+    def decompose_resid(self, layer: int | None = None, mlp_input: bool = False, mode: str = "all",
+                        apply_ln: bool = False, pos_slice: SliceInput = None, incl_embeds: bool = True,
+                        return_labels: bool = False):
+        """The residual stream before block ``layer`` (after the last block when None or the number of
+        blocks) as the outputs that add up to it: the embeddings ("embed", "pos_embed" where cached), then
+        each block's "{L}_attn_out" and "{L}_mlp_out" (``mode`` "attn" or "mlp": those only), and with
+        ``mlp_input`` block ``layer``'s attention too: [components, (batch,) pos, d_model], ``pos_slice``
+        applied (TransformerLens's ``Slice``). ``apply_ln``: through ``apply_ln_to_stack`` (final norm
+        only)."""
+        layer = self.n_layers if layer in (None, -1) else layer
+        if not 0 <= layer <= self.n_layers:
+            raise ValueError(f"layer must lie in 0..{self.n_layers}, got {layer}")
+        kinds = {"all": ("attn_out", "mlp_out"), "attn": ("attn_out",), "mlp": ("mlp_out",)}.get(mode)
+        if kinds is None:
+            raise ValueError(f"mode must be 'all', 'attn' or 'mlp', got {mode!r}")
+        names = [(kind, None) for kind in ("embed", "pos_embed") if incl_embeds and f"hook_{kind}" in self._tensors]
+        names += [(kind, block) for block in range(layer) for kind in kinds]
+        if mlp_input and "attn_out" in kinds:
+            names.append(("attn_out", layer))
+        stacked = torch.stack([apply_slice(pos_slice, self[name], -2) for name in names])
+        if apply_ln:
+            stacked = self.apply_ln_to_stack(stacked, layer, mlp_input, pos_slice=pos_slice)
+        labels = [kind if block is None else f"{block}_{kind}" for kind, block in names]
+        return (stacked, labels) if return_labels else stacked
+
+    def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False,
+                          pos_slice: SliceInput = None, batch_slice: SliceInput = None,
+                          has_batch_dim: bool = True) -> torch.Tensor:
+        """Residual-stream parts as the final norm sees them in this run (TransformerLens's): centred
+        where the norm centres (LayerNorm) and divided by its scale of the final residual stream at their
+        position (``ln_final.hook_scale``), without its weight and bias. ``pos_slice`` is applied to the
+        scale only (the stack has it already); ``batch_slice`` to both (the stack's dimension 1 when
+        ``has_batch_dim``). The final norm only (``layer`` None or the number of blocks, where
+        ``mlp_input`` means nothing): the blocks' norms' scales are not captured."""
+        if layer not in (None, -1, self.n_layers):
+            raise ValueError(f"only the final norm's scale is known (layer None or {self.n_layers}), not that of "
+                             f"block {layer}'s norm: the engine captures no block norm's scale")
+        if has_batch_dim:
+            residual_stack = apply_slice(batch_slice, residual_stack, 1)
+        if self._final_norm[0]:
+            residual_stack = residual_stack - residual_stack.mean(-1, keepdim=True)
+        return residual_stack / self._at_slices(self[FINAL_SCALE], pos_slice, batch_slice)
+
+    def logit_attrs(self, residual_stack: torch.Tensor, tokens, incorrect_tokens=None, pos_slice: SliceInput = None,
+                    batch_slice: SliceInput = None, has_batch_dim: bool = True) -> torch.Tensor:
+        """What each part of the residual stream adds directly to the logit of ``tokens`` (an id, a
+        one-token string, or ids broadcast against the stack: [batch], [batch, pos]), less what it adds
+        to ``incorrect_tokens``'s where given: through the model's own final norm, its weight included and
+        its scale frozen at the final residual stream (``pos_slice``, ``batch_slice`` as
+        ``apply_ln_to_stack``), and its unembedding without bias. The engine's direct logit attribution
+        (``Session.attribution``): TransformerLens's ``logit_attrs`` of a model loaded with
+        ``fold_ln=True`` (unprocessed, TransformerLens leaves the norm's weight out). Summed over
+        ``decompose_resid``'s parts: the logits less the unembedding's bias and the norm's bias through
+        it. Float32 [components, *batch_and_pos]."""
+        engine = self._engine()
+        if has_batch_dim:
+            residual_stack = apply_slice(batch_slice, residual_stack, 1)
+        final = self._at_slices(self["resid_post", self.n_layers - 1], pos_slice, batch_slice)
+        ids = self._token_ids(tokens)
+        wrong = None if incorrect_tokens is None else self._token_ids(incorrect_tokens)
+        if wrong is not None and wrong.shape != ids.shape:
+            raise ValueError(f"tokens and incorrect_tokens must have the same shape, got {tuple(ids.shape)} and "
+                             f"{tuple(wrong.shape)}")
+        shape = torch.broadcast_shapes(residual_stack.shape[:-1], final.shape[:-1], ids.shape)
+        width = residual_stack.shape[-1]
+
+        def rows(t: torch.Tensor) -> np.ndarray:
+            return t.expand(*shape, width).reshape(-1, width).float().cpu().numpy()
+
+        values, residual = rows(residual_stack), rows(final)
+        attrs = _chosen_logits(engine, values, residual, ids.expand(shape).reshape(-1).cpu().numpy())
+        if wrong is not None:
+            attrs = attrs - _chosen_logits(engine, values, residual, wrong.expand(shape).reshape(-1).cpu().numpy())
+        return torch.from_numpy(attrs).reshape(shape).to(residual_stack.device)
+
+    def _at_slices(self, t: torch.Tensor, pos_slice: SliceInput, batch_slice: SliceInput) -> torch.Tensor:
+        """A [(batch,) pos, ...] activation at the positions and prompts a sliced stack holds."""
+        t = apply_slice(pos_slice, t, -2)
+        return apply_slice(batch_slice, t, 0) if self.has_batch_dim else t
+
+    def _token_ids(self, tokens) -> torch.Tensor:
+        """Token ids as a long tensor; a string must be one token, and one id is a scalar (TransformerLens's
+        ``tokens_to_residual_directions``)."""
+        ids = self.model.to_single_token(tokens) if isinstance(tokens, str) else tokens
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        return ids.reshape(()) if ids.numel() == 1 else ids
+
+
+def _chosen_logits(engine: _Engine, values: np.ndarray, residual: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The engine's direct logit attribution of each row to its token, ``ATTRIBUTION_ROWS`` rows a call."""
+    return np.concatenate([engine.attribution(values[start:start + ATTRIBUTION_ROWS],
+                                              residual[start:start + ATTRIBUTION_ROWS], 1,
+                                              ids[start:start + ATTRIBUTION_ROWS]).chosen_logits
+                           for start in range(0, len(values), ATTRIBUTION_ROWS)])
+
+
+def apply_slice(value: SliceInput, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """TransformerLens's ``Slice`` of ``tensor`` along ``dim``: None keeps it whole, an int takes one index
+    (dropping the dimension), a tuple is ``slice(*tuple)``, a list, array or tensor takes those indices
+    (a TransformerLens ``Slice`` applies itself)."""
+    if value is None:
+        return tensor
+    if hasattr(value, "apply"):
+        return value.apply(tensor, dim)
+    if isinstance(value, tuple):
+        value = slice(*value)
+    index = value if isinstance(value, (int, slice)) else torch.as_tensor(value)
+    return tensor[(slice(None),) * (dim % tensor.ndim) + (index,)]
 
 
 def tensors_of(points: dict[str, HookPoint], rows: dict[str, list], lengths: list[int],

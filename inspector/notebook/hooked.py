@@ -211,7 +211,7 @@ class Inspector:
         logits = self._logits(rows[normalized], lengths) if return_type else None
         tensors = tensors_of(self.points, {name: rows[name] for name in chosen}, lengths, self.geometries)
         cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
-                                geometries=self.geometries)
+                                geometries=self.geometries, model=self)
         if remove_batch_dim:
             cache = cache.remove_batch_dim()
             logits = None if logits is None else logits[0]
@@ -257,7 +257,7 @@ class Inspector:
         texts = ["".join(self.session.token_texts(r.generated_token_ids)) if r.generated_token_ids else ""
                  for r in requests]
         cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
-                                geometries=self.geometries)
+                                geometries=self.geometries, model=self)
         return Generated(texts, tokens.to(self.device), cache)
 
     # --- files and the app ---
@@ -307,6 +307,13 @@ class Inspector:
             out[i, :n] = torch.from_numpy(flat[start:start + n])
             start += n
         return out.to(self.device)
+
+    def to_single_token(self, string: str) -> int:
+        """The id of ``string``'s one token (as TransformerLens's); ValueError if it is not one token."""
+        ids = self.session.tokenize(string)
+        if len(ids) != 1:
+            raise ValueError(f"{string!r} is {len(ids)} tokens, not one")
+        return ids[0]
 
 
 def _wanted(alias: str, names_filter: NamesFilter) -> bool:

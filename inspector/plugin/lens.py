@@ -61,7 +61,7 @@ def attribution(model: nn.Module, norm: nn.Module, values: np.ndarray, residual:
     position, and the unembedding (no bias, no soft cap: summed over every component of the residual
     stream, these give the model's logits less those constants). Top ``k`` ids and logits, and the
     ``chosen`` token's logit and rank."""
-    centred, eps = _norm_kind(norm, device, dtype)
+    centred, eps = norm_kind(norm, device, dtype)
 
     def spread(x: torch.Tensor) -> torch.Tensor:
         x = x - x.mean(-1, keepdim=True) if centred else x
@@ -80,9 +80,11 @@ def _normed(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _norm_kind(norm: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[bool, float]:
+@torch.inference_mode()
+def norm_kind(norm: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[bool, float]:
     """(centres like LayerNorm, epsilon), asked of the norm itself: a constant row is all offset to a
-    centring norm, which maps it to what it maps zero to; an RMS norm scales it."""
+    centring norm, which maps it to what it maps zero to; an RMS norm scales it. With these, the norm's
+    scale of a row is sqrt(mean(x²) + eps) of the row, centred first if it centres."""
     eps = next((float(getattr(norm, a)) for a in ("variance_epsilon", "eps") if hasattr(norm, a)), None)
     if eps is None:
         raise ValueError(f"{type(norm).__name__}: the final norm's epsilon is unknown, so its scale cannot be frozen")

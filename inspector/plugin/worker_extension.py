@@ -220,6 +220,16 @@ class InspectorWorkerExtension:
         return lens.attribution(runtime.model, lens.final_norm(runtime.model, runtime.catalogue), values, residual,
                                 int(k), chosen, runtime.device, dtype)
 
+    def inspector_final_norm_kind(self) -> dict:
+        """Whether the model's final norm centres (LayerNorm) and its epsilon; nothing from a rank without
+        the model's head."""
+        runtime = self._inspector()
+        if runtime.head_elsewhere():
+            return {}
+        dtype = next(runtime.model.parameters()).dtype
+        centred, eps = lens.norm_kind(lens.final_norm(runtime.model, runtime.catalogue), runtime.device, dtype)
+        return {"centred": centred, "eps": eps}
+
     def inspector_compilation_count(self) -> int:
         return vllm_compat.compilation_count()
 
