@@ -1,10 +1,12 @@
 """The notebook API against TransformerLens and vanilla vLLM, on one model, in one process, one after another.
 
-    packaging/dev bench notebook_bench                 # CPU: the demo model, float32
+    packaging/dev bench notebook_bench                       # CPU: the demo model, float32
+    python3 bench/notebook_bench.py --preset llama3-8b       # GPU: Llama-3-8B shape, dummy bf16 weights
 
-Three engines on the same weights and tokens: TransformerLens's ``HookedTransformer`` (the weights
-converted by its own converter, unprocessed), ``Inspector`` (the compiled engine, every block's residual
-stream cached), and vanilla vLLM (no hooks). Each measures ``--reps`` times, median kept:
+Three engines on the same model shape and tokens: TransformerLens's ``HookedTransformer`` (CPU: the demo
+model's weights through its own converter, unprocessed; GPU: random weights of the shape, made on the
+GPU), ``Inspector`` (the compiled engine, every block's residual stream cached, the cache's tensors on
+the benchmark's device) and vanilla vLLM (no hooks). Each measures ``--reps`` times, median kept:
   - prefill: ``run_with_cache`` of ``--batch`` contexts of ``--tokens`` tokens (vLLM: a prefill-only
     ``generate``, one token each);
   - generation: ``--new-tokens`` greedy tokens from ``--batch`` short prompts, every resid_post cached
@@ -16,8 +18,12 @@ TransformerLens ahead for prefill, >= 3x for generation on the H200).
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import sys
+import tempfile
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -31,15 +37,52 @@ from inspector.engine.environment import prepare_environment  # noqa: E402
 RESID = "*hook_resid_post"
 
 
+class Setup(NamedTuple):
+    model_dir: Path
+    dtype: str
+    device: str  # where the tensors of every engine's results live
+    engine_args: dict  # both vLLM engines'
+    transformerlens: Callable[[], torch.nn.Module]
+
+
+def setup(preset: str, model: str) -> Setup:
+    if preset == "cpu":
+        from tl_reference import hooked_transformer
+
+        path = resolve_model(model)
+        return Setup(path, "float32", "cpu", {"max_num_batched_tokens": 512}, lambda: hooked_transformer(path, "llama"))
+    from plugin_bench import PRESETS, word_tokenizer
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    spec = PRESETS[preset][0]
+    path = Path(tempfile.mkdtemp(prefix="notebook-bench-model-"))
+    (path / "config.json").write_text(json.dumps(spec))
+    word_tokenizer(spec["vocab_size"]).save_pretrained(path)
+    head = spec["hidden_size"] // spec["num_attention_heads"]
+    cfg = HookedTransformerConfig(
+        d_model=spec["hidden_size"], n_layers=spec["num_hidden_layers"], n_heads=spec["num_attention_heads"],
+        d_head=head, d_mlp=spec["intermediate_size"], n_ctx=2048, act_fn="silu", normalization_type="RMS",
+        positional_embedding_type="rotary", rotary_dim=head, rotary_base=spec["rope_theta"], gated_mlp=True,
+        final_rms=True, eps=spec["rms_norm_eps"], n_key_value_heads=spec["num_key_value_heads"],
+        d_vocab=spec["vocab_size"], default_prepend_bos=False, original_architecture="LlamaForCausalLM",
+        dtype=torch.bfloat16, device="cuda")
+
+    def transformerlens():
+        with torch.device("cuda"):  # made where it runs: no 8B model in host memory first
+            return HookedTransformer(cfg).eval()
+
+    return Setup(path, "bfloat16", "cuda", {"load_format": "dummy", "gpu_memory_utilization": 0.35,
+                                            "max_num_batched_tokens": 8192}, transformerlens)
+
+
 def timed(function, reps: int) -> float:
     """Median seconds of ``reps`` calls, after one warm-up call."""
     return median_ms(function, reps) / 1000
 
 
-def transformerlens(model_dir: Path, contexts: torch.Tensor, prompts: torch.Tensor, new: int, reps: int) -> dict:
-    from tl_reference import hooked_transformer
-
-    model = hooked_transformer(model_dir, "llama")
+def transformerlens(s: Setup, contexts: torch.Tensor, prompts: torch.Tensor, new: int, reps: int) -> dict:
+    model = s.transformerlens()
+    contexts, prompts = contexts.to(s.device), prompts.to(s.device)
     kept = []
 
     def keep(activation, hook):
@@ -50,29 +93,36 @@ def transformerlens(model_dir: Path, contexts: torch.Tensor, prompts: torch.Tens
         with torch.no_grad(), model.hooks(fwd_hooks=[(lambda name: name.endswith("hook_resid_post"), keep)]):
             model.generate(prompts, max_new_tokens=new, do_sample=False, use_past_kv_cache=True, verbose=False,
                            stop_at_eos=False)
+        synchronize(s)
 
-    with torch.no_grad():
-        prefill = timed(lambda: model.run_with_cache(contexts, names_filter=lambda n: n.endswith("hook_resid_post")),
-                        reps)
-    return {"prefill": prefill, "generate": timed(generate, reps)}
+    def prefill():
+        with torch.no_grad():
+            model.run_with_cache(contexts, names_filter=lambda n: n.endswith("hook_resid_post"))
+        synchronize(s)
+
+    found = {"prefill": timed(prefill, reps), "generate": timed(generate, reps)}
+    del model, kept
+    gc.collect()
+    torch.cuda.empty_cache() if s.device == "cuda" else None
+    return found
 
 
-def inspector(model_dir: Path, contexts: torch.Tensor, prompts: list[str], new: int, reps: int) -> dict:
+def inspector(s: Setup, contexts: torch.Tensor, prompts: list[str], new: int, reps: int) -> dict:
     from inspector import Inspector
 
-    with Inspector(str(model_dir), hooks=["blocks.*.hook_resid_post", "ln_final.hook_normalized"],
-                   max_model_len=1024) as ins:
+    with Inspector(str(s.model_dir), hooks=["blocks.*.hook_resid_post", "ln_final.hook_normalized"], dtype=s.dtype,
+                   device=s.device, max_model_len=1024, **s.engine_args) as ins:
         prefill = timed(lambda: ins.run_with_cache(contexts, names_filter=RESID, return_type=None), reps)
         generate = timed(lambda: ins.generate_with_cache(prompts, max_new_tokens=new, ignore_eos=True,
                                                          names_filter=RESID), reps)
     return {"prefill": prefill, "generate": generate}
 
 
-def vanilla(model_dir: Path, contexts: torch.Tensor, prompts: list[str], new: int, reps: int) -> dict:
+def vanilla(s: Setup, contexts: torch.Tensor, prompts: list[str], new: int, reps: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=1024, max_num_batched_tokens=512,
-              enable_prefix_caching=False)  # as the inspector's prefill: every row computed, every rep
+    llm = LLM(model=str(s.model_dir), dtype=s.dtype, max_model_len=1024,
+              enable_prefix_caching=False, **s.engine_args)  # as the inspector's prefill: every row computed
     one = SamplingParams(max_tokens=1, temperature=0.0)
     many = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     ids = [{"prompt_token_ids": row.tolist()} for row in contexts]
@@ -81,36 +131,50 @@ def vanilla(model_dir: Path, contexts: torch.Tensor, prompts: list[str], new: in
     return {"prefill": prefill, "generate": generate}
 
 
+def synchronize(s: Setup) -> None:
+    if s.device == "cuda":
+        torch.cuda.synchronize()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="demo")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--preset", choices=["cpu", "llama3-8b"], default="cpu")
+    parser.add_argument("--model", default="demo", help="the cpu preset's model")
+    parser.add_argument("--batch", type=int, default=None, help="default: 8 on the CPU, 32 on the GPU")
+    parser.add_argument("--tokens", type=int, default=None, help="default: 128 on the CPU, 512 on the GPU")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: 32 on the CPU, 128 on the GPU")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--only", choices=["TransformerLens", "Inspector", "vanilla vLLM"], nargs="*", default=None)
     args = parser.parse_args()
+    gpu = args.preset != "cpu"
+    batch, tokens, new = (args.batch or (32 if gpu else 8), args.tokens or (512 if gpu else 128),
+                          args.new_tokens or (128 if gpu else 32))
     prepare_environment()
-    model_dir = resolve_model(args.model)
+    s = setup(args.preset, args.model)
     generator = torch.Generator().manual_seed(0)
-    contexts = torch.randint(1, 1000, (args.batch, args.tokens), generator=generator)
-    prompts = [f"def function_{i}(a, b):" for i in range(args.batch)]
+    contexts = torch.randint(2, 1000, (batch, tokens), generator=generator)
+    prompts = [" ".join(f"w{100 + i + j}" for j in range(16)) if gpu else f"def function_{i}(a, b):"
+               for i in range(batch)]
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(s.model_dir)
     prompt_ids = torch.tensor([tokenizer(p)["input_ids"] for p in prompts])  # of one length: no padding
-    results = {"TransformerLens": transformerlens(model_dir, contexts, prompt_ids, args.new_tokens, args.reps),
-               "Inspector": inspector(model_dir, contexts, prompts, args.new_tokens, args.reps),
-               "vanilla vLLM": vanilla(model_dir, contexts, prompts, args.new_tokens, args.reps)}
-    prefill_tokens, new_tokens = args.batch * args.tokens, args.batch * args.new_tokens
-    print(f"{args.model}: prefill {args.batch} x {args.tokens} tokens, generation {args.batch} x {args.new_tokens} "
+    runs = {"TransformerLens": lambda: transformerlens(s, contexts, prompt_ids, new, args.reps),
+            "Inspector": lambda: inspector(s, contexts, prompts, new, args.reps),
+            "vanilla vLLM": lambda: vanilla(s, contexts, prompts, new, args.reps)}
+    results = {name: run() for name, run in runs.items() if args.only is None or name in args.only}
+    prefill_tokens, new_tokens = batch * tokens, batch * new
+    print(f"{args.preset} ({s.dtype}, {s.device}): prefill {batch} x {tokens} tokens, generation {batch} x {new} "
           f"new tokens, median of {args.reps}")
     for name, found in results.items():
         print(f"  {name:16} prefill {prefill_tokens / found['prefill']:9.0f} tok/s   "
               f"generate {new_tokens / found['generate']:8.0f} tok/s")
-    ours, theirs, plain = results["Inspector"], results["TransformerLens"], results["vanilla vLLM"]
+    ours, theirs, plain = (results.get(name) for name in ("Inspector", "TransformerLens", "vanilla vLLM"))
     for what in ("prefill", "generate"):
-        print(f"  {what}: Inspector / vanilla vLLM {plain[what] / ours[what]:.2f}x, "
-              f"Inspector / TransformerLens {theirs[what] / ours[what]:.2f}x")
+        if ours and plain:
+            print(f"  {what}: Inspector / vanilla vLLM {plain[what] / ours[what]:.2f}x")
+        if ours and theirs:
+            print(f"  {what}: Inspector / TransformerLens {theirs[what] / ours[what]:.2f}x")
     return 0
 
 

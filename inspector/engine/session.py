@@ -19,6 +19,7 @@ import threading
 from dataclasses import replace
 
 import numpy as np
+import torch
 from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from inspector import __version__
@@ -283,7 +284,11 @@ class Session(Experiments):
         unembedding (tied embeddings, logit scale and soft cap as the model has them)."""
         self._require_alive()
         width = next(h.width for h in self.catalogue if h.kind == "normalized")
-        values, _ = checked_lens_request(values, 1, None, width, self._llm.llm_engine.model_config.get_vocab_size())
+        if isinstance(values, torch.Tensor) and self.in_process:  # on the engine's device: they stay there
+            if values.ndim != 2 or values.shape[1] != width:
+                raise ValueError(f"final-norm rows must be [rows, {width}], got {list(values.shape)}")
+        else:
+            values, _ = checked_lens_request(values, 1, None, width, self._llm.llm_engine.model_config.get_vocab_size())
         return _from_head(self._llm.collective_rpc("inspector_logits", args=(values,)))["logits"]
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -354,18 +359,33 @@ class Session(Experiments):
         those set before ({} removes them). Eager mode, with the engine in this process and no
         parallelism: the worker runs the very functions given."""
         self._require_alive()
-        parallel = self._llm.llm_engine.vllm_config.parallel_config
         if functions and self.options.mode != "eager":
             raise ValueError("Python hook functions need the eager engine (mode='eager'): the compiled graph runs "
                              "scale, bias, patch and clamp edits only (steer=, scale=, patch= in the notebook's "
                              "hooks(), or Session.set_interventions), without recompiling")
-        if functions and (parallel.world_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"):
+        if functions and not self.in_process:
             raise ValueError("Python hook functions need the engine in this process without tensor or pipeline "
                              "parallelism: the worker calls the functions themselves")
         unknown = sorted(set(functions) - self.installed.keys())
         if unknown:
             raise ValueError(f"no installed hook named {unknown[0]!r}")
         self._llm.collective_rpc("inspector_set_python_hooks", args=(dict(functions),))
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the one worker runs in this process, so that it can call the caller's own functions."""
+        parallel = self._llm.llm_engine.vllm_config.parallel_config
+        return parallel.world_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+    def set_row_sink(self, sink: Callable | None) -> None:
+        """``sink(req_ids, query_start_loc, positions, stacks)`` takes each forward's rows on the engine's
+        device (``stacks``: (hook names, [hooks, rows, width]) views it must copy before returning), in
+        place of the host copies that ``run`` and the drains are made of; None: back to those. Engine in
+        this process only."""
+        self._require_alive()
+        if sink is not None and not self.in_process:
+            raise ValueError("a row sink needs the engine in this process, without tensor or pipeline parallelism")
+        self._llm.collective_rpc("inspector_set_row_sink", args=(sink,))
 
     def python_hook_error(self) -> BaseException | None:
         """The first exception a Python hook function raised since the last call (its forward went on

@@ -19,6 +19,7 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.lens import Attribution
 
 ATTENTION_KINDS = ("q", "k", "v", "z", "pattern", "attn_scores")
+HEADED_KINDS = ("q", "k", "v", "z")  # TransformerLens splits their heads out
 MLP_KINDS = ("pre", "post", "pre_linear")
 FINAL_SCALE = "ln_final.hook_scale"
 ATTRIBUTION_ROWS = 8192  # rows per engine call of logit_attrs: 128 MiB of float32 each way at a width of 4096
@@ -303,23 +304,16 @@ def apply_slice(value: SliceInput, tensor: torch.Tensor, dim: int) -> torch.Tens
     return tensor[(slice(None),) * (dim % tensor.ndim) + (index,)]
 
 
-def tensors_of(points: dict[str, HookPoint], rows: dict[str, list], lengths: list[int],
-               geometries: dict[int, AttentionGeometry]) -> dict[str, torch.Tensor]:
-    """Per TransformerLens name, the prompts' rows ([tokens, width] numpy arrays, in prompt order) as
-    one tensor [batch, pos, ...] padded with zeros on the right; heads split out of queries, keys and
-    head outputs."""
-    batch, longest = len(lengths), max(lengths)
+def by_alias(points: dict[str, HookPoint], tensors: dict[str, torch.Tensor],
+             geometries: dict[int, AttentionGeometry]) -> dict[str, torch.Tensor]:
+    """Per TransformerLens name, a hook's rows [batch, pos, width] (keyed by installed name); heads split
+    out of queries, keys and head outputs: [batch, pos, head, d_head]."""
     out = {}
-    for name, per_prompt in rows.items():
+    for name, tensor in tensors.items():
         point = points[name]
-        first = as_torch(per_prompt[0])
-        padded = first.new_zeros((batch, longest, first.shape[-1]))
-        for i, values in enumerate(per_prompt):
-            padded[i, :len(values)] = as_torch(values)
-        kind = re.sub(r"^.*hook_", "", point.alias)
-        if kind in ("q", "k", "z") and point.layer in geometries:
-            padded = padded.reshape(batch, longest, -1, geometries[point.layer].head_size)
-        out[point.alias] = padded
+        if point.alias.rsplit("hook_", 1)[-1] in HEADED_KINDS and point.layer in geometries:
+            tensor = tensor.reshape(*tensor.shape[:2], -1, geometries[point.layer].head_size)
+        out[point.alias] = tensor
     return out
 
 

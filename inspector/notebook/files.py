@@ -26,7 +26,7 @@ from inspector.capture.run import HookRows, RequestCapture, Run
 from inspector.io import read_run, write_run
 from inspector.plugin.families import ALIASES
 
-from .cache import ActivationCache, tensors_of
+from .cache import ActivationCache, as_torch, by_alias
 
 KINDS = {alias: kind for kind, alias in ALIASES.items()}  # a block's TransformerLens name (after "blocks.L.") -> kind
 RECOMPUTED = re.compile(r"blocks\.\d+\.attn\.hook_pattern")  # the cache computes these from q and k: never captured
@@ -135,8 +135,8 @@ def load(path: str | os.PathLike) -> Loaded:
     geometries.update({int(layer): AttentionGeometry(**g)
                        for layer, g in run.metadata.get("attention_geometries", {}).items()})
     n_layers = run.metadata.get("n_layers", 1 + max((p.layer for p in run.hooks.values()), default=-1))
-    cache = ActivationCache(tensors_of(run.hooks, rows, [longest] * batch, geometries), mask, n_layers,
-                            geometries=geometries)
+    stacked = {name: torch.stack([as_torch(v) for v in per_request]) for name, per_request in rows.items()}
+    cache = ActivationCache(by_alias(run.hooks, stacked, geometries), mask, n_layers, geometries=geometries)
     text = ["".join(r.token_texts[len(r.prompt_token_ids):]) for r in requests]
     return Loaded(text, tokens, cache)
 

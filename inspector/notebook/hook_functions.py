@@ -15,7 +15,6 @@ import torch
 from inspector.capture.hooks import HookPoint
 
 HookFunction = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
-HEADED_KINDS = ("q", "k", "v", "z")  # TransformerLens splits their heads out
 
 
 @dataclass(frozen=True)

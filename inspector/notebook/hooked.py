@@ -24,8 +24,9 @@ from inspector.capture.protocol import Sampling, SessionOptions
 from inspector.engine.session import Session
 
 from . import files
-from .cache import ActivationCache, tensors_of
-from .hook_functions import HEADED_KINDS, HookFunction, row_function
+from .cache import HEADED_KINDS, ActivationCache, by_alias
+from .rows import DeviceRows, drained_generation, drained_prefill
+from .hook_functions import HookFunction, row_function
 
 NamesFilter = str | Sequence[str] | Callable[[str], bool] | None
 _RUNS = itertools.count()  # numbers the notebook's prefill requests
@@ -196,22 +197,23 @@ class Inspector:
             raise ValueError("logits are computed from the final norm's output, which this engine does not capture: "
                              "include ln_final.hook_normalized in hooks, or pass return_type=None")
         lengths = [len(c) for c in contexts]
-        rows = {name: [None] * len(contexts) for name in {*chosen, *([normalized] if return_type else [])}}
+        wanted = {*chosen, *([normalized] if return_type else [])}
         ids = [f"notebook{next(_RUNS)}" for _ in contexts]  # told to hook functions, as their prompt's index
         self._index_requests(ids)
-        for done in self.session.prefill(contexts, ids) if self._fwd_hooks else self.session.prefill(contexts):
-            for name in rows:
-                parts = [part[name] for part in done.parts if name in part]
-                order = np.argsort(np.concatenate([np.asarray(p["positions"]) for p in parts]), kind="stable")
-                rows[name][done.index] = np.concatenate([np.asarray(p["values"]) for p in parts])[order]
+        if self._in_process():
+            sink = DeviceRows(wanted, self._request_index, len(contexts), max(lengths))
+            with self._sinking(sink):
+                for _ in self.session.prefill(contexts, ids):
+                    pass
+            rows = sink.tensors
+        else:
+            rows = drained_prefill(self.session, contexts, wanted, ids if self._fwd_hooks else None)
         self._raise_hook_error()
         mask = torch.zeros((len(contexts), max(lengths)), dtype=torch.long)
         for i, n in enumerate(lengths):
             mask[i, :n] = 1
-        logits = self._logits(rows[normalized], lengths) if return_type else None
-        tensors = tensors_of(self.points, {name: rows[name] for name in chosen}, lengths, self.geometries)
-        cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
-                                geometries=self.geometries, model=self)
+        logits = self._logits(rows[normalized], mask) if return_type else None
+        cache = self._cache({name: rows[name] for name in chosen}, mask)
         if remove_batch_dim:
             cache = cache.remove_batch_dim()
             logits = None if logits is None else logits[0]
@@ -229,35 +231,32 @@ class Inspector:
         except TypeError as e:
             raise ValueError(f"generate_with_cache: {e} (known: temperature, top_p, top_k, seed, ignore_eos)") from None
         self._check_filter(names_filter)
+        wanted = {name for name, point in self.points.items() if _wanted(point.alias, names_filter)}
         self.session.new_run()
         ids = self.session.upcoming_request_ids(len(prompts))
         self._index_requests(ids)
-        for _ in self.session.generate(prompts, params):
-            pass
+        sink = None
+        if self._in_process():
+            capacity = max(len(self.session.tokenize(p, add_special_tokens=True)) for p in prompts) + max_new_tokens
+            sink = DeviceRows(wanted, self._request_index, len(prompts), capacity)
+        with self._sinking(sink):
+            for _ in self.session.generate(prompts, params):
+                pass
         self._raise_hook_error()
         requests = [self.session.run.requests[rid] for rid in ids]
         self.session.new_run()  # the rows live in the cache from here on
         longest = max(len(r.token_ids) for r in requests)
-        tokens, mask = torch.zeros((len(requests), longest), dtype=torch.long), torch.zeros((len(requests), longest),
-                                                                                          dtype=torch.long)
-        rows = {}
+        tokens = torch.zeros((len(requests), longest), dtype=torch.long)
         for i, request in enumerate(requests):
             tokens[i, :len(request.token_ids)] = torch.tensor(request.token_ids)
-            for name, found in request.hooks.items():
-                if _wanted(self.points[name].alias, names_filter):
-                    positions = np.asarray(found.positions)
-                    mask[i, positions] = 1
-                    full = np.zeros((longest, found.values.shape[1]), dtype=found.values.dtype)
-                    full[positions] = found.values
-                    rows.setdefault(name, [None] * len(requests))[i] = full
-        for name, per_request in rows.items():  # a request may have kept no row of a hook
-            template = next(v for v in per_request if v is not None)
-            rows[name] = [np.zeros_like(template) if v is None else v for v in per_request]
-        tensors = tensors_of(self.points, rows, [longest] * len(requests), self.geometries)
+        if sink is None:
+            rows, written = drained_generation(requests, wanted, longest)
+        else:
+            rows = {name: t[:, :longest] for name, t in sink.tensors.items()}
+            written = sink.written[:, :longest]
         texts = ["".join(self.session.token_texts(r.generated_token_ids)) if r.generated_token_ids else ""
                  for r in requests]
-        cache = ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
-                                geometries=self.geometries, model=self)
+        cache = self._cache(rows, written.long())
         return Generated(texts, tokens.to(self.device), cache)
 
     # --- files and the app ---
@@ -299,14 +298,34 @@ class Inspector:
         raise ValueError("input must be a prompt, a list of prompts, or token ids ([pos], [batch, pos], or a list of "
                          f"lists); got {type(input).__name__}")
 
-    def _logits(self, normalized: list[np.ndarray], lengths: list[int]) -> torch.Tensor:
-        flat = self.session.logits(np.concatenate(normalized))
-        out = torch.zeros((len(lengths), max(lengths), flat.shape[1]), dtype=torch.float32)
-        start = 0
-        for i, n in enumerate(lengths):
-            out[i, :n] = torch.from_numpy(flat[start:start + n])
-            start += n
+    def _logits(self, normalized: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[batch, pos, vocab] float32: the model's unembedding of the final norm's rows, 0 at padding."""
+        held = mask.to(normalized.device).bool()
+        flat = self.session.logits(normalized[held] if self._in_process() else normalized[held].float().numpy())
+        flat = torch.as_tensor(flat, device=normalized.device)
+        out = torch.zeros((*mask.shape, flat.shape[1]), dtype=torch.float32, device=normalized.device)
+        out[held] = flat
         return out.to(self.device)
+
+    def _cache(self, rows: dict[str, torch.Tensor], mask: torch.Tensor) -> ActivationCache:
+        tensors = by_alias(self.points, rows, self.geometries)
+        return ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
+                               geometries=self.geometries, model=self)
+
+    def _in_process(self) -> bool:
+        """Whether the engine runs here, so that rows can go from its device into the cache directly."""
+        return getattr(self.session, "in_process", False)
+
+    @contextlib.contextmanager
+    def _sinking(self, sink: DeviceRows | None):
+        if sink is None:
+            yield
+            return
+        self.session.set_row_sink(sink)
+        try:
+            yield
+        finally:
+            self.session.set_row_sink(None)
 
     def to_single_token(self, string: str) -> int:
         """The id of ``string``'s one token (as TransformerLens's); ValueError if it is not one token."""

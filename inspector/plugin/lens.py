@@ -40,16 +40,22 @@ def lens(model: nn.Module, norm: nn.Module, values: np.ndarray, k: int, chosen: 
 
 
 @torch.inference_mode()
-def logits(model: nn.Module, values: np.ndarray, device: torch.device, dtype: torch.dtype) -> np.ndarray | None:
+def logits(model: nn.Module, values: np.ndarray | torch.Tensor, device: torch.device,
+           dtype: torch.dtype) -> np.ndarray | torch.Tensor | None:
     """The model's own logits (its ``compute_logits``) of final-norm output rows, float32 [rows, vocab],
-    in chunks of ``CHUNK_ROWS``; None on a tensor-parallel rank other than the first."""
+    in chunks of ``CHUNK_ROWS``; None on a tensor-parallel rank other than the first. Rows given as a
+    tensor (a caller in this process) give a tensor on the engine's device, not a host copy."""
+    as_tensor = isinstance(values, torch.Tensor)
     out = []
     for start in range(0, len(values), CHUNK_ROWS):
-        rows = torch.from_numpy(np.ascontiguousarray(values[start:start + CHUNK_ROWS])).to(device, dtype)
+        chunk = values[start:start + CHUNK_ROWS]
+        rows = (chunk if as_tensor else torch.from_numpy(np.ascontiguousarray(chunk))).to(device, dtype)
         found = vllm_compat.logits(model, rows)
         if found is None:
             return None
-        out.append(found.float().cpu().numpy())
+        out.append(found.float() if as_tensor else found.float().cpu().numpy())
+    if as_tensor:
+        return torch.cat(out) if out else torch.zeros((0, 0), device=device)
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -148,6 +148,9 @@ class InspectorRuntime:
         # per queued forward: its rows and host copies, and the transfer that says when they have landed
         self._pending: list[tuple[QueuedForward, Transfer]] = []
         self.python_hooks = PythonHooks()  # set only in eager mode, where a forward can run any Python
+        # (req_ids, query_start_loc, positions, [(hook names, [hooks, rows, width])]) -> None: the caller's own
+        # consumer of each forward's rows on the device (an engine in its process), in place of the host copies
+        self.row_sink: Callable | None = None
 
     # --- hook set ---
 
@@ -381,7 +384,13 @@ class InspectorRuntime:
 
     def after_forward(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
         """Queue the copy of this forward's live rows to the host: one per stack of same-width hooks, and
-        each attached SAE's strongest features of its hook's rows."""
+        each attached SAE's strongest features of its hook's rows. With a ``row_sink``, the rows go to it
+        instead, on the device."""
+        if self.row_sink is not None:
+            n = step.num_tokens
+            self.row_sink(step.req_ids, step.query_start_loc, step.positions[:n],
+                          [(stack.names, stack.tensor[:, :n]) for stack in self._stacks])
+            return
         rows_wanted = not (self._no_capture and self._no_capture.issuperset(step.req_ids))
         if not rows_wanted and not self.saes:
             return  # nothing of it is wanted

@@ -166,6 +166,11 @@ class InspectorWorkerExtension:
             raise ValueError(f"no installed hook named {unknown[0]!r}")
         runtime.python_hooks.set(functions)
 
+    def inspector_set_row_sink(self, sink) -> None:
+        """The caller's consumer of each forward's rows on the device, in place of the host copies (None:
+        back to them); only where the engine runs in the caller's process."""
+        self._inspector().row_sink = sink
+
     def inspector_python_hook_error(self):
         """The first exception a Python hook function raised since the last call (None if none)."""
         return self._inspector().python_hooks.take_error()

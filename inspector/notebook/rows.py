@@ -1,0 +1,85 @@
+"""Captured rows as the notebook's [batch, pos, width] tensors, two ways. With the engine in this process,
+``DeviceRows`` takes each forward's rows where the engine made them (``Session.set_row_sink``) and
+scatters them into place on its device: no host copy, no per-request Python, so a cache of every
+block of an 8B model keeps up with the engine. A server's rows arrive as drained host arrays instead
+(``drained_prefill``, ``drained_generation``)."""
+
+from __future__ import annotations
+
+from typing import Collection, Sequence
+
+import numpy as np
+import torch
+
+from .cache import as_torch
+
+
+class DeviceRows:
+    """A row sink: the ``wanted`` hooks' rows of the requests in ``request_index`` (engine id → the
+    prompt's index), each at its prompt and position of one [batch, capacity, width] tensor per hook on
+    the engine's device, in its dtype; ``written`` [batch, capacity] marks the positions filled."""
+
+    def __init__(self, wanted: Collection[str], request_index: dict[str, int], batch: int, capacity: int):
+        self.wanted, self.request_index, self.batch, self.capacity = set(wanted), request_index, batch, capacity
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.written: torch.Tensor | None = None
+
+    def __call__(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray, stacks: list) -> None:
+        requests = np.repeat([self.request_index.get(rid, -1) for rid in req_ids], np.diff(query_start_loc))
+        ours = requests >= 0
+        if not ours.any() or not stacks:
+            return
+        device = stacks[0][1].device
+        with torch.inference_mode(False):  # the cache's tensors are the user's, to edit as they like
+            if self.written is None:
+                self.written = torch.zeros((self.batch, self.capacity), dtype=torch.bool, device=device)
+            b, p = (torch.from_numpy(np.ascontiguousarray(a[ours], dtype=np.int64)).to(device)
+                    for a in (requests, positions))
+            every = bool(ours.all())
+            rows = None if every else torch.from_numpy(np.flatnonzero(ours)).to(device)
+            self.written[b, p] = True
+            for names, tensor in stacks:
+                for h, name in enumerate(names):
+                    if name not in self.wanted:
+                        continue
+                    if name not in self.tensors:
+                        self.tensors[name] = torch.zeros((self.batch, self.capacity, tensor.shape[2]),
+                                                         dtype=tensor.dtype, device=device)
+                    self.tensors[name][b, p] = tensor[h] if every else tensor[h].index_select(0, rows)
+
+
+def drained_prefill(session, contexts: list[list[int]], names: Collection[str],
+                    request_ids: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Per hook in ``names``, ``session.prefill``'s drained rows of ``contexts`` as [batch, longest, width]
+    on the host, zeros after each context's end."""
+    longest = max(map(len, contexts))
+    out: dict[str, torch.Tensor] = {}
+    prefilled = session.prefill(contexts) if request_ids is None else session.prefill(contexts, request_ids)
+    for done in prefilled:
+        for name in names:
+            parts = [part[name] for part in done.parts if name in part]
+            positions = torch.from_numpy(np.concatenate([np.asarray(p["positions"]) for p in parts]).astype(np.int64))
+            values = as_torch(np.concatenate([np.asarray(p["values"]) for p in parts]))
+            if name not in out:
+                out[name] = values.new_zeros((len(contexts), longest, values.shape[1]))
+            out[name][done.index, positions] = values
+    return out
+
+
+def drained_generation(requests: list, names: Collection[str], longest: int
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per hook in ``names``, the rows a generation's ``requests`` (``Run`` requests) kept, as [batch,
+    longest, width] on the host, and [batch, longest] marking the positions that hold rows."""
+    out: dict[str, torch.Tensor] = {}
+    written = torch.zeros((len(requests), longest), dtype=torch.bool)
+    for i, request in enumerate(requests):
+        for name, found in request.hooks.items():
+            if name not in names:
+                continue
+            positions = torch.from_numpy(np.asarray(found.positions, dtype=np.int64))
+            values = as_torch(found.values)
+            if name not in out:
+                out[name] = values.new_zeros((len(requests), longest, values.shape[1]))
+            out[name][i, positions] = values
+            written[i, positions] = True
+    return out, written
