@@ -17,12 +17,16 @@ from .cache import as_torch
 class DeviceRows:
     """A row sink: the ``wanted`` hooks' rows of the requests in ``request_index`` (engine id → the
     prompt's index), each at its prompt and position of one [batch, capacity, width] tensor per hook on
-    the engine's device, in its dtype; ``written`` [batch, capacity] marks the positions filled."""
+    the engine's device, in its dtype; ``written`` [batch, capacity] marks the positions filled. Per
+    forward: one small asynchronous upload of where the rows go and one scatter per stack of same-width
+    hooks, so the engine's next step is not kept waiting."""
 
     def __init__(self, wanted: Collection[str], request_index: dict[str, int], batch: int, capacity: int):
         self.wanted, self.request_index, self.batch, self.capacity = set(wanted), request_index, batch, capacity
         self.tensors: dict[str, torch.Tensor] = {}
         self.written: torch.Tensor | None = None
+        self._stacked: dict[int, torch.Tensor] = {}  # stack's place -> its wanted hooks' [hooks, batch, capacity, width]
+        self._chosen: dict[int, torch.Tensor] = {}  # stack's place -> which of its hooks are wanted (some, not all)
 
     def __call__(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray, stacks: list) -> None:
         requests = np.repeat([self.request_index.get(rid, -1) for rid in req_ids], np.diff(query_start_loc))
@@ -30,22 +34,36 @@ class DeviceRows:
         if not ours.any() or not stacks:
             return
         device = stacks[0][1].device
+        every = bool(ours.all())
+        where = np.stack([requests[ours], positions[ours]]).astype(np.int64)  # uploaded once, not waited for
+        where = torch.from_numpy(where)
+        where = where.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else where
+        b, p = where[0], where[1]
+        rows = None if every else torch.from_numpy(np.flatnonzero(ours)).to(device)
         with torch.inference_mode(False):  # the cache's tensors are the user's, to edit as they like
             if self.written is None:
                 self.written = torch.zeros((self.batch, self.capacity), dtype=torch.bool, device=device)
-            b, p = (torch.from_numpy(np.ascontiguousarray(a[ours], dtype=np.int64)).to(device)
-                    for a in (requests, positions))
-            every = bool(ours.all())
-            rows = None if every else torch.from_numpy(np.flatnonzero(ours)).to(device)
             self.written[b, p] = True
-            for names, tensor in stacks:
-                for h, name in enumerate(names):
-                    if name not in self.wanted:
-                        continue
-                    if name not in self.tensors:
-                        self.tensors[name] = torch.zeros((self.batch, self.capacity, tensor.shape[2]),
-                                                         dtype=tensor.dtype, device=device)
-                    self.tensors[name][b, p] = tensor[h] if every else tensor[h].index_select(0, rows)
+            for place, (names, tensor) in enumerate(stacks):
+                chosen = [h for h, name in enumerate(names) if name in self.wanted]
+                if not chosen:
+                    continue
+                if len(chosen) < len(names):
+                    tensor = tensor.index_select(0, self._index(place, chosen, device))
+                tensor = tensor if every else tensor.index_select(1, rows)
+                self._stack(place, [names[h] for h in chosen], tensor)[:, b, p] = tensor
+
+    def _index(self, place: int, chosen: list[int], device) -> torch.Tensor:
+        if place not in self._chosen:
+            self._chosen[place] = torch.tensor(chosen, device=device)
+        return self._chosen[place]
+
+    def _stack(self, place: int, names: list[str], tensor: torch.Tensor) -> torch.Tensor:
+        """The wanted hooks of a stack: one [hooks, batch, capacity, width] tensor, each hook's a view."""
+        if place not in self._stacked:
+            self._stacked[place] = stacked = tensor.new_zeros((len(names), self.batch, self.capacity, tensor.shape[2]))
+            self.tensors.update(zip(names, stacked))
+        return self._stacked[place]
 
 
 def drained_prefill(session, contexts: list[list[int]], names: Collection[str],
