@@ -17,6 +17,8 @@ import pyqtgraph as pg
 from PySide6.QtCore import QRectF
 from PySide6.QtGui import QImage
 
+from inspector.capture.colormaps import colour
+
 
 class ColorImageItem(pg.GraphicsObject):
     def __init__(self):
@@ -140,15 +142,3 @@ class ColorImageItem(pg.GraphicsObject):
             return
         painter.drawImage(self._rect, self._qimage, QRectF(0, 0, self._qimage.width(), self._qimage.height()))
 
-
-def colour(image: np.ndarray, lo: float, hi: float, lut: np.ndarray, piece: int = 256) -> np.ndarray:
-    """[token bins, feature bins] floats as [feature bins, token bins] 0xAARRGGBB through ``lut`` (256
-    colours spanning lo..hi; NaN as the lowest). In pieces of ``piece`` token bins: off the GUI thread,
-    no step may hold the GIL long (indexing by the colour table does)."""
-    scale = 255.0 / (hi - lo) if hi > lo else 0.0
-    out = np.empty((image.shape[1], image.shape[0]), dtype=np.uint32)
-    for a in range(0, image.shape[0], piece):
-        idx = np.nan_to_num((image[a:a + piece] - lo) * scale, nan=0.0, posinf=255.0, neginf=0.0)
-        np.clip(idx, 0, 255, out=idx)
-        out[:, a:a + piece] = lut[idx.astype(np.uint8)].T
-    return out

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from inspector.capture.colormaps import pool_maxabs, robust_levels  # noqa: F401 - the app's modules take them from here
+
 
 READ_BYTES = 2 << 20  # rows pooled at a time
 
@@ -26,22 +28,6 @@ def pow2_at_least(x: float) -> int:
     if x <= 1:
         return 1
     return 1 << int(np.ceil(np.log2(x) - 1e-12))
-
-
-def pool_maxabs(block: np.ndarray, tbin: int, fbin: int) -> np.ndarray:
-    """[nt, nf] -> [ceil(nt/tbin), ceil(nf/fbin)], each bin the value of largest magnitude."""
-    nt, nf = block.shape
-    if tbin == 1 and fbin == 1:
-        return np.asarray(block, dtype=np.float32)
-    bt, bf = -(-nt // tbin), -(-nf // fbin)
-    if nt % tbin or nf % fbin:
-        padded = np.zeros((bt * tbin, bf * fbin), dtype=np.float32)  # 0 is neutral for max-abs
-        padded[:nt, :nf] = block
-        block = padded
-    shaped = block.reshape(bt, tbin, bf, fbin)
-    hi = shaped.max(axis=(1, 3))
-    lo = shaped.min(axis=(1, 3))
-    return np.where(hi >= -lo, hi, lo).astype(np.float32, copy=False)
 
 
 @dataclass(frozen=True)
@@ -137,23 +123,3 @@ def follow_extent(n: int) -> int:
         return 16
     step = 1 << (int(n - 1).bit_length() - 1)  # half of the enclosing power of two
     return -(-n // step) * step
-
-
-def robust_levels(image: np.ndarray, symmetric: bool, max_samples: int = 16384) -> tuple[float, float]:
-    """Colour levels from the 0.5th/99.5th percentiles of (a strided sample of) the image."""
-    flat = image.reshape(-1)
-    if flat.size == 0:
-        return (-1.0, 1.0) if symmetric else (0.0, 1.0)
-    step = max(1, flat.size // max_samples)
-    sample = flat[::step]
-    sample = sample[np.isfinite(sample)]
-    if sample.size == 0:
-        return (-1.0, 1.0) if symmetric else (0.0, 1.0)
-    if symmetric:
-        m = float(np.percentile(np.abs(sample), 99.5))
-        m = m if m > 0 else 1.0
-        return -m, m
-    lo, hi = (float(v) for v in np.percentile(sample, [0.5, 99.5]))
-    if hi <= lo:
-        lo, hi = lo - 0.5, hi + 0.5
-    return lo, hi

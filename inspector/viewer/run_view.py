@@ -20,6 +20,7 @@ import numpy as np
 from inspector.capture.arrays import GrowableArray
 from inspector.capture.dtypes import as_float32
 from inspector.capture.hooks import RESIDUAL_KINDS, HookPoint
+from inspector.capture.labels import default_hook
 from inspector.capture.protocol import StepEvent, fold_event
 from inspector.capture.run import HookRows, RequestCapture, Run
 from inspector.capture.sae import AttachedSae
@@ -111,9 +112,9 @@ class RunView:
             if self.selection.request not in self.run.requests:
                 self.selection.request = next(rid for rid in self.run.requests if rid in changed)
             if self.selection.hook is None:
-                hooks = self.hooks_for(self.selection.request)
-                if hooks:
-                    self.selection.hook = next((h.name for h in hooks if h.kind == "resid_post"), hooks[0].name)
+                shown = default_hook(self.hooks_for(self.selection.request))
+                if shown is not None:
+                    self.selection.hook = shown.name
         return changed
 
     # ---- selection ----
