@@ -2,12 +2,15 @@
 module) against transformers: the logits through the model's own unembedding, every block's points
 in TransformerLens's names and shapes, padding, and the errors a notebook user meets."""
 
+import html
+
 import numpy as np
 import pytest
 import torch
 
 import hf_reference
 from engines import PARITY_TOL, rel_l2
+from inspector.capture.labels import display_token
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "import os"]
 TL_NAMES = {"resid_pre": "hook_resid_pre", "resid_post": "hook_resid_post", "resid_mid": "hook_resid_mid",
@@ -294,3 +297,21 @@ def test_a_saelens_sae_encodes_a_cache_entry_directly(cached, tmp_path, normaliz
         rows = sae.encode(cache["blocks.1.hook_resid_post"].reshape(-1, 128))
     assert features.shape == (*cache["resid_post", 1].shape[:2], 32) and features.any()
     np.testing.assert_allclose(features.reshape(-1, 32).numpy(), rows.numpy(), atol=1e-5)
+
+
+def test_the_cache_draws_itself_in_the_apps_colours(ins, cached):
+    """A cache entry, a pattern, a twin comparison and the logit lens display themselves in Jupyter
+    (``_repr_html_`` with the prompt's tokens, ``_repr_png_``); the lens is the engine's own."""
+    _, cache = cached
+    n = int(cache.attention_mask[1].sum())
+    entry = cache.show("blocks.1.hook_resid_post", prompt=1)
+    first = html.escape(display_token(ins.to_str_tokens(PROMPTS[1])[0]))
+    assert entry._repr_png_().startswith(b"\x89PNG") and first in entry._repr_html_()
+    assert cache.show(("q", 0)).panels and cache.show_pattern(1, prompt=1)._repr_png_().startswith(b"\x89PNG")
+    with ins.hooks(steer={"blocks.0.hook_resid_post": torch.ones(128)}):
+        _, steered = ins.run_with_cache(PROMPTS)
+    twin = cache.compare(steered, ("resid_post", 1), prompt=1)
+    assert twin.relative_change.shape == (n,) and (twin.relative_change > 0).all()
+    lens = cache.logit_lens(prompt=1)
+    top = ins.session.lens(cache["resid_post", 1][1, :n].numpy(), k=1)
+    assert ins.session.token_texts(top.top_ids[:, 0])[0] in lens._repr_html_()

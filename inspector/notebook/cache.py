@@ -16,7 +16,9 @@ import torch
 from inspector.capture.attention import AttentionGeometry, attention_weights
 from inspector.capture.dtypes import BFLOAT16
 from inspector.capture.hooks import HookPoint
-from inspector.capture.lens import Attribution
+from inspector.capture.lens import Attribution, Lens
+
+from . import views
 
 ATTENTION_KINDS = ("q", "k", "v", "z", "pattern", "attn_scores")
 HEADED_KINDS = ("q", "k", "v", "z")  # TransformerLens splits their heads out
@@ -29,6 +31,10 @@ SliceInput = int | tuple | slice | list | np.ndarray | torch.Tensor | None
 
 class _Engine(Protocol):
     def final_norm_kind(self) -> tuple[bool, float]: ...
+
+    def lens(self, values, k: int = 5, chosen=None) -> Lens: ...
+
+    def token_texts(self, ids) -> list[str]: ...
 
     def attribution(self, values, final_residual, k: int = 5, chosen=None) -> Attribution: ...
 
@@ -57,15 +63,17 @@ class ActivationCache:
     """Activations by TransformerLens name, as torch tensors with a batch dimension first (until
     ``remove_batch_dim``); ``attention_mask`` [batch, pos] says which positions hold a token (prompts
     of different lengths are padded on the right, with zeros). ``model``: the ``Inspector`` the cache
-    came from, which ``apply_ln_to_stack`` and ``logit_attrs`` ask for the final norm and unembedding."""
+    came from, which ``apply_ln_to_stack`` and ``logit_attrs`` ask for the final norm and unembedding.
+    ``str_tokens``: each prompt's token texts (one list without the batch dimension), for the views."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], attention_mask: torch.Tensor, n_layers: int,
                  has_batch_dim: bool = True, geometries: dict[int, AttentionGeometry] | None = None,
-                 model: CacheModel | None = None):
+                 model: CacheModel | None = None, str_tokens: list | None = None):
         self._tensors, self.attention_mask, self.n_layers = dict(tensors), attention_mask, n_layers
         self.has_batch_dim = has_batch_dim
         self.geometries = dict(geometries or {})  # layer -> how its attention turns q and k into a pattern
         self.model = model
+        self.str_tokens = str_tokens
 
     def __getitem__(self, key) -> torch.Tensor:
         name = act_name(*key) if isinstance(key, tuple) else key
@@ -154,7 +162,7 @@ class ActivationCache:
 
     def to(self, device) -> "ActivationCache":
         return ActivationCache({k: t.to(device) for k, t in self._tensors.items()}, self.attention_mask.to(device),
-                               self.n_layers, self.has_batch_dim, self.geometries, self.model)
+                               self.n_layers, self.has_batch_dim, self.geometries, self.model, self.str_tokens)
 
     def cpu(self) -> "ActivationCache":
         return self.to("cpu")
@@ -167,7 +175,55 @@ class ActivationCache:
         if batch != 1:
             raise ValueError(f"remove_batch_dim needs a batch of one; this cache holds {batch} prompts")
         return ActivationCache({k: t[0] for k, t in self._tensors.items()}, self.attention_mask[0], self.n_layers,
-                               has_batch_dim=False, geometries=self.geometries, model=self.model)
+                               has_batch_dim=False, geometries=self.geometries, model=self.model,
+                               str_tokens=self.str_tokens[0] if self.str_tokens else None)
+
+    # --- inline views (``views``: the app's colour scales; in Jupyter they draw themselves) ---
+
+    def show(self, key, prompt: int | None = None) -> views.Figure:
+        """A cache entry as the app's heatmap draws a hook: every prompt, or ``prompt``'s."""
+        name = act_name(*key) if isinstance(key, tuple) else key
+        values, tokens = self[key], self.str_tokens
+        if self.has_batch_dim and prompt is not None:
+            values, tokens = values[prompt], self._tokens(prompt)
+        return views.activation_view(values, tokens, title=name, heads=name.rsplit("hook_", 1)[-1] in HEADED_KINDS)
+
+    def show_pattern(self, layer: int, prompt: int = 0, head: int | None = None) -> views.Figure:
+        """Block ``layer``'s attention pattern of a prompt (every head, or ``head``), as the Attention tab."""
+        n = self._length(prompt)
+        pattern = self["pattern", layer]
+        pattern = pattern[prompt] if self.has_batch_dim else pattern
+        return views.pattern_view(pattern[:, :n, :n], self._tokens(prompt), head=head,
+                                  title=f"blocks.{layer}.attn.hook_pattern")
+
+    def compare(self, other: "ActivationCache", key, prompt: int = 0) -> views.CompareView:
+        """A twin comparison: ``other``'s entry (an edited run, say) less this one's, for one prompt."""
+        name = act_name(*key) if isinstance(key, tuple) else key
+        mine, theirs = self[key], other[key]
+        if self.has_batch_dim:
+            mine, theirs = mine[prompt], theirs[prompt]
+        return views.compare_view(mine, theirs, self._tokens(prompt), title=name,
+                                  heads=name.rsplit("hook_", 1)[-1] in HEADED_KINDS)
+
+    def logit_lens(self, prompt: int = 0) -> views.LensView:
+        """The logit lens of a prompt, as the Lens tab: each block's residual stream (``accumulated_resid``)
+        through the model's own final norm and unembedding, the top next token and its probability."""
+        n = self._length(prompt)
+        stack, labels = self.accumulated_resid(return_labels=True)
+        rows = (stack[:, prompt, :n] if self.has_batch_dim else stack[:, :n]).float().cpu()
+        found = self._engine().lens(rows.reshape(-1, rows.shape[-1]).numpy(), k=1)
+        texts = self._engine().token_texts(found.top_ids[:, 0])
+        grid = [texts[i * n:(i + 1) * n] for i in range(len(labels))]
+        probabilities = np.exp(found.top_logprobs[:, 0]).reshape(len(labels), n)
+        return views.lens_view(grid, probabilities, self._tokens(prompt), layer_labels=labels)
+
+    def _length(self, prompt: int) -> int:
+        return int((self.attention_mask[prompt] if self.has_batch_dim else self.attention_mask).sum())
+
+    def _tokens(self, prompt: int) -> list[str] | None:
+        if not self.str_tokens:
+            return None
+        return self.str_tokens[prompt] if self.has_batch_dim else self.str_tokens
 
     def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False,
                           return_labels: bool = False):

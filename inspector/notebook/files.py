@@ -136,7 +136,8 @@ def load(path: str | os.PathLike) -> Loaded:
                        for layer, g in run.metadata.get("attention_geometries", {}).items()})
     n_layers = run.metadata.get("n_layers", 1 + max((p.layer for p in run.hooks.values()), default=-1))
     stacked = {name: torch.stack([as_torch(v) for v in per_request]) for name, per_request in rows.items()}
-    cache = ActivationCache(by_alias(run.hooks, stacked, geometries), mask, n_layers, geometries=geometries)
+    cache = ActivationCache(by_alias(run.hooks, stacked, geometries), mask, n_layers, geometries=geometries,
+                            str_tokens=[list(r.token_texts) for r in requests])
     text = ["".join(r.token_texts[len(r.prompt_token_ids):]) for r in requests]
     return Loaded(text, tokens, cache)
 

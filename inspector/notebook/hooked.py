@@ -213,7 +213,8 @@ class Inspector:
         for i, n in enumerate(lengths):
             mask[i, :n] = 1
         logits = self._logits(rows[normalized], mask) if return_type else None
-        cache = self._cache({name: rows[name] for name in chosen}, mask)
+        cache = self._cache({name: rows[name] for name in chosen}, mask,
+                            [self.session.token_texts(c) for c in contexts])
         if remove_batch_dim:
             cache = cache.remove_batch_dim()
             logits = None if logits is None else logits[0]
@@ -256,7 +257,7 @@ class Inspector:
             written = sink.written[:, :longest]
         texts = ["".join(self.session.token_texts(r.generated_token_ids)) if r.generated_token_ids else ""
                  for r in requests]
-        cache = self._cache(rows, written.long())
+        cache = self._cache(rows, written.long(), [self.session.token_texts(r.token_ids) for r in requests])
         return Generated(texts, tokens.to(self.device), cache)
 
     # --- files and the app ---
@@ -307,10 +308,10 @@ class Inspector:
         out[held] = flat
         return out.to(self.device)
 
-    def _cache(self, rows: dict[str, torch.Tensor], mask: torch.Tensor) -> ActivationCache:
+    def _cache(self, rows: dict[str, torch.Tensor], mask: torch.Tensor, str_tokens: list[list[str]]) -> ActivationCache:
         tensors = by_alias(self.points, rows, self.geometries)
         return ActivationCache({k: t.to(self.device) for k, t in tensors.items()}, mask.to(self.device), self.n_layers,
-                               geometries=self.geometries, model=self)
+                               geometries=self.geometries, model=self, str_tokens=str_tokens)
 
     def _in_process(self) -> bool:
         """Whether the engine runs here, so that rows can go from its device into the cache directly."""
