@@ -100,11 +100,7 @@ def transformerlens(s: Setup, contexts: torch.Tensor, prompts: torch.Tensor, new
             model.run_with_cache(contexts, names_filter=lambda n: n.endswith("hook_resid_post"))
         synchronize(s)
 
-    found = {"prefill": timed(prefill, reps), "generate": timed(generate, reps)}
-    del model, kept
-    gc.collect()
-    torch.cuda.empty_cache() if s.device == "cuda" else None
-    return found
+    return {"prefill": timed(prefill, reps), "generate": timed(generate, reps)}
 
 
 def inspector(s: Setup, contexts: torch.Tensor, prompts: list[str], new: int, reps: int) -> dict:
@@ -162,7 +158,12 @@ def main() -> int:
     runs = {"TransformerLens": lambda: transformerlens(s, contexts, prompt_ids, new, args.reps),
             "Inspector": lambda: inspector(s, contexts, prompts, new, args.reps),
             "vanilla vLLM": lambda: vanilla(s, contexts, prompts, new, args.reps)}
-    results = {name: run() for name, run in runs.items() if args.only is None or name in args.only}
+    results = {}
+    for name, run in runs.items():
+        if args.only is None or name in args.only:
+            results[name] = run()
+            gc.collect()  # the model measured goes before the next one boots
+            torch.cuda.empty_cache() if s.device == "cuda" else None
     prefill_tokens, new_tokens = batch * tokens, batch * new
     print(f"{args.preset} ({s.dtype}, {s.device}): prefill {batch} x {tokens} tokens, generation {batch} x {new} "
           f"new tokens, median of {args.reps}")

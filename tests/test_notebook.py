@@ -11,6 +11,9 @@ import torch
 import hf_reference
 from engines import PARITY_TOL, rel_l2
 from inspector.capture.labels import display_token
+from inspector.io import read_run, write_run
+from inspector.notebook.files import load
+from test_notebook_files import assert_same_cache
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "import os"]
 TL_NAMES = {"resid_pre": "hook_resid_pre", "resid_post": "hook_resid_post", "resid_mid": "hook_resid_mid",
@@ -315,3 +318,45 @@ def test_the_cache_draws_itself_in_the_apps_colours(ins, cached):
     lens = cache.logit_lens(prompt=1)
     top = ins.session.lens(cache["resid_post", 1][1, :n].numpy(), k=1)
     assert ins.session.token_texts(top.top_ids[:, 0])[0] in lens._repr_html_()
+
+
+# --- capture files of the engine's runs (files.py) ---
+
+@pytest.mark.slow
+def test_run_with_cache_saved_and_loaded_is_the_same_cache(ins, tmp_path):
+    _, cache = ins.run_with_cache(PROMPTS)
+    tokens = ins.to_tokens(PROMPTS)
+    path = ins.save(cache, tmp_path / "prefill.h5", tokens=tokens)
+    run = read_run(path)
+    assert set(run.hooks) == set(ins.points) and run.metadata["model_path"] == ins.session.run.metadata["model_path"]
+    text, loaded_tokens, loaded = load(path)
+    assert text == ["", ""] and torch.equal(loaded_tokens, tokens)
+    assert_same_cache(loaded, cache)
+
+
+@pytest.mark.slow
+def test_a_generation_saved_reads_back_with_its_token_texts(ins, tmp_path):
+    generated = ins.generate_with_cache(PROMPTS, max_new_tokens=4)
+    path = ins.save(generated, tmp_path / "generated.h5")
+    for i, request in enumerate(read_run(path).requests.values()):
+        assert request.prompt_token_ids == ins.to_tokens(PROMPTS[i])[0].tolist()
+        assert request.token_ids == generated.tokens[i, :len(request.token_ids)].tolist()
+        assert request.token_texts == ins.session.token_texts(request.token_ids)
+        assert "".join(request.token_texts[len(request.prompt_token_ids):]) == generated.text[i]
+    text, tokens, cache = load(path)
+    assert text == generated.text and torch.equal(tokens, generated.tokens)
+    assert_same_cache(cache, generated.cache)
+
+
+@pytest.mark.slow
+def test_the_engines_own_capture_loads_as_generate_with_cache_caches_it(ins, tmp_path):
+    from inspector.capture.protocol import Sampling
+
+    ins.session.new_run()
+    for _ in ins.session.generate(PROMPTS, Sampling(max_tokens=4, logprobs=0)):
+        pass
+    path = write_run(ins.session.run, tmp_path / "captured.h5")
+    generated = ins.generate_with_cache(PROMPTS, max_new_tokens=4)
+    text, tokens, cache = load(path)
+    assert text == generated.text and torch.equal(tokens, generated.tokens)
+    assert_same_cache(cache, generated.cache)
