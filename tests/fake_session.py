@@ -199,8 +199,9 @@ class FakeSession(Experiments):
         ids = checked_token_ids(ids, FAKE_VOCAB_SIZE)
         return [VOCAB[i - 500] if 0 <= i - 500 < len(VOCAB) else f"<{i}>" for i in ids.tolist()]
 
-    def tokenize(self, text: str) -> list[int]:
-        """As prompts are tokenized (``_start``), without the empty prompt's placeholder."""
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """As prompts are tokenized (``_start``), without the empty prompt's placeholder (no special tokens
+        either way)."""
         self._require_alive()
         return [sum(map(ord, text[i:i + 3])) % 1000 for i in range(0, len(text), 3)]
 

@@ -1,7 +1,7 @@
 """Layers point one way: ui → viewer → client → net → capture (and io, experiments); server → engine → plugin →
-capture; harvesting and notebook → engine (the notebook also → io, for capture files). Checked by importing every
-module of a layer in a fresh interpreter where the modules it must not use cannot be imported, and, for the app, by
-what a plain import of its window loads."""
+capture; harvesting and notebook → engine (the notebook also → io, for capture files, and → client, for a server's
+engine). Checked by importing every module of a layer in a fresh interpreter where the modules it must not use
+cannot be imported, and, for the app, by what a plain import of its window loads."""
 
 import subprocess
 import sys
@@ -47,7 +47,7 @@ RULES = {
     "harvesting": QT + NET + ["inspector.io", "inspector.net", "inspector.client", "inspector.server", *APP],
     "viewer": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server", "inspector.ui"],
     "ui": ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server"],
-    "notebook": QT + NET + ["inspector.net", "inspector.client", "inspector.server", *APP],
+    "notebook": QT + ["inspector.server", *APP],
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, NamedTuple, Protocol
 
 import numpy as np
 
@@ -163,6 +163,15 @@ class StepEvent:
     blocks: tuple[RowBlocks, ...] | None = None
 
 
+class Prefilled(NamedTuple):
+    """A context's rows from a session's ``prefill`` (in process or a server's): per drain that brought
+    some (chunked prefill may split a context over steps), hook → positions, token_ids, values."""
+
+    index: int  # the context's place among those given
+    tokens: int
+    parts: tuple
+
+
 class SessionProtocol(Protocol):
     """One booted engine. ``stop`` and ``set_interventions`` may be called from any thread (they take
     effect between steps); everything else belongs to one thread at a time."""
@@ -207,8 +216,9 @@ class SessionProtocol(Protocol):
         """The text of each token id, as step events give tokens (the lens gives only ids).
         ValueError for an id outside the vocabulary."""
 
-    def tokenize(self, text: str) -> list[int]:
-        """The model's token ids for ``text`` as a continuation (no special tokens added)."""
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The model's token ids for ``text``: as a continuation, or (``add_special_tokens``) as a prompt is
+        tokenized (a BOS where the model's tokenizer adds one)."""
 
     def attach_sae(self, path, hook: str | None = None, k: int = 32) -> AttachedSae:
         """Encode ``hook``'s rows (installed; default: the hook the SAE's config names) with the SAE in

@@ -6,15 +6,16 @@ apart. Step events arrive as the server makes them and are folded into ``run`` h
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
+import zmq
 
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import Attribution, Lens
-from inspector.capture.protocol import (BootProgress, Sampling, SessionError, SessionOptions, StepEvent, check_request,
-                                        NewRows, checked_interventions, fold_event)
+from inspector.capture.protocol import (BootProgress, Prefilled, Sampling, SessionError, SessionOptions, StepEvent,
+                                        check_request, NewRows, checked_interventions, fold_event)
 from inspector.capture.run import Run
 from inspector.capture.sae import AttachedSae, SaeConfig
 from inspector.capture.windows import CaptureWindow, checked_windows
@@ -29,6 +30,7 @@ CONNECT_TIMEOUT_S = 10.0  # for a first answer; once the server answers, a boot 
 
 
 GONE_WAIT_S = 1.0  # see RemoteSession._gone_reason
+LOGITS_CALL_BYTES = 16 << 20  # final-norm rows sent per ``logits`` call: well under what a client may send
 
 
 def connect(url: str, progress: Callable[[BootProgress], None] | None = None, keys: ClientKeys | None = None,
@@ -51,7 +53,11 @@ def connect(url: str, progress: Callable[[BootProgress], None] | None = None, ke
         elif message.type == "error" and message.body.get("kind") == "boot-failed":
             failed_boot.append(str(message.body.get("message", "the server's engine could not start")))
 
-    connection = Connection(url, keys, on_message)
+    try:
+        connection = Connection(url, keys, on_message)
+    except zmq.ZMQError as e:
+        raise SessionError(f"cannot connect to {url!r}: a server's address is tcp://HOST:PORT or ipc://PATH "
+                           f"({e})") from None
     try:
         welcome = _hello(connection, timeout_s, lambda: failed_boot[0] if failed_boot else why_gone())
     except BaseException:
@@ -216,9 +222,54 @@ class RemoteSession(Experiments):
         self._require_alive()
         return list(self._call("token_texts", {"ids": np.asarray(ids, dtype=np.int64)}).body["texts"])
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``add_special_tokens``: as the engine tokenizes a prompt (a BOS where the model's tokenizer adds one)."""
         self._require_alive()
-        return [int(i) for i in self._call("tokenize", {"text": str(text)}).body["ids"]]
+        body = {"text": str(text), "add_special_tokens": bool(add_special_tokens)}
+        return [int(i) for i in self._call("tokenize", body).body["ids"]]
+
+    def prefill(self, contexts: Iterable[Sequence[int]]) -> Iterator[Prefilled]:
+        """Each context of token ids run prefill-only on the server, its rows coming back as it finishes
+        (one message a context, in finishing order), as ``Session.prefill``. The server refuses while
+        requests generate (ValueError); closing the iterator early stops the prefill there."""
+        self._require_alive()
+        contexts = [np.asarray(c, dtype=np.int64).reshape(-1) for c in contexts]
+        body = {"tokens": np.concatenate([np.zeros(0, np.int64), *contexts]),
+                "lengths": np.array([len(c) for c in contexts], dtype=np.int64)}
+        try:
+            with self._conn.start("prefill", body) as call:
+                over = False
+                try:
+                    while (message := call.next()).type != "done":
+                        if message.type == "error":
+                            over = True
+                            self._failed = message.body.get("kind") in ("engine-failed", "no-session")
+                            self._raise(message)
+                        yield Prefilled(int(message.body["index"]), int(message.body["tokens"]),
+                                        tuple(message.body["parts"]))
+                    over = True
+                finally:
+                    if not over and self._conn.lost is None:  # the caller stopped reading
+                        self._conn.send(Message("stop", {"call": call.id}))
+        except (ServerGone, WireError) as e:
+            raise SessionError(f"{self._gone_reason() or e}; connect again to go on") from None
+
+    def logits(self, values) -> np.ndarray:
+        """The model's logits of final-norm output rows (``normalized``), float32 [rows, vocab], asked in
+        slices of rows (a client's message is limited); checked by the server (ValueError with its reason)."""
+        self._require_alive()
+        values = np.asarray(values)
+        if values.ndim != 2:
+            raise ValueError(f"final-norm rows must be [rows, width], got an array of shape {values.shape}")
+        rows = max(1, LOGITS_CALL_BYTES // max(1, values.itemsize * values.shape[1]))
+        return np.concatenate([self._call("logits", {"values": values[start:start + rows]}).body["logits"]
+                               for start in range(0, max(len(values), 1), rows)])
+
+    def final_norm_kind(self) -> tuple[bool, float]:
+        """(centres like LayerNorm, epsilon) of the model's final norm (see ``Session.final_norm_kind``)."""
+        self._require_alive()
+        body = self._call("final_norm_kind", {}).body
+        return bool(body["centred"]), float(body["eps"])
 
     def attach_sae(self, path, hook: str | None = None, k: int = 32) -> AttachedSae:
         """``path`` is a directory on the server's machine; checked there (ValueError with the reason)."""

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from inspector import __version__
 from inspector.capture.blocks import RequestRowsView
@@ -29,8 +29,8 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
 from inspector.capture.models import model_config, resolve_model
-from inspector.capture.protocol import (MODES, BootProgress, RequestStart, RequestStep, Rows, Sampling, check_request,
-                                        SessionError, SessionOptions, StepEvent, checked_interventions,
+from inspector.capture.protocol import (MODES, BootProgress, Prefilled, RequestStart, RequestStep, Rows, Sampling,
+                                        SessionError, SessionOptions, StepEvent, check_request, checked_interventions,
                                         NewRows, fold_event)
 from inspector.capture.request_edits import encode_edit
 from inspector.capture.run import Run, TopToken
@@ -43,15 +43,6 @@ from inspector.plugin.gather import bulk_of
 
 from .boot import boot_llm, shutdown_llm
 from .tokens import token_text
-
-
-class Prefilled(NamedTuple):
-    """A context's rows from ``Session.prefill``: per drain that brought some (chunked prefill may split
-    a context over steps), hook → positions, token_ids, values."""
-
-    index: int  # the context's place among those given
-    tokens: int
-    parts: tuple
 
 
 class Session(Experiments):

@@ -65,6 +65,20 @@ class Inspector:
         self.n_layers = 1 + max((p.layer for p in self.session.catalogue), default=-1)
         self.geometries = {p.layer: p.attention for p in self.session.catalogue if p.kind == "q" and p.attention}
 
+    @classmethod
+    def connect(cls, url: str, key=None, device: str | torch.device = "cpu") -> "Inspector":
+        """Drive the engine of a running ``inspector serve`` at ``url`` with its hook points: the same
+        calls, its model and GPU elsewhere. ``key``: for a server with CurveZMQ keys, the pair (your
+        ``NAME.key_secret``, the server's ``server.key``) or ``ClientKeys``. ``close()`` (or ``with``)
+        closes the connection; the server goes on. Python hook functions (``fwd_hooks``) need an
+        engine in this process; ``steer=``, ``scale=`` and ``patch=`` edits work."""
+        from inspector.client.remote import connect
+        from inspector.net.keys import client_keys
+
+        inspector = cls.__new__(cls)
+        inspector._attach(connect(url, keys=client_keys(*key) if isinstance(key, tuple) else key), device)
+        return inspector
+
     @property
     def session(self):
         if self._session is None:

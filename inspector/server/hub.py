@@ -4,7 +4,9 @@ Every client's requests join the running batch at the next step. Each client has
 own (its request ``req3`` is ``c2/req3`` in the engine), interventions of its own (its "all requests"
 means all of *its* requests: the hub scopes them to each of them), and, in eager mode, hook points
 of its own (the engine captures the union; a client sees only its own). The hub runs on the engine's
-thread and never touches a socket: ``send(client, message)`` does.
+thread and never touches a socket: ``send(client, message)`` does. A prefill (``Session.prefill``: a
+notebook's ``run_with_cache``) needs the engine to itself: it is refused while requests generate, and
+generations asked for while it runs start once it ends.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -54,6 +56,18 @@ class Client:
         return f"{self.tag}{SEPARATOR}{rid}"
 
 
+@dataclass
+class Prefill:
+    """A client's ``prefill`` in flight. It has the engine to itself (``Session.prefill``): the hub
+    advances it one finished context at a time between messages, and holds back generations until it ends."""
+
+    client: Client
+    call: int
+    request_ids: list[str]  # the client's own names of its contexts' requests
+    running: Iterator  # Session.prefill's generator
+    sent: int = 0
+
+
 class Hub:
     def __init__(self, session, send: Callable[[bytes, Message], None]):
         self.session = session
@@ -61,10 +75,12 @@ class Hub:
         self.clients: dict[bytes, Client] = {}
         self._tags = itertools.count()
         self._scoped_all: set[Intervention] = set()  # engine interventions that scope a client's "all requests"
+        self._prefill: Prefill | None = None
+        self._held: list[tuple[bytes, Message]] = []  # generate and prefill messages that came during a prefill
 
     @property
     def busy(self) -> bool:
-        return bool(self.session.open_requests)
+        return bool(self.session.open_requests) or self._prefill is not None
 
     # ------------------------------------------------------------------ messages
     def handle(self, key: bytes, message: Message) -> None:
@@ -72,7 +88,8 @@ class Hub:
         handlers = {"hello": self._hello, "generate": self._generate, "stop": self._stop, "bye": self._bye,
                     "set_interventions": self._set_interventions, "set_hooks": self._set_hooks, "lens": self._lens,
                     "attribution": self._attribution, "attach_sae": self._attach_sae, "detach_sae": self._detach_sae,
-                    "token_texts": self._token_texts, "tokenize": self._tokenize, "set_windows": self._set_windows}
+                    "token_texts": self._token_texts, "tokenize": self._tokenize, "set_windows": self._set_windows,
+                    "prefill": self._start_prefill, "logits": self._logits, "final_norm_kind": self._final_norm_kind}
         if message.type not in handlers:
             self.send(key, error(message, "unknown-type", f"unknown message type {message.type!r}"))
             return
@@ -110,18 +127,26 @@ class Hub:
             self._push_interventions()
         if client.hooks is not None:
             self._push_hooks()
+        self._held = [(k, m) for k, m in self._held if k != key]
+        if self._prefill_of(client) is not None:
+            self._end_prefill(None)
 
     def step(self) -> None:
-        """One engine step for everyone; SessionError if the engine failed."""
-        self._route(self.session.step())
+        """One engine step for everyone (or a prefill's steps up to its next finished context);
+        SessionError if the engine failed."""
+        if self._prefill is not None:
+            self._step_prefill()
+        else:
+            self._route(self.session.step())
         if not self.busy:
             self.session.new_run()  # a long-lived server keeps no history of its own
             self._scoped_all.clear()
 
     def fail_everyone(self, reason: str) -> None:
         for key, client in list(self.clients.items()):
-            for call in client.calls.values():
-                self.send(key, Message("error", {"kind": "engine-failed", "message": reason}, call.id))
+            prefill = self._prefill_of(client)
+            for call in [*client.calls, *([] if prefill is None else [prefill.call])]:
+                self.send(key, Message("error", {"kind": "engine-failed", "message": reason}, call))
             self.send(key, Message("goodbye", {"reason": reason}))
         self.clients.clear()
 
@@ -160,6 +185,9 @@ class Hub:
             raise WireError("invalid", f"request ids must be new, distinct and free of {SEPARATOR!r}: {ids}")
         if message.id in client.calls:
             raise WireError("invalid", f"call {message.id} is still running")
+        if self._prefill is not None:  # it has the engine to itself, for a moment: this call starts after it
+            self._held.append((client.key, message))
+            return
         sampling = convert(body.get("sampling", {}), Sampling, "sampling")
         call = client.calls[message.id] = Call(message.id, list(ids))
         client.owner.update({rid: message.id for rid in ids})
@@ -181,6 +209,13 @@ class Hub:
         if call is not None:
             call.stopped = True
             self._route(self.session.cancel([client.internal(rid) for rid in call.open]))
+        elif (prefill := self._prefill_of(client)) is not None and prefill.call == call_id:
+            self._end_prefill(Message("done", {"contexts": prefill.sent, "stopped": True}, call_id))
+        else:  # held back by a prefill: it never starts
+            for held in [(key, m) for key, m in self._held if (key, m.id) == (client.key, call_id)]:
+                self._held.remove(held)
+                nothing = {"steps": 0, "tokens": 0} if held[1].type == "generate" else {"contexts": 0}
+                self.send(client.key, Message("done", {**nothing, "stopped": True}, call_id))
 
     def _set_interventions(self, client: Client, message: Message) -> None:
         given = message.body.get("interventions")
@@ -212,6 +247,8 @@ class Hub:
         patterns = message.body.get("patterns")
         if not (isinstance(patterns, list) and all(isinstance(p, str) for p in patterns)):
             raise WireError("invalid", "set_hooks needs 'patterns', a list of strings")
+        if self._prefill is not None:
+            raise WireError("refused", "hooks cannot change while a prefill runs; try again once it finishes")
         s = self.session
         check_patterns(patterns, s.catalogue)
         restarted = False
@@ -242,6 +279,70 @@ class Hub:
         residual, _ = _rows_and_chosen(message, "final_residual", "the rows entering the final norm")
         result = self.session.attribution(values, residual, message.body.get("k", 5), chosen)
         self.send(client.key, Message("ok", result.as_arrays(), message.id))
+
+    def _logits(self, client: Client, message: Message) -> None:
+        values = message.body.get("values")
+        if not isinstance(values, np.ndarray):
+            raise WireError("invalid", "logits needs 'values', an array of final-norm rows")
+        self.send(client.key, Message("ok", {"logits": self.session.logits(values)}, message.id))
+
+    def _final_norm_kind(self, client: Client, message: Message) -> None:
+        centred, eps = self.session.final_norm_kind()
+        self.send(client.key, Message("ok", {"centred": bool(centred), "eps": float(eps)}, message.id))
+
+    # ------------------------------------------------------------------ prefill
+    def _start_prefill(self, client: Client, message: Message) -> None:
+        """Contexts of token ids run prefill-only; each finished context's rows go back as one
+        ``prefilled`` message (in finishing order), then ``done``. Refused while requests generate:
+        a prefill needs the engine to itself."""
+        tokens, lengths = message.body.get("tokens"), message.body.get("lengths")
+        if not (isinstance(tokens, np.ndarray) and isinstance(lengths, np.ndarray) and tokens.ndim == lengths.ndim == 1
+                and np.issubdtype(lengths.dtype, np.integer) and (lengths >= 0).all() and lengths.sum() == len(tokens)):
+            raise WireError("invalid", "prefill needs 'tokens', the contexts' token ids one after another, and "
+                            "'lengths', each context's number of tokens")
+        if self._prefill is not None:
+            self._held.append((client.key, message))
+            return
+        if self.session.open_requests:
+            raise WireError("refused", f"a prefill needs the engine to itself, and {len(self.session.open_requests)} "
+                            "request(s) are generating (this client's or another's): try again once they finish")
+        contexts = np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else []
+        ids = [f"prefill{message.id}.{i}" for i in range(len(contexts))]
+        running = self.session.prefill(contexts, [client.internal(rid) for rid in ids])
+        self._prefill = Prefill(client, message.id, ids, running)
+        self._push_interventions()  # the client's edits for all its requests apply to these too (before they start)
+
+    def _step_prefill(self) -> None:
+        job = self._prefill
+        try:
+            done = next(job.running, None)
+        except ValueError as e:  # a context the engine cannot take
+            self._end_prefill(Message("error", {"kind": "invalid", "message": str(e)}, job.call))
+            return
+        except Exception as e:
+            raise SessionError(f"the engine failed during a prefill: {type(e).__name__}: {e}") from e
+        if done is None:
+            self._end_prefill(Message("done", {"contexts": job.sent, "stopped": False}, job.call))
+            return
+        installed = self.installed_for(job.client)  # and none of the drain's other keys (SAE features)
+        parts = [{hook: rows for hook, rows in part.items() if hook in installed} for part in done.parts]
+        self.send(job.client.key, Message("prefilled", {"index": done.index, "tokens": done.tokens, "parts": parts},
+                                          job.call))
+        job.sent += 1
+
+    def _prefill_of(self, client: Client) -> Prefill | None:
+        return self._prefill if self._prefill is not None and self._prefill.client is client else None
+
+    def _end_prefill(self, reply: Message | None) -> None:
+        """The prefill is over (``reply``: what its client hears last); the calls held for it start."""
+        job, self._prefill = self._prefill, None
+        job.running.close()  # contexts still in the engine are aborted
+        if reply is not None:
+            self.send(job.client.key, reply)
+        self._push_interventions()
+        held, self._held = self._held, []
+        for key, message in held:
+            self.handle(key, message)
 
     def _attach_sae(self, client: Client, message: Message) -> None:
         """An SAE on the server's machine; one another client attached already (same directory, hook and
@@ -281,10 +382,11 @@ class Hub:
         self.send(client.key, Message("ok", {"texts": self.session.token_texts(ids)}, message.id))
 
     def _tokenize(self, client: Client, message: Message) -> None:
-        text = message.body.get("text")
-        if not isinstance(text, str):
-            raise WireError("invalid", "tokenize needs 'text', a string")
-        self.send(client.key, Message("ok", {"ids": self.session.tokenize(text)}, message.id))
+        text, special = message.body.get("text"), message.body.get("add_special_tokens", False)
+        if not isinstance(text, str) or not isinstance(special, bool):
+            raise WireError("invalid", "tokenize needs 'text', a string, and optional 'add_special_tokens', a bool")
+        self.send(client.key, Message("ok", {"ids": self.session.tokenize(text, add_special_tokens=special)},
+                                      message.id))
 
     def _bye(self, client: Client, message: Message) -> None:
         self.client_gone(client.key)
@@ -294,8 +396,10 @@ class Hub:
         """Every client's interventions, scoped to its requests, as one set for the engine."""
         engine = []
         for client in self.clients.values():
+            prefill = self._prefill_of(client)
+            every = [*client.owner, *(prefill.request_ids if prefill else ())]  # its open requests
             for iv in client.interventions:
-                rids = list(client.owner) if iv.request_id is None else [iv.request_id]
+                rids = every if iv.request_id is None else [iv.request_id]
                 scoped = [dataclasses.replace(iv, request_id=client.internal(rid)) for rid in rids]
                 if iv.request_id is None:
                     self._scoped_all.update(scoped)
