@@ -97,8 +97,10 @@ def test_unknown_names_and_bad_input_are_one_clear_error_each(ins, cached):
 def test_generate_with_cache_caches_every_position_the_model_ran_on(ins, tiny_models):
     """Greedy: the tokens are transformers' argmax continuation; the cache holds the prompt's and the
     generated tokens' rows (all but the last token's), equal to a prefill of the same tokens."""
-    text, tokens, cache = ins.generate_with_cache(PROMPTS, max_new_tokens=5, ignore_eos=True)
+    generated = ins.generate_with_cache(PROMPTS, max_new_tokens=5, ignore_eos=True)
+    text, tokens, cache = generated
     assert tokens.shape[0] == 2 and len(text) == 2
+    assert html.escape(text[0]) in generated._repr_html_() and "blocks.0.hook_resid_post" in generated._repr_html_()
     for i, prompt in enumerate(PROMPTS):
         prompt_ids = ins.to_tokens(prompt)[0].tolist()
         ids = tokens[i, :len(prompt_ids) + 5].tolist()

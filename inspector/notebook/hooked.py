@@ -10,9 +10,11 @@ import contextlib
 import dataclasses
 import difflib
 import fnmatch
+import html
 import itertools
 import logging
 import os
+import re
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -36,6 +38,15 @@ class Generated(NamedTuple):
     text: list[str]  # each prompt's generated text
     tokens: torch.Tensor  # [batch, pos]: prompt and generated token ids, 0 after each one's end
     cache: ActivationCache
+
+    def _repr_html_(self) -> str:
+        """In Jupyter, as the app first shows a run: each prompt's generated text, and the first block's
+        residual stream (the first cached point where it has none)."""
+        residual = sorted((k for k in self.cache.keys() if re.fullmatch(r"blocks\.\d+\.hook_resid_post", k)),
+                          key=lambda k: int(k.split(".")[1]))
+        shown = residual[0] if residual else next(iter(self.cache.keys()), None)
+        texts = "".join(f"<pre style='margin:2px 0'>{html.escape(text)}</pre>" for text in self.text)
+        return texts + (self.cache.show(shown)._repr_html_() if shown else "")
 
 
 class Inspector:
