@@ -234,3 +234,21 @@ def assert_window_change_applies_between_forwards(session, prompt, hook):
     assert len(late) and (late % 3 == 0).all() and set(range(prompt_len + 2, total - 1)) - set(late.tolist())
     assert request.windows == {installed_name(hook, session.installed): "every:3"}
     session.set_windows({})
+
+
+def assert_greedy_generation_caches_as_a_prefill(ins, model_dir, prompts, generated, new_tokens: int):
+    """A notebook ``Inspector``'s greedy ``generate_with_cache``: each prompt's tokens then transformers'
+    argmax continuation, and the cache's rows equal to a prefill of the same tokens."""
+    import hf_reference
+
+    text, tokens, cache = generated
+    for i, prompt in enumerate(prompts):
+        prompt_ids = ins.to_tokens(prompt)[0].tolist()
+        ids = tokens[i, :len(prompt_ids) + new_tokens].tolist()
+        assert ids[:len(prompt_ids)] == prompt_ids and text[i] == ins.to_string(ids[len(prompt_ids):])
+        logits = hf_reference.logits(model_dir, ids[:-1])
+        assert logits[len(prompt_ids) - 1:].argmax(-1).tolist() == ids[len(prompt_ids):]
+        assert cache.attention_mask[i].tolist() == [1] * (len(ids) - 1) + [0] * (tokens.shape[1] - len(ids) + 1)
+        _, prefilled = ins.run_with_cache([ids[:-1]], names_filter="*resid_post", return_type=None)
+        assert rel_l2(cache["resid_post", 1][i, :len(ids) - 1].numpy(),
+                      prefilled["resid_post", 1][0].numpy()).max() < PARITY_TOL

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_reference
-from engines import PARITY_TOL, rel_l2
+from engines import PARITY_TOL, assert_greedy_generation_caches_as_a_prefill, rel_l2
 from inspector.capture.labels import display_token
 from inspector.io import read_run, write_run
 from inspector.notebook.files import load
@@ -101,15 +101,7 @@ def test_generate_with_cache_caches_every_position_the_model_ran_on(ins, tiny_mo
     text, tokens, cache = generated
     assert tokens.shape[0] == 2 and len(text) == 2
     assert html.escape(text[0]) in generated._repr_html_() and "blocks.0.hook_resid_post" in generated._repr_html_()
-    for i, prompt in enumerate(PROMPTS):
-        prompt_ids = ins.to_tokens(prompt)[0].tolist()
-        ids = tokens[i, :len(prompt_ids) + 5].tolist()
-        assert ids[:len(prompt_ids)] == prompt_ids and text[i] == ins.to_string(ids[len(prompt_ids):])
-        logits = hf_reference.logits(tiny_models["llama"], ids[:-1])
-        assert logits[len(prompt_ids) - 1:].argmax(-1).tolist() == ids[len(prompt_ids):]
-        assert cache.attention_mask[i].tolist() == [1] * (len(ids) - 1) + [0] * (tokens.shape[1] - len(ids) + 1)
-        _, prefilled = ins.run_with_cache([ids[:-1]], names_filter="*resid_post", return_type=None)
-        assert rel_l2(cache["resid_post", 1][i, :len(ids) - 1].numpy(), prefilled["resid_post", 1][0].numpy()).max() < PARITY_TOL
+    assert_greedy_generation_caches_as_a_prefill(ins, tiny_models["llama"], PROMPTS, generated, 5)
     with pytest.raises(ValueError, match="unexpected keyword argument 'temprature'"):
         ins.generate_with_cache(PROMPTS[0], temprature=0.5)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_reference
-from engines import PARITY_TOL, rel_l2
+from engines import PARITY_TOL, assert_greedy_generation_caches_as_a_prefill, rel_l2
 from inspector.capture.protocol import Sampling, SessionError
 from inspector.client import connect
 
@@ -60,16 +60,8 @@ def test_the_cache_and_the_logits_of_its_rows_are_transformers_own(ins, cached, 
 
 
 def test_generate_with_cache_is_transformers_greedy_continuation_and_caches_as_a_prefill(ins, tiny_models):
-    text, tokens, cache = ins.generate_with_cache(PROMPTS, max_new_tokens=5, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        prompt_ids = ins.to_tokens(prompt)[0].tolist()
-        ids = tokens[i, :len(prompt_ids) + 5].tolist()
-        assert ids[:len(prompt_ids)] == prompt_ids and text[i] == ins.to_string(ids[len(prompt_ids):])
-        logits = hf_reference.logits(tiny_models["llama"], ids[:-1])
-        assert logits[len(prompt_ids) - 1:].argmax(-1).tolist() == ids[len(prompt_ids):]
-        _, prefilled = ins.run_with_cache([ids[:-1]], names_filter="*resid_post", return_type=None)
-        assert rel_l2(cache["resid_post", 1][i, :len(ids) - 1].numpy(),
-                      prefilled["resid_post", 1][0].numpy()).max() < PARITY_TOL
+    generated = ins.generate_with_cache(PROMPTS, max_new_tokens=5, ignore_eos=True)
+    assert_greedy_generation_caches_as_a_prefill(ins, tiny_models["llama"], PROMPTS, generated, 5)
 
 
 def test_a_steering_vector_in_a_hooks_block_is_transformers_steering_and_ends_with_it(ins, cached, tiny_models):
