@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_COLORMAP = "cividis"  # the app's (inspector.ui.settings.DEFAULT_COLORMAP)
-DIFF_COLORMAP = "CET-CBD1"  # its twin comparison's (inspector.ui.compare_view.DIFF_COLORMAP)
+DEFAULT_COLORMAP = "cividis"  # the app's and the notebook views'
+DIFF_COLORMAP = "CET-CBD1"  # twin comparisons': diverging, colour-blind safe; "auto ±" levels centre 0
 
 
 def _maps_folder() -> Path:

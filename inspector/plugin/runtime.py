@@ -354,8 +354,10 @@ class InspectorRuntime:
 
     def _python_delta(self, hook: ActiveHook, value: torch.Tensor) -> torch.Tensor | None:
         """What the hook's Python function (eager mode only) adds to the forward's rows, if it has one."""
+        if self._affine_in_graph or not self.python_hooks.functions:  # compiled: nothing here is traced
+            return None
         step = self._logits_step
-        if not self.python_hooks.functions or step is None:
+        if step is None:
             return None
         return self.python_hooks.delta(hook.point.name, value, step.req_ids, step.query_start_loc, step.positions)
 

@@ -16,12 +16,12 @@ from PySide6.QtGui import QColor, QFont, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QSizePolicy, QSplitter, QStackedWidget, QTextEdit,
                                QVBoxLayout, QWidget)
 
+from inspector.capture.colormaps import DIFF_COLORMAP
 from inspector.viewer.compare import CHANGE_TIP, KL_TIP, NO_TWINS, ComparisonShown
 from inspector.viewer.labels import display_token
 
 from .heatmap import MARK_THIS, HeatmapWidget, quiet_axes
 
-DIFF_COLORMAP = "CET-CBD1"  # diverging and colour-blind safe; "auto ±" levels put its middle at 0
 PROMPT, SHARED, SPLIT, AFTER = "prompt", "shared", "split", "after"
 KL_COLOUR, CHANGE_COLOUR = (213, 94, 0), (0, 114, 178)  # Okabe-Ito vermillion and blue
 STRIP_HEIGHT = 160

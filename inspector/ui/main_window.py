@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (QComboBox, QDockWidget, QFileDialog, QHBoxLayout,
                                QMessageBox, QPlainTextEdit, QProgressBar, QProgressDialog, QPushButton, QSplitter, QTabWidget,
                                QVBoxLayout, QWidget)
 
+from inspector.capture.labels import default_hook
 from inspector.capture.protocol import BOOT_STAGES, BootProgress, SessionFactory
 from inspector.capture.sae import AttachedSae
 from inspector.viewer.controller import (EMPTY_TEXT, GENERATE_TIPS, Action, AppState, Controller,
@@ -875,7 +876,7 @@ class MainWindow(QMainWindow):
         hooks = view.hooks_for(sel.request)
         names = [h.name for h in hooks]
         if names and sel.hook not in names:
-            sel.hook = next((h.name for h in hooks if h.kind == "resid_post"), names[0])
+            sel.hook = default_hook(hooks).name
         current = [self.hook_box.itemData(i) for i in range(self.hook_box.count())]
         if names != current or self.hook_box.currentData() != sel.hook:
             with QSignalBlocker(self.hook_box):

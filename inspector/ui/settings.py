@@ -11,11 +11,12 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
+from inspector.capture.colormaps import DEFAULT_COLORMAP
+
 ORG = "ActivationInspector"
 APP = "inspector"
 ENV_VAR = "INSPECTOR_SETTINGS_DIR"
 MAX_RECENT = 8
-DEFAULT_COLORMAP = "cividis"
 
 
 def configure_storage(path: str | os.PathLike | None = None) -> None:
