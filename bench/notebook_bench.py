@@ -103,7 +103,8 @@ def transformerlens(s: Setup, contexts: torch.Tensor, prompts: torch.Tensor, new
     return {"prefill": timed(prefill, reps), "generate": timed(generate, reps)}
 
 
-def inspector(s: Setup, contexts: torch.Tensor, prompts: list[str], new: int, reps: int) -> dict:
+def inspector(s: Setup, contexts: torch.Tensor, prompts: list[str], new: int, reps: int,
+              breakdown: bool = False) -> dict:
     from inspector import Inspector
 
     with Inspector(str(s.model_dir), hooks=["blocks.*.hook_resid_post", "ln_final.hook_normalized"], dtype=s.dtype,
@@ -111,7 +112,60 @@ def inspector(s: Setup, contexts: torch.Tensor, prompts: list[str], new: int, re
         prefill = timed(lambda: ins.run_with_cache(contexts, names_filter=RESID, return_type=None), reps)
         generate = timed(lambda: ins.generate_with_cache(prompts, max_new_tokens=new, ignore_eos=True,
                                                          names_filter=RESID), reps)
+        if breakdown:
+            generation_breakdown(ins, prompts, new, reps)
     return {"prefill": prefill, "generate": generate}
+
+
+def generation_breakdown(ins, prompts: list[str], new: int, reps: int) -> None:
+    """Where ``generate_with_cache``'s time goes, on the hooked engine itself: its bare ``LLM.generate``
+    with the rows dropped where they are made (the compiled hooks alone), the session's step loop with
+    the rows dropped (+ its per-step events), the step loop with the rows scattered into the cache's
+    tensors (+ the row sink), and the whole call (+ the cache's assembly); then the heaviest operations
+    of the whole call on the host and on the device."""
+    from vllm import SamplingParams
+
+    from inspector.capture.protocol import Sampling
+
+    session, llm = ins.session, ins.session._llm
+    config = llm.llm_engine.vllm_config
+    print(f"  hooked engine: async scheduling {config.scheduler_config.async_scheduling}, "
+          f"cudagraph mode {getattr(config.compilation_config, 'cudagraph_mode', None)}")
+    many = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    sampling = Sampling(max_tokens=new, logprobs=0, ignore_eos=True)
+
+    def session_steps():
+        for _ in session.generate(prompts, sampling):
+            pass
+        session.new_run()
+
+    session.set_row_sink(lambda *rows: None)
+    try:
+        times = {"hooked LLM.generate, rows dropped": timed(lambda: llm.generate(prompts, many, use_tqdm=False), reps),
+                 "Session.generate, rows dropped": timed(session_steps, reps)}
+    finally:
+        session.set_row_sink(None)
+    resid = {name for name, point in ins.points.items() if point.alias.endswith("hook_resid_post")}
+    times["Session.generate, rows to the sink"] = timed(
+        lambda: ins._generated_rows(prompts, sampling, resid, new), reps)
+    times["generate_with_cache"] = timed(lambda: ins.generate_with_cache(
+        prompts, max_new_tokens=new, ignore_eos=True, names_filter=RESID), reps)
+    for what, seconds in times.items():
+        print(f"  {what:36} {1000 * seconds / new:7.2f} ms a step")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        ins.generate_with_cache(prompts, max_new_tokens=new, ignore_eos=True, names_filter=RESID)
+        synchronize_all()
+    table = profile.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    if torch.cuda.is_available():
+        print(table.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
+def synchronize_all() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def vanilla(s: Setup, contexts: torch.Tensor, prompts: list[str], new: int, reps: int) -> dict:
@@ -124,6 +178,10 @@ def vanilla(s: Setup, contexts: torch.Tensor, prompts: list[str], new: int, reps
     ids = [{"prompt_token_ids": row.tolist()} for row in contexts]
     prefill = timed(lambda: llm.generate(ids, one, use_tqdm=False), reps)
     generate = timed(lambda: llm.generate(prompts, many, use_tqdm=False), reps)
+    config = llm.llm_engine.vllm_config
+    print(f"  vanilla engine: async scheduling {config.scheduler_config.async_scheduling}, "
+          f"cudagraph mode {getattr(config.compilation_config, 'cudagraph_mode', None)}, "
+          f"{1000 * generate / new:.2f} ms a step")
     return {"prefill": prefill, "generate": generate}
 
 
@@ -140,6 +198,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=None, help="default: 128 on the CPU, 512 on the GPU")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 32 on the CPU, 128 on the GPU")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the hooked engine's generation in parts, and profile it")
     parser.add_argument("--only", choices=["TransformerLens", "Inspector", "vanilla vLLM"], nargs="*", default=None)
     args = parser.parse_args()
     gpu = args.preset != "cpu"
@@ -156,7 +216,7 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(s.model_dir)
     prompt_ids = torch.tensor([tokenizer(p)["input_ids"] for p in prompts])  # of one length: no padding
     runs = {"TransformerLens": lambda: transformerlens(s, contexts, prompt_ids, new, args.reps),
-            "Inspector": lambda: inspector(s, contexts, prompts, new, args.reps),
+            "Inspector": lambda: inspector(s, contexts, prompts, new, args.reps, args.breakdown),
             "vanilla vLLM": lambda: vanilla(s, contexts, prompts, new, args.reps)}
     results = {}
     for name, run in runs.items():

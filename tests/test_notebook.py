@@ -102,6 +102,9 @@ def test_generate_with_cache_caches_every_position_the_model_ran_on(ins, tiny_mo
     assert tokens.shape[0] == 2 and len(text) == 2
     assert html.escape(text[0]) in generated._repr_html_() and "blocks.0.hook_resid_post" in generated._repr_html_()
     assert_greedy_generation_caches_as_a_prefill(ins, tiny_models["llama"], PROMPTS, generated, 5)
+    resid = cache["resid_post", 0]
+    resid.mul_(0)  # the cache's tensors are the user's to edit, as TransformerLens's are
+    assert not resid.is_inference() and not resid.any() and cache.attention_mask.sum() > 0
     with pytest.raises(ValueError, match="unexpected keyword argument 'temprature'"):
         ins.generate_with_cache(PROMPTS[0], temprature=0.5)
 

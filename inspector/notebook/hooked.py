@@ -258,19 +258,7 @@ class Inspector:
             raise ValueError(f"generate_with_cache: {e} (known: temperature, top_p, top_k, seed, ignore_eos)") from None
         self._check_filter(names_filter)
         wanted = {name for name, point in self.points.items() if _wanted(point.alias, names_filter)}
-        self.session.new_run()
-        ids = self.session.upcoming_request_ids(len(prompts))
-        self._index_requests(ids)
-        sink = None
-        if self._in_process():
-            capacity = max(len(self.session.tokenize(p, add_special_tokens=True)) for p in prompts) + max_new_tokens
-            sink = DeviceRows(wanted, self._request_index, len(prompts), capacity)
-        with self._sinking(sink):
-            for _ in self.session.generate(prompts, params):
-                pass
-        self._raise_hook_error()
-        requests = [self.session.run.requests[rid] for rid in ids]
-        self.session.new_run()  # the rows live in the cache from here on
+        requests, sink = self._generated_rows(prompts, params, wanted, max_new_tokens)
         longest = max(len(r.token_ids) for r in requests)
         tokens = torch.zeros((len(requests), longest), dtype=torch.long)
         for i, request in enumerate(requests):
@@ -284,6 +272,26 @@ class Inspector:
                  for r in requests]
         cache = self._cache(rows, written.long(), [self.session.token_texts(r.token_ids) for r in requests])
         return Generated(texts, tokens.to(self.device), cache)
+
+    def _generated_rows(self, prompts: list[str], params: Sampling, wanted: set[str], max_new_tokens: int
+                        ) -> tuple[list, DeviceRows | None]:
+        """The engine's part of ``generate_with_cache``: the run's requests (``Run`` requests, in prompt
+        order) and, with the engine in this process, the row sink that holds their ``wanted`` rows
+        (else the requests hold them)."""
+        self.session.new_run()
+        ids = self.session.upcoming_request_ids(len(prompts))
+        self._index_requests(ids)
+        sink = None
+        if self._in_process():
+            capacity = max(len(self.session.tokenize(p, add_special_tokens=True)) for p in prompts) + max_new_tokens
+            sink = DeviceRows(wanted, self._request_index, len(prompts), capacity)
+        with self._sinking(sink):
+            for _ in self.session.generate(prompts, params):
+                pass
+        self._raise_hook_error()
+        requests = [self.session.run.requests[rid] for rid in ids]
+        self.session.new_run()  # the rows live in the cache from here on
+        return requests, sink
 
     # --- files and the app ---
 

@@ -25,6 +25,7 @@ class DeviceRows:
         self.wanted, self.request_index, self.batch, self.capacity = set(wanted), request_index, batch, capacity
         self.tensors: dict[str, torch.Tensor] = {}
         self.written: torch.Tensor | None = None
+        self._true: torch.Tensor | None = None
         self._stacked: dict[int, torch.Tensor] = {}  # stack's place -> its wanted hooks' [hooks, batch, capacity, width]
         self._chosen: dict[int, torch.Tensor] = {}  # stack's place -> which of its hooks are wanted (some, not all)
 
@@ -40,18 +41,20 @@ class DeviceRows:
         where = where.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else where
         b, p = where[0], where[1]
         rows = None if every else torch.from_numpy(np.flatnonzero(ours)).to(device)
-        with torch.inference_mode(False):  # the cache's tensors are the user's, to edit as they like
-            if self.written is None:
+        if self.written is None:
+            with torch.inference_mode(False):  # the cache's tensors are the user's, to edit as they like
                 self.written = torch.zeros((self.batch, self.capacity), dtype=torch.bool, device=device)
-            self.written[b, p] = True
-            for place, (names, tensor) in enumerate(stacks):
-                chosen = [h for h, name in enumerate(names) if name in self.wanted]
-                if not chosen:
-                    continue
-                if len(chosen) < len(names):
-                    tensor = tensor.index_select(0, self._index(place, chosen, device))
-                tensor = tensor if every else tensor.index_select(1, rows)
-                self._stack(place, [names[h] for h in chosen], tensor)[:, b, p] = tensor
+            self._true = torch.ones(1, dtype=torch.bool, device=device)
+        # a value already on the device: a host ``True`` would be copied there, waiting for the forward
+        self.written.index_put_((b, p), self._true)  # written in inference mode, they stay ordinary tensors
+        for place, (names, tensor) in enumerate(stacks):
+            chosen = [h for h, name in enumerate(names) if name in self.wanted]
+            if not chosen:
+                continue
+            if len(chosen) < len(names):
+                tensor = tensor.index_select(0, self._index(place, chosen, device))
+            tensor = tensor if every else tensor.index_select(1, rows)
+            self._stack(place, [names[h] for h in chosen], tensor)[:, b, p] = tensor
 
     def _index(self, place: int, chosen: list[int], device) -> torch.Tensor:
         if place not in self._chosen:
@@ -61,8 +64,9 @@ class DeviceRows:
     def _stack(self, place: int, names: list[str], tensor: torch.Tensor) -> torch.Tensor:
         """The wanted hooks of a stack: one [hooks, batch, capacity, width] tensor, each hook's a view."""
         if place not in self._stacked:
-            self._stacked[place] = stacked = tensor.new_zeros((len(names), self.batch, self.capacity, tensor.shape[2]))
-            self.tensors.update(zip(names, stacked))
+            with torch.inference_mode(False):  # views made in inference mode could not be edited outside it
+                self._stacked[place] = stacked = tensor.new_zeros((len(names), self.batch, self.capacity, tensor.shape[2]))
+                self.tensors.update(zip(names, stacked))
         return self._stacked[place]
 
 
