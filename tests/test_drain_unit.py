@@ -215,7 +215,8 @@ def test_windowed_steps_keep_each_hooks_promised_rows_in_order(windows):
     (kept rows in one range, sent as a slice, or scattered, gathered): every hook gets exactly the rows
     its window keeps."""
     from inspector.capture.windows import CaptureWindow
-    from inspector.plugin.runtime import RowStack, StepInfo
+    from inspector.plugin.runtime import RowStack
+    from inspector.plugin.vllm_compat import StepInfo
 
     runtime = _runtime()
     runtime._stacks = [RowStack(torch.zeros(2, 64, 3), ["a", "b"]), RowStack(torch.zeros(1, 64, 5), ["c"])]

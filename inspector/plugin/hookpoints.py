@@ -24,27 +24,15 @@ that flows on, zero for rows whose slot clamps nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from inspector.capture.hooks import ROUTER_KIND, HookPoint
 
-from . import families
-
-if TYPE_CHECKING:
-    from . import reader
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """This worker's place among the tensor-parallel ranks; ``kv_heads``: the model's key/value heads
-    in all (fewer than the ranks: each is replicated on several)."""
-
-    rank: int = 0
-    size: int = 1
-    kv_heads: int = 0
+from . import families, vllm_compat
+from .vllm_compat import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -76,7 +64,7 @@ class Site:
         return slice(self.shard * width, (self.shard + 1) * width)
 
 
-def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "reader.Reading"],
+def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., families.Reading],
               tp: TensorParallel = TensorParallel()
               ) -> tuple[families.Family, list[tuple[HookPoint, Site]], dict[str, str]]:
     """The family of a model's decoder blocks and its hook points, in model order: embeddings, each
@@ -85,8 +73,6 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
     norm where it holds them. ``read(blocks path, blocks, first block's index, embeddings, final norm)``
     reads the blocks from a forward (``reader.read``). Widths are the model's (all ranks' columns); each site says which of
     them this rank holds."""
-    from . import vllm_compat  # imports the runtime, which imports this module
-
     blocks_path, blocks = families.find_blocks(model, vllm_compat.is_attention, vllm_compat.is_pipeline_placeholder)
     held = [i for i, b in enumerate(blocks) if not vllm_compat.is_pipeline_placeholder(b)]  # this pipeline stage's
     reading = read(blocks_path, blocks[held[0]:held[-1] + 1], held[0],
@@ -115,8 +101,6 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
                      pair_offset=spec.pair_offset if spec else 1))
 
     def attention_points(block: str, b: str, i: int) -> list[tuple[HookPoint, Site]]:
-        from . import vllm_compat  # imports the runtime, which imports this module
-
         layers = vllm_compat.attention_layers(modules[block])
         if len(layers) != 1:
             return []
@@ -174,8 +158,6 @@ def _output_width(module: nn.Module) -> int:
 
 def _routing(moe_block: nn.Module, experts: int):
     """The routing rule of the mixture-of-experts layer a router point's gate belongs to."""
-    from . import vllm_compat  # imports the runtime, which imports this module
-
     return vllm_compat.moe_routing(moe_block, experts)
 
 

@@ -33,21 +33,9 @@ from .features import DeviceSae
 from .gather import QueuedForward, rows_by_request
 from .python_hooks import PythonHooks
 from .slots import SlotPlanner, compose
+from .vllm_compat import StepInfo
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One real forward: requests in batch order (external ids) and their rows."""
-
-    req_ids: list[str]
-    query_start_loc: np.ndarray  # [num_reqs + 1], row offsets
-    positions: np.ndarray  # [num_tokens]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc[-1])
 
 
 @dataclass
