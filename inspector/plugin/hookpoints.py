@@ -106,7 +106,7 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., fam
             return []
         rel, layer = layers[0]
         local = vllm_compat.attention_geometry(layer)  # this rank's heads
-        q_sharding, k_sharding = (tp.size, tp.rank, True), _kv_sharding(tp, local.kv_heads)
+        q_sharding, k_sharding = (tp.size, tp.rank, True), _kv_sharding(tp)
         geometry = replace(local, heads=local.heads * q_sharding[0], kv_heads=local.kv_heads * k_sharding[0])
         if tp.size > 1 and (local.alibi_slopes or local.sinks):  # each rank holds its own heads' slopes or sinks
             geometry = replace(geometry, alibi_slopes=(), sinks=(), unsupported="; ".join(filter(None, (
@@ -135,7 +135,7 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., fam
     return family, [(p, site) for p, site in points if p.module_path in modules], refused
 
 
-def _kv_sharding(tp: TensorParallel, local_kv_heads: int) -> tuple[int, int, bool]:
+def _kv_sharding(tp: TensorParallel) -> tuple[int, int, bool]:
     """(slices, this rank's, whether it sends them) of the keys: one per rank, or, with fewer key/value
     heads than ranks, one per head, replicated on consecutive ranks (the first of them sends it)."""
     if not tp.kv_heads or tp.kv_heads >= tp.size:
