@@ -46,7 +46,7 @@ def _queue(runtime, req_ids, counts, first_position, event, hooks=("a", "b")):
     values = torch.tensor(positions, dtype=torch.bfloat16).reshape(1, n, 1).expand(len(hooks), n, 4).clone()
     ids = torch.tensor(positions + 1000)
     transfer = Transfer([values, ids], event)
-    runtime._pending.append((QueuedForward(list(req_ids), qsl, positions, [list(hooks)], transfer.host), transfer))
+    runtime._in_flight._pending.append((QueuedForward(list(req_ids), qsl, positions, [list(hooks)], transfer.host), transfer))
 
 
 def test_drain_without_wait_takes_only_landed_steps_in_order():
