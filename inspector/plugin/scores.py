@@ -52,5 +52,5 @@ class TokenScores:
     def take(self) -> dict[str, dict[str, np.ndarray]]:
         """The scores since the last call: request -> positions, values [positions, its tokens]."""
         found, self._found = self._found, {}
-        return {rid: {"positions": np.array([p for p, _ in rows], dtype=np.int64), "values": np.stack([v for _, v in rows])}
-                for rid, rows in found.items()}
+        return {rid: {"positions": np.array([p for p, _ in rows], dtype=np.int64),
+                      "values": np.stack([v for _, v in rows])} for rid, rows in found.items()}
