@@ -1,6 +1,6 @@
 """Layers point one way: ui → viewer → client → net → capture (and io, experiments); server → engine → plugin →
 capture; harvesting and notebook → engine (the notebook also → io, for capture files, and → client, for a server's
-engine). Checked by importing every module of a layer in a fresh interpreter where the modules it must not use
+engine); cli → all of them, but only once a command runs. Checked by importing every module of a layer in a fresh interpreter where the modules it must not use
 cannot be imported, and, for the app, by what a plain import of its window loads."""
 
 import subprocess
@@ -48,6 +48,7 @@ RULES = {
     "viewer": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server", "inspector.ui"],
     "ui": ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server"],
     "notebook": QT + ["inspector.server", *APP],
+    "cli": QT + ENGINE + ["inspector.plugin", "inspector.server", *APP],
 }
 
 
