@@ -55,7 +55,6 @@ class Family:
     batched: bool = False  # transformers' own modules (vLLM's Transformers backend): [1, tokens, width]
 
 
-
 @dataclass
 class Reading:
     """The blocks as read (``reader.read``): their family (its points per block) and, per kind not

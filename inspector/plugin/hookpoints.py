@@ -94,7 +94,8 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., fam
               spec: families.Point | None = None) -> tuple[HookPoint, Site]:
         # vLLM's own attention layer takes [tokens, ...] whatever the family's layout
         batched = (family.batched or (spec is not None and spec.batched)) and attention is None
-        routing = _routing(modules[module_path.rpartition(".")[0]], width) if kind == ROUTER_KIND else None
+        # a router point carries the routing rule of the mixture-of-experts layer its gate belongs to
+        routing = vllm_compat.moe_routing(modules[module_path.rpartition(".")[0]], width) if kind == ROUTER_KIND else None
         return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width * sharding[0], layer, dtype,
                           attention, routing=routing, shards=sharding[0]),
                 Site(how, arg_index, batched, *sharding, factor=spec.factor if spec else 1.0,
@@ -154,11 +155,6 @@ def _output_width(module: nn.Module) -> int:
     """Features a linear layer gives on this rank (vLLM's parallel and replicated linears, or torch's)."""
     return int(next(getattr(module, a) for a in ("output_size_per_partition", "output_size", "out_features")
                     if getattr(module, a, None)))
-
-
-def _routing(moe_block: nn.Module, experts: int):
-    """The routing rule of the mixture-of-experts layer a router point's gate belongs to."""
-    return vllm_compat.moe_routing(moe_block, experts)
 
 
 # --- reading and replacing at a site (traced into the compiled graph: no value-dependent Python) ---
