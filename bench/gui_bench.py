@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     pg.setConfigOptions(antialias=False)
     rows = bench_heatmap(app)
     if not args.skip_engine:
-        from inspector.cli import engine_session
+        from inspector.cli.engine_options import engine_session
         from inspector.client.local import start_local_server
 
         hogs = busy_cores(len(os.sched_getaffinity(0)), args.busy == "elsewhere") if args.busy else []

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from inspector.capture.protocol import SessionOptions
-    from inspector.cli import record
+    from inspector.cli.capture import record
     from inspector.engine.environment import prepare_environment
 
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle engines must not spin on the shared cores

@@ -143,10 +143,11 @@ def session_on(llm, model_dir, **options):
     from pathlib import Path
 
     from inspector.capture.protocol import SessionOptions
-    from inspector.engine.session import Session, _describe
+    from inspector.engine.opening import describe_engine
+    from inspector.engine.session import Session
 
     options = SessionOptions(model=str(model_dir), max_model_len=256, max_num_batched_tokens=64, **options)
-    return Session(options, llm, Path(model_dir), *_describe(llm))
+    return Session(options, llm, Path(model_dir), *describe_engine(llm))
 
 
 PATCH_PROMPTS = [("The cat sat on the mat", "The dog sat on the mat"), ("x = 1\ny = x", "x = 2\ny = x"),

@@ -46,7 +46,7 @@ def _queue(runtime, req_ids, counts, first_position, event, hooks=("a", "b")):
     values = torch.tensor(positions, dtype=torch.bfloat16).reshape(1, n, 1).expand(len(hooks), n, 4).clone()
     ids = torch.tensor(positions + 1000)
     transfer = Transfer([values, ids], event)
-    runtime._pending.append((QueuedForward(list(req_ids), qsl, positions, [list(hooks)], transfer.host), transfer))
+    runtime._in_flight._pending.append((QueuedForward(list(req_ids), qsl, positions, [list(hooks)], transfer.host), transfer))
 
 
 def test_drain_without_wait_takes_only_landed_steps_in_order():
@@ -215,7 +215,8 @@ def test_windowed_steps_keep_each_hooks_promised_rows_in_order(windows):
     (kept rows in one range, sent as a slice, or scattered, gathered): every hook gets exactly the rows
     its window keeps."""
     from inspector.capture.windows import CaptureWindow
-    from inspector.plugin.runtime import RowStack, StepInfo
+    from inspector.plugin.runtime import RowStack
+    from inspector.plugin.vllm_compat import StepInfo
 
     runtime = _runtime()
     runtime._stacks = [RowStack(torch.zeros(2, 64, 3), ["a", "b"]), RowStack(torch.zeros(1, 64, 5), ["c"])]

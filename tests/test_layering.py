@@ -1,8 +1,11 @@
 """Layers point one way: ui → viewer → client → net → capture (and io, experiments); server → engine → plugin →
 capture; harvesting and notebook → engine (the notebook also → io, for capture files, and → client, for a server's
-engine). Checked by importing every module of a layer in a fresh interpreter where the modules it must not use
-cannot be imported, and, for the app, by what a plain import of its window loads."""
+engine); cli → all of them, but only once a command runs. Checked by importing every module of a layer in a fresh
+interpreter where the modules it must not use cannot be imported, and, for the app, by what a plain import of its
+window loads. And the house rules: no module longer than ``MAX_LINES``, and within the plugin no import cycle, with
+``vllm_compat`` (the one module that touches vLLM's internals) a leaf that imports none of the plugin's modules."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +51,9 @@ RULES = {
     "viewer": QT + ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server", "inspector.ui"],
     "ui": ENGINE + ["inspector.engine", "inspector.plugin", "inspector.server"],
     "notebook": QT + ["inspector.server", *APP],
+    "cli": QT + ENGINE + ["inspector.plugin", "inspector.server", *APP],
 }
+MAX_LINES = 600  # a module a newcomer can read in one sitting; a longer one holds more than one job
 
 
 def test_every_layer_has_a_rule():
@@ -87,3 +92,55 @@ def test_the_app_reaches_the_engine_only_through_its_session_factory():
     offenders = [str(p) for layer in ("ui", "viewer", "client") for p in (PACKAGE / layer).rglob("*.py")
                  for name in ("inspector.engine", "inspector.plugin", "inspector.server") if name in p.read_text()]
     assert not offenders
+
+
+def test_no_module_is_longer_than_max_lines():
+    """Every module of the package, the app's included: split a long one by what its parts do."""
+    lengths = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    offenders = sorted(f"{path}: {n} lines" for path, n in lengths.items() if n > MAX_LINES)
+    assert not offenders, f"modules over {MAX_LINES} lines: {offenders}"
+
+
+def _plugin_imports() -> dict[str, set[str]]:
+    """Per module of inspector.plugin, the plugin modules it imports: at module level, in functions and under
+    ``TYPE_CHECKING`` alike (a deferred import is still a dependency)."""
+    plugin = PACKAGE / "plugin"
+    names = {p.stem for p in plugin.glob("*.py")}
+    graph = {}
+    for path in plugin.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("inspector.plugin.")}
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level == 0 and not (module == "inspector.plugin" or module.startswith("inspector.plugin.")):
+                    continue
+                parts = module.split(".")[2:] if node.level == 0 else module.split(".")
+                parts = [part for part in parts if part]
+                found |= {parts[0]} if parts else {a.name for a in node.names}
+        graph[path.stem] = found & names - {path.stem}
+    return graph
+
+
+def test_vllm_compat_imports_nothing_of_the_plugin():
+    assert not _plugin_imports()["vllm_compat"]
+
+
+def test_no_import_cycle_within_the_plugin():
+    graph = _plugin_imports()
+    cycles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycles.append(" -> ".join(path[path.index(module):] + [module]))
+            return
+        if module in done:
+            return
+        for imported in sorted(graph[module]):
+            visit(imported, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not cycles, cycles

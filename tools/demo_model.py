@@ -295,8 +295,8 @@ def write_eval(model_dir: Path, result: dict) -> None:
     lines = [
         "# Demo model: evaluation",
         "",
-        "Written by `python -m inspector.demo eval`; the training run by "
-        f"`python -m inspector.demo train --out resources/demo-model --threads {meta['threads']} "
+        "Written by `packaging/dev run python tools/demo_model.py eval`; the training run by "
+        f"`packaging/dev run python tools/demo_model.py train --out resources/demo-model --threads {meta['threads']} "
         f"--steps {r['steps']}`.",
         "",
         "## Model and training",

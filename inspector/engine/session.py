@@ -4,8 +4,10 @@
 (``submit``, ``step``, ``cancel``: requests join the running batch at any step, which is how a
 server serves many clients at once; ``generate`` is that loop for one caller), drains the worker's
 captures after every step without waiting for copies still in flight (so the host's work of one step
-hides behind the next forward), and makes step events that it also folds into ``run``. ``stop()`` and ``set_interventions()`` may be called from
-another thread: they take effect between steps, before the next forward.
+hides behind the next forward), and makes step events that it also folds into ``run``. ``stop()`` and
+``set_interventions()`` may be called from another thread: they take effect between steps, before the
+next forward. Booting and describing the engine is ``opening``'s, the model's head on rows a caller
+hands in ``head``'s, and turning vLLM's values into the protocol's ``translation``'s.
 """
 
 from __future__ import annotations
@@ -17,35 +19,33 @@ import itertools
 import os
 import threading
 from dataclasses import replace
-
-import numpy as np
-import torch
 from typing import Callable, Iterable, Iterator, Sequence
 
 from inspector import __version__
 from inspector.capture.blocks import RequestRowsView
 from inspector.capture.hooks import HookPoint, check_patterns
 from inspector.capture.interventions import Intervention
-from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
-                                    checked_token_ids)
-from inspector.capture.models import model_config, resolve_model
-from inspector.capture.protocol import (MODES, BootProgress, Prefilled, RequestStart, RequestStep, Rows, Sampling,
+from inspector.capture.lens import checked_token_ids
+from inspector.capture.models import model_config
+from inspector.capture.protocol import (BootProgress, NewRows, Prefilled, RequestStart, RequestStep, Rows, Sampling,
                                         SessionError, SessionOptions, StepEvent, check_request, checked_interventions,
-                                        NewRows, fold_event)
+                                        fold_event)
+from inspector.capture.ranks import merge_ranks
 from inspector.capture.request_edits import encode_edit
-from inspector.capture.run import Run, TopToken
-from inspector.experiments.methods import Experiments
+from inspector.capture.run import Run
 from inspector.capture.sae import AttachedSae, checked_attachment
 from inspector.capture.windows import CaptureWindow, checked_windows, windows_from_patterns
-from inspector.plugin.config import FEATURES, PLUGIN_MISSING, SCORES, feature_keys
-from inspector.capture.ranks import merge_descriptions, merge_ranks
+from inspector.experiments.methods import Experiments
 from inspector.plugin.gather import bulk_of
 
-from .boot import boot_llm, shutdown_llm
+from .boot import shutdown_llm
+from .head import ModelHead
+from .opening import boot_engine, describe_engine, open_engine
 from .tokens import token_text
+from .translation import drained_features, drained_rows, drained_scores, new_tokens, sampling_params
 
 
-class Session(Experiments):
+class Session(ModelHead, Experiments):
     """Use ``Session.open(options, progress)``; close it to free the engine for another."""
 
     # Class-wide, so request ids stay unique across the sessions of one process: the app keeps
@@ -92,34 +92,7 @@ class Session(Experiments):
 
     @classmethod
     def open(cls, options: SessionOptions, progress: Callable[[BootProgress], None] | None = None) -> "Session":
-        report = progress or (lambda p: None)
-        if options.mode not in MODES:
-            raise SessionError(f"engine mode must be one of {MODES}, got {options.mode!r}")
-        report(BootProgress("resolving", f"resolving model {options.model}"))
-        try:
-            path = resolve_model(options.model)
-        except ValueError as e:
-            raise SessionError(str(e)) from None
-        llm = _boot(options, path, report)
-        try:
-            catalogue, installed, family, refused = _describe(llm)
-        except Exception as e:
-            shutdown_llm(llm)
-            if PLUGIN_MISSING in str(e):
-                raise SessionError("the engine's worker processes started without the inspector's vLLM plugin: "
-                                   "spawned workers (tensor parallel) load it through the project's installed entry "
-                                   "point, so install the project into this Python environment (pip install -e . "
-                                   "in its checkout, as the README's set-up does) rather than putting it on "
-                                   "PYTHONPATH") from None
-            raise
-        try:
-            check_patterns(options.hooks, catalogue)  # each pipeline stage matched only the points it holds
-            windows_from_patterns(options.windows, installed)
-        except ValueError as e:
-            shutdown_llm(llm)
-            raise SessionError(str(e)) from None
-        report(BootProgress("ready", f"{path.name} ready ({options.mode}, {len(installed)} hooks)"))
-        return cls(options, llm, path, catalogue, installed, family, refused)
+        return cls(options, *open_engine(options, progress or (lambda p: None)))
 
     def close(self) -> None:
         if self._llm is not None:
@@ -166,7 +139,7 @@ class Session(Experiments):
         is added)."""
         self._require_alive()
         check_request(prompts, sampling)
-        params = _sampling_params(sampling, skip_cache=self._prefix_caching and sampling.capture)
+        params = sampling_params(sampling, skip_cache=self._prefix_caching and sampling.capture)
         vocab = self._llm.llm_engine.model_config.get_vocab_size()
         checked_token_ids(sampling.score_token_ids, vocab)
         ids = list(request_ids) if request_ids is not None else self.upcoming_request_ids(len(prompts))
@@ -247,40 +220,6 @@ class Session(Experiments):
             if flying:  # stopped early: nothing of theirs stays in the engine
                 engine.abort_request(list(flying))
                 self._drain()
-
-    def lens(self, values, k: int = 5, chosen=None) -> Lens:
-        self._require_alive()
-        width = next(h.width for h in self.catalogue if h.kind == "normalized")
-        vocab = self._llm.llm_engine.model_config.get_vocab_size()
-        values, chosen = checked_lens_request(values, k, chosen, width, vocab)
-        return Lens.from_arrays(_from_head(self._llm.collective_rpc("inspector_lens", args=(values, k, chosen))))
-
-    def attribution(self, values, final_residual, k: int = 5, chosen=None) -> Attribution:
-        self._require_alive()
-        width = next(h.width for h in self.catalogue if h.kind == "normalized")
-        vocab = self._llm.llm_engine.model_config.get_vocab_size()
-        values, final_residual, chosen = checked_attribution_request(values, final_residual, k, chosen, width, vocab)
-        return Attribution.from_arrays(_from_head(self._llm.collective_rpc("inspector_attribution",
-                                                                           args=(values, final_residual, k, chosen))))
-
-    def final_norm_kind(self) -> tuple[bool, float]:
-        """(centres like LayerNorm, epsilon) of the model's final norm: what its scale of the final
-        residual stream (TransformerLens's ``ln_final.hook_scale``) is made of."""
-        self._require_alive()
-        found = _from_head(self._llm.collective_rpc("inspector_final_norm_kind"))
-        return found["centred"], found["eps"]
-
-    def logits(self, values) -> np.ndarray:
-        """The model's logits of final-norm output rows (``normalized``), float32 [rows, vocab]: its own
-        unembedding (tied embeddings, logit scale and soft cap as the model has them)."""
-        self._require_alive()
-        width = next(h.width for h in self.catalogue if h.kind == "normalized")
-        if isinstance(values, torch.Tensor) and self.in_process:  # on the engine's device: they stay there
-            if values.ndim != 2 or values.shape[1] != width:
-                raise ValueError(f"final-norm rows must be [rows, {width}], got {list(values.shape)}")
-        else:
-            values, _ = checked_lens_request(values, 1, None, width, self._llm.llm_engine.model_config.get_vocab_size())
-        return _from_head(self._llm.collective_rpc("inspector_logits", args=(values,)))["logits"]
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The text's token ids; ``add_special_tokens``: as vLLM tokenizes a prompt (a BOS where the
@@ -401,15 +340,15 @@ class Session(Experiments):
         check_patterns(patterns, self.catalogue)
         if self.options.mode == "eager":
             self._llm.collective_rpc("inspector_set_hook_patterns", args=(list(patterns),))
-            _, self.installed, _, _ = _describe(self._llm)
+            _, self.installed, _, _ = describe_engine(self._llm)
         else:
             run = self.run
             self.close()
             options = replace(self.options, hooks=tuple(patterns))
-            self._llm = _boot(options, self.model_path, lambda p: None)
+            self._llm = boot_engine(options, self.model_path, lambda p: None)
             self.options, self.alive = options, True
             self._tokenizer = self._llm.get_tokenizer()
-            _, self.installed, _, _ = _describe(self._llm)
+            _, self.installed, _, _ = describe_engine(self._llm)
             self.run = run
         self.run.hooks.update(self.installed)
         self.windows = {name: w for name, w in self.windows.items() if name in self.installed}
@@ -548,10 +487,6 @@ class Session(Experiments):
             if rid not in self._computed:
                 continue
             hooks = captures.get(rid, {})
-            scores = hooks[SCORES] if SCORES in hooks else None
-            features = {name: (hooks[acts]["positions"], hooks[ids]["values"].astype(np.int32), hooks[acts]["values"])
-                        for name, (acts, ids) in ((n, feature_keys(n)) for n in self.saes) if acts in hooks
-                        } if self.saes else {}
             if blocks is not None:
                 rows = RequestRowsView(blocks, rid)
                 for b in rows.blocks:
@@ -559,15 +494,13 @@ class Session(Experiments):
                     if where.stop > where.start:
                         self._computed[rid] = max(self._computed[rid], int(b.positions[where.stop - 1]) + 1)
             else:
-                rows = {hook: (c["positions"], c["token_ids"], c["values"]) for hook, c in hooks.items()
-                        if hook != SCORES and not hook.startswith(FEATURES)}
+                rows = drained_rows(hooks)
                 self._note_computed(rid, rows)
-            tokens = self._tokens(outputs[rid]) if rid in outputs else {}
+            tokens = new_tokens(outputs[rid], self._text) if rid in outputs else {}
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,
-                                     finish_reason=finish.get(rid), features=features,
-                                     windows=self._unsent_windows.pop(rid, None),
-                                     scores=None if scores is None else (scores["positions"], scores["values"]),
+                                     finish_reason=finish.get(rid), features=drained_features(hooks, self.saes),
+                                     windows=self._unsent_windows.pop(rid, None), scores=drained_scores(hooks),
                                      **tokens))
         self._open = [rid for rid in self._open if rid not in finish]
         for rid in finish:  # a long-lived session (a server's) forgets requests that are over
@@ -588,17 +521,6 @@ class Session(Experiments):
         ends = {id(r[0]): r[0] for r in rows.values()}
         if ends:
             self._computed[rid] = max(self._computed[rid], *(int(p[-1]) + 1 for p in ends.values()))
-
-    def _tokens(self, out) -> dict:
-        completion = out.outputs[0]
-        new_ids = tuple(completion.token_ids)
-        chosen, tops = [], []
-        for token, entry in zip(new_ids, completion.logprobs or []):
-            chosen.append(float(entry[token].logprob) if token in entry else float("nan"))
-            ranked = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()), key=lambda x: -x[1])
-            tops.append(tuple(TopToken(t, lp, self._text(t)) for t, lp in ranked))
-        return {"new_token_ids": new_ids, "new_texts": tuple(self._text(t) for t in new_ids),
-                "logprobs": tuple(chosen), "top_logprobs": tuple(tops)}
 
     def _text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -625,61 +547,3 @@ class Session(Experiments):
             "saes": [sae.as_dict() for sae in self.saes.values()],  # what features in the run come from
         }
 
-
-def _boot(options: SessionOptions, path, report: Callable[[BootProgress], None]):
-    from inspector.plugin import worker_extension
-
-    def compiling():
-        report(BootProgress("compiling", "weights loaded, hooks installed; "
-                            + ("compiling the model (the first boot of a model takes longest)"
-                               if options.mode == "compiled" else "warming up")))
-
-    report(BootProgress("loading", f"loading {path.name} ({options.dtype}, {options.mode})"))
-    worker_extension.on_hooks_installed.append(compiling)
-    try:
-        return boot_llm(str(path), mode=options.mode, dtype=options.dtype, hook_patterns=tuple(options.hooks),
-                        max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
-                        enable_position_interventions=options.enable_position_interventions,
-                        max_slots=options.max_slots, feature_clamps=options.feature_clamps,
-                        kept_layers=options.kept_layers, **options.engine_args)
-    except Exception as e:
-        raise SessionError(f"could not start the engine on {path}: {_root_cause(e)}") from e
-    finally:
-        worker_extension.on_hooks_installed.remove(compiling)
-
-
-def _root_cause(e: BaseException) -> str:
-    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
-        e = e.__cause__ or e.__context__
-    return f"{type(e).__name__}: {e}"
-
-
-def _from_head(per_rank: list[dict]) -> dict:
-    """The answer of the rank that holds the model's head (the first tensor-parallel rank of the last
-    pipeline stage); the others answer nothing."""
-    return next((answer for answer in per_rank if answer), per_rank[0])
-
-
-def _describe(llm) -> tuple[list[HookPoint], dict[str, HookPoint], str, dict[str, str]]:
-    """The catalogue, the installed points, the block family they follow and why kinds are missing."""
-    info = merge_descriptions(llm.collective_rpc("inspector_describe"))
-    catalogue = [HookPoint.from_dict(p) for p in info["hook_points"]]
-    by_name = {h.name: h for h in catalogue}
-    installed = {name: replace(by_name[point], name=name) for name, point in info["installed"].items()}
-    return catalogue, installed, info["family"], dict(info.get("refused", {}))
-
-
-def _sampling_params(s: Sampling, skip_cache: bool = False):
-    """vLLM's parameters for ``s``. Not detokenised by vLLM: the session makes each token's text once
-    (``_text``), where vLLM's detokeniser works per request and token on the engine's step.
-    ``skip_cache``: read no cached block (a capturing request under prefix caching needs every row)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    try:
-        return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                              top_k=s.top_k if s.top_k > 0 else -1, seed=s.seed, logprobs=s.logprobs or None,
-                              ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA, detokenize=False,
-                              skip_reading_prefix_cache=skip_cache)
-    except Exception as e:  # noqa: BLE001 - vLLM's rules beyond ours (its errors are not all ValueErrors)
-        raise ValueError(f"sampling refused: {e}") from None

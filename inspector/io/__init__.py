@@ -2,7 +2,8 @@
 
 The layout is documented in ``docs/capture-format.md`` (format ``activation-inspector-capture``,
 version ``FORMAT_VERSION``); any HDF5 tool (h5py, h5dump, HDFView) can read it without this code.
-Modules: ``format`` (names, version, errors), ``latching_file``, ``writer``, ``reader``.
+Modules: ``format`` (names, version, errors), ``layout`` (where things go), ``latching_file``, ``atomic_file``
+(temp file renamed when finished), ``writer``, ``reader``.
 
 API
 ---

@@ -24,7 +24,8 @@ import numpy as np
 
 from inspector.capture.blocks import RowBlocks, consecutive
 
-from .writer import CaptureWriter, FinishedOrDropped
+from .atomic_file import FinishedOrDropped
+from .writer import CaptureWriter
 
 
 class _Ring:

@@ -1,66 +1,31 @@
 """Writing capture files: streamed as a run is generated (``CaptureWriter``) or a whole run at once
-(``write_run``), always through a hidden temp file renamed onto the target at the end, so that an
-abort, an error, a full disk or a crash never leaves a file under the target's name."""
+(``write_run``), always through a hidden temp file renamed onto the target at the end (``atomic_file``),
+so that an abort, an error, a full disk or a crash never leaves a file under the target's name. This
+module buffers the rows and writes them chunk by chunk; ``layout`` says where everything goes."""
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import os
-import re
-import secrets
-import shutil
-from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import h5py
 import numpy as np
 
-from inspector import __version__ as APP_VERSION
 from inspector.capture.arrays import GrowableArray
 from inspector.capture.blocks import RowBlocks
 from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.capture.hooks import HookPoint
-from inspector.capture.routing import Routing, route
-from inspector.capture.run import FeatureRows, LensRows, RequestCapture, Run, TopToken
+from inspector.capture.run import FeatureRows, LensRows, RequestCapture, Run
 
-from .format import (EXPORT_CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION, CaptureFileError, check_compression,
-                     chunk_cols_for, chunk_rows_for, escape_name, extendable_dataset, os_reason, set_text, to_json,
-                     write_texts)
-from .latching_file import LatchingFile
+from .atomic_file import AtomicFile
+from .format import (EXPORT_CHUNK_BYTES, check_compression, chunk_cols_for, chunk_rows_for, extendable_dataset,
+                     set_text, write_texts)
+from .layout import (RequestSnapshot, add_request_group, check_hook, header_texts, named_group, write_expert_choice,
+                     write_header, write_hook, write_request_data)
 
 INDEX_CHUNK = 4096  # chunk length of the 1-D positions/token_ids datasets
 WRITE_PIECE_BYTES = 32 << 20  # write_run hands arrays over in pieces of about this size (progress)
-REQUEST_DATASETS = ("token_ids", "positions", "is_prompt", "token_texts", "logprobs", "top_logprob_ids",
-                    "top_logprob_values", "top_logprob_texts", "top_logprob_counts")
-
-
-def _cannot_create(path: Path, reason: str) -> CaptureFileError:
-    return CaptureFileError(f"cannot create capture file {path}: {reason}", path, reason)
-
-
-def check_target(path: str | os.PathLike) -> None:
-    """Raise CaptureFileError if a capture file cannot be created at ``path`` (checked before a long
-    generation, so that it is not lost for a typo)."""
-    final = Path(os.path.abspath(os.fspath(path)))
-    parent = final.parent
-    if final.is_dir():
-        raise _cannot_create(final, "a directory of that name exists")
-    if not parent.exists():
-        raise _cannot_create(final, f"the directory {parent} does not exist")
-    if not parent.is_dir():
-        raise _cannot_create(final, f"{parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise _cannot_create(final, f"the directory {parent} is not writable")
-
-
-def _check_hook(name: str, info: HookPoint) -> None:
-    """ValueError for a hook a file cannot hold (its name is escaped to a group name: ValueError there too)."""
-    escape_name(name)
-    if int(info.width) < 1:
-        raise ValueError(f"hook {name!r} has width {info.width}; it must be at least 1")
 
 
 class _HookBuffer:
@@ -87,66 +52,27 @@ class _HookBuffer:
         return self.chunk_rows - self.rows_written % self.chunk_rows
 
 
-class _Snapshot:
-    """What update_request last said about a request (copied, so later mutation does not leak in)."""
-
-    def __init__(self, req: RequestCapture):
-        self.request_id = str(req.request_id)
-        self.prompt = str(req.prompt)
-        self.prompt_token_ids = np.asarray(req.prompt_token_ids, dtype=np.int64).reshape(-1)
-        self.generated_token_ids = np.asarray(req.generated_token_ids, dtype=np.int64).reshape(-1)
-        self.token_texts = [str(t) for t in req.token_texts]
-        self.logprobs = np.asarray(req.logprobs, dtype=np.float64).reshape(-1)
-        self.top_logprobs = [[TopToken(int(t[0]), float(t[1]), str(t[2])) for t in top] for top in req.top_logprobs]
-        self.sampling = to_json(req.sampling, f"the sampling parameters of request {req.request_id!r}")
-        self.intervention_log = to_json([[int(p), list(ivs)] for p, ivs in req.intervention_log],
-                                         f"the intervention log of request {req.request_id!r}")
-        self.finish_reason = None if req.finish_reason is None else str(req.finish_reason)
-        self.twin_role, self.twin_of = req.twin_role, req.twin_of
-        self.windows = {str(hook): str(window) for hook, window in req.windows.items()}
-
-
 class _Request:
     __slots__ = ("index", "group", "snapshot", "buffers", "lens", "features")
 
-    def __init__(self, index: int, group, snapshot: _Snapshot):
+    def __init__(self, index: int, group, snapshot: RequestSnapshot):
         self.index, self.group, self.snapshot = index, group, snapshot
         self.buffers: dict[str, _HookBuffer] = {}
         self.lens: dict[str, LensRows] = {}  # small (k ids and logprobs a row): written with the request's data
         self.features: dict[str, FeatureRows] = {}  # small too (k ids and activations a row): likewise
 
 
-class FinishedOrDropped:
-    """A file being written, as a ``with`` block: finished (``close``) if the block ends well, else
-    dropped (``abort``), so that no half-written file is left under its name."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-        return False
-
-
-class CaptureWriter(FinishedOrDropped):
-    """Streams a Run into an HDF5 capture file; see the module docstring."""
+class CaptureWriter(AtomicFile):
+    """Streams a Run into an HDF5 capture file; see ``inspector.io``'s docstring."""
 
     def __init__(self, path: str | os.PathLike, metadata: dict, hooks: dict[str, HookPoint], *,
                  compression: str | tuple | None = None, fsync: bool = True, buffer_bytes: int = 128 << 20):
-        self._state = "init"
-        self._file = None
-        self._io: LatchingFile | None = None
-        self._tmp: Path | None = None
-        self.path = Path(os.path.abspath(os.fspath(path)))
+        super().__init__(path, fsync)
         self._hooks: dict[str, HookPoint] = dict(hooks)
         for name, info in self._hooks.items():
-            _check_hook(name, info)
+            check_hook(name, info)
         check_compression(compression)
         self._compression = compression
-        self._fsync = fsync
         # Rows buffered beyond the budget are written out before their chunks are full, which HDF5 then
         # rewrites piece by piece: 1,024 (request, hook)s of a batch-32 step held a capture to a tenth
         # of the disk's speed on the H200. So the budget grows to a chunk per (request, hook), up to a
@@ -158,135 +84,29 @@ class CaptureWriter(FinishedOrDropped):
         self._staged: list[RowBlocks] = []  # bulk steps not written yet (append_blocks)
         self._staged_bytes = 0
         self._vocabulary: dict[int, str] = {}  # small (a text per token id the lens names): written at the end
-        metadata = dict(metadata)
-        meta_json = to_json(metadata, "the run metadata")
-        model_config = metadata.get("model_config", {})
-        model_config = model_config if isinstance(model_config, str) else to_json(model_config, "model_config")
-
+        header = header_texts(metadata)
         self._create_temp()
-        self._state = "open"
         with self._guard("writing the header"):
-            f = self._file
-            f.attrs["format"] = FORMAT_NAME
-            f.attrs["format_version"] = np.int64(FORMAT_VERSION)
-            created = metadata.get("created") or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-            for key, value in (("app_version", metadata.get("app_version") or APP_VERSION),
-                               ("vllm_version", metadata.get("vllm_version") or ""),
-                               ("model_path", metadata.get("model_path") or ""),
-                               ("model_config", model_config),
-                               ("dtype", metadata.get("dtype") or ""),
-                               ("engine_mode", metadata.get("engine_mode") or ""),
-                               ("created", created.isoformat() if hasattr(created, "isoformat") else created),
-                               ("metadata", meta_json)):
-                set_text(f, key, value)
-            f.create_group("hooks")
-            for index, (name, info) in enumerate(self._hooks.items()):
-                self._write_hook(index, name, info)
-            f.create_group("requests")
-
-    def _write_hook(self, index: int, name: str, info: HookPoint) -> None:
-        g = self._file["hooks"].create_group(escape_name(name))
-        set_text(g, "name", name)
-        for key in ("alias", "module_path", "kind"):
-            set_text(g, key, getattr(info, key))
-        g.attrs["width"] = np.int64(info.width)
-        g.attrs["layer"] = np.int64(info.layer)
-        set_text(g, "source_dtype", info.dtype)
-        if info.attention is not None:
-            set_text(g, "attention", json.dumps(asdict(info.attention)))
-        if info.routing is not None:
-            set_text(g, "routing", json.dumps(info.routing.as_dict()))
-        g.attrs["index"] = np.int64(index)
+            write_header(self._file, header, self._hooks)
 
     def add_hook(self, name: str, info: HookPoint) -> None:
         """A hook that was not known at opening (a live run learns its hooks as rows come)."""
         self._check_open()
         if name in self._hooks:
             raise ValueError(f"hook {name!r} was already added")
-        _check_hook(name, info)
+        check_hook(name, info)
         with self._guard(f"adding hook {name!r}"):
-            self._write_hook(len(self._hooks), name, info)
+            write_hook(self._file, len(self._hooks), name, info)
         self._hooks[name] = info
 
     # -- lifecycle
 
-    def _create_temp(self) -> None:
-        final, parent = self.path, self.path.parent
-
-        def fail(reason: str, exc: BaseException | None = None):
-            raise _cannot_create(final, reason) from exc
-
-        check_target(final)
-        tmp = parent / f".{final.name}.{secrets.token_hex(4)}.partial"
-        try:
-            self._io = LatchingFile(tmp)
-        except OSError as exc:
-            fail(os_reason(exc), exc)
-        self._tmp = tmp
-        try:
-            # no chunk cache: full chunks go straight to disk instead of piling up, dirty, per dataset
-            self._file = h5py.File(self._io, "w", rdcc_nbytes=0, libver=("v110", "v110"))
-            error = self._io.error
-        except Exception as exc:  # noqa: BLE001 - any failure here means "cannot create"
-            error = self._io.error or exc  # the latched OS error (e.g. disk full) says more than HDF5's
-        if error is not None:
-            self._discard()
-            fail(os_reason(error), error)
-
-    def _discard(self) -> None:
-        """Close and delete the temp file; safe after failed writes (see LatchingFile)."""
-        if self._io is not None:
-            self._io.discard()  # from now on HDF5 writes into memory: closing cannot fail
+    def _drop_datasets(self) -> None:
         for req in self._requests.values():
             for buf in req.buffers.values():
                 buf.d_values = buf.d_positions = buf.d_token_ids = None
                 buf.pending = None
             req.group = None
-        if self._file is not None:
-            try:
-                self._file.close()
-            except Exception:  # noqa: BLE001 - already failing; the temp file goes anyway
-                pass
-            self._file = None
-        if self._io is not None:
-            self._io.close()
-            self._io = None
-        if self._tmp is not None:
-            try:
-                os.unlink(self._tmp)
-            except OSError:
-                pass
-
-    def _check_open(self) -> None:
-        if self._state != "open":
-            what = {"closed": "closed", "aborted": "aborted", "failed": "stopped after an earlier error"}
-            reason = f"the writer was {what.get(self._state, self._state)}"
-            raise CaptureFileError(f"cannot write {self.path}: {reason}", self.path, reason)
-
-    def _fail(self, error: BaseException, doing: str, cause: BaseException | None = None):
-        reason = os_reason(error)
-        if not re.search(r"space|too large|quota", reason):
-            try:
-                if shutil.disk_usage(self.path.parent).free == 0:
-                    reason = f"no space left on device ({reason})"
-            except OSError:
-                pass
-        self._discard()
-        self._state = "failed"
-        raise CaptureFileError(f"{reason} while writing {self.path} ({doing}); nothing was saved",
-                               self.path, reason) from (cause or error)
-
-    @contextmanager
-    def _guard(self, doing: str):
-        """Run file operations; any error (raised, or latched by the file object) removes the temp file."""
-        self._check_open()
-        try:
-            yield
-        except Exception as exc:  # noqa: BLE001 - any error leaves the file unusable: remove it
-            latched = self._io.error if self._io is not None else None
-            self._fail(latched or exc, doing, exc)
-        if self._io is not None and self._io.error is not None:
-            self._fail(self._io.error, doing)
 
     def close(self) -> Path:
         """Write what is buffered, finish the file and rename it onto ``path``. Idempotent."""
@@ -301,36 +121,9 @@ class CaptureWriter(FinishedOrDropped):
                 g = self._file.create_group("vocabulary")
                 g.create_dataset("ids", data=np.fromiter(self._vocabulary, np.int64, len(self._vocabulary)))
                 write_texts(g, "texts", list(self._vocabulary.values()))
-            self._file.close()
-            self._file = None
-            self._io.finish(fsync=self._fsync)
-        with self._guard("renaming the finished file"):
-            os.replace(self._tmp, self.path)
-            self._io = None
-            if self._fsync:
-                try:
-                    fd = os.open(self.path.parent, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                except OSError:
-                    pass  # some filesystems cannot fsync a directory
-        self._state = "closed"
+            self._finish()
+        self._rename()
         return self.path
-
-    def abort(self) -> None:
-        """Drop everything: the temp file is removed, nothing appears at ``path``. Idempotent."""
-        if self._state in ("open", "init"):
-            self._discard()
-            self._state = "aborted"
-
-    def __del__(self):
-        try:
-            if getattr(self, "_state", None) in ("open", "init"):
-                self.abort()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
 
     # -- requests
 
@@ -340,14 +133,10 @@ class CaptureWriter(FinishedOrDropped):
         rid = str(req.request_id)
         if rid in self._requests:
             raise ValueError(f"request {rid!r} was already added")
-        snapshot = _Snapshot(req)
+        snapshot = RequestSnapshot(req)
         with self._guard(f"adding request {rid!r}"):
             index = len(self._requests)
-            g = self._file["requests"].create_group(str(index))
-            set_text(g, "request_id", rid)
-            g.attrs["index"] = np.int64(index)
-            set_text(g, "prompt", snapshot.prompt)
-            g.create_group("hooks")
+            g = add_request_group(self._file, index, rid, snapshot.prompt)
         self._requests[rid] = _Request(index, g, snapshot)
 
     def update_request(self, req: RequestCapture) -> None:
@@ -356,7 +145,7 @@ class CaptureWriter(FinishedOrDropped):
         Written at ``close()``; a finish reason also writes out the request's buffered rows now.
         """
         self._check_open()
-        self._request(req.request_id).snapshot = _Snapshot(req)
+        self._request(req.request_id).snapshot = RequestSnapshot(req)
         if req.finish_reason is not None:
             self.release(req.request_id)
 
@@ -561,7 +350,7 @@ class CaptureWriter(FinishedOrDropped):
             self._write_index(buf)
             routing = self._hooks[buf.name].routing
             if routing is not None and not routing.unsupported:
-                self._write_expert_choice(buf, routing)
+                write_expert_choice(buf.group, buf.d_values[:], routing)
 
     def _flush_request(self, req: _Request, final: bool) -> None:
         for buf in req.buffers.values():
@@ -571,10 +360,7 @@ class CaptureWriter(FinishedOrDropped):
         if buf.d_values is None:
             if exact:  # everything this hook will get: chunks fit the data, no padding on disk
                 buf.chunk_rows = max(1, len(v))
-            link = escape_name(buf.name)
-            g = buf.group = req.group["hooks"].create_group(link)
-            if link != buf.name:  # the hook's own name, where the link name had to be escaped
-                set_text(g, "name", buf.name)
+            g = buf.group = named_group(req.group["hooks"], buf.name)
             bf16 = buf.dtype == BFLOAT16
             buf.d_values = extendable_dataset(g, "values", "<u2" if bf16 else buf.dtype.newbyteorder("<"),
                                               (0, buf.width), (buf.chunk_rows, buf.chunk_cols), self._compression)
@@ -622,75 +408,9 @@ class CaptureWriter(FinishedOrDropped):
                 d[have:n] = data[have:n]
             buf.idx_written = n
 
-    @staticmethod
-    def _write_expert_choice(buf: _HookBuffer, routing: Routing) -> None:
-        """A router hook's chosen experts and their weights, recomputed from all its rows so far (a
-        request's router logits are small: tokens × experts)."""
-        g = buf.group
-        ids, weights = route(buf.d_values[:], routing)
-        for name, data in (("expert_ids", ids), ("expert_weights", weights)):
-            if name in g:
-                del g[name]
-            g.create_dataset(name, data=data)
-
     def _write_request_data(self, req: _Request) -> None:
-        g, s = req.group, req.snapshot
-        for name in REQUEST_DATASETS:
-            if name in g:
-                del g[name]
-        tokens = np.concatenate([s.prompt_token_ids, s.generated_token_ids])
-        n_prompt = len(s.prompt_token_ids)
-        g.create_dataset("token_ids", data=tokens)
-        g.create_dataset("positions", data=np.arange(len(tokens), dtype=np.int64))
-        is_prompt = np.zeros(len(tokens), dtype=np.uint8)
-        is_prompt[:n_prompt] = 1
-        g.create_dataset("is_prompt", data=is_prompt)
-        write_texts(g, "token_texts", s.token_texts)
-        g.create_dataset("logprobs", data=s.logprobs)
-        rows, k = len(s.top_logprobs), max((len(x) for x in s.top_logprobs), default=0)
-        ids = np.full((rows, k), -1, dtype=np.int64)
-        values = np.full((rows, k), np.nan, dtype=np.float64)
-        texts = np.full((rows, k), "", dtype=object)
-        counts = np.zeros(rows, dtype=np.int64)
-        for r, top in enumerate(s.top_logprobs):
-            counts[r] = len(top)
-            for c, (tid, lp, text) in enumerate(top):
-                ids[r, c], values[r, c], texts[r, c] = tid, lp, text
-        g.create_dataset("top_logprob_ids", data=ids)
-        g.create_dataset("top_logprob_values", data=values)
-        write_texts(g, "top_logprob_texts", texts)
-        g.create_dataset("top_logprob_counts", data=counts)
-        set_text(g, "request_id", s.request_id)
-        set_text(g, "prompt", s.prompt)
-        g.attrs["num_prompt_tokens"] = np.int64(n_prompt)
-        set_text(g, "sampling", s.sampling)
-        set_text(g, "intervention_log", s.intervention_log)
-        if s.twin_role is not None:
-            set_text(g, "twin_role", s.twin_role)
-            set_text(g, "twin_of", s.twin_of)
-        if s.finish_reason is not None:
-            set_text(g, "finish_reason", s.finish_reason)
-        elif "finish_reason" in g.attrs:
-            del g.attrs["finish_reason"]
-        for name, buf in req.buffers.items():
-            if buf.d_values is not None and name in s.windows:
-                set_text(buf.group, "window", s.windows[name])
-        if "lens" in g:
-            del g["lens"]
-        if req.lens:
-            lens_group = g.create_group("lens")
-            for name, rows in req.lens.items():
-                hg = _named_group(lens_group, name)
-                for column in LensRows.COLUMNS:
-                    hg.create_dataset(column, data=rows.column(column))
-        if "features" in g:
-            del g["features"]
-        if req.features:
-            features_group = g.create_group("features")
-            for name, rows in req.features.items():
-                fg = _named_group(features_group, name)
-                for column in ("positions", "ids", "activations"):
-                    fg.create_dataset(column, data=getattr(rows, column))
+        write_request_data(req.group, req.snapshot, {name: buf.group for name, buf in req.buffers.items()
+                                                     if buf.d_values is not None}, req.lens, req.features)
 
 
 _MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -714,15 +434,6 @@ def _request_order(staged: list[RowBlocks]) -> tuple:
     join = lambda column: np.concatenate([getattr(staged[k], column)[rows]  # noqa: E731
                                           for _, _, pieces in spans for k, rows in pieces])
     return spans, join("positions"), join("token_ids")
-
-
-def _named_group(parent, name: str):
-    """A group for ``name`` (escaped as a link; the name itself then kept in its ``name`` attribute)."""
-    link = escape_name(name)
-    group = parent.create_group(link)
-    if link != name:
-        set_text(group, "name", name)
-    return group
 
 
 def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,

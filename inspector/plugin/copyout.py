@@ -6,8 +6,9 @@ millisecond), and sent from there to pinned host memory on a side stream, in par
 forward: prefill steps as much as decode steps. The arena is reused by the next forward's staging
 only once the side stream has read it. Tensors made for this copy alone (a window's gathered rows,
 an SAE's features) are sent as they are. Nothing here waits for the GPU: ``Transfer.ready`` says
-whether the copies have landed, ``Transfer.wait`` waits for them. The driver's drain hands the landed
-copies out as they are, in ``gather`` (why not a background thread: docs/performance-notes.md).
+whether the copies have landed, ``Transfer.wait`` waits for them. ``HostQueue`` keeps the forwards in
+flight in step order; the driver's drain takes the landed ones and hands their copies out as they are,
+in ``gather`` (why not a background thread: docs/performance-notes.md).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .gather import QueuedForward
 
 
 @dataclass
@@ -71,3 +74,44 @@ class CopyOut:
                 src.record_stream(self.stream)
         self._arena_read.update((a.data_ptr(), event) for a in arenas if a is not None)
         return Transfer(host, event)
+
+
+class HostQueue:
+    """The forwards whose rows are on their way to the host, oldest first, each with its transfer."""
+
+    def __init__(self, device: torch.device):
+        self.copy_out = CopyOut(device)
+        self._pending: list[tuple[QueuedForward, Transfer]] = []
+
+    def send(self, forward: QueuedForward, tensors: list[torch.Tensor], arenas: list[torch.Tensor | None],
+             input_ids: torch.Tensor | None, rows: slice | torch.Tensor) -> None:
+        """Send a forward's tensors and, when known, its token ids (``rows``: the rows of them it keeps, a
+        range or a device index). The engine reuses its input ids' buffer, so they leave as a copy."""
+        if input_ids is not None:
+            ids = input_ids[rows].clone() if isinstance(rows, slice) else input_ids.index_select(0, rows)
+            tensors, arenas = [*tensors, ids], [*arenas, None]
+        transfer = self.copy_out.queue(tensors, arenas)
+        self._pending.append((forward._replace(host=transfer.host), transfer))
+
+    def take(self, wait: bool = True) -> list[QueuedForward]:
+        """The forwards whose copies have landed, in step order; ``wait``: all of them, once landed.
+        Without it nothing waits for the GPU: the first still in flight and those after it stay."""
+        ready = 0
+        for _, transfer in self._pending:
+            if wait:
+                transfer.wait()
+            elif not transfer.ready():
+                break
+            ready += 1
+        taken, self._pending = self._pending[:ready], self._pending[ready:]
+        return [forward for forward, _ in taken]
+
+    def positions_after(self, wanted: set[str]) -> dict[str, int]:
+        """Per request of ``wanted``, the position after its last row in a forward not taken yet."""
+        after: dict[str, int] = {}
+        for forward, _ in self._pending:
+            bounds = forward.query_start_loc
+            for i, rid in enumerate(forward.req_ids):
+                if rid in wanted and bounds[i + 1] > bounds[i]:
+                    after[rid] = max(after.get(rid, 0), int(forward.positions[bounds[i + 1] - 1]) + 1)
+        return after

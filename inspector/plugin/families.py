@@ -15,7 +15,7 @@ model vLLM built, and the boot probe (``probe.py``) verifies what it read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -53,6 +53,15 @@ class Family:
     embeds: tuple[tuple[str, str], ...]
     final_norm: str
     batched: bool = False  # transformers' own modules (vLLM's Transformers backend): [1, tokens, width]
+
+
+@dataclass
+class Reading:
+    """The blocks as read (``reader.read``): their family (its points per block) and, per kind not
+    offered, why."""
+
+    family: Family
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 def find_blocks(model: nn.Module, is_attention=lambda m: False,

@@ -24,27 +24,15 @@ that flows on, zero for rows whose slot clamps nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from inspector.capture.hooks import ROUTER_KIND, HookPoint
 
-from . import families
-
-if TYPE_CHECKING:
-    from . import reader
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """This worker's place among the tensor-parallel ranks; ``kv_heads``: the model's key/value heads
-    in all (fewer than the ranks: each is replicated on several)."""
-
-    rank: int = 0
-    size: int = 1
-    kv_heads: int = 0
+from . import families, vllm_compat
+from .vllm_compat import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -76,7 +64,7 @@ class Site:
         return slice(self.shard * width, (self.shard + 1) * width)
 
 
-def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "reader.Reading"],
+def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., families.Reading],
               tp: TensorParallel = TensorParallel()
               ) -> tuple[families.Family, list[tuple[HookPoint, Site]], dict[str, str]]:
     """The family of a model's decoder blocks and its hook points, in model order: embeddings, each
@@ -85,8 +73,6 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
     norm where it holds them. ``read(blocks path, blocks, first block's index, embeddings, final norm)``
     reads the blocks from a forward (``reader.read``). Widths are the model's (all ranks' columns); each site says which of
     them this rank holds."""
-    from . import vllm_compat  # imports the runtime, which imports this module
-
     blocks_path, blocks = families.find_blocks(model, vllm_compat.is_attention, vllm_compat.is_pipeline_placeholder)
     held = [i for i, b in enumerate(blocks) if not vllm_compat.is_pipeline_placeholder(b)]  # this pipeline stage's
     reading = read(blocks_path, blocks[held[0]:held[-1] + 1], held[0],
@@ -108,21 +94,20 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
               spec: families.Point | None = None) -> tuple[HookPoint, Site]:
         # vLLM's own attention layer takes [tokens, ...] whatever the family's layout
         batched = (family.batched or (spec is not None and spec.batched)) and attention is None
-        routing = _routing(modules[module_path.rpartition(".")[0]], width) if kind == ROUTER_KIND else None
+        # a router point carries the routing rule of the mixture-of-experts layer its gate belongs to
+        routing = vllm_compat.moe_routing(modules[module_path.rpartition(".")[0]], width) if kind == ROUTER_KIND else None
         return (HookPoint(f"{module_path}.{kind}", alias, module_path, kind, width * sharding[0], layer, dtype,
                           attention, routing=routing, shards=sharding[0]),
                 Site(how, arg_index, batched, *sharding, factor=spec.factor if spec else 1.0,
                      pair_offset=spec.pair_offset if spec else 1))
 
     def attention_points(block: str, b: str, i: int) -> list[tuple[HookPoint, Site]]:
-        from . import vllm_compat  # imports the runtime, which imports this module
-
         layers = vllm_compat.attention_layers(modules[block])
         if len(layers) != 1:
             return []
         rel, layer = layers[0]
         local = vllm_compat.attention_geometry(layer)  # this rank's heads
-        q_sharding, k_sharding = (tp.size, tp.rank, True), _kv_sharding(tp, local.kv_heads)
+        q_sharding, k_sharding = (tp.size, tp.rank, True), _kv_sharding(tp)
         geometry = replace(local, heads=local.heads * q_sharding[0], kv_heads=local.kv_heads * k_sharding[0])
         if tp.size > 1 and (local.alibi_slopes or local.sinks):  # each rank holds its own heads' slopes or sinks
             geometry = replace(geometry, alibi_slopes=(), sinks=(), unsupported="; ".join(filter(None, (
@@ -151,7 +136,7 @@ def catalogue(model: nn.Module, hidden: int, dtype: str, read: Callable[..., "re
     return family, [(p, site) for p, site in points if p.module_path in modules], refused
 
 
-def _kv_sharding(tp: TensorParallel, local_kv_heads: int) -> tuple[int, int, bool]:
+def _kv_sharding(tp: TensorParallel) -> tuple[int, int, bool]:
     """(slices, this rank's, whether it sends them) of the keys: one per rank, or, with fewer key/value
     heads than ranks, one per head, replicated on consecutive ranks (the first of them sends it)."""
     if not tp.kv_heads or tp.kv_heads >= tp.size:
@@ -170,13 +155,6 @@ def _output_width(module: nn.Module) -> int:
     """Features a linear layer gives on this rank (vLLM's parallel and replicated linears, or torch's)."""
     return int(next(getattr(module, a) for a in ("output_size_per_partition", "output_size", "out_features")
                     if getattr(module, a, None)))
-
-
-def _routing(moe_block: nn.Module, experts: int):
-    """The routing rule of the mixture-of-experts layer a router point's gate belongs to."""
-    from . import vllm_compat  # imports the runtime, which imports this module
-
-    return vllm_compat.moe_routing(moe_block, experts)
 
 
 # --- reading and replacing at a site (traced into the compiled graph: no value-dependent Python) ---

@@ -30,6 +30,7 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.routing import Routing, dense_weights, route
 
 from . import hookpoints as hp
+from . import vllm_compat
 
 FLOAT32_TOLERANCE, HALF_TOLERANCE = 1e-4, 3e-2  # relative L2 per row; half precision rounds each sum
 
@@ -165,8 +166,6 @@ def _alike(model: nn.Module, points: list[tuple[HookPoint, hp.Site]], found: dic
 def _routing_differs(model: nn.Module, point: HookPoint, hidden: torch.Tensor, logits: torch.Tensor) -> str:
     """Why the choice recomputed from the router ``logits`` as captured (in the capture dtype) is not the
     one the layer's own router makes ("" when it is)."""
-    from . import vllm_compat  # imports the runtime, which imports the hook points
-
     try:
         weights, ids = vllm_compat.chosen_experts(model.get_submodule(point.module_path.rpartition(".")[0]),
                                                   hidden, logits)

@@ -25,7 +25,7 @@ why (``Reading.refused``), never a generic refusal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -34,7 +34,7 @@ from torch import nn
 
 from . import hookpoints as hp
 from . import vllm_compat
-from .families import Family, Point
+from .families import Family, Point, Reading
 
 READ = "read from its forward"  # how every family's name ends: no description names any model's modules
 ROW_TOLERANCE = {True: 1e-4, False: 3e-2}  # relative L2 per row: float32, half precision
@@ -58,14 +58,6 @@ class Candidate:
     call: Call
     site: hp.Site
     rows: torch.Tensor
-
-
-@dataclass
-class Reading:
-    """The blocks as read: their family (its points per block) and, per kind not offered, why."""
-
-    family: Family
-    refused: dict[str, str] = field(default_factory=dict)
 
 
 class Recorder:

@@ -5,8 +5,10 @@ Hooks write each forward's rows into static ``[max_tokens, width]`` buffers and 
 per row from ``row_slot``. In the compiled flavour both are traced into the graph, so the hooks'
 Python never runs again: everything that varies (which request owns which row, which interventions
 apply) is written into those buffers *between* forwards by ``before_forward``, and ``after_forward``
-queues one copy of the live rows to the host per stack of same-width hooks (``copyout``). Splitting
-rows per request (``gather``) waits until the driver drains, keeping the per-step work small.
+queues one copy of the live rows to the host per stack of same-width hooks (``copyout``), or of the
+rows that requests' capture windows keep (``row_windows``). Splitting rows per request (``gather``)
+waits until the driver drains, keeping the per-step work small. The logprobs of tokens a request
+asked to score come from the model's logits (``scores``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,31 +25,20 @@ from torch import nn
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention, check_clamp_capacity, validate
 from inspector.capture.sae import AttachedSae
-from inspector.capture.windows import ALL, CaptureWindow
 
 from . import hookpoints as hp
 from .clamps import ClampTable
 from .config import FEATURES, SCORES, PluginConfig, feature_keys
-from .copyout import CopyOut, Transfer
+from .copyout import HostQueue
 from .features import DeviceSae
 from .gather import QueuedForward, rows_by_request
 from .python_hooks import PythonHooks
+from .row_windows import SlotIndex, WindowTable
+from .scores import TokenScores
 from .slots import SlotPlanner, compose
+from .vllm_compat import StepInfo
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One real forward: requests in batch order (external ids) and their rows."""
-
-    req_ids: list[str]
-    query_start_loc: np.ndarray  # [num_reqs + 1], row offsets
-    positions: np.ndarray  # [num_tokens]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc[-1])
 
 
 @dataclass
@@ -90,23 +81,6 @@ class RowStack:
     arena: torch.Tensor | None = None  # where a forward's rows wait for their copy to the host (``copyout``)
 
 
-class SlotIndex(NamedTuple):
-    """Where the copied hooks' rows sit in the stacks; rebuilt when hooks change, read every windowed
-    forward."""
-
-    slots: list[tuple[int, int, str]]  # (stack, slot, hook name) of every copied hook
-    names: frozenset[str]
-    by_stack: dict[int, list[int]]  # stack -> its slots in use
-
-
-class RequestWindows(NamedTuple):
-    """A request's capture windows: those of its hooks that keep fewer than all rows."""
-
-    prompt_tokens: int  # where "generated" and "last" count from
-    by_hook: dict[str, CaptureWindow]  # hooks not named keep every row
-    shared: CaptureWindow | None  # the one window of every named hook, if they all have the same
-
-
 class InspectorRuntime:
     def __init__(self, model: nn.Module, points: list[tuple[HookPoint, hp.Site]], config: PluginConfig,
                  device: torch.device, max_tokens: int, max_model_len: int, family: str = "",
@@ -136,17 +110,12 @@ class InspectorRuntime:
         self._request_edits: dict[str, list[Intervention]] = {}  # request -> the edits it carries
         self._slotted: set[str] = set()  # hooks whose row_slot is not all zeros
         self._clamped: set[str] = set()  # hooks whose interventions clamp features
-        self._copy_out = CopyOut(device)
         self._no_capture: set[str] = set()  # requests whose rows nobody reads (per-request options)
-        self._score_ids: dict[str, np.ndarray] = {}  # request -> tokens whose logprobs it wants
-        self._windows: dict[str, RequestWindows] = {}
-        self._whole_from: dict[str, float] = {}  # windowed request -> the position from which it keeps every row
-        self._ran_to: dict[str, int] = {}  # windowed request -> the position after its last forward's rows
-        self._scores: dict[str, list[tuple[int, np.ndarray]]] = {}  # undrained: request -> (position, logprobs)
+        self._scores = TokenScores()  # the logprobs of tokens requests asked to score
+        self._windows = WindowTable()  # requests that keep only some of their rows
         self._logits_step: StepInfo | None = None  # the forward whose logits come next
         self.saes: dict[str, DeviceSae] = {}  # attached SAEs whose hook's rows this rank sends
-        # per queued forward: its rows and host copies, and the transfer that says when they have landed
-        self._pending: list[tuple[QueuedForward, Transfer]] = []
+        self._in_flight = HostQueue(device)  # queued forwards: their rows and host copies, until drained
         self.python_hooks = PythonHooks()  # set only in eager mode, where a forward can run any Python
         # (req_ids, query_start_loc, positions, [(hook names, [hooks, rows, width])]) -> None: the caller's own
         # consumer of each forward's rows on the device (an engine in its process), in place of the host copies
@@ -225,7 +194,7 @@ class InspectorRuntime:
             names = [name for name, w in copied.items() if w == width]
             with torch.inference_mode():
                 rows = torch.zeros(len(names), self.max_tokens, width, dtype=self.dtype, device=self.device)
-                stack = RowStack(rows, list(names), self._copy_out.arena(rows))
+                stack = RowStack(rows, list(names), self._in_flight.copy_out.arena(rows))
             self._stacks.append(stack)
             for index, name in enumerate(names):
                 self._install(name, resolved[name], stack.tensor[index])
@@ -396,8 +365,7 @@ class InspectorRuntime:
         rows_wanted = not (self._no_capture and self._no_capture.issuperset(step.req_ids))
         if not rows_wanted and not self.saes:
             return  # nothing of it is wanted
-        windowed = (rows_wanted and bool(self._windows) and not self._windows.keys().isdisjoint(step.req_ids)
-                    and not self._windows_keep_all(step))
+        windowed = rows_wanted and self._windows.applies(step)
         n = step.num_tokens
         whole = rows_wanted and not windowed
         tensors = [stack.tensor[:, :n] for stack in self._stacks] if whole else []
@@ -411,25 +379,8 @@ class InspectorRuntime:
             self._queue_windowed(step, input_ids)
         if not tensors:
             return
-        self._queue(QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, []),
+        self._in_flight.send(QueuedForward(step.req_ids, step.query_start_loc, step.positions, names, []),
                     tensors, arenas, input_ids, slice(0, n))
-
-    def _queue(self, forward: QueuedForward, tensors: list[torch.Tensor], arenas: list[torch.Tensor | None],
-               input_ids: torch.Tensor | None, rows: slice | torch.Tensor) -> None:
-        """Send a forward's tensors and, when known, its token ids (``rows``: the rows of them it keeps, a
-        range or a device index). The engine reuses its input ids' buffer, so they leave as a copy."""
-        if input_ids is not None:
-            ids = input_ids[rows].clone() if isinstance(rows, slice) else input_ids.index_select(0, rows)
-            tensors, arenas = [*tensors, ids], [*arenas, None]
-        transfer = self._copy_out.queue(tensors, arenas)
-        self._pending.append((forward._replace(host=transfer.host), transfer))
-
-    def _windows_keep_all(self, step: StepInfo) -> bool:
-        """Whether every window keeps all of this step's rows (a decode step under "generated", say): then
-        the step is sent as it is, without choosing rows hook by hook."""
-        bounds, positions = step.query_start_loc.tolist(), step.positions
-        return all(b == a or positions[a] >= self._whole_from.get(rid, 0)  # a request's rows ascend
-                   for rid, a, b in zip(step.req_ids, bounds, bounds[1:]))
 
     def _queue_windowed(self, step: StepInfo, input_ids: torch.Tensor | None) -> None:
         """Rows of a step where some request has a capture window: hooks keeping the same rows are grouped,
@@ -438,11 +389,9 @@ class InspectorRuntime:
         This runs between a prefill's launch and its end, where the host sets the pace: it stays lean."""
         bounds = step.query_start_loc
         spans = [(rid, slice(a, b)) for rid, a, b in zip(step.req_ids, bounds[:-1], bounds[1:]) if b > a]
-        for rid, rows in spans:
-            if rid in self._windows:
-                self._ran_to[rid] = int(step.positions[rows.stop - 1]) + 1
+        self._windows.note_forward(step, spans)
         with torch.inference_mode():
-            for keep, members in self._row_groups(step, spans):
+            for keep, members in self._windows.row_groups(step, spans, self._slot_index, self._no_capture):
                 kept = np.flatnonzero(keep)
                 if not len(kept):
                     continue
@@ -462,46 +411,8 @@ class InspectorRuntime:
                         names.append([stack.names[h] for h in hooks])
                     arenas.append(stack.arena if all_hooks and in_range else None)  # a gather is a tensor of its own
                 starts = np.concatenate([[0], np.cumsum(keep)])[bounds]  # each request's kept rows
-                self._queue(QueuedForward(step.req_ids, starts, step.positions[kept], names, []),
+                self._in_flight.send(QueuedForward(step.req_ids, starts, step.positions[kept], names, []),
                             tensors, arenas, input_ids, rows)
-
-    def _row_groups(self, step: StepInfo, spans: list[tuple[str, slice]]
-                    ) -> list[tuple[np.ndarray, dict[int, list[int]]]]:
-        """The rows of this step each hook keeps, as (mask over the rows, stack -> its hooks keeping them).
-        One mask per distinct combination of the requests' windows; when every request has one window
-        for all hooks (the usual case) that is a single mask, found without going hook by hook."""
-        slots, names, by_stack = self._slot_index
-        columns = []  # per request: its window at each slot, or one window for all (None: it keeps no rows)
-        for rid, _ in spans:
-            if rid in self._no_capture:
-                columns.append((None,))
-            elif rid in self._windows:
-                windows = self._windows[rid]
-                columns.append((windows.shared,) if windows.shared is not None and names <= windows.by_hook.keys()
-                               else tuple(windows.by_hook.get(name, ALL) for _, _, name in slots))
-            else:
-                columns.append((ALL,))
-        if all(len(column) == 1 for column in columns):  # one mask for all hooks
-            return [(self._keep_mask(step, spans, [column[0] for column in columns]), by_stack)]
-        by_windows: dict[tuple, list[int]] = {}  # the requests' windows -> the slots that have them
-        for i, key in enumerate(zip(*(column * len(slots) if len(column) == 1 else column for column in columns))):
-            by_windows.setdefault(key, []).append(i)
-        groups: dict[bytes, tuple[np.ndarray, dict[int, list[int]]]] = {}  # rows kept -> (them, stack -> hooks)
-        for windows, members in by_windows.items():
-            keep = self._keep_mask(step, spans, windows)
-            hooks = groups.setdefault(keep.tobytes(), (keep, {}))[1]
-            for i in members:
-                hooks.setdefault(slots[i][0], []).append(slots[i][1])
-        return list(groups.values())
-
-    def _keep_mask(self, step: StepInfo, spans: list[tuple[str, slice]], windows) -> np.ndarray:
-        """The step's rows that the requests' ``windows`` (one per span; None: no rows) keep."""
-        keep = np.zeros(step.num_tokens, dtype=bool)
-        for window, (rid, rows) in zip(windows, spans):
-            if window is not None:
-                prompt_tokens = self._windows[rid].prompt_tokens if rid in self._windows else 0  # "all" needs none
-                keep[rows] = window.keeps(step.positions[rows], prompt_tokens)
-        return keep
 
     def _to_device(self, index: np.ndarray) -> torch.Tensor:
         """An index for the device, sent without waiting for the forward queued before it (a copy from
@@ -514,22 +425,8 @@ class InspectorRuntime:
         the tokens each scored request asked for. Other calls (a dummy run, prompt logprobs) find no
         forward waiting, or rows that are not one per request, and are left alone."""
         step, self._logits_step = self._logits_step, None
-        if step is None or logits is None or not self._score_ids or logits.shape[0] != len(step.req_ids):
-            return
-        wanted = [i for i, rid in enumerate(step.req_ids) if rid in self._score_ids]
-        if not wanted:
-            return
-        ids = [self._score_ids[step.req_ids[i]] for i in wanted]
-        index = np.zeros((len(ids), max(len(a) for a in ids)), dtype=np.int64)
-        for j, a in enumerate(ids):
-            index[j, :len(a)] = a
-        with torch.inference_mode():
-            rows = torch.as_tensor(wanted, device=logits.device)
-            logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
-            picked = logprobs.gather(1, torch.from_numpy(index).to(logits.device)).cpu().numpy()
-        ends = step.query_start_loc[1:] - 1
-        for j, i in enumerate(wanted):
-            self._scores.setdefault(step.req_ids[i], []).append((int(step.positions[ends[i]]), picked[j, :len(ids[j])]))
+        if step is not None and logits is not None:
+            self._scores.read(step, logits)
 
     # --- driver-facing operations (through the worker extension) ---
 
@@ -540,31 +437,15 @@ class InspectorRuntime:
         ``prompt_tokens``, the prompt's length they count from. ``forget``: requests that are over."""
         for rid in forget:
             self._no_capture.discard(rid)
-            self._score_ids.pop(rid, None)
-            self._windows.pop(rid, None)
-            self._whole_from.pop(rid, None)
-            self._ran_to.pop(rid, None)
+            self._scores.forget(rid)
+            self._windows.forget(rid)
         for rid, option in options.items():
             if "capture" in option:
                 (self._no_capture.discard if option["capture"] else self._no_capture.add)(rid)
             if "score_token_ids" in option:
-                ids = np.asarray(option["score_token_ids"], dtype=np.int64).reshape(-1)
-                if len(ids):
-                    self._score_ids[rid] = ids
-                else:
-                    self._score_ids.pop(rid, None)
+                self._scores.set(rid, option["score_token_ids"])
             if "windows" in option:  # a hook removed since (eager mode) is never looked up
-                texts = option["windows"]
-                parsed = {text: CaptureWindow.parse(text) for text in set(texts.values())}
-                distinct = {w for w in parsed.values() if not w.is_all}
-                if distinct:
-                    windows = {name: parsed[text] for name, text in texts.items() if not parsed[text].is_all}
-                    self._windows[rid] = RequestWindows(int(option["prompt_tokens"]), windows,
-                                                        next(iter(distinct)) if len(distinct) == 1 else None)
-                    self._whole_from[rid] = max(w.keeps_all_from(int(option["prompt_tokens"])) for w in distinct)
-                else:
-                    self._windows.pop(rid, None)
-                    self._whole_from.pop(rid, None)
+                self._windows.set(rid, option["windows"], int(option["prompt_tokens"]))
 
     def set_interventions(self, interventions: list[Intervention]) -> None:
         """The driver's interventions (the app's, a session's); the requests' own edits stay."""
@@ -634,36 +515,22 @@ class InspectorRuntime:
 
         ``wait=False`` never waits for the GPU: steps whose copies are still in flight stay for the
         next drain (rows still arrive in step order)."""
-        ready = 0
-        for _, transfer in self._pending:
-            if wait:
-                transfer.wait()
-            elif not transfer.ready():
-                break
-            ready += 1
-        taken, self._pending = self._pending[:ready], self._pending[ready:]
-        rows = rows_by_request([forward for forward, _ in taken])
+        rows = rows_by_request(self._in_flight.take(wait))
         for rid in self._no_capture & rows.keys():  # features are not rows: they stay
             rows[rid] = {key: r for key, r in rows[rid].items() if key.startswith(FEATURES)}
             if not rows[rid]:
                 del rows[rid]
-        scores, self._scores = self._scores, {}
-        for rid, found in scores.items():
-            rows.setdefault(rid, {})[SCORES] = {"positions": np.array([p for p, _ in found], dtype=np.int64),
-                                                "values": np.stack([v for _, v in found])}
+        for rid, found in self._scores.take().items():
+            rows.setdefault(rid, {})[SCORES] = found
         return rows
 
     def queued_positions(self, request_ids: list[str]) -> dict[str, int]:
         """Per request, the position after the last row of a forward already queued but not drained:
         where an intervention set now starts to apply (a later forward)."""
-        wanted, nxt = set(request_ids), {}
-        for forward, _ in self._pending:
-            bounds = forward.query_start_loc
-            for i, rid in enumerate(forward.req_ids):
-                if rid in wanted and bounds[i + 1] > bounds[i]:
-                    nxt[rid] = max(nxt.get(rid, 0), int(forward.positions[bounds[i + 1] - 1]) + 1)
-        for rid in wanted & self._ran_to.keys():  # a window may have kept none of a forward's rows
-            nxt[rid] = max(nxt.get(rid, 0), self._ran_to[rid])
+        wanted = set(request_ids)
+        nxt = self._in_flight.positions_after(wanted)
+        for rid in wanted & self._windows.ran_to.keys():  # a window may have kept none of a forward's rows
+            nxt[rid] = max(nxt.get(rid, 0), self._windows.ran_to[rid])
         return nxt
 
     def describe(self) -> dict:

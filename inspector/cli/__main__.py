@@ -1,0 +1,7 @@
+"""``python -m inspector.cli``: the ``inspector`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,89 @@
+"""Opening a session's engine: the model resolved, vLLM booted with the plugin (each stage reported as
+it goes), and what the workers describe read back as hook points. Every failure is a ``SessionError``
+that says what went wrong and what to do; ``Session`` itself starts from an engine that runs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from inspector.capture.hooks import HookPoint, check_patterns
+from inspector.capture.models import resolve_model
+from inspector.capture.protocol import MODES, BootProgress, SessionError, SessionOptions
+from inspector.capture.ranks import merge_descriptions
+from inspector.capture.windows import windows_from_patterns
+from inspector.plugin.config import PLUGIN_MISSING
+
+from .boot import boot_llm, shutdown_llm
+
+
+def open_engine(options: SessionOptions, report: Callable[[BootProgress], None]
+                ) -> tuple[object, Path, list[HookPoint], dict[str, HookPoint], str, dict[str, str]]:
+    """(the ``LLM``, the model's path, and ``describe_engine``'s catalogue, installed points, block family
+    and refused kinds) of an engine booted for ``options``, its hooks and windows checked."""
+    if options.mode not in MODES:
+        raise SessionError(f"engine mode must be one of {MODES}, got {options.mode!r}")
+    report(BootProgress("resolving", f"resolving model {options.model}"))
+    try:
+        path = resolve_model(options.model)
+    except ValueError as e:
+        raise SessionError(str(e)) from None
+    llm = boot_engine(options, path, report)
+    try:
+        catalogue, installed, family, refused = describe_engine(llm)
+    except Exception as e:
+        shutdown_llm(llm)
+        if PLUGIN_MISSING in str(e):
+            raise SessionError("the engine's worker processes started without the inspector's vLLM plugin: "
+                               "spawned workers (tensor parallel) load it through the project's installed entry "
+                               "point, so install the project into this Python environment (pip install -e . "
+                               "in its checkout, as the README's set-up does) rather than putting it on "
+                               "PYTHONPATH") from None
+        raise
+    try:
+        check_patterns(options.hooks, catalogue)  # each pipeline stage matched only the points it holds
+        windows_from_patterns(options.windows, installed)
+    except ValueError as e:
+        shutdown_llm(llm)
+        raise SessionError(str(e)) from None
+    report(BootProgress("ready", f"{path.name} ready ({options.mode}, {len(installed)} hooks)"))
+    return llm, path, catalogue, installed, family, refused
+
+
+def boot_engine(options: SessionOptions, path, report: Callable[[BootProgress], None]):
+    """vLLM booted on the model at ``path`` as ``options`` say, reporting loading and compiling."""
+    from inspector.plugin import worker_extension
+
+    def compiling():
+        report(BootProgress("compiling", "weights loaded, hooks installed; "
+                            + ("compiling the model (the first boot of a model takes longest)"
+                               if options.mode == "compiled" else "warming up")))
+
+    report(BootProgress("loading", f"loading {path.name} ({options.dtype}, {options.mode})"))
+    worker_extension.on_hooks_installed.append(compiling)
+    try:
+        return boot_llm(str(path), mode=options.mode, dtype=options.dtype, hook_patterns=tuple(options.hooks),
+                        max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
+                        enable_position_interventions=options.enable_position_interventions,
+                        max_slots=options.max_slots, feature_clamps=options.feature_clamps,
+                        kept_layers=options.kept_layers, **options.engine_args)
+    except Exception as e:
+        raise SessionError(f"could not start the engine on {path}: {_root_cause(e)}") from e
+    finally:
+        worker_extension.on_hooks_installed.remove(compiling)
+
+
+def _root_cause(e: BaseException) -> str:
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {e}"
+
+
+def describe_engine(llm) -> tuple[list[HookPoint], dict[str, HookPoint], str, dict[str, str]]:
+    """The catalogue, the installed points, the block family they follow and why kinds are missing."""
+    info = merge_descriptions(llm.collective_rpc("inspector_describe"))
+    catalogue = [HookPoint.from_dict(p) for p in info["hook_points"]]
+    by_name = {h.name: h for h in catalogue}
+    installed = {name: replace(by_name[point], name=name) for name, point in info["installed"].items()}
+    return catalogue, installed, info["family"], dict(info.get("refused", {}))
