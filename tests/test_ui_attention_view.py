@@ -17,7 +17,7 @@ from fake_session import FakeSession
 from inspector.capture.attention import attention_weights
 from inspector.capture.run import HookRows
 from inspector.io import write_run
-from inspector.ui.image_pool import pool_maxabs
+from inspector.viewer.image_pool import pool_maxabs
 from inspector.viewer.attention import AttentionShown
 from ui_fixtures import fail_on_qt_warnings, keep, make_run, make_window, ui_settings, wait_state  # noqa: F401
 

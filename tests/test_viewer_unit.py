@@ -7,7 +7,7 @@ import pytest
 from fake_session import FakeSession, llama_catalogue
 from inspector.capture.protocol import RequestStart, RequestStep, Sampling, StepEvent
 from inspector.capture.run import HookRows, TopToken
-from inspector.ui.image_pool import PooledImage, choose_key, pool_maxabs, pow2_at_least, robust_levels
+from inspector.viewer.image_pool import PooledImage, choose_key, pool_maxabs, pow2_at_least, robust_levels
 from inspector.viewer import jobs
 from inspector.viewer.controller import ENABLED, Action, AppState, Controller
 from inspector.viewer.intervention_rows import InterventionRow, parse_scalar

@@ -22,8 +22,8 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSiz
 from inspector.viewer.attention import AttentionShown
 from inspector.viewer.labels import display_token
 
-from .heatmap import colormap, quiet_axes, stack_view
-from .image_pool import follow_extent, pow2_at_least
+from .view_kit import colormap, quiet_axes, stack_view
+from inspector.viewer.image_pool import follow_extent, pow2_at_least
 
 AXIS_WIDTH = 110  # both plots' left axes: the same width keeps their key axes aligned
 HEAD_ROWS_PX = 200  # the upper plot's height for all heads together …

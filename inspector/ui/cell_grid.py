@@ -15,7 +15,7 @@ from PySide6.QtCore import QEvent, QPoint, QRect, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QImage, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QAbstractScrollArea, QToolTip
 
-from .heatmap import colormap
+from .view_kit import colormap
 
 CELL_W, LABEL_W, HEADER_H = 66, 116, 24  # LABEL_W: the label column's least width
 MAX_LABEL_W = 240  # longer labels are elided: the cells keep most of the room

@@ -20,7 +20,8 @@ from inspector.capture.colormaps import DIFF_COLORMAP
 from inspector.viewer.compare import CHANGE_TIP, KL_TIP, NO_TWINS, ComparisonShown
 from inspector.viewer.labels import display_token
 
-from .heatmap import MARK_THIS, HeatmapWidget, quiet_axes
+from .heatmap import HeatmapWidget
+from .view_kit import MARK_THIS, quiet_axes
 
 PROMPT, SHARED, SPLIT, AFTER = "prompt", "shared", "split", "after"
 KL_COLOUR, CHANGE_COLOUR = (213, 94, 0), (0, 114, 178)  # Okabe-Ito vermillion and blue

@@ -24,7 +24,7 @@ from inspector.viewer.features import ACTIVATION, NO_SAE, FeaturesShown
 
 from .cell_grid import CELL_W, LABEL_W, SELECTED, CellGrid, lookup_strip
 from .combo import offer
-from .heatmap import quiet_axes, stack_view
+from .view_kit import quiet_axes, stack_view
 
 LEGEND = "activation (blank: not among the token's strongest)"
 PICK_A_FEATURE = "Click a feature (a row, a cell or one in the list) to plot it across the tokens"

@@ -17,7 +17,7 @@ from inspector.viewer.lens import ALL_RESIDUAL, MODES, NEXT_PROB, NEXT_RANK, TOP
 
 from .cell_grid import CellGrid, lookup_strip
 from .combo import offer
-from .heatmap import stack_view
+from .view_kit import stack_view
 
 LEGEND = {TOP: "cell: the most likely next token at that point · colour: its probability",
           NEXT_PROB: "cell: the probability of the token that came next · colour: the same",

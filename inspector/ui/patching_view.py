@@ -21,7 +21,7 @@ from inspector.viewer.patching import (DIRECTIONS, MODES, PatchingSweep, SweepRe
 
 from .cell_grid import CellGrid, lookup_strip
 from .combo import offer
-from .heatmap import colormap
+from .view_kit import colormap
 
 PAINT_INTERVAL_MS = 50  # the grid and the progress catch up with the sweep this often at most
 DIVERGING = "CET-CBD1"  # colour-blind safe; reversed: blue towards clean, yellow beyond corrupted

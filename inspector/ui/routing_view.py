@@ -18,7 +18,7 @@ from inspector.viewer.routing import LOGIT, MODES, WEIGHT, ExpertGrid, ExpertsSh
 
 from .cell_grid import CellGrid, lookup_strip
 from .combo import offer
-from .heatmap import stack_view
+from .view_kit import stack_view
 
 LEGEND = {WEIGHT: "weight (blank: not chosen)", LOGIT: "router logit"}
 NOTE_COLOUR = QColor(170, 80, 0)

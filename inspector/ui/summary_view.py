@@ -1,7 +1,7 @@
 """Layers x tokens: one row per captured residual-stream hook, one column per token position.
 
 Each cell is the L2 norm of that hook's activation at that token (or one chosen feature's value).
-Norms are computed incrementally as rows arrive (``CaptureViewModel.norms``), so the matrix here is
+Norms are computed incrementally as rows arrive (``RunView.norms``), so the matrix here is
 small (hooks x tokens) and simply rebuilt per frame.
 """
 
@@ -15,8 +15,8 @@ from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSpinBox, QWidget
 
 from inspector.viewer.labels import display_token
-from .heatmap import Placeholder, colormap, quiet_axes, stack_view
-from .image_pool import robust_levels
+from .view_kit import Placeholder, colormap, quiet_axes, stack_view
+from inspector.viewer.image_pool import robust_levels
 
 MEASURES = ("L2 norm", "feature value")
 FAMILIES = {"resid_post": ("resid_post",), "all residual": ("resid_pre", "resid_mid", "resid_post")}
