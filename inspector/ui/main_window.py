@@ -22,8 +22,8 @@ from PySide6.QtWidgets import (QComboBox, QDockWidget, QFileDialog, QHBoxLayout,
 from inspector.capture.labels import default_hook
 from inspector.capture.protocol import BOOT_STAGES, BootProgress, SessionFactory
 from inspector.capture.sae import AttachedSae
-from inspector.viewer.controller import (EMPTY_TEXT, GENERATE_TIPS, Action, AppState, Controller,
-                                         describe_generation)
+from inspector.viewer.app_state import EMPTY_TEXT, GENERATE_TIPS, Action, AppState, describe_generation
+from inspector.viewer.controller import Controller
 from inspector.viewer.attention import AttentionPatterns, AttentionShown, attention_layers
 from inspector.viewer.compare import Comparisons
 from inspector.viewer.feature_labels import sae_key
@@ -92,11 +92,11 @@ class MainWindow(QMainWindow):
 
     @property
     def state(self) -> AppState:
-        return self.controller.state
+        return self.controller.engine.state
 
     @property
     def shown(self):
-        return self.controller.shown
+        return self.controller.runs.shown
 
     # ================================================================== construction
     def _build_views(self) -> None:
@@ -134,7 +134,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.experts_view, "Experts")
         self.tabs.addTab(self.features_view, "Features")
         self.tabs.addTab(self.dashboard_view, "Dashboard")
-        self.patching_view = PatchingView(self.controller.sweep)
+        self.patching_view = PatchingView(self.controller.experiments.sweep)
         self.tabs.addTab(self.patching_view, "Patching")
         self.tabs.addTab(self.compare_view, "Compare")
         self.strip = TokenStrip()
@@ -189,12 +189,12 @@ class MainWindow(QMainWindow):
         m.addAction("&Watch an OpenAI Server…", self.watch_served_dialog)
         m.addAction("&Export…", self.export_dialog, QKeySequence("Ctrl+E"))
         m.addSeparator()
-        self.act_new_run = m.addAction("&New Run", self.controller.new_run)
+        self.act_new_run = m.addAction("&New Run", self.controller.runs.new_run)
         m.addSeparator()
         m.addAction("&Quit", self.close, QKeySequence.StandardKey.Quit)
         e = self.menuBar().addMenu("&Engine")
         self.act_restart = e.addAction("&Restart Engine", self.restart_engine)
-        self.act_stop = e.addAction("&Stop Generation", self.controller.stop)
+        self.act_stop = e.addAction("&Stop Generation", self.controller.generating.stop)
         e.addAction("&Tensor Parallel Size…", self.choose_tensor_parallel_size)
         e.addAction("Room for &Feature Clamps…", self.choose_feature_clamps)
         e.addSeparator()
@@ -223,7 +223,7 @@ class MainWindow(QMainWindow):
 
     def _wire(self) -> None:
         self.prompt.generateRequested.connect(self.generate)
-        self.prompt.stopRequested.connect(self.controller.stop)
+        self.prompt.stopRequested.connect(self.controller.generating.stop)
         self.request_box.currentIndexChanged.connect(self._request_chosen)
         self.hook_box.currentIndexChanged.connect(self._hook_chosen)
         for view in (self.strip, self.heatmap, self.summary, self.lens_view, self.attention_view, self.experts_view,
@@ -239,17 +239,17 @@ class MainWindow(QMainWindow):
         self.features_view.featureSelected.connect(self._feature_selected)
         self.attention_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.captureRequested.connect(self._capture_hooks)
-        self.patching_view.runRequested.connect(self.controller.start_sweep)
-        self.patching_view.stopRequested.connect(self.controller.stop_sweep)
+        self.patching_view.runRequested.connect(self.controller.experiments.start_sweep)
+        self.patching_view.stopRequested.connect(self.controller.experiments.stop_sweep)
         self.patching_view.cellActivated.connect(self._open_patched_cell)
-        self.patching_view.saveRequested.connect(self.controller.save_sweep)
+        self.patching_view.saveRequested.connect(self.controller.experiments.save_sweep)
         self.patching_view.shown_prompts = self._shown_prompts
         self.compare_view.pairChosen.connect(self.select_request)
         self.tabs.currentChanged.connect(self._invalidate_views)
         self.lower_tabs.currentChanged.connect(self._invalidate_views)
         self.heatmap.colormapChanged.connect(self._colormap_changed)
-        self.tree.applyRequested.connect(self.controller.apply_hooks)
-        self.tree.windowsChanged.connect(self.controller.set_windows)
+        self.tree.applyRequested.connect(self.controller.engine.apply_hooks)
+        self.tree.windowsChanged.connect(self.controller.engine.set_windows)
         self.tree.modeChangeRequested.connect(self.change_mode)
         self.tree.hookActivated.connect(self._tree_hook_activated)
         self.interventions.interventionsChanged.connect(self._interventions_edited)
@@ -283,13 +283,13 @@ class MainWindow(QMainWindow):
         self.open_capture(action.data())
 
     def _earlier_triggered(self, action) -> None:
-        self.controller.show(self.controller.earlier[action.data()])
+        self.controller.runs.show(self.controller.runs.earlier[action.data()])
 
     # ================================================================== user actions
     def open_model(self, model: str, mode: str | None = None, hooks=None, **options) -> bool:
         options.setdefault("engine_args", self._parallel_engine_args())
         options.setdefault("feature_clamps", self.settings.feature_clamps)
-        return self.controller.open_model(model, mode or self.tree.mode(), hooks, **options)
+        return self.controller.engine.open_model(model, mode or self.tree.mode(), hooks, **options)
 
     def _parallel_engine_args(self) -> dict:
         size = self.settings.tensor_parallel_size
@@ -335,7 +335,7 @@ class MainWindow(QMainWindow):
         self.connect(dialog.url.text().strip(), dialog.keys)
 
     def connect(self, url: str, keys=None) -> bool:
-        if not self.controller.connect(url, keys):
+        if not self.controller.engine.connect(url, keys):
             return False
         self.settings.last_server = url
         return True
@@ -348,18 +348,18 @@ class MainWindow(QMainWindow):
 
     def attach_sae(self, path: str) -> bool:
         """Attach the SAE in directory ``path`` to the hook its config names (on the engine's thread)."""
-        return self.controller.attach_sae(path)
+        return self.controller.engine.attach_sae(path)
 
     def attach_demo_sae(self) -> bool:
-        return self.controller.attach_demo_sae()
+        return self.controller.engine.attach_demo_sae()
 
     def detach_sae(self, name: str) -> bool:
-        return self.controller.detach_sae(name)
+        return self.controller.engine.detach_sae(name)
 
     def steer_with_feature(self, sae: str, feature: int, how: str, value: float) -> int:
         """A row in the interventions table that steers with feature ``feature`` of the attached SAE
         ``sae`` (``how``: a key of features_view.STEER_HOW); the row's index, or -1 and the reason shown."""
-        attached = self.controller.info.saes.get(sae) if self.controller.info is not None else None
+        attached = self.controller.engine.info.saes.get(sae) if self.controller.engine.info is not None else None
         if attached is None:
             self.interventions.show_message(f"{sae} is not attached to the engine now; attach it first.")
             return -1
@@ -374,33 +374,33 @@ class MainWindow(QMainWindow):
             return -1
 
     def restart_engine(self) -> None:
-        if self.controller.enabled(Action.RESTART):
-            engine_args = {k: v for k, v in (self.controller.options.engine_args if self.controller.options else {}).items()
+        engine = self.controller.engine
+        if engine.enabled(Action.RESTART):
+            engine_args = {k: v for k, v in (engine.options.engine_args if engine.options else {}).items()
                            if k != "tensor_parallel_size"}
-            self.controller.reopen(hooks=self.tree.checked() or None,
-                                   engine_args={**engine_args, **self._parallel_engine_args()},
-                                   feature_clamps=self.settings.feature_clamps)
+            engine.reopen(hooks=self.tree.checked() or None, engine_args={**engine_args, **self._parallel_engine_args()},
+                          feature_clamps=self.settings.feature_clamps)
 
     def change_mode(self, mode: str) -> None:
-        if self.controller.options is None or self.state in (AppState.NO_MODEL, AppState.DEAD):
+        if self.controller.engine.options is None or self.state in (AppState.NO_MODEL, AppState.DEAD):
             self.tree.set_mode(mode)
             self.settings.engine_mode = mode
             return
-        self.controller.change_mode(mode, self.tree.checked() or self.controller.options.hooks)
+        self.controller.engine.change_mode(mode, self.tree.checked() or self.controller.engine.options.hooks)
 
     def generate(self) -> bool:
         sampling = self.prompt.sampling()
-        if not self.controller.generate(self.prompt.prompt_list(), sampling, self.prompt.compare.isChecked()):
+        if not self.controller.generating.generate(self.prompt.prompt_list(), sampling, self.prompt.compare.isChecked()):
             return False
         self._generation_started()
         return True
 
     def _open_patched_cell(self, row: int, column: int) -> None:
-        if self.controller.open_patched_cell(row, column, self.prompt.sampling()):
+        if self.controller.experiments.open_patched_cell(row, column, self.prompt.sampling()):
             self._generation_started()
 
     def _generation_started(self) -> None:
-        self.prompt.progress.setRange(0, self.controller.generation.total)
+        self.prompt.progress.setRange(0, self.controller.generating.progress.total)
         self.prompt.progress.setValue(0)
         self.heatmap.follow_box.setChecked(True)
 
@@ -410,7 +410,7 @@ class MainWindow(QMainWindow):
 
     def _interventions_edited(self, interventions: list) -> None:
         try:
-            self.controller.set_interventions(interventions)
+            self.controller.generating.set_interventions(interventions)
         except ValueError as exc:
             self.interventions.engine_refused(str(exc))
             return
@@ -423,19 +423,19 @@ class MainWindow(QMainWindow):
             self.open_capture(path)
 
     def open_capture(self, path: str) -> bool:
-        return self.controller.open_capture(path)
+        return self.controller.runs.open_capture(path)
 
     def watch_served_dialog(self) -> None:
         url, ok = QInputDialog.getText(self, "Watch an OpenAI Server",
                                        "The address of `inspector serve --openai` (its requests that ask for\n"
                                        "inspector_capture are shown as they arrive):",
-                                       text=self.controller.served.url if self.controller.served else
+                                       text=self.controller.runs.served.url if self.controller.runs.served else
                                        "http://127.0.0.1:8000")
         if ok and url.strip():
             self.watch_served(url)
 
     def watch_served(self, url: str) -> None:
-        self.controller.watch_served(url)
+        self.controller.runs.watch_served(url)
 
     def open_scan_dialog(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a corpus scan", self.settings.last_dir,
@@ -445,11 +445,11 @@ class MainWindow(QMainWindow):
 
     def open_scan(self, path: str) -> bool:
         """Show the scan in ``path`` on the Dashboard tab (an error dialog says why not)."""
-        return self.controller.open_scan(path)
+        return self.controller.runs.open_scan(path)
 
     def _feature_selected(self, feature: int) -> None:
         """A feature picked in the Features tab is selected on the Dashboard too, if its scan is of that SAE."""
-        scan, path = self.controller.scan, self.features_view.shown.path
+        scan, path = self.controller.runs.scan, self.features_view.shown.path
         if scan is not None and scan.sae_path and path and sae_key(scan.sae_path) == sae_key(path):
             self.dashboard_view.select_unit(feature)
 
@@ -460,13 +460,13 @@ class MainWindow(QMainWindow):
             self.export(path if path.endswith((".h5", ".hdf5")) else path + ".h5")
 
     def export(self, path: str) -> bool:
-        if not self.controller.export(path):
+        if not self.controller.runs.export(path):
             return False
         self.settings.last_dir = str(Path(path).parent)
         return True
 
     def show_live(self) -> None:
-        self.controller.show(self.controller.live)
+        self.controller.runs.show(self.controller.runs.live)
 
     def select_request(self, rid: str) -> None:
         self.shown.select(request=rid)
@@ -517,25 +517,25 @@ class MainWindow(QMainWindow):
     def state_changed(self, state: AppState) -> None:
         c = self.controller
         self._invalidate_views()
-        self.prompt.generate_button.setEnabled(c.enabled(Action.GENERATE))
+        self.prompt.generate_button.setEnabled(c.engine.enabled(Action.GENERATE))
         self.prompt.generate_button.setToolTip(GENERATE_TIPS[state])
-        self.prompt.stop_button.setEnabled(c.enabled(Action.STOP))
-        self.act_stop.setEnabled(c.enabled(Action.STOP))
-        self.act_restart.setEnabled(c.enabled(Action.RESTART))
-        self.act_new_run.setEnabled(c.enabled(Action.NEW_RUN))
-        self.act_attach_sae.setEnabled(c.enabled(Action.EDIT_SAES))
-        self.act_attach_demo_sae.setEnabled(c.can_attach_demo_sae())
+        self.prompt.stop_button.setEnabled(c.engine.enabled(Action.STOP))
+        self.act_stop.setEnabled(c.engine.enabled(Action.STOP))
+        self.act_restart.setEnabled(c.engine.enabled(Action.RESTART))
+        self.act_new_run.setEnabled(c.engine.enabled(Action.NEW_RUN))
+        self.act_attach_sae.setEnabled(c.engine.enabled(Action.EDIT_SAES))
+        self.act_attach_demo_sae.setEnabled(c.engine.can_attach_demo_sae())
         for action in (self.act_open_model, self.act_demo, self.act_connect):
-            action.setEnabled(c.enabled(Action.OPEN_MODEL))
-        self.recent_models_menu.setEnabled(c.enabled(Action.OPEN_MODEL) and bool(self.settings.recent_models))
-        self.tree.set_busy(not c.enabled(Action.EDIT_HOOKS))
-        self.patching_view.set_engine(c.enabled(Action.PATCH), c.enabled(Action.STOP_PATCH))
+            action.setEnabled(c.engine.enabled(Action.OPEN_MODEL))
+        self.recent_models_menu.setEnabled(c.engine.enabled(Action.OPEN_MODEL) and bool(self.settings.recent_models))
+        self.tree.set_busy(not c.engine.enabled(Action.EDIT_HOOKS))
+        self.patching_view.set_engine(c.engine.enabled(Action.PATCH), c.engine.enabled(Action.STOP_PATCH))
         starting = state in (AppState.BOOTING, AppState.RESTARTING)
         self.boot_bar.setVisible(starting)
         self.prompt.progress.setVisible(state is AppState.GENERATING)
         if state is AppState.BOOTING:
             self.boot_bar.setValue(0)
-            model = c.options.model if c.server else Path(c.options.model).name
+            model = c.engine.options.model if c.engine.server else Path(c.engine.options.model).name
             self.stage_label.setText(f"{STAGE_TEXT['resolving']}: {model}…")
             if not self.tree.hook_names():
                 self.tree.summary.setText(f"Starting {model}…")
@@ -545,7 +545,7 @@ class MainWindow(QMainWindow):
         elif state is AppState.DEAD:
             self.stage_label.setText("Engine stopped")
         elif state is AppState.NO_MODEL:
-            self.stage_label.setText("No model" if c.options else "")
+            self.stage_label.setText("No model" if c.engine.options else "")
         self._update_title()
 
     def boot_progress(self, progress: BootProgress) -> None:
@@ -570,12 +570,12 @@ class MainWindow(QMainWindow):
         self.interventions.set_hooks(info.installed)
         self.patching_view.set_hooks(list(info.catalogue), info.installed)
         self.boot_bar.setValue(len(BOOT_STAGES))
-        server = f" · {self.controller.server[0]}" if self.controller.server else ""
+        server = f" · {self.controller.engine.server[0]}" if self.controller.engine.server else ""
         self.stage_label.setText(f"Ready · {len(info.installed)} hook points · {mode}{server}")
         family = info.metadata.get("block_family", "")
         refused = info.metadata.get("refused_kinds") or {}
         self.stage_label.setToolTip("\n".join([f"Blocks: {family}"] * bool(family) + list(refused.values())))
-        if info.options.model != "demo" and not self.controller.server:
+        if info.options.model != "demo" and not self.controller.engine.server:
             self.settings.add_recent_model(info.options.model)
             self._rebuild_recent_menus()
         self.settings.engine_mode = mode
@@ -583,7 +583,7 @@ class MainWindow(QMainWindow):
 
     def shown_changed(self) -> None:
         view = self.shown
-        live = view is self.controller.live
+        live = view is self.controller.runs.live
         self.source_label.setText("" if live else (f"File: {Path(view.label).name}"
                                                    if view.source is RunSource.FILE else view.label))
         self.source_label.setToolTip("" if live else view.label)
@@ -599,7 +599,7 @@ class MainWindow(QMainWindow):
             self.tokens_label.setText(f"{result.tokens} tokens · {rate:.0f} tok/s")
             self.status(describe_generation(result), 15000)
         else:
-            tokens = self.controller.generation.tokens if self.controller.generation else 0
+            tokens = self.controller.generating.progress.tokens if self.controller.generating.progress else 0
             self.status(f"Generation failed after {tokens} tokens; everything captured is kept.", 15000)
         self._invalidate_views()
         if self.tree.mode() == "eager" and self.tree.pending():
@@ -611,25 +611,25 @@ class MainWindow(QMainWindow):
     def saes_changed(self, attached: AttachedSae | None) -> None:
         if attached is not None:
             self.features_view.choose(attached.name)
-        self.act_attach_demo_sae.setEnabled(self.controller.can_attach_demo_sae())
+        self.act_attach_demo_sae.setEnabled(self.controller.engine.can_attach_demo_sae())
         self._invalidate_views()
 
     def interventions_dropped(self, message: str) -> None:
-        self.interventions.set_hooks(self.controller.info.installed if self.controller.info else {})
+        self.interventions.set_hooks(self.controller.engine.info.installed if self.controller.engine.info else {})
         self.interventions.show_message(message)
 
     def capture_opened(self, path: str) -> None:
         self.settings.add_recent_capture(path)
         self.settings.last_dir = str(Path(path).parent)
         self._rebuild_recent_menus()
-        if self.controller.info is None:  # no engine: the tree lists the capture's hook points
+        if self.controller.engine.info is None:  # no engine: the tree lists the capture's hook points
             run = self.shown.run
             self.tree.set_catalogue(list(self.shown.catalogue.values()), run.hooks)
             self.tree.summary.setText(f"{len(run.hooks)} hook points in {Path(path).name} (no model loaded)")
 
     def scan_opened(self, path: str) -> None:
         self.settings.last_dir = str(Path(path).parent)
-        self.dashboard_view.show_dashboard(self.controller.scan)
+        self.dashboard_view.show_dashboard(self.controller.runs.scan)
         self.tabs.setCurrentWidget(self.dashboard_view)
         self._invalidate_views()  # the Features tab's labels may come from it
 
@@ -648,7 +648,7 @@ class MainWindow(QMainWindow):
             dialog.setMinimumDuration(300)
             dialog.setAutoClose(False)
             dialog.setAutoReset(False)
-            dialog.canceled.connect(self.controller.cancel_export)
+            dialog.canceled.connect(self.controller.runs.cancel_export)
             self._export_dialog = dialog
         self._export_dialog.setValue(int(fraction * 1000))
 
@@ -690,24 +690,24 @@ class MainWindow(QMainWindow):
     # ================================================================== window furniture
     def _update_title(self) -> None:
         """The app's name is appended by Qt (the application's display name)."""
-        view, options = self.shown, self.controller.options
+        view, options = self.shown, self.controller.engine.options
         if view.source is RunSource.SERVED:
             self.setWindowTitle(view.label)
         elif view.source is not RunSource.LIVE:
             self.setWindowTitle(Path(view.label).name)
         elif options is not None:
-            where = f" on {self.controller.server[0]}" if self.controller.server else ""
+            where = f" on {self.controller.engine.server[0]}" if self.controller.engine.server else ""
             self.setWindowTitle(f"{Path(options.model).name} ({options.mode}){where}")
         else:
             self.setWindowTitle("")
 
     def _update_clock(self) -> None:
         c = self.controller
-        c.check_engine()
-        if self.state in (AppState.BOOTING, AppState.RESTARTING) and c.boot_stage:
-            step = BOOT_STAGES.index(c.boot_stage) + 1 if c.boot_stage in BOOT_STAGES else "?"
-            self.status(f"{STAGE_TEXT.get(c.boot_stage, c.boot_stage)} (step {step} of {len(BOOT_STAGES)}) · "
-                        f"{time.perf_counter() - c.boot_started:.0f} s")
+        c.engine.check_engine()
+        if self.state in (AppState.BOOTING, AppState.RESTARTING) and c.engine.boot_stage:
+            step = BOOT_STAGES.index(c.engine.boot_stage) + 1 if c.engine.boot_stage in BOOT_STAGES else "?"
+            self.status(f"{STAGE_TEXT.get(c.engine.boot_stage, c.engine.boot_stage)} (step {step} of {len(BOOT_STAGES)}) · "
+                        f"{time.perf_counter() - c.engine.boot_started:.0f} s")
 
     def _rebuild_recent_menus(self) -> None:
         for menu, paths in ((self.recent_models_menu, self.settings.recent_models),
@@ -719,9 +719,9 @@ class MainWindow(QMainWindow):
 
     def _rebuild_run_menus(self) -> None:
         self.earlier_menu.clear()
-        for i, view in enumerate(self.controller.earlier):
+        for i, view in enumerate(self.controller.runs.earlier):
             self.earlier_menu.addAction(f"{view.label}: {len(view.request_ids())} request(s)").setData(i)
-        self.earlier_menu.setEnabled(bool(self.controller.earlier))
+        self.earlier_menu.setEnabled(bool(self.controller.runs.earlier))
 
     # ================================================================== painting
     def _invalidate_views(self, *_) -> None:
@@ -743,18 +743,18 @@ class MainWindow(QMainWindow):
 
     def _repaint_views(self, halves) -> None:
         c, view = self.controller, self.shown
-        generating = c.state is AppState.GENERATING
-        live = generating and view is c.live
+        generating = c.engine.state is AppState.GENERATING
+        live = generating and view is c.runs.live
         if live != self.heatmap.live:
             self.heatmap.live = live
             self._invalidate_views()
         if LOWER in halves:
             now = time.perf_counter()
-            if generating and c.generation is not None and now - self._progress_shown >= PROGRESS_INTERVAL_S:
+            if generating and c.generating.progress is not None and now - self._progress_shown >= PROGRESS_INTERVAL_S:
                 self._progress_shown = now
-                self.prompt.progress.setValue(min(c.generation.tokens, c.generation.total))
-                self.tokens_label.setText(f"{c.generation.tokens} tokens · {c.generation.rate:.0f} tok/s")
-        keys = {UPPER: (id(view), view.revision, view.lens.revision, c.lens_problem, self.tabs.currentIndex(),
+                self.prompt.progress.setValue(min(c.generating.progress.tokens, c.generating.progress.total))
+                self.tokens_label.setText(f"{c.generating.progress.tokens} tokens · {c.generating.progress.rate:.0f} tok/s")
+        keys = {UPPER: (id(view), view.revision, view.lens.revision, c.experiments.lens_problem, self.tabs.currentIndex(),
                         view.selection.position),
                 LOWER: (id(view), view.revision, self.lower_tabs.currentIndex())}
         halves = [h for h in halves if keys[h] != self._painted[h]]
@@ -774,10 +774,10 @@ class MainWindow(QMainWindow):
 
     def _refresh_upper(self, view, req, texts: list[str], marks) -> None:
         c, sel = self.controller, view.selection
-        empty = EMPTY_TEXT[c.state] if view is c.live and not view.request_ids() else None
+        empty = EMPTY_TEXT[c.engine.state] if view is c.runs.live and not view.request_ids() else None
         # while the live run generates, the plots' message stays until rows come (one that changed with
         # the requests' start was laid out again in the first frame of rows)
-        awaiting = EMPTY_TEXT[c.state] if view is c.live and c.state is AppState.GENERATING else None
+        awaiting = EMPTY_TEXT[c.engine.state] if view is c.runs.live and c.engine.state is AppState.GENERATING else None
         self.heatmap.set_placeholder(empty or awaiting or "No rows captured at this hook point for this request")
         self.summary.empty_text.want(empty or awaiting or "No residual-stream hook points captured")
         if self.tabs.currentWidget() is self.heatmap:
@@ -808,8 +808,8 @@ class MainWindow(QMainWindow):
         """Only while the Lens tab is on show: ask for the lens of the rows not lensed yet, draw what there is."""
         captured = view.hooks_for(rid)
         hooks = lens_hooks(captured, self.lens_view.set_kinds(lens_kinds(captured)))
-        self.controller.follow_lens(view, rid, hooks)
-        message = empty or self.controller.lens_message(view, rid, hooks)
+        self.controller.experiments.follow_lens(view, rid, hooks)
+        message = empty or self.controller.experiments.lens_message(view, rid, hooks)
         self.lens_view.set_grid(None if message else view.lens.grid(view.run, rid, hooks), message)
 
     def _refresh_attention(self, view, rid: str | None, empty: str | None) -> None:
@@ -817,10 +817,11 @@ class MainWindow(QMainWindow):
         weights (the newest token's while none is selected)."""
         c = self.controller
         layer = self.attention_view.set_layers(attention_layers(view.hooks_for(rid)))
-        capturing = c.info.installed if c.info is not None and view is c.live else ()
+        capturing = c.engine.info.installed if c.engine.info is not None and view is c.runs.live else ()
         shown = AttentionShown(empty) if empty else self.attention_patterns.show(
             view, rid, layer, self.attention_view.head(), view.selection.position, capturing)
-        self.attention_view.show_attention(shown, view is c.live and c.enabled(Action.EDIT_HOOKS), self.heatmap.live)
+        can_capture = view is c.runs.live and c.engine.enabled(Action.EDIT_HOOKS)
+        self.attention_view.show_attention(shown, can_capture, self.heatmap.live)
 
     def _refresh_experts(self, view, rid: str | None, empty: str | None) -> None:
         """Only while the Experts tab is on show: the chosen layer's routing of the shown request."""
@@ -830,13 +831,14 @@ class MainWindow(QMainWindow):
     def _refresh_features(self, view, rid: str | None, empty: str | None) -> None:
         """Only while the Features tab is on show: the chosen SAE's features of the shown request."""
         c = self.controller
-        attached = c.info.saes if c.info is not None and view is c.live else {}
-        if empty and c.state not in (AppState.READY, AppState.GENERATING, AppState.PATCHING):
+        attached = c.engine.info.saes if c.engine.info is not None and view is c.runs.live else {}
+        if empty and c.engine.state not in (AppState.READY, AppState.GENERATING, AppState.PATCHING):
             shown = FeaturesShown(empty)  # no engine to attach an SAE to: say how to get one
         else:
-            shown = show_features(view, rid, self.features_view.sae(), attached, c.labels)
+            shown = show_features(view, rid, self.features_view.sae(), attached, c.runs.labels)
+        is_attached = shown.sae in attached
         self.features_view.show_features(shown, view.selection.position,
-                                         shown.sae in attached and c.enabled(Action.EDIT_SAES), shown.sae in attached)
+                                         is_attached and c.engine.enabled(Action.EDIT_SAES), is_attached)
 
     def _capture_hooks(self, hooks: list) -> None:
         """A tab's capture button (Attention, Patching): tick ``hooks`` in the model tree and apply them

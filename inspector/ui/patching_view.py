@@ -2,7 +2,7 @@
 
 The user types (or takes from the run's requests) a clean and a corrupted prompt, the answer token
 and an optional foil, the hook kind whose every layer forms the rows, and the direction. The
-sweep runs on the engine thread (``Controller.start_sweep``); its newest copy lives in a Qt-free
+sweep runs on the engine thread (``Experiments.start_sweep``); its newest copy lives in a Qt-free
 ``PatchingSweep``, which a timer here repaints from when it changed, never per engine step. A click
 on a cell opens that cell's patched run in the main views.
 """
