@@ -231,15 +231,15 @@ def test_attach_demo_sae_attaches_the_shipped_sae_and_its_scan_labels_it(qtbot, 
     sae_scan(demo)
     monkeypatch.setattr(resources, "demo_sae_path", lambda: demo)
     w = make_window(qtbot, boot=False)
-    assert not w.act_attach_demo_sae.isEnabled()
+    assert not w.menus.act_attach_demo_sae.isEnabled()
     w.open_model("demo", retain_rows=True)
     wait_state(qtbot, w, "ready")
-    assert w.act_attach_demo_sae.isEnabled()
+    assert w.menus.act_attach_demo_sae.isEnabled()
     assert "Engine ▸ Attach Demo SAE" in show_tab(w).cells.message
-    w.act_attach_demo_sae.trigger()
+    w.menus.act_attach_demo_sae.trigger()
     qtbot.waitUntil(lambda: "demo-sae" in w.controller.engine.info.saes, timeout=5000)
     assert w.controller.engine.info.saes["demo-sae"].config.path == str(demo.resolve())
-    assert not w.act_attach_demo_sae.isEnabled()  # attached already
+    assert not w.menus.act_attach_demo_sae.isEnabled()  # attached already
     generate(qtbot, w)
     view = show_tab(w)
     names = scan_labels(*read_scan(demo / "scan.h5")[::2])
@@ -247,7 +247,7 @@ def test_attach_demo_sae_attaches_the_shipped_sae_and_its_scan_labels_it(qtbot, 
                                       for f in view.cells.grid.features.tolist()]
     view.detach_button.click()
     qtbot.waitUntil(lambda: not w.controller.engine.info.saes, timeout=5000)
-    assert w.act_attach_demo_sae.isEnabled()
+    assert w.menus.act_attach_demo_sae.isEnabled()
 
 
 def test_attach_demo_sae_needs_the_demo_model(qtbot, ui_settings, tmp_path, monkeypatch):
@@ -256,6 +256,6 @@ def test_attach_demo_sae_needs_the_demo_model(qtbot, ui_settings, tmp_path, monk
     model.mkdir()
     (model / "config.json").write_text("{}")
     w = make_window(qtbot, model=str(model))
-    assert w.state.value == "ready" and not w.act_attach_demo_sae.isEnabled()
+    assert w.state.value == "ready" and not w.menus.act_attach_demo_sae.isEnabled()
     assert not w.attach_demo_sae() and "the demo model must be running here" in w.statusBar().currentMessage()
 

@@ -235,16 +235,16 @@ def test_an_sae_that_does_not_fit_is_an_error_dialog_with_the_reason(qtbot, ui_s
 def test_where_there_is_nothing_to_show_the_tab_says_why(qtbot, ui_settings, sae_dir, monkeypatch):
     w = make_window(qtbot, boot=False)
     view = show_tab(w)
-    assert view.cells.message == EMPTY_TEXT[AppState.NO_MODEL] and not w.act_attach_sae.isEnabled()
+    assert view.cells.message == EMPTY_TEXT[AppState.NO_MODEL] and not w.menus.act_attach_sae.isEnabled()
     w.controller.runs.show(RunView(make_run(n_tokens=(5,)), RunSource.FILE, "old.h5"))
     w.refresh()
     assert view.cells.message.startswith("This capture holds no SAE features") and view.sae_box.count() == 0
 
     w = make_window(qtbot)
     view = show_tab(w)
-    assert view.cells.message == NO_SAE and not view.detach_button.isEnabled() and w.act_attach_sae.isEnabled()
+    assert view.cells.message == NO_SAE and not view.detach_button.isEnabled() and w.menus.act_attach_sae.isEnabled()
     monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **kw: str(sae_dir))
-    w.act_attach_sae.trigger()  # Engine ▸ Attach SAE…
+    w.menus.act_attach_sae.trigger()  # Engine ▸ Attach SAE…
     qtbot.waitUntil(lambda: "resid_sae" in w.controller.engine.info.saes, timeout=5000)
     w.refresh()
     assert view.cells.message == "SAE resid_sae is attached: generate to see its features"

@@ -341,7 +341,7 @@ def test_settings_persist(qtbot, ui_settings, tmp_path):
     window.heatmap.set_colormap("viridis")
     window.interventions_dock.hide()
     window.close()
-    assert not window.paint_timer.isActive() and not window._clock.isActive()  # nothing runs on a closed window
+    assert not window.painter.timer.isActive() and not window._clock.isActive()  # nothing runs on a closed window
     from inspector.ui.settings import Settings
 
     s = Settings()
@@ -351,7 +351,7 @@ def test_settings_persist(qtbot, ui_settings, tmp_path):
     window2 = make_window(qtbot, boot=False)
     assert window2.heatmap.colormap_name() == "viridis"
     assert window2.interventions_dock.isHidden() and not window2.tree_dock.isHidden()
-    assert [a.text() for a in window2.recent_models_menu.actions()] == [str(model_dir.resolve())]
+    assert [a.text() for a in window2.menus.recent_models_menu.actions()] == [str(model_dir.resolve())]
 
 
 def test_opening_another_model_keeps_the_earlier_run(qtbot, ui_settings, tmp_path):
@@ -365,8 +365,8 @@ def test_opening_another_model_keeps_the_earlier_run(qtbot, ui_settings, tmp_pat
     live = window.controller.runs.live
     assert live.request_ids() == [] and len(window.controller.runs.earlier) == 1
     earlier = window.controller.runs.earlier[0]
-    assert earlier.request_ids() == ["req0"] and window.earlier_menu.isEnabled()
-    window.earlier_menu.actions()[0].trigger()
+    assert earlier.request_ids() == ["req0"] and window.menus.earlier_menu.isEnabled()
+    window.menus.earlier_menu.actions()[0].trigger()
     window.refresh()
     assert window.shown is earlier and window.heatmap.column_count() == len(earlier.request("req0").token_ids) - 1
     generate(qtbot, window, "xyz", max_tokens=2)  # back to the live run of the new model

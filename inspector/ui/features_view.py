@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, Q
                                QPushButton, QSizePolicy, QVBoxLayout, QWidget)
 
 from inspector.viewer.features import ACTIVATION, NO_SAE, FeaturesShown
+from inspector.viewer.tabs import FeaturesDrawing
 
 from .cell_grid import CELL_W, LABEL_W, SELECTED, CellGrid, CellGridTab, elided_label
 from .combo import offer
@@ -143,6 +144,9 @@ class FeaturesView(CellGridTab):
                                      self.steer_value.value())
 
     # ------------------------------------------------------------------ data
+    def draw(self, drawing: FeaturesDrawing) -> None:
+        self.show_features(drawing.shown, drawing.position, drawing.can_detach, drawing.can_steer)
+
     def show_features(self, shown: FeaturesShown, position: int | None, can_detach: bool, can_steer: bool) -> None:
         """Draw ``shown``: its grid, or its message where it has none. ``position``: the token selected
         in the window (the side list follows it when it changes); ``can_detach``: the SAE shown is

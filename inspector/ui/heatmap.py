@@ -20,10 +20,12 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QHBoxLayout
 
 from inspector.viewer.image_pool import PooledImage, choose_key, follow_extent, robust_levels
 from inspector.viewer.labels import display_token
+from inspector.viewer.tabs import HeatmapDrawing
 
 from .color_image import ColorImageItem, colour
 from .tasks import TaskRunner
-from .view_kit import COLORMAP_HINTS, COLORMAPS, MARK_OTHER, MARK_THIS, Placeholder, colormap, quiet_axes, stack_view
+from .view_kit import (COLORMAP_HINTS, COLORMAPS, MARK_OTHER, MARK_THIS, Placeholder, PositionAxis, colormap,
+                       quiet_axes, stack_view)
 
 LEVEL_MODES = ("auto", "auto ±", "fixed")
 
@@ -178,6 +180,12 @@ class HeatmapWidget(QWidget):
         self.plot.scene().sigMouseClicked.connect(self._mouse_clicked)
 
     # ------------------------------------------------------------------ data
+    def draw(self, drawing: HeatmapDrawing) -> None:
+        if drawing.rows is None:
+            self.clear(drawing.label, drawing.width)
+        else:
+            self.set_data(*drawing.rows, drawing.texts, drawing.source_id, drawing.marks, drawing.label)
+
     def clear(self, hook_label: str = "", width: int = 0) -> None:
         """No rows (yet). ``hook_label`` and ``width``: those of the hook they will come from. While rows
         stream in (``live``), the plot is labelled and its axes are drawn for them now, so that the
@@ -558,35 +566,6 @@ class HeatmapWidget(QWidget):
             position = int(self._positions[row]) if row < len(self._positions) else row + self._p0
             self.select_position(position)
             self.positionClicked.emit(position)
-
-
-class PositionAxis(pg.AxisItem):
-    """The token axis: x is the position, except where rows are sparse (a capture window), where row k
-    stands at x = p0 + k and is labelled with its position."""
-
-    positions: np.ndarray | None = None  # None: x is the position
-    p0 = 0
-
-    def show_rows(self, positions: np.ndarray | None, p0: int, new_source: bool) -> None:
-        """Rows that grow keep their labels (new ones come with a new range, which redraws the axis)."""
-        stale = (positions is None) != (self.positions is None) or (positions is not None and (new_source or p0 != self.p0))
-        self.positions, self.p0 = positions, p0
-        if stale:
-            self.picture = None
-            self.update()
-
-    def x_of(self, position: int) -> int | None:
-        """Where a position's row stands (None: no row there)."""
-        if self.positions is None:
-            return position
-        i = int(np.searchsorted(self.positions, position))
-        return self.p0 + i if i < len(self.positions) and self.positions[i] == position else None
-
-    def tickStrings(self, values, scale, spacing):
-        if self.positions is None:
-            return super().tickStrings(values, scale, spacing)
-        rows = [int(round(v)) - self.p0 for v in values]
-        return [str(int(self.positions[r])) if 0 <= r < len(self.positions) else "" for r in rows]
 
 
 def _pool_rows(pool: PooledImage, values, key, source_id, levels, lut, _state) -> tuple:

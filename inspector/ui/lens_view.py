@@ -14,6 +14,7 @@ from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QWidget
 
 from inspector.viewer.lens import ALL_RESIDUAL, MODES, NEXT_PROB, NEXT_RANK, TOP, LensGrid, percent
+from inspector.viewer.tabs import LensDrawing
 
 from .cell_grid import CellGrid, CellGridTab, elided_label
 from .combo import offer
@@ -79,6 +80,9 @@ class LensView(CellGridTab):
         """Offer ``kinds`` as the rows' choices (keeping the current one if it is still offered);
         returns the one chosen."""
         return offer(self.kind_box, kinds) or None
+
+    def draw(self, drawing: LensDrawing) -> None:
+        self.set_grid(drawing.grid, drawing.message)
 
     def set_grid(self, grid: LensGrid | None, message: str | None = None) -> None:
         """``message``: why there are no cells to show (instead of the grid)."""

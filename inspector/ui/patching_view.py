@@ -38,7 +38,8 @@ class PatchingView(CellGridTab):
     captureRequested = Signal(list)  # hook names to tick (the button under a "not captured" note)
 
     def __init__(self, sweep: PatchingSweep, parent=None):
-        super().__init__(CellGrid("patched ↓ at →", "Run a sweep to fill the grid.", row_heights=(24, 64)), parent=parent)
+        super().__init__(CellGrid("patched ↓ at →", "Run a sweep to fill the grid.", row_heights=(24, 64)),
+                         parent=parent)
         self.sweep = sweep
         self.shown_prompts = lambda: []  # (request id, prompt) of the run on show; the window sets it
         self._catalogue: list[HookPoint] = []

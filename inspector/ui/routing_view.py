@@ -112,6 +112,8 @@ class ExpertsView(CellGridTab):
             self.mode_box.setCurrentText(LOGIT if why else self._wanted_mode)
         self._draw()
 
+    draw = show_experts  # what its presenter decides is an ExpertsShown
+
     def _draw(self) -> None:
         self.cells.set_grid(self.shown.grid, self.mode(), self.shown.message)
         self._show_legend()

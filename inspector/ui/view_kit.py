@@ -1,8 +1,9 @@
-"""The view kit the plot views share: colour maps, the layout of a plot view, quiet axes and the
-message of an empty plot."""
+"""The view kit the plot views share: colour maps, the layout of a plot view, quiet axes, the token axis
+and the message of an empty plot."""
 
 from __future__ import annotations
 
+import numpy as np
 import pyqtgraph as pg
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QGraphicsItem, QVBoxLayout
@@ -20,6 +21,35 @@ def colormap(name: str) -> pg.ColorMap:
         return pg.colormap.get(name)
     except Exception:  # noqa: BLE001 - unknown name in old settings: fall back to the default
         return pg.colormap.get("cividis")
+
+
+class PositionAxis(pg.AxisItem):
+    """The token axis: x is the position, except where rows are sparse (a capture window), where row k
+    stands at x = p0 + k and is labelled with its position."""
+
+    positions: np.ndarray | None = None  # None: x is the position
+    p0 = 0
+
+    def show_rows(self, positions: np.ndarray | None, p0: int, new_source: bool) -> None:
+        """Rows that grow keep their labels (new ones come with a new range, which redraws the axis)."""
+        stale = (positions is None) != (self.positions is None) or (positions is not None and (new_source or p0 != self.p0))
+        self.positions, self.p0 = positions, p0
+        if stale:
+            self.picture = None
+            self.update()
+
+    def x_of(self, position: int) -> int | None:
+        """Where a position's row stands (None: no row there)."""
+        if self.positions is None:
+            return position
+        i = int(np.searchsorted(self.positions, position))
+        return self.p0 + i if i < len(self.positions) and self.positions[i] == position else None
+
+    def tickStrings(self, values, scale, spacing):
+        if self.positions is None:
+            return super().tickStrings(values, scale, spacing)
+        rows = [int(round(v)) - self.p0 for v in values]
+        return [str(int(self.positions[r])) if 0 <= r < len(self.positions) else "" for r in rows]
 
 
 class Placeholder(pg.TextItem):

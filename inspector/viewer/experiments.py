@@ -102,6 +102,7 @@ class Experiments(ControllerPart):
             self.view.status("Stopping the sweep after the current engine step…")
 
     def cancel_sweep(self) -> None:
+        """Stop the sweep running now, if any, whatever the state (a new boot, the app closing)."""
         if self._sweep_task is not None:
             self._sweep_task.cancel()
 

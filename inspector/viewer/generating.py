@@ -97,6 +97,7 @@ class Generating(ControllerPart):
             self.view.status("Stopping after the current step…")
 
     def cancel(self) -> None:
+        """Stop the generation running now, if any, whatever the state (a new boot, the app closing)."""
         if self._generate_task is not None:
             self._generate_task.cancel()
 
