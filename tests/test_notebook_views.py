@@ -51,7 +51,7 @@ def unpack(argb) -> np.ndarray:
                                   "turbo"])
 def test_colour_tables_are_pyqtgraphs(name):
     pg = pytest.importorskip("pyqtgraph")
-    from inspector.ui.heatmap import COLORMAPS
+    from inspector.ui.view_kit import COLORMAPS
 
     assert name in COLORMAPS
     np.testing.assert_array_equal(lookup_table(name), pg.colormap.get(name).getLookupTable(nPts=256, alpha=False))

@@ -321,7 +321,7 @@ def test_the_app_watching_the_server_shows_each_capture_while_it_runs_and_when_i
     window = keep(qtbot, MainWindow(FakeSession.open))
     window.show()
     window.watch_served(url)
-    watched = window.controller.served
+    watched = window.controller.runs.served
     thread, answers = long_captured_request(server, max_tokens=480)
     qtbot.waitUntil(lambda: bool(watched.running), timeout=60000)
     qtbot.waitUntil(lambda: window.shown.rows(window.shown.selection.request, window.shown.selection.hook) is not None,

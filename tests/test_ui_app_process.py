@@ -29,12 +29,12 @@ def drive():
         w.generate()
         report["generated"] = True
         return QTimer.singleShot(50, drive)
-    live = w.controller.live
+    live = w.controller.runs.live
     req = live.request(live.request_ids()[0])
     report.update(tokens=len(req.generated_token_ids), rows=sum(len(r) for r in req.hooks.values()),
                   modules=sorted(m for m in ("torch", "vllm", "transformers") if m in sys.modules),
                   title=w.windowTitle())
-    os.kill(w.controller.session.process.pid, signal.SIGKILL)  # the engine dies while the app is idle
+    os.kill(w.controller.engine.session.process.pid, signal.SIGKILL)  # the engine dies while the app is idle
     def dead():
         if w.state.value != "dead":
             return QTimer.singleShot(50, dead)

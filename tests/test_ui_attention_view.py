@@ -17,7 +17,7 @@ from fake_session import FakeSession
 from inspector.capture.attention import attention_weights
 from inspector.capture.run import HookRows
 from inspector.io import write_run
-from inspector.ui.image_pool import pool_maxabs
+from inspector.viewer.image_pool import pool_maxabs
 from inspector.viewer.attention import AttentionShown
 from ui_fixtures import fail_on_qt_warnings, keep, make_run, make_window, ui_settings, wait_state  # noqa: F401
 
@@ -66,7 +66,7 @@ def test_the_selected_tokens_row_of_every_head_is_its_attention_weights(qtbot, u
     generate(qtbot, w)
     w.select_position(5)
     shown = show_tab(w)
-    qp, q, kp, k, geometry = qk_rows(w.controller.session.run, "req0", 0)
+    qp, q, kp, k, geometry = qk_rows(w.controller.engine.session.run, "req0", 0)
     expected = attention_weights(q[5:6], qp[5:6], k[:6], kp[:6], geometry)[:, 0]
     assert shown.layer == 0 and shown.heads == geometry.heads == 2 and shown.query == 5
     np.testing.assert_array_equal(shown.query_weights, expected)
@@ -81,7 +81,7 @@ def test_the_heads_pattern_is_drawn_as_computed(qtbot, ui_settings):
     generate(qtbot, w)
     show_tab(w)
     shown = choose(w, layer=1, head=1)
-    qp, q, kp, k, geometry = qk_rows(w.controller.session.run, "req0", 1)
+    qp, q, kp, k, geometry = qk_rows(w.controller.engine.session.run, "req0", 1)
     expected = attention_weights(q, qp, k, kp, geometry, heads=[1])[0]
     assert (shown.layer, shown.head) == (1, 1) and w.attention_view.head_box.currentIndex() == 1
     np.testing.assert_array_equal(shown.pattern, expected)
@@ -107,7 +107,7 @@ def test_the_pattern_grows_while_tokens_arrive(qtbot, ui_settings, monkeypatch):
     assert len(sizes) >= 3, sizes  # it grew in steps, live
     shown = show_tab(w)
     assert max(sizes) < len(shown.pattern)
-    qp, q, kp, k, geometry = qk_rows(w.controller.session.run, "req0", 0)
+    qp, q, kp, k, geometry = qk_rows(w.controller.engine.session.run, "req0", 0)
     expected = attention_weights(q, qp, k, kp, geometry, heads=[0])[0]
     np.testing.assert_allclose(shown.pattern, expected, atol=1e-5)  # computed in pieces: rounding differs
     assert shown.query == qp[-1]  # no token selected: the newest
@@ -180,8 +180,8 @@ def test_without_q_and_k_the_tab_says_what_to_tick_and_captures_them(qtbot, ui_s
     view.capture_button.click()  # compiled mode: the engine restarts, after asking
     assert "Restart the engine" in w.last_dialog.windowTitle()
     w.last_dialog.button(QMessageBox.StandardButton.Yes).click()
-    expected = {h.name for h in shown.to_capture} | set(w.controller.session.installed)
-    qtbot.waitUntil(lambda: set(w.controller.session.installed) == expected, timeout=5000)
+    expected = {h.name for h in shown.to_capture} | set(w.controller.engine.session.installed)
+    qtbot.waitUntil(lambda: set(w.controller.engine.session.installed) == expected, timeout=5000)
     wait_state(qtbot, w, "ready")
     assert "captured from now on: generate again" in view.message.text() and view.capture_button.isHidden()
     generate(qtbot, w)
@@ -195,7 +195,7 @@ def test_in_eager_mode_the_button_captures_q_and_k_without_a_restart(qtbot, ui_s
     show_tab(w)
     w.attention_view.capture_button.click()
     # the engine thread installs them first; the window hears of it a moment later (its status line)
-    qtbot.waitUntil(lambda: len(w.controller.session.installed) == 6
+    qtbot.waitUntil(lambda: len(w.controller.engine.session.installed) == 6
                     and "applied live" in w.statusBar().currentMessage(), timeout=5000)
     assert w.last_dialog is None and "applied live" in w.statusBar().currentMessage()
     generate(qtbot, w)
@@ -248,7 +248,7 @@ def test_a_reopened_capture_shows_patterns_without_an_engine(qtbot, ui_settings,
     show_tab(w)
     shown = choose(w, layer=1, head=1)
     qp, q, kp, k, geometry = qk_rows(run, "req0", 1)
-    assert w.controller.session is None and (shown.layer, shown.head) == (1, 1)
+    assert w.controller.engine.session is None and (shown.layer, shown.head) == (1, 1)
     np.testing.assert_array_equal(shown.pattern, attention_weights(q, qp, k, kp, geometry, heads=[1])[0])
     np.testing.assert_array_equal(shown.query_weights, attention_weights(q[-1:], qp[-1:], k, kp, geometry)[:, 0])
 
@@ -259,7 +259,7 @@ def test_an_exported_live_run_reopens_with_its_patterns(qtbot, ui_settings, tmp_
     live = show_tab(w)
     path = tmp_path / "exported.h5"
     assert w.export(str(path))
-    qtbot.waitUntil(lambda: not w.controller.exporting, timeout=10000)
+    qtbot.waitUntil(lambda: not w.controller.runs.exporting, timeout=10000)
     other = make_window(qtbot, boot=False)
     assert other.open_capture(str(path))
     reopened = show_tab(other)

@@ -21,7 +21,7 @@ STEER = Intervention(HOOK, scale=0.5, bias=0.25)
 
 
 def session(w):
-    return w.controller.session
+    return w.controller.engine.session
 
 
 def compare(qtbot, w, prompts="the cat sat\nhello", max_tokens=8, wait=True):
@@ -49,7 +49,7 @@ def test_a_comparison_shows_twins_side_by_side_with_their_split_strip_and_differ
     w = make_window(qtbot)
     steer(w)
     compare(qtbot, w)
-    run = w.controller.live.run
+    run = w.controller.runs.live.run
     twins = twins_of(run)
     assert twins == [Twins("req0", "req1"), Twins("req2", "req3")]
     assert [run.requests[r].twin_role for r in ("req0", "req1")] == ["clean", "intervened"]
@@ -113,7 +113,7 @@ def test_the_tab_grows_while_the_twins_generate(qtbot, ui_settings, monkeypatch)
         qtbot.wait(20)
         if w.state.value == "generating":
             seen.add(len(w.compare_view.shown.kl))
-            assert session(w).interventions == scoped_to_intervened([STEER], w.controller.compared)
+            assert session(w).interventions == scoped_to_intervened([STEER], w.controller.generating.compared)
     assert len(seen - {0}) >= 3, seen  # it filled in steps, by the window's timer
     w.refresh()
     assert len(w.compare_view.shown.kl) == 30
@@ -124,15 +124,15 @@ def test_an_intervention_changed_mid_comparison_reaches_the_intervened_twin_only
     w = make_window(qtbot)
     compare(qtbot, w, "import os", max_tokens=400, wait=False)
     assert "no intervention is set: the twins will agree" in w.statusBar().currentMessage()
-    qtbot.waitUntil(lambda: w.controller.generation.tokens >= 8, timeout=5000)
+    qtbot.waitUntil(lambda: w.controller.generating.progress.tokens >= 8, timeout=5000)
     w.interventions.add_row(HOOK, scale="0")
-    twins = w.controller.compared
+    twins = w.controller.generating.compared
     assert twins == [Twins("req0", "req1")]
     assert session(w).interventions == [Intervention(HOOK, scale=0.0, request_id="req1")]
     assert "to the intervened twins" in w.statusBar().currentMessage()
-    at = w.controller.generation.tokens
-    qtbot.waitUntil(lambda: w.controller.generation.tokens >= at + 8, timeout=5000)
-    w.controller.stop()
+    at = w.controller.generating.progress.tokens
+    qtbot.waitUntil(lambda: w.controller.generating.progress.tokens >= at + 8, timeout=5000)
+    w.controller.generating.stop()
     wait_state(qtbot, w, "ready")
     assert session(w).interventions == [Intervention(HOOK, scale=0.0)]  # the plain set again, for what comes next
     clean, steered = (w.shown.request(r) for r in ("req0", "req1"))
@@ -165,9 +165,9 @@ def test_an_exported_comparison_keeps_its_twins_and_reopens_without_an_engine(qt
     compare(qtbot, w)
     path = str(tmp_path / "compare.h5")
     assert w.export(path)
-    qtbot.waitUntil(lambda: not w.controller.exporting, timeout=10000)
+    qtbot.waitUntil(lambda: not w.controller.runs.exporting, timeout=10000)
     back = read_run(path)
-    assert twins_of(back) == twins_of(w.controller.live.run) == [Twins("req0", "req1"), Twins("req2", "req3")]
+    assert twins_of(back) == twins_of(w.controller.runs.live.run) == [Twins("req0", "req1"), Twins("req2", "req3")]
     assert back.requests["req0"].twin_role == "clean" and back.requests["req0"].twin_of == "req1"
     live = show_compare(w)
     reopened = make_window(qtbot, boot=False)

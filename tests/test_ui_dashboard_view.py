@@ -61,7 +61,7 @@ def test_open_scan_lists_the_active_units_strongest_first_and_filters_them(qtbot
     write_synthetic_scan(path, {"path": "/saes/python_sae", "d_sae": 64})
     open_scan_from_menu(w, monkeypatch, path)
     expected = open_dashboard(path)
-    assert w.tabs.currentWidget() is view and view.body.isVisible() and w.controller.scan.path == str(path)
+    assert w.tabs.currentWidget() is view and view.body.isVisible() and w.controller.runs.scan.path == str(path)
     assert view.header.text() == expected.header() and not view.unfinished.isVisible()
     assert view.listed_units() == expected.units.tolist() and len(view.listed_units()) == DORMANT
     first = expected.units[0]
@@ -104,7 +104,7 @@ def test_a_units_examples_are_text_with_the_activating_token_marked_and_its_hist
     state, _, vocabulary = read_scan(path)
     unit = view.listed_units()[4]
     view.units.setCurrentRow(4)
-    assert view.unit == unit and view.title.text() == w.controller.scan.describe_unit(unit)
+    assert view.unit == unit and view.title.text() == w.controller.runs.scan.describe_unit(unit)
     rows, marked = table_rows(view), highlighted(view)
     assert len(rows) == len(marked) == state.top
     for i, (row, token) in enumerate(zip(rows, marked)):
@@ -146,7 +146,7 @@ def test_a_file_that_is_not_a_scan_is_an_error_dialog_with_the_reason(qtbot, ui_
     qtbot.waitUntil(lambda: w.last_dialog is not None and w.last_dialog.isVisible(), timeout=3000)
     assert w.last_dialog.windowTitle() == "Open Scan"
     assert w.last_dialog.text().startswith(f"Cannot open the scan.\n\n{bad} is not a scan file this reads")
-    assert w.controller.scan is None and w.dashboard_view.header.text() == NO_SCAN
+    assert w.controller.runs.scan is None and w.dashboard_view.header.text() == NO_SCAN
 
 
 def test_the_features_tab_names_features_by_the_scan_in_the_saes_directory(qtbot, ui_settings, sae_dir):
@@ -208,7 +208,7 @@ def test_an_opened_scan_of_the_sae_labels_its_features_and_follows_a_click(qtbot
     scan = sae_scan(sae_dir, tmp_path / "elsewhere.h5", seed=4)
     assert w.open_scan(str(scan))
     assert w.tabs.currentWidget() is w.dashboard_view
-    names = w.controller.scan.names
+    names = w.controller.runs.scan.names
     view = show_tab(w)
     grid = view.cells.grid
     assert grid.labels == [f"f{f} {names[f]}" if f in names else f"f{f}" for f in grid.features.tolist()]
@@ -231,23 +231,23 @@ def test_attach_demo_sae_attaches_the_shipped_sae_and_its_scan_labels_it(qtbot, 
     sae_scan(demo)
     monkeypatch.setattr(resources, "demo_sae_path", lambda: demo)
     w = make_window(qtbot, boot=False)
-    assert not w.act_attach_demo_sae.isEnabled()
+    assert not w.menus.act_attach_demo_sae.isEnabled()
     w.open_model("demo", retain_rows=True)
     wait_state(qtbot, w, "ready")
-    assert w.act_attach_demo_sae.isEnabled()
+    assert w.menus.act_attach_demo_sae.isEnabled()
     assert "Engine ▸ Attach Demo SAE" in show_tab(w).cells.message
-    w.act_attach_demo_sae.trigger()
-    qtbot.waitUntil(lambda: "demo-sae" in w.controller.info.saes, timeout=5000)
-    assert w.controller.info.saes["demo-sae"].config.path == str(demo.resolve())
-    assert not w.act_attach_demo_sae.isEnabled()  # attached already
+    w.menus.act_attach_demo_sae.trigger()
+    qtbot.waitUntil(lambda: "demo-sae" in w.controller.engine.info.saes, timeout=5000)
+    assert w.controller.engine.info.saes["demo-sae"].config.path == str(demo.resolve())
+    assert not w.menus.act_attach_demo_sae.isEnabled()  # attached already
     generate(qtbot, w)
     view = show_tab(w)
     names = scan_labels(*read_scan(demo / "scan.h5")[::2])
     assert view.cells.grid.labels == [f"f{f} {names[f]}" if f in names else f"f{f}"
                                       for f in view.cells.grid.features.tolist()]
     view.detach_button.click()
-    qtbot.waitUntil(lambda: not w.controller.info.saes, timeout=5000)
-    assert w.act_attach_demo_sae.isEnabled()
+    qtbot.waitUntil(lambda: not w.controller.engine.info.saes, timeout=5000)
+    assert w.menus.act_attach_demo_sae.isEnabled()
 
 
 def test_attach_demo_sae_needs_the_demo_model(qtbot, ui_settings, tmp_path, monkeypatch):
@@ -256,6 +256,6 @@ def test_attach_demo_sae_needs_the_demo_model(qtbot, ui_settings, tmp_path, monk
     model.mkdir()
     (model / "config.json").write_text("{}")
     w = make_window(qtbot, model=str(model))
-    assert w.state.value == "ready" and not w.act_attach_demo_sae.isEnabled()
+    assert w.state.value == "ready" and not w.menus.act_attach_demo_sae.isEnabled()
     assert not w.attach_demo_sae() and "the demo model must be running here" in w.statusBar().currentMessage()
 

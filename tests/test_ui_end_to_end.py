@@ -69,15 +69,15 @@ def window(qapp, tmp_path_factory):
 
 
 def session(w):
-    return w.controller.session
+    return w.controller.engine.session
 
 
 def live(w):
-    return w.controller.live
+    return w.controller.runs.live
 
 
 def name_of(w, alias):
-    return next(h.name for h in w.controller.info.catalogue if h.alias == alias)
+    return next(h.name for h in w.controller.engine.info.catalogue if h.alias == alias)
 
 
 def generate(app, w, prompts, max_tokens, wait_done=True):
@@ -153,7 +153,7 @@ def test_intervention_mid_generation_changes_only_following_tokens(qapp, window,
     clean = session(w).run.requests[clean_rid].hooks[hook].values.copy()
 
     before = generate(qapp, w, prompt, max_tokens=200, wait_done=False)
-    wait(qapp, lambda: w.controller.generation.tokens >= 3)
+    wait(qapp, lambda: w.controller.generating.progress.tokens >= 3)
     row = w.interventions.add_row(hook)
     assert w.interventions.edit(row, "Bias", "100")  # applied before the next forward
     wait(qapp, lambda: w.state.value != "generating")
@@ -178,7 +178,7 @@ def test_intervention_mid_generation_changes_only_following_tokens(qapp, window,
     why = (req.intervention_log, live(w).request(rid).intervention_log, marks.tolist())
     assert (marks[:marked[0]] == 0).all() and (marks[marked[0]:] == 2).all(), why
     w.interventions.clear()
-    assert w.controller.interventions == []
+    assert w.controller.generating.interventions == []
 
 
 def test_export_then_reopen_gives_identical_arrays(qapp, window, tmp_path, fail_on_qt_warnings):
@@ -190,8 +190,8 @@ def test_export_then_reopen_gives_identical_arrays(qapp, window, tmp_path, fail_
     logs = {rid: run.request(rid).intervention_log for rid in run.request_ids()}
     tops = {rid: run.request(rid).top_logprobs for rid in run.request_ids()}
     assert w.export(path)
-    wait(qapp, lambda: not w.controller.exporting, timeout=60)
-    assert w.controller.last_export == path
+    wait(qapp, lambda: not w.controller.runs.exporting, timeout=60)
+    assert w.controller.runs.last_export == path
     assert w.open_capture(path)
     for (rid, h), values in expected.items():
         np.testing.assert_array_equal(w.shown.rows(rid, h)[1], values)

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QFileDialog
 
 from inspector.capture.sae import encode, feature_clamp, load_weights, read_sae, strongest
 from inspector.io import write_run
-from inspector.viewer.controller import EMPTY_TEXT, AppState
+from inspector.viewer.app_state import EMPTY_TEXT, AppState
 from inspector.viewer.features import ACTIVATION, NO_SAE
 from inspector.viewer.run_view import RunSource, RunView
 from inspector.ui.cell_grid import LABEL_W
@@ -33,7 +33,7 @@ def sae_dir(tmp_path):
 
 def attach(qtbot, w, path):
     assert w.attach_sae(str(path))
-    qtbot.waitUntil(lambda: path.name in w.controller.info.saes, timeout=5000)
+    qtbot.waitUntil(lambda: path.name in w.controller.engine.info.saes, timeout=5000)
 
 
 def generate(qtbot, w, prompt="the cat sat on the mat", max_tokens=6):
@@ -61,7 +61,7 @@ def attached_and_generated(qtbot, sae_dir):
 def test_the_grid_is_the_requests_strongest_features_as_the_engine_sent_them(qtbot, ui_settings, sae_dir,
                                                                              monkeypatch):
     w = make_window(qtbot)
-    session, gui = w.controller.session, threading.get_ident()
+    session, gui = w.controller.engine.session, threading.get_ident()
     callers, original = [], session.attach_sae
 
     def recorded(*args, **kwargs):
@@ -74,7 +74,7 @@ def test_the_grid_is_the_requests_strongest_features_as_the_engine_sent_them(qtb
     generate(qtbot, w)
     view = show_tab(w)
     rid = w.shown.selection.request
-    sae = w.controller.info.saes["resid_sae"]
+    sae = w.controller.engine.info.saes["resid_sae"]
     assert sae.hook == "model.layers.1.resid_post" and sae.k == 32
     features = w.shown.run.requests[rid].features["resid_sae"]
     # the fake's features are the reference encoding of the rows it captured
@@ -152,7 +152,7 @@ def test_steer_adds_a_row_that_steers_the_next_generation_with_the_selected_feat
     w.settings.feature_clamps = 2  # Engine ▸ Room for Feature Clamps…, before the model is opened
     w.open_model("demo", mode="compiled", retain_rows=True)
     wait_state(qtbot, w, "ready")
-    assert w.controller.session.options.feature_clamps == 2
+    assert w.controller.engine.session.options.feature_clamps == 2
     attach(qtbot, w, path)
     generate(qtbot, w)
     view = show_tab(w)
@@ -165,7 +165,7 @@ def test_steer_adds_a_row_that_steers_the_next_generation_with_the_selected_feat
     assert view.steer_button.isEnabled()
     qtbot.mouseClick(view.steer_button, Qt.MouseButton.LeftButton)
     (row,) = w.interventions.model.rows
-    (iv,) = w.controller.session.interventions
+    (iv,) = w.controller.engine.session.interventions
     config, weights = read_sae(path), load_weights(read_sae(path))
     if how == "add":
         assert row.source == f"2.5 × feature relu_sae/{feature}" and iv.clamp is None
@@ -175,10 +175,10 @@ def test_steer_adds_a_row_that_steers_the_next_generation_with_the_selected_feat
         assert iv.clamp.direction == feature_clamp(config, feature, 2.5).direction and iv.clamp.value == 2.5
         assert w.interventions.model.data(w.interventions.model.index(0, 6)) == "clamp 2.5"
         assert w.interventions.edit(0, "Bias", "0")  # the Bias cell edits the clamp's value: 0 ablates it
-        assert w.controller.session.interventions[0].clamp.value == 0.0
+        assert w.controller.engine.session.interventions[0].clamp.value == 0.0
         assert not w.interventions.edit(0, "Scale", "2")
         assert "a clamp row has no scale" in w.interventions.last_message
-    hook = w.controller.info.saes["relu_sae"].hook
+    hook = w.controller.engine.info.saes["relu_sae"].hook
     before = w.shown.run.requests[w.shown.selection.request].hooks[hook].values
     generate(qtbot, w)  # the same prompt, steered
     after = w.shown.run.requests[w.shown.selection.request].hooks[hook].values
@@ -191,7 +191,7 @@ def test_a_clamp_on_an_engine_without_room_for_it_says_how_to_make_room(qtbot, u
     qtbot.mouseClick(view.cells.viewport(), Qt.MouseButton.LeftButton, pos=view.cells.cell_rect(0, 2).center())
     view.steer_how.setCurrentIndex(view.steer_how.findData("clamp"))
     qtbot.mouseClick(view.steer_button, Qt.MouseButton.LeftButton)
-    assert not w.interventions.model.rows and not w.controller.session.interventions
+    assert not w.interventions.model.rows and not w.controller.engine.session.interventions
     assert "booted without room for feature clamps" in w.interventions.last_message
     assert "Engine ▸ Room for Feature Clamps…" in w.interventions.last_message
 
@@ -200,8 +200,8 @@ def test_detach_stops_the_encoding_and_keeps_what_was_captured(qtbot, ui_setting
     w, view = attached_and_generated(qtbot, sae_dir)
     first = w.shown.selection.request
     view.detach_button.click()
-    qtbot.waitUntil(lambda: not w.controller.info.saes, timeout=5000)
-    assert not w.controller.session.saes
+    qtbot.waitUntil(lambda: not w.controller.engine.info.saes, timeout=5000)
+    assert not w.controller.engine.session.saes
     w.refresh()
     assert view.cells.grid is not None and not view.detach_button.isEnabled()  # the request's features stay
     assert [s["config"]["path"] for s in w.shown.run.metadata["saes"]] == [str(sae_dir)]  # what they come from
@@ -228,24 +228,24 @@ def test_an_sae_that_does_not_fit_is_an_error_dialog_with_the_reason(qtbot, ui_s
     qtbot.waitUntil(lambda: w.last_dialog is not None and w.last_dialog.isVisible(), timeout=5000)
     assert w.last_dialog.windowTitle() == "SAE" and reason in w.last_dialog.text()
     assert w.last_dialog.text().startswith("Could not attach the SAE.")
-    assert not w.controller.info.saes and not w.controller.session.saes and w.state is AppState.READY
+    assert not w.controller.engine.info.saes and not w.controller.engine.session.saes and w.state is AppState.READY
     assert show_tab(w).cells.message == NO_SAE
 
 
 def test_where_there_is_nothing_to_show_the_tab_says_why(qtbot, ui_settings, sae_dir, monkeypatch):
     w = make_window(qtbot, boot=False)
     view = show_tab(w)
-    assert view.cells.message == EMPTY_TEXT[AppState.NO_MODEL] and not w.act_attach_sae.isEnabled()
-    w.controller.show(RunView(make_run(n_tokens=(5,)), RunSource.FILE, "old.h5"))
+    assert view.cells.message == EMPTY_TEXT[AppState.NO_MODEL] and not w.menus.act_attach_sae.isEnabled()
+    w.controller.runs.show(RunView(make_run(n_tokens=(5,)), RunSource.FILE, "old.h5"))
     w.refresh()
     assert view.cells.message.startswith("This capture holds no SAE features") and view.sae_box.count() == 0
 
     w = make_window(qtbot)
     view = show_tab(w)
-    assert view.cells.message == NO_SAE and not view.detach_button.isEnabled() and w.act_attach_sae.isEnabled()
+    assert view.cells.message == NO_SAE and not view.detach_button.isEnabled() and w.menus.act_attach_sae.isEnabled()
     monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **kw: str(sae_dir))
-    w.act_attach_sae.trigger()  # Engine ▸ Attach SAE…
-    qtbot.waitUntil(lambda: "resid_sae" in w.controller.info.saes, timeout=5000)
+    w.menus.act_attach_sae.trigger()  # Engine ▸ Attach SAE…
+    qtbot.waitUntil(lambda: "resid_sae" in w.controller.engine.info.saes, timeout=5000)
     w.refresh()
     assert view.cells.message == "SAE resid_sae is attached: generate to see its features"
     assert view.sae_box.currentText() == "resid_sae" and view.detach_button.isEnabled()

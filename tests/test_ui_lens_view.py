@@ -38,7 +38,7 @@ def show_lens(qtbot, w):
 
 def expected_lens(w, hook):
     """What the session itself says of the rows the window shows, with the tokens that came next."""
-    session, rid = w.controller.session, w.shown.selection.request
+    session, rid = w.controller.engine.session, w.shown.selection.request
     req = session.run.requests[rid]
     values = req.hooks[hook].values
     return session.lens(values, k=5, chosen=np.array(req.token_ids[1:len(values) + 1])), req
@@ -48,9 +48,9 @@ def test_the_grid_is_the_sessions_lens_of_the_captured_layers_and_positions(qtbo
     w = make_window(qtbot, hooks=RESID)
     generate(qtbot, w)
     grid = show_lens(qtbot, w)
-    hooks = [h.name for h in w.controller.info.catalogue if h.kind == "resid_post"]
+    hooks = [h.name for h in w.controller.engine.info.catalogue if h.kind == "resid_post"]
     assert grid.labels == ["L0 resid_post", "L1 resid_post"] and w.lens_view.kind_box.currentText() == "resid_post"
-    session = w.controller.session
+    session = w.controller.engine.session
     for r, hook in enumerate(hooks):
         lens, req = expected_lens(w, hook)
         assert grid.shape == (2, len(req.hooks[hook])) and grid.tokens == req.token_texts
@@ -167,7 +167,7 @@ def test_a_reopened_capture_shows_its_stored_lens_without_an_engine(qtbot, ui_se
     assert w.open_capture(str(path))
     grid = show_lens(qtbot, w)
     req = run.requests["req0"]
-    assert grid.shape == (2, 6) and w.controller.session is None
+    assert grid.shape == (2, 6) and w.controller.engine.session is None
     for r, (hook, lens) in enumerate(req.lens.items()):
         assert [grid.cell_text(TOP, r, c) for c in range(6)] == [f" word{i}" for i in lens.column("top_ids")[:, 0]]
     w.lens_view.mode_box.setCurrentText(NEXT_RANK)

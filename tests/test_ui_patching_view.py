@@ -43,7 +43,7 @@ def run_sweep(qtbot, w, **typed):
     w.patching_view.run_button.click()
     wait_state(qtbot, w, "ready")
     w.patching_view.repaint_sweep()
-    return w.controller.sweep
+    return w.controller.experiments.sweep
 
 
 def test_a_sweep_fills_the_grid_and_the_progress_as_its_engine_calls_finish(qtbot, ui_settings, monkeypatch):
@@ -62,12 +62,12 @@ def test_a_sweep_fills_the_grid_and_the_progress_as_its_engine_calls_finish(qtbo
     done = sorted({value for value, maximum, _ in seen if maximum})
     assert len([d for d in done if 0 < d < 16]) >= 2, seen  # it filled in steps: 2 layers × 8 positions, 4 calls
     assert any(message.startswith("engine call 2 of 4") for *_, message in seen), seen
-    result = w.controller.sweep.result
+    result = w.controller.experiments.sweep.result
     assert result.complete and result.engine_calls == 4 and view.message.text().startswith("Done: 16 cells")
     grid = view.cells.grid
     assert grid.shape == (2, 8) and grid.labels == ["L0 resid_pre", "L1 resid_pre"]
     assert grid.tokens == result.token_texts["corrupted"] == ["the", " do", "g s", "at ", "on ", "the", " ru", "g"]
-    session = w.controller.session
+    session = w.controller.engine.session
     direct = patch(session, PatchSpec(CLEAN, CORRUPTED, tuple(result.hooks), Metric(*session.tokenize(ANSWER + FOIL))))
     np.testing.assert_array_equal(result.raw, direct.raw)
     assert grid.cell_text(view.mode_box.currentText(), 1, 2) == f"{direct.normalized[1, 2]:.2f}"
@@ -75,13 +75,13 @@ def test_a_sweep_fills_the_grid_and_the_progress_as_its_engine_calls_finish(qtbo
     assert view.cells.grid.cell_text(view.cells.mode, 1, 2) == f"{direct.raw[1, 2]:.2f}"
     assert "clean run" in view.details.text() and "logit difference ' ca' − ' do'" in view.details.text()
     assert view.cells.viewport().grab().width() > 0  # paints
-    assert not session.run.requests and w.controller.live.request_ids() == []  # the sweep leaves no run behind
+    assert not session.run.requests and w.controller.runs.live.request_ids() == []  # the sweep leaves no run behind
 
 
 def test_an_answer_of_two_tokens_is_refused_with_how_it_splits(qtbot, ui_settings):
     w = patching_window(qtbot)
     sweep = run_sweep(qtbot, w, answer=" cat")
-    pieces = w.controller.session.token_texts(w.controller.session.tokenize(" cat"))
+    pieces = w.controller.engine.session.token_texts(w.controller.engine.session.tokenize(" cat"))
     assert "The answer ' cat' is 2 tokens, not one: " + " + ".join(map(repr, pieces)) in sweep.problem
     assert w.patching_view.problem.isVisible() and sweep.problem in w.patching_view.problem.text()
     assert sweep.result is None and w.last_dialog is None and w.patching_view.run_button.isEnabled()
@@ -102,12 +102,12 @@ def test_stop_keeps_the_cells_that_ran_and_marks_the_sweep_incomplete(qtbot, ui_
     view = w.patching_view
     type_sweep(view)
     view.run_button.click()
-    qtbot.waitUntil(lambda: w.controller.sweep.result is not None and w.controller.sweep.result.done > 0, timeout=5000)
+    qtbot.waitUntil(lambda: w.controller.experiments.sweep.result is not None and w.controller.experiments.sweep.result.done > 0, timeout=5000)
     assert view.stop_button.isEnabled()
     view.stop_button.click()
     wait_state(qtbot, w, "ready")
     view.repaint_sweep()
-    result = w.controller.sweep.result
+    result = w.controller.experiments.sweep.result
     assert result.stopped and 0 < result.done < 16 and not view.stop_button.isEnabled()
     assert view.message.text().startswith(f"Stopped: {result.done} of 16 cells ran")
     texts = [view.cells.grid.cell_text(view.cells.mode, r, c) for r in range(2) for c in range(8)]
@@ -121,16 +121,16 @@ def test_stop_keeps_the_cells_that_ran_and_marks_the_sweep_incomplete(qtbot, ui_
 def test_clicking_a_cell_generates_its_patched_run_without_the_users_interventions(qtbot, ui_settings):
     w = patching_window(qtbot)
     mine = Intervention("blocks.0.hook_resid_pre", scale=2.0)
-    w.controller.set_interventions([mine])
+    w.controller.generating.set_interventions([mine])
     result = run_sweep(qtbot, w).result
     cells = w.patching_view.cells
-    rid = w.controller.session.upcoming_request_ids(1)[0]
+    rid = w.controller.engine.session.upcoming_request_ids(1)[0]
     qtbot.mouseClick(cells.viewport(), Qt.MouseButton.LeftButton, pos=cells.cell_rect(1, 2).center())
     assert w.state.value == "generating" and "not applied" in w.statusBar().currentMessage()
-    w.controller.set_interventions([mine])  # an edit while it runs waits for it to end
+    w.controller.generating.set_interventions([mine])  # an edit while it runs waits for it to end
     assert "after the patched run" in w.statusBar().currentMessage()
     wait_state(qtbot, w, "ready")
-    req = w.controller.live.request(rid)
+    req = w.controller.runs.live.request(rid)
     assert req.prompt == CORRUPTED and w.shown.selection.request == rid  # denoising: the corrupted prompt
     cell = result.cell_intervention(1, 2)
     (position, interventions), = req.intervention_log
@@ -138,7 +138,7 @@ def test_clicking_a_cell_generates_its_patched_run_without_the_users_interventio
     assert interventions[0]["hook"] == result.hooks[1] and interventions[0]["request_id"] == rid
     assert interventions[0]["positions"] == [2] and interventions[0]["scale"] == 0.0
     np.testing.assert_allclose(interventions[0]["bias"], cell.bias)
-    assert [iv.hook for iv in w.controller.session.interventions] == ["model.layers.0.resid_pre"]  # mine again
+    assert [iv.hook for iv in w.controller.engine.session.interventions] == ["model.layers.0.resid_pre"]  # mine again
     assert len(req.generated_token_ids) == w.prompt.max_tokens.value()
 
 
@@ -150,7 +150,7 @@ def test_a_saved_sweep_reads_back_with_the_runs_metadata(qtbot, ui_settings, tmp
     w.patching_view.saveRequested.emit(str(path))
     qtbot.waitUntil(lambda: "Saved the sweep" in w.statusBar().currentMessage(), timeout=5000)
     back, metadata = read_sweep(path)
-    assert metadata == w.controller.info.metadata and back.complete and back.spec == result.spec
+    assert metadata == w.controller.engine.info.metadata and back.complete and back.spec == result.spec
     assert back.spec.metric.foil is None and back.hooks == result.hooks
     np.testing.assert_array_equal(back.raw, result.raw)
     np.testing.assert_array_equal(back.source, result.source)
@@ -166,8 +166,8 @@ def test_a_kind_not_captured_is_said_and_offered_for_capture(qtbot, ui_settings)
     view.capture_button.click()  # compiled mode: the engine restarts, after asking
     assert "Restart the engine" in w.last_dialog.windowTitle()
     w.last_dialog.button(QMessageBox.StandardButton.Yes).click()
-    mid = [h.name for h in w.controller.info.catalogue if h.kind == "resid_mid"]
-    qtbot.waitUntil(lambda: set(mid) <= set(w.controller.session.installed), timeout=5000)
+    mid = [h.name for h in w.controller.engine.info.catalogue if h.kind == "resid_mid"]
+    qtbot.waitUntil(lambda: set(mid) <= set(w.controller.engine.session.installed), timeout=5000)
     wait_state(qtbot, w, "ready")
     assert view.rows_label.text() == "Rows: resid_mid of all 2 layers." and view.capture_button.isHidden()
     assert run_sweep(qtbot, w, kind="resid_mid").result.hooks == mid
@@ -179,12 +179,12 @@ def test_a_sweep_and_a_generation_never_run_at_once(qtbot, ui_settings, monkeypa
     type_sweep(w.patching_view)
     w.prompt.max_tokens.setValue(20)
     assert w.generate()
-    assert not w.patching_view.run_button.isEnabled() and not w.controller.start_sweep(w.patching_view.request())
+    assert not w.patching_view.run_button.isEnabled() and not w.controller.experiments.start_sweep(w.patching_view.request())
     wait_state(qtbot, w, "ready")
     w.patching_view.run_button.click()
     assert not w.generate() and "patching sweep is running" in w.statusBar().currentMessage()
     wait_state(qtbot, w, "ready")
-    assert w.controller.sweep.result.complete
+    assert w.controller.experiments.sweep.result.complete
 
 
 def test_the_prompts_can_come_from_the_requests_of_the_run(qtbot, ui_settings):

@@ -21,7 +21,7 @@ TOP2 = Routing(experts=4, top_k=2, renormalize=True)
 def show_run(qtbot, run):
     """A window without an engine showing ``run`` as a reopened capture, on the Experts tab."""
     w = make_window(qtbot, boot=False)
-    w.controller.show(RunView(run, RunSource.FILE, "moe.h5"))
+    w.controller.runs.show(RunView(run, RunSource.FILE, "moe.h5"))
     return show_tab(w)
 
 

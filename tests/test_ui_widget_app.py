@@ -39,8 +39,8 @@ def test_main_boots_the_model_mode_and_hooks_it_is_given(qtbot, ui_settings, tmp
     state = {}
 
     def inspect(w):
-        state["options"] = w.controller.session.options
-        state["installed"] = sorted(w.controller.session.installed)
+        state["options"] = w.controller.engine.session.options
+        state["installed"] = sorted(w.controller.engine.session.installed)
         state["title"] = w.windowTitle()
 
     run_main([str(tmp_path), "--mode", "eager", "--hooks", "blocks.0.hook_mlp_out, hook_embed"], inspect,
@@ -67,7 +67,7 @@ def test_main_reopens_a_capture_without_a_model(qtbot, ui_settings, tmp_path):
     w = run_main([str(tmp_path / "c.h5")], inspect)
     assert state["state"] == "no model" and state["requests"] == ["req0"]
     np.testing.assert_array_equal(state["values"], run.requests["req0"].hooks[state["hook"]].values)
-    assert w.controller.session is None
+    assert w.controller.engine.session is None
 
 
 def test_main_with_a_bad_model_path_shows_a_dialog(qtbot, ui_settings, tmp_path):

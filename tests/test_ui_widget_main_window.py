@@ -20,7 +20,7 @@ def fake_engine_defaults(monkeypatch):
 
 
 def session(window):
-    return window.controller.session
+    return window.controller.engine.session
 
 
 def generate(qtbot, window, prompts="hello there world", max_tokens=8, wait=True):
@@ -96,7 +96,7 @@ def test_stop_mid_generation_keeps_what_was_captured(qtbot, ui_settings):
     FakeSession.step_delay = 0.02
     window = make_window(qtbot)
     generate(qtbot, window, "abcdef", max_tokens=500, wait=False)
-    qtbot.waitUntil(lambda: window.controller.generation.tokens >= 5, timeout=5000)
+    qtbot.waitUntil(lambda: window.controller.generating.progress.tokens >= 5, timeout=5000)
     assert window.prompt.stop_button.isEnabled()
     window.prompt.stop_button.click()
     wait_state(qtbot, window, "ready")
@@ -105,9 +105,9 @@ def test_stop_mid_generation_keeps_what_was_captured(qtbot, ui_settings):
     assert "Stopped after" in window.statusBar().currentMessage()
     # stop before the first step also works (pressed right after Generate)
     generate(qtbot, window, "xyz", max_tokens=500, wait=False)
-    window.controller.stop()
+    window.controller.generating.stop()
     wait_state(qtbot, window, "ready")
-    assert window.controller.last_result.stopped and window.controller.last_result.tokens < 500
+    assert window.controller.generating.last_result.stopped and window.controller.generating.last_result.tokens < 500
 
 
 def test_intervention_mid_generation_marks_and_changes_following_tokens(qtbot, ui_settings):
@@ -115,12 +115,12 @@ def test_intervention_mid_generation_marks_and_changes_following_tokens(qtbot, u
     window = make_window(qtbot)
     hook = "model.layers.1.resid_post"
     generate(qtbot, window, "abcdef", max_tokens=1000, wait=False)
-    qtbot.waitUntil(lambda: window.controller.generation.tokens >= 6, timeout=5000)
+    qtbot.waitUntil(lambda: window.controller.generating.progress.tokens >= 6, timeout=5000)
     row = window.interventions.add_row(hook)
     assert window.interventions.edit(row, "Bias", "100")
-    at = window.controller.generation.tokens
-    qtbot.waitUntil(lambda: window.controller.generation.tokens >= at + 10, timeout=5000)
-    window.controller.stop()
+    at = window.controller.generating.progress.tokens
+    qtbot.waitUntil(lambda: window.controller.generating.progress.tokens >= at + 10, timeout=5000)
+    window.controller.generating.stop()
     wait_state(qtbot, window, "ready")
     req = window.shown.request("req0")
     log = req.intervention_log
@@ -158,10 +158,10 @@ def test_export_then_reopen_shows_identical_arrays(qtbot, ui_settings, tmp_path)
     texts = {rid: shown.token_texts(rid) for rid in shown.request_ids()}
     path = str(tmp_path / "run.h5")
     assert window.export(path)
-    qtbot.waitUntil(lambda: not window.controller.exporting, timeout=10000)
-    assert window.controller.last_export == path
+    qtbot.waitUntil(lambda: not window.controller.runs.exporting, timeout=10000)
+    assert window.controller.runs.last_export == path
     assert window.open_capture(path)
-    assert window.shown is not window.controller.live and window.live_button.isVisible()
+    assert window.shown is not window.controller.runs.live and window.live_button.isVisible()
     assert window.windowTitle() == "run.h5"
     from inspector.io import LazyHookRows
 
@@ -177,7 +177,7 @@ def test_export_then_reopen_shows_identical_arrays(qtbot, ui_settings, tmp_path)
     assert window.summary.matrix().shape == (len(texts["req1"]) - 1, 2)
     # generating switches back to the live run
     generate(qtbot, window, "zz", max_tokens=2)
-    assert window.shown is window.controller.live and len(window.shown.request_ids()) == 3
+    assert window.shown is window.controller.runs.live and len(window.shown.request_ids()) == 3
 
 
 def test_a_long_run_writes_its_rows_through_and_shows_and_exports_them_as_kept_in_memory(qtbot, ui_settings,
@@ -190,9 +190,9 @@ def test_a_long_run_writes_its_rows_through_and_shows_and_exports_them_as_kept_i
 
     monkeypatch.setenv("INSPECTOR_CACHE", str(tmp_path / "cache"))
     window = make_window(qtbot, hooks=["blocks.*.hook_resid_post"])
-    window.controller.write_through_bytes = 1  # every run is a long one
+    window.controller.generating.write_through_bytes = 1  # every run is a long one
     generate(qtbot, window, "abcdefg\nhij", max_tokens=7)
-    live, engine = window.controller.live, window.controller.session.run
+    live, engine = window.controller.runs.live, window.controller.engine.session.run
     assert live.spool is not None and live.spool.path.parent == tmp_path / "cache" / "spool"
     for rid, req in engine.requests.items():
         for hook, rows in req.hooks.items():
@@ -205,12 +205,12 @@ def test_a_long_run_writes_its_rows_through_and_shows_and_exports_them_as_kept_i
                                   next(iter(engine.requests["req1"].hooks.values())).values)
     path = tmp_path / "run.h5"
     assert window.export(str(path))
-    qtbot.waitUntil(lambda: not window.controller.exporting, timeout=10000)
+    qtbot.waitUntil(lambda: not window.controller.runs.exporting, timeout=10000)
     exported = read_run(path)
     for rid, req in engine.requests.items():
         for hook, rows in req.hooks.items():
             np.testing.assert_array_equal(exported.requests[rid].hooks[hook].values, rows.values)
-    window.controller._new_run()
+    window.controller.runs._new_run()
     assert not list((tmp_path / "cache" / "spool").iterdir())
 
 
@@ -225,12 +225,12 @@ def test_export_cancel_and_failure_leave_nothing(qtbot, ui_settings, tmp_path):
 
     window._export_dialog.findChild(QPushButton).click()  # the progress dialog's Cancel button
     gate.set()
-    qtbot.waitUntil(lambda: not window.controller.exporting, timeout=10000)
+    qtbot.waitUntil(lambda: not window.controller.runs.exporting, timeout=10000)
     assert "Export cancelled" in window.statusBar().currentMessage() and window._export_dialog is None
     assert list(tmp_path.iterdir()) == [tmp_path / "settings"]  # no file, no temp file
     missing = tmp_path / "missing-dir" / "x.h5"
     window.export(str(missing))
-    qtbot.waitUntil(lambda: not window.controller.exporting, timeout=10000)
+    qtbot.waitUntil(lambda: not window.controller.runs.exporting, timeout=10000)
     assert window.last_dialog is not None and "Export failed" in window.last_dialog.text()
     assert "does not exist" in window.last_dialog.text() and not missing.parent.exists()
     window.last_dialog.close()
@@ -255,7 +255,7 @@ def test_open_capture_without_engine_and_unreadable_file(qtbot, ui_settings, tmp
     assert window.strip.texts() == run.requests["req0"].token_texts
     assert "alt100" in window.strip.tooltip_text(4)  # the most likely tokens, as text
     assert str(tmp_path / "ok.h5") in window.settings.recent_captures
-    assert window.controller.session is None  # no model, no engine
+    assert window.controller.engine.session is None  # no model, no engine
 
 
 def test_bad_model_path_shows_dialog_and_keeps_engine(qtbot, ui_settings, tmp_path):
@@ -341,7 +341,7 @@ def test_settings_persist(qtbot, ui_settings, tmp_path):
     window.heatmap.set_colormap("viridis")
     window.interventions_dock.hide()
     window.close()
-    assert not window.paint_timer.isActive() and not window._clock.isActive()  # nothing runs on a closed window
+    assert not window.painter.timer.isActive() and not window._clock.isActive()  # nothing runs on a closed window
     from inspector.ui.settings import Settings
 
     s = Settings()
@@ -351,7 +351,7 @@ def test_settings_persist(qtbot, ui_settings, tmp_path):
     window2 = make_window(qtbot, boot=False)
     assert window2.heatmap.colormap_name() == "viridis"
     assert window2.interventions_dock.isHidden() and not window2.tree_dock.isHidden()
-    assert [a.text() for a in window2.recent_models_menu.actions()] == [str(model_dir.resolve())]
+    assert [a.text() for a in window2.menus.recent_models_menu.actions()] == [str(model_dir.resolve())]
 
 
 def test_opening_another_model_keeps_the_earlier_run(qtbot, ui_settings, tmp_path):
@@ -362,11 +362,11 @@ def test_opening_another_model_keeps_the_earlier_run(qtbot, ui_settings, tmp_pat
     (other / "config.json").write_text("{}")
     window.open_model(str(other))
     wait_state(qtbot, window, "ready")
-    live = window.controller.live
-    assert live.request_ids() == [] and len(window.controller.earlier) == 1
-    earlier = window.controller.earlier[0]
-    assert earlier.request_ids() == ["req0"] and window.earlier_menu.isEnabled()
-    window.earlier_menu.actions()[0].trigger()
+    live = window.controller.runs.live
+    assert live.request_ids() == [] and len(window.controller.runs.earlier) == 1
+    earlier = window.controller.runs.earlier[0]
+    assert earlier.request_ids() == ["req0"] and window.menus.earlier_menu.isEnabled()
+    window.menus.earlier_menu.actions()[0].trigger()
     window.refresh()
     assert window.shown is earlier and window.heatmap.column_count() == len(earlier.request("req0").token_ids) - 1
     generate(qtbot, window, "xyz", max_tokens=2)  # back to the live run of the new model
@@ -375,7 +375,7 @@ def test_opening_another_model_keeps_the_earlier_run(qtbot, ui_settings, tmp_pat
 
 def test_failure_messages():
     from inspector.capture.protocol import SessionError
-    from inspector.viewer.controller import describe_exception
+    from inspector.viewer.app_state import describe_exception
 
     assert describe_exception(MemoryError(), "generating").startswith("Out of memory while generating")
     msg = describe_exception(RuntimeError("CUDA error: out of memory"), "opening the model")
@@ -421,7 +421,7 @@ def test_a_capture_window_chosen_next_to_a_hooks_check_box_keeps_only_its_rows(q
     with qtbot.waitSignal(tree.windowsChanged):
         tree.tree.commitData(editor)
     tree.tree.closeEditor(editor, QAbstractItemDelegate.EndEditHint.NoHint)
-    assert index.data() == "generated" and window.controller.windows == {hook: CaptureWindow("generated")}
+    assert index.data() == "generated" and window.controller.engine.windows == {hook: CaptureWindow("generated")}
     assert session(window).windows == {hook: CaptureWindow("generated")}
 
     generate(qtbot, window, "abcdefghi", max_tokens=5)

@@ -137,7 +137,7 @@ def test_heatmap_intervention_track(heatmap):
 
 def test_heatmap_repaints_a_long_wide_run_incrementally(heatmap):
     """A new token pools its own column only (the bench measures the frame time)."""
-    from inspector.ui.image_pool import pool_maxabs
+    from inspector.viewer.image_pool import pool_maxabs
 
     rows = HookRows(4096)
     rng = np.random.default_rng(2)
@@ -278,7 +278,7 @@ def test_color_image_colours_incrementally_like_a_full_recolour(qtbot, ui_settin
     from PySide6.QtCore import QRectF
 
     from inspector.ui.color_image import ColorImageItem
-    from inspector.ui.heatmap import colormap
+    from inspector.ui.view_kit import colormap
 
     rng = np.random.default_rng(3)
     full = rng.normal(size=(40, 9)).astype(np.float32)

@@ -137,50 +137,50 @@ def controller(monkeypatch):
     monkeypatch.setattr(FakeSession, "_next_id", 0)
     runner, view = QueuedRunner(), RecordingView()
     c = Controller(FakeSession.open, runner, runner, view)
-    c.open_model("demo", "compiled")
+    c.engine.open_model("demo", "compiled")
     runner.run_queued()
     return c, view, runner
 
 
 def test_a_comparison_marks_its_twins_and_scopes_interventions_while_it_generates(controller):
     c, view, runner = controller
-    c.set_interventions([STEER])
+    c.generating.set_interventions([STEER])
     sent = []
-    c.generate(["hello"], Sampling(max_tokens=4), compare=True)
-    assert c.compared == [Twins("req0", "req1")] and c.generation.total == 8
-    original = c._event
+    c.generating.generate(["hello"], Sampling(max_tokens=4), compare=True)
+    assert c.generating.compared == [Twins("req0", "req1")] and c.generating.progress.total == 8
+    original = c.generating._event
 
     def event(live, news):
         original(live, news)
-        sent.append(c.session.interventions)
+        sent.append(c.engine.session.interventions)
 
-    c._event = event
+    c.generating._event = event
     runner.run_queued()
     assert sent[0] == scoped_to_intervened([STEER], [Twins("req0", "req1")])
-    assert c.compared is None and c.session.interventions == [STEER]  # for every request again
-    roles = {rid: (req.twin_role, req.twin_of) for rid, req in c.live.run.requests.items()}
+    assert c.generating.compared is None and c.engine.session.interventions == [STEER]  # for every request again
+    roles = {rid: (req.twin_role, req.twin_of) for rid, req in c.runs.live.run.requests.items()}
     assert roles == {"req0": ("clean", "req1"), "req1": ("intervened", "req0")}
     assert any("each run clean and with the interventions" in args[0] for name, args in view.calls if name == "status")
 
 
 def test_an_edit_made_before_the_comparisons_job_starts_wins(controller):
     c, view, runner = controller
-    c.set_interventions([STEER])
-    c.generate(["hello"], Sampling(max_tokens=6), compare=True)
+    c.generating.set_interventions([STEER])
+    c.generating.generate(["hello"], Sampling(max_tokens=6), compare=True)
     changed = Intervention(HOOK, scale=0.0)
-    c.set_interventions([changed])  # the job has not set its own yet: it will, with the set it was given
-    assert c.session.interventions == [Intervention(HOOK, scale=0.0, request_id="req1")]
+    c.generating.set_interventions([changed])  # the job has not set its own yet: it will, with the set it was given
+    assert c.engine.session.interventions == [Intervention(HOOK, scale=0.0, request_id="req1")]
     runner.run_queued()
-    steered = c.live.request("req1")
+    steered = c.runs.live.request("req1")
     assert [d["scale"] for d in steered.intervention_log[-1][1]] == [0.0]
-    assert c.live.request("req0").intervention_log == [(0, [])] and c.session.interventions == [changed]
+    assert c.runs.live.request("req0").intervention_log == [(0, [])] and c.engine.session.interventions == [changed]
 
 
 def test_compare_with_no_intervention_still_runs_and_says_the_twins_will_agree(controller):
     c, view, runner = controller
-    c.generate(["hello"], Sampling(max_tokens=3), compare=True)
+    c.generating.generate(["hello"], Sampling(max_tokens=3), compare=True)
     runner.run_queued()
-    assert len(c.live.request_ids()) == 2 and c.last_result.tokens == 6
+    assert len(c.runs.live.request_ids()) == 2 and c.generating.last_result.tokens == 6
     statuses = [args[0] for name, args in view.calls if name == "status"]
     assert any("no intervention is set: the twins will agree" in s for s in statuses)
 

@@ -9,7 +9,8 @@ from fake_session import FakeSession
 from inspector.capture.protocol import Sampling, SessionOptions
 from inspector.capture.run import LensRows
 from inspector.viewer import jobs, lens as lens_module
-from inspector.viewer.controller import AppState, Controller
+from inspector.viewer.app_state import AppState
+from inspector.viewer.controller import Controller
 from inspector.viewer.lens import (ALL_RESIDUAL, NEXT_PROB, NEXT_RANK, TOP, LensResult, RunLens, lens_hooks,
                                    lens_kinds)
 from inspector.viewer.run_view import RunSource, RunView
@@ -112,21 +113,21 @@ def controller(monkeypatch):
     monkeypatch.setattr(FakeSession, "_next_id", 0)
     runner, view = InlineRunner(), RecordingView()
     c = Controller(FakeSession.open, runner, runner, view)
-    c.open_model("demo", "compiled")
+    c.engine.open_model("demo", "compiled")
     return c, view
 
 
 def test_the_controller_lenses_what_is_new_in_one_engine_call(controller, monkeypatch):
     c, view = controller
-    c.generate(["hello there"], Sampling(max_tokens=4))
+    c.generating.generate(["hello there"], Sampling(max_tokens=4))
     calls = []
     monkeypatch.setattr(FakeSession, "lens", lambda self, values, k=5, chosen=None, original=FakeSession.lens:
                         calls.append(len(values)) or original(self, values, k, chosen))
-    hooks = resid_post(c.live)
-    c.follow_lens(c.live, "req0", hooks)
-    rows = len(c.live.request("req0").hooks[hooks[0].name])
-    assert calls == [2 * rows] and c.live.lens.revision == 1
-    c.follow_lens(c.live, "req0", hooks)
+    hooks = resid_post(c.runs.live)
+    c.experiments.follow_lens(c.runs.live, "req0", hooks)
+    rows = len(c.runs.live.request("req0").hooks[hooks[0].name])
+    assert calls == [2 * rows] and c.runs.live.lens.revision == 1
+    c.experiments.follow_lens(c.runs.live, "req0", hooks)
     assert calls == [2 * rows]  # nothing new: no call
 
 
@@ -138,53 +139,53 @@ def test_while_generating_the_lens_is_computed_between_steps(controller):
     box.put(target.lens.pending(run, "req0", resid_post(target)))
     news = []
     state = jobs.TaskState(news.append)
-    jobs.generate(c.session, ["hi"], Sampling(max_tokens=3), box, state)
+    jobs.generate(c.engine.session, ["hi"], Sampling(max_tokens=3), box, state)
     assert [type(n).__name__ for n in news][:2] == ["StepEvent", "LensResult"] and box.take() is None
     assert news[1].error is None and news[1].batch.target is target.lens
 
 
 def test_a_batch_the_generation_did_not_take_is_asked_for_again(controller):
     c, view = controller
-    c.generate(["hello"], Sampling(max_tokens=2))
-    c.state = AppState.GENERATING  # as if the generation were still running: the batch goes to the box
-    c.follow_lens(c.live, "req0", resid_post(c.live))
-    assert c._lens_out
-    c._generated(jobs.GenerationResult(1, 1, False, 0.0))  # it ended without taking it
-    assert not c._lens_out and c.live.lens.revision == 0
-    c.follow_lens(c.live, "req0", resid_post(c.live))  # now ready: computed at once
-    assert c.live.lens.revision == 1
+    c.generating.generate(["hello"], Sampling(max_tokens=2))
+    c.engine.state = AppState.GENERATING  # as if the generation were still running: the batch goes to the box
+    c.experiments.follow_lens(c.runs.live, "req0", resid_post(c.runs.live))
+    assert c.experiments._lens_out
+    c.generating._generated(jobs.GenerationResult(1, 1, False, 0.0))  # it ended without taking it
+    assert not c.experiments._lens_out and c.runs.live.lens.revision == 0
+    c.experiments.follow_lens(c.runs.live, "req0", resid_post(c.runs.live))  # now ready: computed at once
+    assert c.runs.live.lens.revision == 1
 
 
 def test_a_failing_lens_is_an_error_and_stops_asking(controller, monkeypatch):
     c, view = controller
-    c.generate(["hello"], Sampling(max_tokens=2))
+    c.generating.generate(["hello"], Sampling(max_tokens=2))
 
     def broken(self, values, k=5, chosen=None):
         raise ValueError("no final norm found, so no logit lens")
 
     monkeypatch.setattr(FakeSession, "lens", broken)
-    hooks = resid_post(c.live)
-    c.follow_lens(c.live, "req0", hooks)
+    hooks = resid_post(c.runs.live)
+    c.experiments.follow_lens(c.runs.live, "req0", hooks)
     assert "The logit lens failed" in view.errors[-1] and "no final norm" in view.errors[-1]
-    assert "no final norm" in c.lens_message(c.live, "req0", hooks) and not c.can_lens(c.live)
-    c.follow_lens(c.live, "req0", hooks)
+    assert "no final norm" in c.experiments.lens_message(c.runs.live, "req0", hooks) and not c.experiments.can_lens(c.runs.live)
+    c.experiments.follow_lens(c.runs.live, "req0", hooks)
     assert len(view.errors) == 1
-    c.reopen()  # a new engine tries again
-    assert c.lens_problem is None
+    c.engine.reopen()  # a new engine tries again
+    assert c.experiments.lens_problem is None
 
 
 def test_what_the_lens_tab_says_when_it_has_nothing_to_show(controller):
     c, view = controller
-    c.generate(["hello"], Sampling(max_tokens=2))
-    assert c.lens_message(c.live, "req0", resid_post(c.live)) is None  # the engine will lens it
-    assert "select a resid_post hook point" in c.lens_message(c.live, "req0", [])
+    c.generating.generate(["hello"], Sampling(max_tokens=2))
+    assert c.experiments.lens_message(c.runs.live, "req0", resid_post(c.runs.live)) is None  # the engine will lens it
+    assert "select a resid_post hook point" in c.experiments.lens_message(c.runs.live, "req0", [])
     file_view = RunView(make_run(), RunSource.FILE, "x.h5")  # another model's capture, no lens stored
-    assert "No lens stored in this file" in c.lens_message(file_view, "req0", resid_post(file_view))
+    assert "No lens stored in this file" in c.experiments.lens_message(file_view, "req0", resid_post(file_view))
     earlier = RunView(make_run(), RunSource.EARLIER, "old")
-    assert "needs the model this run was captured with" in c.lens_message(earlier, "req0", resid_post(earlier))
-    c.follow_lens(file_view, "req0", resid_post(file_view))
+    assert "needs the model this run was captured with" in c.experiments.lens_message(earlier, "req0", resid_post(earlier))
+    c.experiments.follow_lens(file_view, "req0", resid_post(file_view))
     assert file_view.lens.revision == 0  # another model's rows are never sent to this engine
     same_model = RunView(make_run(width=128), RunSource.FILE, "x.h5")
-    same_model.run.metadata["model_path"] = c.info.metadata["model_path"]
-    c.follow_lens(same_model, "req0", resid_post(same_model))
+    same_model.run.metadata["model_path"] = c.engine.info.metadata["model_path"]
+    c.experiments.follow_lens(same_model, "req0", resid_post(same_model))
     assert same_model.lens.revision == 1  # its own model's engine lenses a reopened file

@@ -11,7 +11,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import Sampling
 from inspector.experiments.patching import Metric, PatchSpec, SweepResult, single_token
 from inspector.viewer import jobs
-from inspector.viewer.controller import Action, AppState
+from inspector.viewer.app_state import Action, AppState
 from inspector.viewer.patching import (EFFECT, METRIC, PatchingSweep, SweepNews, SweepRequest, kind_rows,
                                        patch_kinds, rows_note, uncaptured)
 from test_viewer_unit import controller  # noqa: F401
@@ -121,7 +121,7 @@ def test_the_grid_colours_the_effect_on_a_diverging_scale_and_blanks_cells_not_r
 # ------------------------------------------------------------------------------------------ the controller
 
 def sweep_request(c, **fields):
-    hooks = tuple(h.name for h in kind_rows(c.info.installed.values(), "resid_post"))
+    hooks = tuple(h.name for h in kind_rows(c.engine.info.installed.values(), "resid_post"))
     typed = {"clean": "the cat sat", "corrupted": "the dog sat", "answer": " ca", "foil": " do", "hooks": hooks,
              **fields}
     return SweepRequest(**typed)
@@ -129,47 +129,47 @@ def sweep_request(c, **fields):
 
 def test_a_sweep_runs_on_the_engine_and_leaves_the_users_interventions(controller):
     c, view = controller
-    c.open_model("demo", "compiled")
+    c.engine.open_model("demo", "compiled")
     mine = Intervention("blocks.0.hook_resid_post", scale=2.0)
-    c.set_interventions([mine])
-    assert c.enabled(Action.PATCH) and c.start_sweep(sweep_request(c))
+    c.generating.set_interventions([mine])
+    assert c.engine.enabled(Action.PATCH) and c.experiments.start_sweep(sweep_request(c))
     assert view.states[-2:] == [AppState.PATCHING, AppState.READY]
-    assert c.sweep.result.complete and c.sweep.result.raw.shape == (2, 4)
-    assert [iv.hook for iv in c.session.interventions] == ["model.layers.0.resid_post"]
-    first = c.sweep.result
-    c.start_sweep(sweep_request(c, answer=" cat"))  # refused on the engine thread: tokenizing is the session's
-    assert "2 tokens" in c.sweep.problem and c.sweep.result is first
-    assert not view.errors and c.state is AppState.READY
+    assert c.experiments.sweep.result.complete and c.experiments.sweep.result.raw.shape == (2, 4)
+    assert [iv.hook for iv in c.engine.session.interventions] == ["model.layers.0.resid_post"]
+    first = c.experiments.sweep.result
+    c.experiments.start_sweep(sweep_request(c, answer=" cat"))  # refused on the engine thread: tokenizing is the session's
+    assert "2 tokens" in c.experiments.sweep.problem and c.experiments.sweep.result is first
+    assert not view.errors and c.engine.state is AppState.READY
 
 
 def test_a_cell_opens_a_run_with_that_cell_alone_then_the_users_interventions_return(controller):
     c, view = controller
-    c.open_model("demo", "compiled")
+    c.engine.open_model("demo", "compiled")
     mine = Intervention("blocks.0.hook_resid_post", scale=2.0)
-    c.set_interventions([mine])
-    c.start_sweep(sweep_request(c))
-    rid = c.session.upcoming_request_ids(1)[0]
-    assert c.open_patched_cell(1, 3, Sampling(max_tokens=2))
-    req = c.live.request(rid)
+    c.generating.set_interventions([mine])
+    c.experiments.start_sweep(sweep_request(c))
+    rid = c.engine.session.upcoming_request_ids(1)[0]
+    assert c.experiments.open_patched_cell(1, 3, Sampling(max_tokens=2))
+    req = c.runs.live.request(rid)
     (_, (patched,)), = req.intervention_log
     assert req.prompt == "the dog sat" and patched["request_id"] == rid and patched["positions"] == [3]
-    assert c.patched_cell is None and [iv.hook for iv in c.session.interventions] == ["model.layers.0.resid_post"]
+    assert c.generating.patched_cell is None and [iv.hook for iv in c.engine.session.interventions] == ["model.layers.0.resid_post"]
 
 
 def test_a_cell_of_hooks_no_longer_captured_is_refused(controller):
     c, view = controller
-    c.open_model("demo", "eager")
-    c.start_sweep(sweep_request(c))
-    c.apply_hooks(["blocks.*.hook_mlp_out"])
-    assert not c.open_patched_cell(0, 0, Sampling(max_tokens=2)) and "no longer captures" in view.errors[-1]
+    c.engine.open_model("demo", "eager")
+    c.experiments.start_sweep(sweep_request(c))
+    c.engine.apply_hooks(["blocks.*.hook_mlp_out"])
+    assert not c.experiments.open_patched_cell(0, 0, Sampling(max_tokens=2)) and "no longer captures" in view.errors[-1]
 
 
 def test_a_sweep_cancelled_before_its_cells_keeps_its_baselines_only(controller):
     c, _ = controller
-    c.open_model("demo", "compiled")
+    c.engine.open_model("demo", "compiled")
     news = []
     state = jobs.TaskState(news.append)
     state.cancel()
-    swept = jobs.sweep(c.session, sweep_request(c), state)
+    swept = jobs.sweep(c.engine.session, sweep_request(c), state)
     assert swept.stopped and swept.done == 0 and np.isfinite(swept.clean_metric)
     assert [n.message.split(":")[0] for n in news] == ["baselines"]

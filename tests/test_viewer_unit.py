@@ -7,9 +7,10 @@ import pytest
 from fake_session import FakeSession, llama_catalogue
 from inspector.capture.protocol import RequestStart, RequestStep, Sampling, StepEvent
 from inspector.capture.run import HookRows, TopToken
-from inspector.ui.image_pool import PooledImage, choose_key, pool_maxabs, pow2_at_least, robust_levels
 from inspector.viewer import jobs
-from inspector.viewer.controller import ENABLED, Action, AppState, Controller
+from inspector.viewer.app_state import ENABLED, Action, AppState
+from inspector.viewer.controller import Controller
+from inspector.viewer.image_pool import PooledImage, choose_key, pool_maxabs, pow2_at_least, robust_levels
 from inspector.viewer.intervention_rows import InterventionRow, parse_scalar
 from inspector.viewer.run_view import RunSource, RunView
 from ui_fixtures import make_run
@@ -185,38 +186,38 @@ def controller(monkeypatch):
 def test_every_action_is_enabled_in_the_states_its_table_says(controller):
     c, view = controller
     assert set(ENABLED) == set(Action)
-    assert not c.enabled(Action.RESTART)  # nothing opened yet
+    assert not c.engine.enabled(Action.RESTART)  # nothing opened yet
     for state in AppState:
-        c.state = state
-        assert {a for a in Action if a is not Action.RESTART and c.enabled(a)} == \
+        c.engine.state = state
+        assert {a for a in Action if a is not Action.RESTART and c.engine.enabled(a)} == \
                {a for a, states in ENABLED.items() if a is not Action.RESTART and state in states}
-    c.state = AppState.BOOTING
-    assert not c.open_model("demo", "compiled") and "wait until it is ready" in view.errors[-1]
+    c.engine.state = AppState.BOOTING
+    assert not c.engine.open_model("demo", "compiled") and "wait until it is ready" in view.errors[-1]
 
 
 def test_open_generate_stop_and_fail(controller, tmp_path, monkeypatch):
     c, view = controller
-    assert not c.open_model(str(tmp_path / "missing"), "compiled") and "no model directory" in view.errors[-1]
-    assert c.state is AppState.NO_MODEL
-    assert c.open_model("demo", "eager")
-    assert view.states[:2] == [AppState.BOOTING, AppState.READY] and c.info.options.mode == "eager"
-    assert c.generate(["hello"], Sampling(max_tokens=3))
-    assert c.state is AppState.READY and c.last_result.tokens == 3 and not c.last_result.stopped
-    assert c.live.request_ids() == ["req0"] and c.live.selection.request == "req0"
+    assert not c.engine.open_model(str(tmp_path / "missing"), "compiled") and "no model directory" in view.errors[-1]
+    assert c.engine.state is AppState.NO_MODEL
+    assert c.engine.open_model("demo", "eager")
+    assert view.states[:2] == [AppState.BOOTING, AppState.READY] and c.engine.info.options.mode == "eager"
+    assert c.generating.generate(["hello"], Sampling(max_tokens=3))
+    assert c.engine.state is AppState.READY and c.generating.last_result.tokens == 3 and not c.generating.last_result.stopped
+    assert c.runs.live.request_ids() == ["req0"] and c.runs.live.selection.request == "req0"
     monkeypatch.setattr(FakeSession, "fail_at_step", 1)
-    c.generate(["again"], Sampling(max_tokens=5))
-    assert c.state is AppState.DEAD and "Generation failed" in view.errors[-1] and "kept" in view.errors[-1]
-    assert len(c.live.request("req1").generated_token_ids) == 1  # what came before the failure stays
-    assert not c.generate(["x"], Sampling()) and c.enabled(Action.RESTART)
+    c.generating.generate(["again"], Sampling(max_tokens=5))
+    assert c.engine.state is AppState.DEAD and "Generation failed" in view.errors[-1] and "kept" in view.errors[-1]
+    assert len(c.runs.live.request("req1").generated_token_ids) == 1  # what came before the failure stays
+    assert not c.generating.generate(["x"], Sampling()) and c.engine.enabled(Action.RESTART)
 
 
 def test_another_model_keeps_the_earlier_run(controller, tmp_path):
     c, view = controller
-    c.open_model("demo", "compiled")
-    c.generate(["hello"], Sampling(max_tokens=2))
+    c.engine.open_model("demo", "compiled")
+    c.generating.generate(["hello"], Sampling(max_tokens=2))
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text("{}")
-    c.open_model(str(other), "compiled")
-    assert [v.source for v in c.earlier] == [RunSource.EARLIER] and c.earlier[0].request_ids() == ["req0"]
-    assert c.live.request_ids() == [] and c.shown is c.live
+    c.engine.open_model(str(other), "compiled")
+    assert [v.source for v in c.runs.earlier] == [RunSource.EARLIER] and c.runs.earlier[0].request_ids() == ["req0"]
+    assert c.runs.live.request_ids() == [] and c.runs.shown is c.runs.live

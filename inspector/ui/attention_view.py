@@ -20,10 +20,11 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSiz
                                QToolButton, QVBoxLayout, QWidget)
 
 from inspector.viewer.attention import AttentionShown
+from inspector.viewer.image_pool import follow_extent, pow2_at_least
 from inspector.viewer.labels import display_token
+from inspector.viewer.tabs import AttentionDrawing
 
-from .heatmap import colormap, quiet_axes, stack_view
-from .image_pool import follow_extent, pow2_at_least
+from .view_kit import colormap, quiet_axes, stack_view
 
 AXIS_WIDTH = 110  # both plots' left axes: the same width keeps their key axes aligned
 HEAD_ROWS_PX = 200  # the upper plot's height for all heads together …
@@ -206,6 +207,9 @@ class AttentionView(QWidget):
         self.captureRequested.emit([h.name for h in self.shown.to_capture])
 
     # ------------------------------------------------------------------ data
+    def draw(self, drawing: AttentionDrawing) -> None:
+        self.show_attention(drawing.shown, drawing.can_capture, drawing.live)
+
     def show_attention(self, shown: AttentionShown, can_capture: bool = False, live: bool = False) -> None:
         """Draw ``shown``; ``can_capture``: the engine can capture what a message says is missing;
         ``live``: rows are arriving (the view then grows in steps, not token by token)."""

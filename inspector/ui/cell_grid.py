@@ -1,9 +1,10 @@
 """A labelled grid of coloured cells: hook points (or experts, or features) down the left, the input
 tokens along the top.
 
-The Lens, Patching, Experts and Features tabs draw their results with it. It is custom-painted and only
-the visible cells are drawn, so a long prompt costs a repaint of what is on screen, not of every cell.
-What it draws is any object with the methods of ``Cells``; ``mode`` is passed through untouched.
+The Lens, Patching, Experts and Features tabs draw their results with it, each a ``CellGridTab``. It is
+custom-painted and only the visible cells are drawn, so a long prompt costs a repaint of what is on
+screen, not of every cell. What it draws is any object with the methods of ``Cells``; ``mode`` is passed
+through untouched.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from typing import Protocol
 import numpy as np
 from PySide6.QtCore import QEvent, QPoint, QRect, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QImage, QPainter, QPen, QPixmap
-from PySide6.QtWidgets import QAbstractScrollArea, QToolTip
+from PySide6.QtWidgets import QAbstractScrollArea, QLabel, QSizePolicy, QToolTip, QWidget
 
-from .heatmap import colormap
+from .view_kit import colormap
 
 CELL_W, LABEL_W, HEADER_H = 66, 116, 24  # LABEL_W: the label column's least width
 MAX_LABEL_W = 240  # longer labels are elided: the cells keep most of the room
 EMPTY_BG = QColor(242, 242, 242)
 HEADER_BG = QColor(230, 230, 230)
 SELECTED = QColor(200, 80, 0)
+SCALE_WITH_ENDS = "colour scale: from the number on its left to the one on its right"
 
 
 class Cells(Protocol):
@@ -47,6 +49,13 @@ def lookup_strip(lut: np.ndarray, width: int = 96, height: int = 12) -> QPixmap:
     strip = np.ascontiguousarray(np.repeat(lut[None, :, :], height, axis=0))
     image = QImage(strip.data, len(lut), height, 3 * len(lut), QImage.Format.Format_RGB888)
     return QPixmap.fromImage(image).scaled(width, height)
+
+
+def elided_label(text: str = "", **options) -> QLabel:
+    """A one-line label that is cut where the window is narrow instead of widening it."""
+    label = QLabel(text, **options)
+    label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+    return label
 
 
 class CellGrid(QAbstractScrollArea):
@@ -241,3 +250,46 @@ class CellGrid(QAbstractScrollArea):
                 QToolTip.showText(event.globalPos(), self.grid.describe(*cell), self)
             return True
         return super().event(event)
+
+
+class CellGridTab(QWidget):
+    """What the four cell-grid tabs share: the grid, its colour scale (with the numbers at its ends where
+    ``scale_ends``), the read-out of the cell under the cursor, and what a click on a cell does
+    (``_cell_clicked``, each tab's own)."""
+
+    def __init__(self, cells: CellGrid, scale_ends: bool = False, parent=None):
+        super().__init__(parent)
+        self.cells = cells
+        self.scale = QLabel()
+        self.scale_low, self.scale_high = (QLabel(), QLabel()) if scale_ends else (None, None)
+        if scale_ends:
+            self.scale.setToolTip(SCALE_WITH_ENDS)
+        self.readout = QLabel(" ")
+        self.last_readout = ""
+        self.show_scale()
+        cells.cellClicked.connect(self._cell_clicked)
+        cells.cellHovered.connect(self._cell_hovered)
+
+    def scale_widgets(self) -> list[QLabel]:
+        """The colour scale's widgets, left to right, for the tab's bar."""
+        return [w for w in (self.scale_low, self.scale, self.scale_high) if w is not None]
+
+    def set_colormap(self, name: str) -> None:
+        self.cells.set_colormap(name)
+        self.show_scale()
+
+    def show_scale(self) -> None:
+        self.scale.setPixmap(lookup_strip(self.cells.lookup()))
+
+    def click_cell(self, r: int, c: int) -> None:
+        """What a click on a cell does."""
+        self.cells.selected = (r, c)
+        self.cells.viewport().update()
+        self._cell_clicked(r, c)
+
+    def _cell_clicked(self, r: int, c: int) -> None:
+        raise NotImplementedError
+
+    def _cell_hovered(self, r: int, c: int) -> None:
+        self.last_readout = self.cells.grid.describe(r, c)
+        self.readout.setText(self.last_readout)

@@ -19,8 +19,10 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QSizePolicy, QSpl
 from inspector.capture.colormaps import DIFF_COLORMAP
 from inspector.viewer.compare import CHANGE_TIP, KL_TIP, NO_TWINS, ComparisonShown
 from inspector.viewer.labels import display_token
+from inspector.viewer.tabs import CompareDrawing
 
-from .heatmap import MARK_THIS, HeatmapWidget, quiet_axes
+from .heatmap import HeatmapWidget
+from .view_kit import MARK_THIS, quiet_axes
 
 PROMPT, SHARED, SPLIT, AFTER = "prompt", "shared", "split", "after"
 KL_COLOUR, CHANGE_COLOUR = (213, 94, 0), (0, 114, 178)  # Okabe-Ito vermillion and blue
@@ -198,6 +200,9 @@ class CompareView(QWidget):
         return plot
 
     # ------------------------------------------------------------------ data
+    def draw(self, drawing: CompareDrawing) -> None:
+        self.show_comparison(drawing.shown, drawing.live)
+
     def show_comparison(self, shown: ComparisonShown, live: bool = False) -> None:
         """Draw ``shown`` (``live``: its rows are still arriving)."""
         self.shown = shown

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (QLabel, QLineEdit, QListWidget, QListWidgetItem, 
 
 from inspector.viewer.dashboard import Example, ScanDashboard
 
-from .heatmap import quiet_axes
+from .view_kit import quiet_axes
 
 NO_SCAN = "No scan open: File ▸ Open Scan… shows what a corpus scan (inspector scan) found, feature by feature"
 HIGHLIGHT = "background-color:#ffd08a; color:#8a2c00; font-weight:bold"

@@ -21,10 +21,11 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, Q
                                QPushButton, QSizePolicy, QVBoxLayout, QWidget)
 
 from inspector.viewer.features import ACTIVATION, NO_SAE, FeaturesShown
+from inspector.viewer.tabs import FeaturesDrawing
 
-from .cell_grid import CELL_W, LABEL_W, SELECTED, CellGrid, lookup_strip
+from .cell_grid import CELL_W, LABEL_W, SELECTED, CellGrid, CellGridTab, elided_label
 from .combo import offer
-from .heatmap import quiet_axes, stack_view
+from .view_kit import quiet_axes, stack_view
 
 LEGEND = "activation (blank: not among the token's strongest)"
 PICK_A_FEATURE = "Click a feature (a row, a cell or one in the list) to plot it across the tokens"
@@ -33,7 +34,7 @@ STEER_HOW = {"add": "add × its direction", "clamp": "clamp to"}  # the ways a f
 GRID_MIN_TOKENS = 6  # token columns always in view beside the feature labels
 
 
-class FeaturesView(QWidget):
+class FeaturesView(CellGridTab):
     positionClicked = Signal(int)  # a cell was clicked: select its token everywhere
     settingsChanged = Signal()  # another SAE was chosen: the window feeds its features
     detachRequested = Signal(str)  # the SAE shown, by name
@@ -41,9 +42,8 @@ class FeaturesView(QWidget):
     steerRequested = Signal(str, int, str, float)  # SAE, feature, a key of STEER_HOW, strength or value
 
     def __init__(self, parent=None):
-        super().__init__(parent)
+        super().__init__(CellGrid("feature ↓ token →", NO_SAE, row_heights=(20, 32)), scale_ends=True, parent=parent)
         self.shown = FeaturesShown(NO_SAE)
-        self.last_readout = ""
         self.selected_feature: int | None = None  # of the SAE shown
         self._focus: int | None = None  # the position whose features the side list shows
         self._position_seen: int | None = None  # the window's selected position, last given
@@ -55,11 +55,7 @@ class FeaturesView(QWidget):
                                          toolTip="Stop encoding with this SAE (the features captured so far stay)")
         self.about = QLabel(wordWrap=True)
         self.about.setStyleSheet("color: #555")
-        self.scale_low, self.scale, self.scale_high = QLabel(), QLabel(), QLabel()
-        self.scale.setToolTip("colour scale: from the number on its left to the one on its right")
-        self.legend = QLabel(LEGEND, toolTip=LEGEND)
-        self.legend.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # never widens the window
-        self.cells = CellGrid("feature ↓ token →", NO_SAE, row_heights=(20, 32))
+        self.legend = elided_label(LEGEND, toolTip=LEGEND)
         self.cells.setMinimumWidth(LABEL_W + GRID_MIN_TOKENS * CELL_W)  # the docks give way, not the tokens
         self.trace_title = QLabel(PICK_A_FEATURE)
         self.trace_plot = pg.PlotWidget(background="w")
@@ -83,7 +79,6 @@ class FeaturesView(QWidget):
                                         toolTip="A row in the interventions table, for all requests from the next "
                                                 "forward on (edit its scope there)")
         self._can_steer = False
-        self.readout = QLabel(" ")
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         for line in (self.trace_title, self.readout):  # a long feature label never widens the window
             line.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -93,7 +88,7 @@ class FeaturesView(QWidget):
         bar.addWidget(QLabel("SAE"))
         bar.addWidget(self.sae_box)
         bar.addWidget(self.detach_button)
-        for widget in (self.scale_low, self.scale, self.scale_high):
+        for widget in self.scale_widgets():
             bar.addWidget(widget)
         bar.addWidget(self.legend, 1)
         grid_column = QVBoxLayout()
@@ -120,13 +115,10 @@ class FeaturesView(QWidget):
         row.addLayout(grid_column, 1)
         row.addWidget(side)
         stack_view(self, bar, body, self.readout)
-        self.set_colormap("cividis")  # the window sets the user's
 
         self.sae_box.currentTextChanged.connect(self._emit_settings)
         self.detach_button.clicked.connect(self._detach_clicked)
         self.steer_button.clicked.connect(self._steer_clicked)
-        self.cells.cellClicked.connect(self._cell_clicked)
-        self.cells.cellHovered.connect(self._cell_hovered)
         self.cells.labelClicked.connect(self._label_clicked)
         self.token_list.itemClicked.connect(self._item_clicked)
 
@@ -138,10 +130,6 @@ class FeaturesView(QWidget):
         """Show ``sae`` from the next refresh on (a newly attached one)."""
         offer(self.sae_box, list(dict.fromkeys([*self.shown.saes, sae])))
         self.sae_box.setCurrentText(sae)
-
-    def set_colormap(self, name: str) -> None:
-        self.cells.set_colormap(name)
-        self.scale.setPixmap(lookup_strip(self.cells.lookup()))
 
     def _emit_settings(self, *_) -> None:
         self.settingsChanged.emit()
@@ -156,6 +144,9 @@ class FeaturesView(QWidget):
                                      self.steer_value.value())
 
     # ------------------------------------------------------------------ data
+    def draw(self, drawing: FeaturesDrawing) -> None:
+        self.show_features(drawing.shown, drawing.position, drawing.can_detach, drawing.can_steer)
+
     def show_features(self, shown: FeaturesShown, position: int | None, can_detach: bool, can_steer: bool) -> None:
         """Draw ``shown``: its grid, or its message where it has none. ``position``: the token selected
         in the window (the side list follows it when it changes); ``can_detach``: the SAE shown is
@@ -259,8 +250,6 @@ class FeaturesView(QWidget):
         self.featureSelected.emit(feature)
 
     def _cell_hovered(self, r: int, c: int) -> None:
-        grid = self.shown.grid
-        self.last_readout = grid.describe(r, c)
-        self.readout.setText(self.last_readout)
-        self._focus = int(grid.positions[c])
+        super()._cell_hovered(r, c)
+        self._focus = int(self.shown.grid.positions[c])
         self._show_token_list()

@@ -11,41 +11,38 @@ from __future__ import annotations
 import numpy as np
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFontDatabase
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QSizePolicy, QWidget
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QWidget
 
 from inspector.viewer.lens import ALL_RESIDUAL, MODES, NEXT_PROB, NEXT_RANK, TOP, LensGrid, percent
+from inspector.viewer.tabs import LensDrawing
 
-from .cell_grid import CellGrid, lookup_strip
+from .cell_grid import CellGrid, CellGridTab, elided_label
 from .combo import offer
-from .heatmap import stack_view
+from .view_kit import stack_view
 
 LEGEND = {TOP: "cell: the most likely next token at that point · colour: its probability",
           NEXT_PROB: "cell: the probability of the token that came next · colour: the same",
           NEXT_RANK: "cell: the rank of the token that came next (#1 = the top) · colour: 1 / rank"}
 
 
-class LensView(QWidget):
+class LensView(CellGridTab):
     positionClicked = Signal(int)
     settingsChanged = Signal()  # the rows' kind or what the cells show changed: the window feeds new data
 
     def __init__(self, parent=None):
-        super().__init__(parent)
+        super().__init__(CellGrid("input →", "Computing the lens…"), parent=parent)
+        self.scale.setToolTip("colour scale: 0 (left) to 1 (right)")
         self.kind_box = QComboBox(toolTip="Which residual-stream hook points form the rows")
         self.kind_box.setMinimumContentsLength(len(ALL_RESIDUAL))
         self.kind_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.mode_box = QComboBox(toolTip="What each cell shows")
         self.mode_box.addItems(list(MODES))
-        self.legend = QLabel()
-        self.legend.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # never widens the window
-        self.scale = QLabel()
-        self.cells = CellGrid("input →", "Computing the lens…")
+        self.legend = elided_label()
         self.details = QLabel("Click a cell for its top tokens.", wordWrap=True)
         self.details.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.details.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
         self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.details.setFixedWidth(210)
-        self.readout = QLabel(" ")
-        self.last_readout = ""
         bar = QHBoxLayout()
         bar.setContentsMargins(0, 0, 0, 0)
         bar.addWidget(QLabel("Rows"))
@@ -64,8 +61,6 @@ class LensView(QWidget):
 
         self.kind_box.currentTextChanged.connect(self._emit_settings)
         self.mode_box.currentTextChanged.connect(self._mode_changed)
-        self.cells.cellClicked.connect(self._cell_clicked)
-        self.cells.cellHovered.connect(self._cell_hovered)
 
     def _emit_settings(self, *_) -> None:
         self.settingsChanged.emit()
@@ -77,12 +72,6 @@ class LensView(QWidget):
 
     def _show_legend(self) -> None:
         self.legend.setText(LEGEND[self.mode()])
-        self.scale.setPixmap(lookup_strip(self.cells.lookup()))
-        self.scale.setToolTip("colour scale: 0 (left) to 1 (right)")
-
-    def set_colormap(self, name: str) -> None:
-        self.cells.set_colormap(name)
-        self._show_legend()
 
     def mode(self) -> str:
         return self.mode_box.currentText()
@@ -92,25 +81,18 @@ class LensView(QWidget):
         returns the one chosen."""
         return offer(self.kind_box, kinds) or None
 
+    def draw(self, drawing: LensDrawing) -> None:
+        self.set_grid(drawing.grid, drawing.message)
+
     def set_grid(self, grid: LensGrid | None, message: str | None = None) -> None:
         """``message``: why there are no cells to show (instead of the grid)."""
         self.cells.set_grid(grid, self.mode(), message or "")
         if self.cells.selected is not None:
             self._show_details(*self.cells.selected)
 
-    def click_cell(self, r: int, c: int) -> None:
-        """What a click on a cell does."""
-        self.cells.selected = (r, c)
-        self.cells.viewport().update()
-        self._cell_clicked(r, c)
-
     def _cell_clicked(self, r: int, c: int) -> None:
         self._show_details(r, c)
         self.positionClicked.emit(c)
-
-    def _cell_hovered(self, r: int, c: int) -> None:
-        self.last_readout = self.cells.grid.describe(r, c)
-        self.readout.setText(self.last_readout)
 
     def _show_details(self, r: int, c: int) -> None:
         grid = self.cells.grid

@@ -2,7 +2,7 @@
 
 The user types (or takes from the run's requests) a clean and a corrupted prompt, the answer token
 and an optional foil, the hook kind whose every layer forms the rows, and the direction. The
-sweep runs on the engine thread (``Controller.start_sweep``); its newest copy lives in a Qt-free
+sweep runs on the engine thread (``Experiments.start_sweep``); its newest copy lives in a Qt-free
 ``PatchingSweep``, which a timer here repaints from when it changed, never per engine step. A click
 on a cell opens that cell's patched run in the main views.
 """
@@ -12,16 +12,15 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QFontDatabase, QPalette
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QMenu,
-                               QPlainTextEdit, QProgressBar, QPushButton, QSizePolicy, QToolButton, QVBoxLayout,
-                               QWidget)
+                               QPlainTextEdit, QProgressBar, QPushButton, QToolButton, QVBoxLayout)
 
 from inspector.capture.hooks import HookPoint
 from inspector.viewer.patching import (DIRECTIONS, MODES, PatchingSweep, SweepRequest, kind_rows, patch_kinds,
                                        rows_note, uncaptured)
 
-from .cell_grid import CellGrid, lookup_strip
+from .cell_grid import CellGrid, CellGridTab, elided_label
 from .combo import offer
-from .heatmap import colormap
+from .view_kit import colormap
 
 PAINT_INTERVAL_MS = 50  # the grid and the progress catch up with the sweep this often at most
 DIVERGING = "CET-CBD1"  # colour-blind safe; reversed: blue towards clean, yellow beyond corrupted
@@ -31,7 +30,7 @@ CLICK_HINT = ("Click a cell to open its patched run: the target prompt generated
               "applied to it.")
 
 
-class PatchingView(QWidget):
+class PatchingView(CellGridTab):
     runRequested = Signal(object)  # a SweepRequest
     stopRequested = Signal()
     cellActivated = Signal(int, int)  # open the patched run of (row, column)
@@ -39,7 +38,8 @@ class PatchingView(QWidget):
     captureRequested = Signal(list)  # hook names to tick (the button under a "not captured" note)
 
     def __init__(self, sweep: PatchingSweep, parent=None):
-        super().__init__(parent)
+        super().__init__(CellGrid("patched ↓ at →", "Run a sweep to fill the grid.", row_heights=(24, 64)),
+                         parent=parent)
         self.sweep = sweep
         self.shown_prompts = lambda: []  # (request id, prompt) of the run on show; the window sets it
         self._catalogue: list[HookPoint] = []
@@ -72,19 +72,16 @@ class PatchingView(QWidget):
         self.problem.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.progress = QProgressBar(visible=False, maximumWidth=220)
         self.progress.setFormat("%v / %m cells")
-        self.message = QLabel()
-        self.message.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.message = elided_label()
         self.mode_box = QComboBox(toolTip="What each cell shows (the colour is always the effect)")
         self.mode_box.addItems(list(MODES))
-        self.scale = QLabel(toolTip="colour: the effect, −1 (left), 0 = corrupted (middle), 1 = clean (right)")
-        self.cells = CellGrid("patched ↓ at →", "Run a sweep to fill the grid.", row_heights=(24, 64))
+        self.scale.setToolTip("colour: the effect, −1 (left), 0 = corrupted (middle), 1 = clean (right)")
         self.cells.set_lookup(colormap(DIVERGING).getLookupTable(nPts=256, alpha=False).astype("uint8")[::-1].copy())
-        self.scale.setPixmap(lookup_strip(self.cells.lookup()))
+        self.show_scale()
         self.details = QLabel(CLICK_HINT, wordWrap=True)
         self.details.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.details.setFixedWidth(240)
-        self.readout = QLabel(" ")
         self.readout.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
         self._layout()
 
@@ -94,8 +91,6 @@ class PatchingView(QWidget):
         self.stop_button.clicked.connect(self.stopRequested)
         self.save_button.clicked.connect(self.save_dialog)
         self.mode_box.currentTextChanged.connect(self._mode_changed)
-        self.cells.cellClicked.connect(self._cell_clicked)
-        self.cells.cellHovered.connect(self._cell_hovered)
         self.timer = QTimer(self, interval=PAINT_INTERVAL_MS)
         self.timer.timeout.connect(self.repaint_sweep)
         self.timer.start()
@@ -237,15 +232,6 @@ class PatchingView(QWidget):
     def _cell_clicked(self, r: int, c: int) -> None:
         self._show_details()
         self.cellActivated.emit(r, c)
-
-    def click_cell(self, r: int, c: int) -> None:
-        """What a click on a cell does."""
-        self.cells.selected = (r, c)
-        self.cells.viewport().update()
-        self._cell_clicked(r, c)
-
-    def _cell_hovered(self, r: int, c: int) -> None:
-        self.readout.setText(self.cells.grid.describe(r, c))
 
     def _show_details(self) -> None:
         cell = self.cells.selected

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from PySide6.QtCore import QSignalBlocker, Qt, Signal
 from PySide6.QtGui import QColor, QPalette
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from inspector.viewer.lens import percent
 from inspector.viewer.routing import LOGIT, MODES, WEIGHT, ExpertGrid, ExpertsShown
 
-from .cell_grid import CellGrid, lookup_strip
+from .cell_grid import CellGrid, CellGridTab, elided_label
 from .combo import offer
-from .heatmap import stack_view
+from .view_kit import stack_view
 
 LEGEND = {WEIGHT: "weight (blank: not chosen)", LOGIT: "router logit"}
 NOTE_COLOUR = QColor(170, 80, 0)
@@ -36,28 +36,24 @@ def colour_range(grid: ExpertGrid | None, mode: str) -> tuple[str, str]:
     return ("0", percent(hi)) if mode == WEIGHT else (f"{lo:.2f}", f"{hi:.2f}")
 
 
-class ExpertsView(QWidget):
+class ExpertsView(CellGridTab):
     positionClicked = Signal(int)  # a cell was clicked: select its token everywhere
     settingsChanged = Signal()  # the layer changed: the window feeds its routing
 
     def __init__(self, parent=None):
-        super().__init__(parent)
+        super().__init__(CellGrid("expert ↓ token →", "No expert routing yet", row_heights=(22, 40)), scale_ends=True,
+                         parent=parent)
         self.shown = ExpertsShown("No expert routing yet")
         self.last_readout = ""
         self._wanted_mode = WEIGHT  # the user's choice, back in force once a layer's choice can be recomputed
         self.layer_box = QComboBox(toolTip="Mixture-of-experts layers whose router logits are captured")
         self.mode_box = QComboBox(toolTip="What each cell shows")
         self.mode_box.addItems(list(MODES))
-        self.legend = QLabel()
-        self.legend.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # never widens the window
-        self.scale_low, self.scale, self.scale_high = QLabel(), QLabel(), QLabel()
-        self.scale.setToolTip("colour scale: from the number on its left to the one on its right")
+        self.legend = elided_label()
         self.note = QLabel(wordWrap=True, visible=False)
         palette = self.note.palette()
         palette.setColor(QPalette.ColorRole.WindowText, NOTE_COLOUR)
         self.note.setPalette(palette)
-        self.cells = CellGrid("expert ↓ token →", "No expert routing yet", row_heights=(22, 40))
-        self.readout = QLabel(" ")
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         bar = QHBoxLayout()
         bar.setContentsMargins(0, 0, 0, 0)
@@ -65,7 +61,7 @@ class ExpertsView(QWidget):
         bar.addWidget(self.layer_box)
         bar.addWidget(QLabel("Show"))
         bar.addWidget(self.mode_box)
-        for widget in (self.scale_low, self.scale, self.scale_high):
+        for widget in self.scale_widgets():
             bar.addWidget(widget)
         bar.addWidget(self.legend, 1)
         body = QWidget()
@@ -74,12 +70,10 @@ class ExpertsView(QWidget):
         column.addWidget(self.note)
         column.addWidget(self.cells, 1)
         stack_view(self, bar, body, self.readout)
-        self.set_colormap("cividis")  # the window sets the user's
+        self._show_legend()
 
         self.layer_box.currentTextChanged.connect(self._emit_settings)
         self.mode_box.currentTextChanged.connect(self._mode_chosen)
-        self.cells.cellClicked.connect(self._cell_clicked)
-        self.cells.cellHovered.connect(self._cell_hovered)
 
     # ------------------------------------------------------------------ choices
     def set_layers(self, layers: list[int]) -> int | None:
@@ -94,11 +88,6 @@ class ExpertsView(QWidget):
     def mode(self) -> str:
         """What the cells show now (router logits whatever was chosen where the choice is unknown)."""
         return self.mode_box.currentText()
-
-    def set_colormap(self, name: str) -> None:
-        self.cells.set_colormap(name)
-        self.scale.setPixmap(lookup_strip(self.cells.lookup()))
-        self._show_legend()
 
     def _emit_settings(self, *_) -> None:
         self.settingsChanged.emit()
@@ -123,6 +112,8 @@ class ExpertsView(QWidget):
             self.mode_box.setCurrentText(LOGIT if why else self._wanted_mode)
         self._draw()
 
+    draw = show_experts  # what its presenter decides is an ExpertsShown
+
     def _draw(self) -> None:
         self.cells.set_grid(self.shown.grid, self.mode(), self.shown.message)
         self._show_legend()
@@ -135,10 +126,5 @@ class ExpertsView(QWidget):
         self.legend.setText(LEGEND[mode])
         self.legend.setToolTip(LEGEND[mode])  # the text is cut where the window is narrow
 
-    # ------------------------------------------------------------------ hover and click
     def _cell_clicked(self, r: int, c: int) -> None:
         self.positionClicked.emit(int(self.shown.grid.positions[c]))
-
-    def _cell_hovered(self, r: int, c: int) -> None:
-        self.last_readout = self.cells.grid.describe(r, c)
-        self.readout.setText(self.last_readout)

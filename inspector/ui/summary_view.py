@@ -1,7 +1,7 @@
 """Layers x tokens: one row per captured residual-stream hook, one column per token position.
 
 Each cell is the L2 norm of that hook's activation at that token (or one chosen feature's value).
-Norms are computed incrementally as rows arrive (``CaptureViewModel.norms``), so the matrix here is
+Norms are computed incrementally as rows arrive (``RunView.norms``), so the matrix here is
 small (hooks x tokens) and simply rebuilt per frame.
 """
 
@@ -14,9 +14,11 @@ import pyqtgraph as pg
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSpinBox, QWidget
 
+from inspector.viewer.image_pool import robust_levels
 from inspector.viewer.labels import display_token
-from .heatmap import Placeholder, colormap, quiet_axes, stack_view
-from .image_pool import robust_levels
+from inspector.viewer.tabs import SummaryDrawing
+
+from .view_kit import Placeholder, colormap, quiet_axes, stack_view
 
 MEASURES = ("L2 norm", "feature value")
 FAMILIES = {"resid_post": ("resid_post",), "all residual": ("resid_pre", "resid_mid", "resid_post")}
@@ -98,6 +100,9 @@ class SummaryView(QWidget):
 
     def set_colormap(self, name: str) -> None:
         self.cbar.setColorMap(colormap(name))
+
+    def draw(self, drawing: SummaryDrawing) -> None:
+        self.set_rows(drawing.rows, drawing.texts)
 
     def set_rows(self, rows: list[tuple[str, np.ndarray, np.ndarray]], texts: list[str]) -> None:
         """rows: (label, positions [n], per-position values [n]) per hook, top to bottom."""

@@ -112,9 +112,7 @@ class RunView:
             if self.selection.request not in self.run.requests:
                 self.selection.request = next(rid for rid in self.run.requests if rid in changed)
             if self.selection.hook is None:
-                shown = default_hook(self.hooks_for(self.selection.request))
-                if shown is not None:
-                    self.selection.hook = shown.name
+                self._settle_hook()
         return changed
 
     # ---- selection ----
@@ -128,6 +126,20 @@ class RunView:
         if position is not None:
             sel.position = position
         self.revision += 1
+
+    def settle_selection(self) -> None:
+        """Make the selection one the run has: a request of it (the first, if the one selected is gone)
+        and a hook point captured for that request (``_settle_hook``)."""
+        if self.run.requests and self.selection.request not in self.run.requests:
+            self.selection.request = next(iter(self.run.requests))
+        self._settle_hook()
+
+    def _settle_hook(self) -> None:
+        """The one rule for the hook point shown: the one selected while the selected request has it,
+        else the default one (``default_hook``)."""
+        hooks = self.hooks_for(self.selection.request)
+        if hooks and self.selection.hook not in {h.name for h in hooks}:
+            self.selection.hook = default_hook(hooks).name
 
     # ---- queries ----
     def request_ids(self) -> list[str]:

@@ -76,9 +76,6 @@ class PooledImage:
         self._source_id = None
         self.last_reset = True  # the last update rebuilt every bin
 
-    def invalidate(self) -> None:
-        self.key, self._buf, self._done, self._source_id = None, None, 0, None
-
     def update(self, values: np.ndarray, key: PoolKey, source_id=None) -> PooledFrame | None:
         """Pool rows of ``values`` ([n, width], may be a growing view) under ``key``."""
         n = len(values)
