@@ -109,6 +109,9 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     result = inspector("capture", "--prompt", "x", "--temperature", "-1", "--out", str(tmp_path / "r.h5"), check=False)
     assert result.returncode == 1 and "temperature must be 0 (greedy) or more" in result.stderr
     assert "[resolving]" not in result.stderr
+    result = inspector("capture", "--prompt", "x", "--gpu-memory-utilization", "1.5", "--out", str(tmp_path / "r.h5"),
+                       check=False)
+    assert result.returncode == 1 and "--gpu-memory-utilization must be in (0, 1], got 1.5" in result.stderr
     assert not (tmp_path / "r.h5").exists()
 
 

@@ -2,6 +2,7 @@
 real ``openai`` client: per-request steering through ``vllm_xargs``, the prefix cache kept clean, the
 refusals, the named vectors' endpoints, and steering equal to the same edit through ``Session``."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -16,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from engines import PARITY_TOL, rel_l2
+from engines import ENGINE_ARGS, PARITY_TOL, rel_l2
 from sae_files import write_sae
 from ui_fixtures import fail_on_qt_warnings, keep, ui_settings  # noqa: F401
 from servers import running_openai_server
@@ -236,6 +237,12 @@ def fetch_capture(url, response_id, path):
     return read_run(path)
 
 
+def gpu_share() -> list[str]:
+    """The test machine's GPU memory share for a command's engine (the test server holds the rest)."""
+    share = ENGINE_ARGS.get("gpu_memory_utilization")
+    return [] if share is None else ["--gpu-memory-utilization", str(share)]
+
+
 def test_a_capture_over_the_api_equals_inspector_capture(server, tiny_models, tmp_path):
     """The same prompt, greedy, steered alike: the file the server keeps for the response holds the rows
     and tokens that `inspector capture` writes."""
@@ -250,7 +257,7 @@ def test_a_capture_over_the_api_equals_inspector_capture(server, tiny_models, tm
     result = subprocess.run([sys.executable, "-m", "inspector.cli", "capture", "--model", model, "--prompt", prompt,
                              "--max-tokens", "6", "--hooks", "blocks.*.hook_resid_post", "--max-model-len", "512",
                              "--intervene", f"{HOOK}:bias={tmp_path / 'push2.npy'}", "--logprobs", "0",
-                             "--out", str(reference)], capture_output=True, text=True, timeout=600)
+                             "--out", str(reference), *gpu_share()], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     [request] = served.requests.values()
     [expected] = read_run(reference).requests.values()
@@ -307,6 +314,7 @@ def test_a_running_capture_is_listed_and_read_as_far_as_its_rows_go(server, tmp_
         np.testing.assert_array_equal(np.asarray(got.values), np.asarray(whole.hooks[hook].values)[:n])
 
 
+@pytest.mark.skipif(importlib.util.find_spec("pytestqt") is None, reason="the app's tests need pytest-qt")
 def test_the_app_watching_the_server_shows_each_capture_while_it_runs_and_when_it_ends(server, qtbot, ui_settings,
                                                                                        tmp_path, monkeypatch):
     """File ▸ Watch an OpenAI Server: a capturing request is listed while it runs, with its rows so far
@@ -413,7 +421,7 @@ def test_an_ablated_direction_is_gone_from_the_rows_where_asked(server, tmp_path
     unit = push / np.linalg.norm(push)
     clean = captured_rows(server, "one two three four", tmp_path)
     ablated = captured_rows(server, "one two three four", tmp_path, inspector_ablate="push", inspector_positions="2-40")
-    assert np.abs(clean @ unit).min() > 1e-2  # there was something to remove
+    assert np.abs(clean[2:] @ unit).max() > 1e-2  # there was something to remove where asked
     along = ablated @ unit
     assert np.abs(along[2:]).max() < 1e-5 * np.linalg.norm(ablated[2:], axis=1).max()
     np.testing.assert_array_equal(ablated[:2], clean[:2])  # positions 0, 1 untouched

@@ -75,15 +75,25 @@ def add_parallel_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
                         help="split the model's blocks into N stages, one after another (vLLM's pipeline "
                              "parallelism); each stage captures and steers the blocks it holds")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                        help="the share of each GPU's memory the engine may take (vLLM's default: 0.92); lower it "
+                             "where another engine shares the GPU. No effect on a CPU")
 
 
 def parallel_args(args) -> dict:
-    """vLLM engine arguments for --tensor-parallel-size and --pipeline-parallel-size."""
+    """vLLM engine arguments for --tensor-parallel-size, --pipeline-parallel-size and
+    --gpu-memory-utilization."""
     sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
     for key, size in sizes.items():
         if size < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be at least 1, got {size}")
-    return {key: size for key, size in sizes.items() if size > 1}
+    chosen = {key: size for key, size in sizes.items() if size > 1}
+    share = args.gpu_memory_utilization
+    if share is not None:
+        if not 0 < share <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {share}")
+        chosen["gpu_memory_utilization"] = share
+    return chosen
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:
