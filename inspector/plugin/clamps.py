@@ -14,6 +14,8 @@ import torch
 
 from inspector.capture.interventions import FeatureClamp, Intervention
 
+from .uploads import upload
+
 TENSORS = ("clamp_encoder", "clamp_decoder", "clamp_offset", "clamp_floor", "clamp_value", "clamp_on")
 
 
@@ -51,8 +53,10 @@ class ClampTable:
 
     def write_slot(self, slot: int, interventions: list[Intervention]) -> None:
         """Slot ``slot`` clamps what ``interventions`` clamp (a later clamp of a feature wins)."""
-        self.on[slot].zero_()
+        on, value = torch.zeros(self.on.shape[1], dtype=self.on.dtype), torch.zeros(self.value.shape[1], dtype=self.value.dtype)
         for iv in interventions:
             if iv.clamp is not None:
                 row = self.directions[iv.clamp.direction]
-                self.on[slot, row], self.value[slot, row] = 1, iv.clamp.value
+                on[row], value[row] = 1, iv.clamp.value
+        upload(self.on[slot], on)  # whole rows from the host: no per-element copy waiting for the device
+        upload(self.value[slot], value)

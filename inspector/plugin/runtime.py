@@ -36,6 +36,7 @@ from .python_hooks import PythonHooks
 from .row_windows import SlotIndex, WindowTable
 from .scores import TokenScores
 from .slots import SlotPlanner, compose
+from .uploads import to_device, upload
 from .vllm_compat import StepInfo
 
 logger = logging.getLogger(__name__)
@@ -341,15 +342,15 @@ class InspectorRuntime:
                 hook = self.active[name]
                 columns = hook.site.local_columns(hook.point)  # a sharded point's slice of the vectors
                 scale, bias = compose(ivs, name, hook.point.width)
-                hook.scale[slot].copy_(torch.from_numpy(scale[columns]))
-                hook.bias[slot].copy_(torch.from_numpy(bias[columns]))
+                upload(hook.scale[slot], scale[columns])
+                upload(hook.bias[slot], bias[columns])
                 if hook.clamps is not None:
                     hook.clamps.write_slot(slot, ivs)
             for name in self._slotted - slots.keys():
                 if name in self.active:  # not removed since
                     self.active[name].row_slot.zero_()
             for name, rows in slots.items():
-                self.active[name].row_slot[:n].copy_(torch.from_numpy(rows))
+                upload(self.active[name].row_slot[:n], rows)  # each step of a steered batch: never a wait
         self._slotted = set(slots)
         self._logits_step = step
 
@@ -396,7 +397,7 @@ class InspectorRuntime:
                 if not len(kept):
                     continue
                 in_range = kept[-1] - kept[0] + 1 == len(kept)
-                rows = slice(int(kept[0]), int(kept[-1]) + 1) if in_range else self._to_device(kept)
+                rows = slice(int(kept[0]), int(kept[-1]) + 1) if in_range else to_device(kept, self.device)
                 tensors, arenas, names = [], [], []
                 for s, hooks in members.items():
                     stack = self._stacks[s]
@@ -405,7 +406,7 @@ class InspectorRuntime:
                         tensors.append(stack.tensor[:, rows] if in_range else stack.tensor.index_select(1, rows))
                         names.append(list(stack.names))
                     else:
-                        some = self._to_device(np.array(hooks))
+                        some = to_device(np.array(hooks, dtype=np.int64), self.device)
                         tensors.append(stack.tensor[:, rows].index_select(0, some) if in_range
                                        else stack.tensor[some[:, None], rows[None, :]])  # one gather
                         names.append([stack.names[h] for h in hooks])
@@ -413,12 +414,6 @@ class InspectorRuntime:
                 starts = np.concatenate([[0], np.cumsum(keep)])[bounds]  # each request's kept rows
                 self._in_flight.send(QueuedForward(step.req_ids, starts, step.positions[kept], names, []),
                             tensors, arenas, input_ids, rows)
-
-    def _to_device(self, index: np.ndarray) -> torch.Tensor:
-        """An index for the device, sent without waiting for the forward queued before it (a copy from
-        pageable memory would wait for the stream)."""
-        index = torch.from_numpy(index.astype(np.int64, copy=False))
-        return index.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else index
 
     def on_logits(self, logits: torch.Tensor | None) -> None:
         """The model's logits of a forward, one row per request (its last row): keep the logprobs of
