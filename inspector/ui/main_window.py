@@ -138,7 +138,7 @@ class MainWindow(QMainWindow):
     def _build_docks(self) -> None:
         self.tree = ModelTreeWidget()
         self.interventions = InterventionsPanel()
-        self.prompt = PromptPanel()
+        self.prompt = PromptPanel(self.settings)
         self.tree_dock = self._dock("Model", "model_dock", self.tree, Qt.DockWidgetArea.LeftDockWidgetArea)
         self.interventions_dock = self._dock("Interventions", "interventions_dock", self.interventions,
                                              Qt.DockWidgetArea.RightDockWidgetArea)
