@@ -137,6 +137,12 @@ class PatchingSweep:
         self.message = self.outcome() if self.result is not None else ""
         self._changed()
 
+    def input_changed(self) -> None:
+        """The user edited the sweep's input: a reason given about the input before no longer applies."""
+        if self.problem:
+            self.problem = ""
+            self._changed()
+
     @property
     def progress(self) -> tuple[int, int]:
         """(cells done, cells) of the running sweep; (0, 0) before its first news (or when none runs)."""
