@@ -178,6 +178,7 @@ class MainWindow(QMainWindow):
         self.features_view.steerRequested.connect(self.steer_with_feature)
         self.features_view.featureSelected.connect(self._feature_selected)
         self.attention_view.captureRequested.connect(self._capture_hooks)
+        self.attention_view.requestChosen.connect(self.select_request)
         self.patching_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.runRequested.connect(self.controller.experiments.start_sweep)
         self.patching_view.stopRequested.connect(self.controller.experiments.stop_sweep)
