@@ -416,6 +416,7 @@ class MainWindow(QMainWindow):
         self._update_clock()
 
     def session_changed(self, info: SessionInfo | None, restarted: bool) -> None:
+        self.painter.forget_stale()  # now: a message about the new session may follow at once
         if info is None:
             self.tree.set_catalogue([], ())
             self.interventions.set_hooks({})

@@ -186,7 +186,7 @@ class PatchingView(CellGridTab):
         self.run_button.setEnabled(self._can_run and bool(rows))
 
     def _input_changed(self, *_) -> None:
-        self.sweep.input_changed()
+        self.sweep.forget_problem()
 
     def _capture_clicked(self) -> None:
         self.captureRequested.emit([h.name for h in uncaptured(self._catalogue, self._installed,

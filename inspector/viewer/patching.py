@@ -137,8 +137,8 @@ class PatchingSweep:
         self.message = self.outcome() if self.result is not None else ""
         self._changed()
 
-    def input_changed(self) -> None:
-        """The user edited the sweep's input: a reason given about the input before no longer applies."""
+    def forget_problem(self) -> None:
+        """The reason shown no longer applies: the input it was about was edited, or its session is gone."""
         if self.problem:
             self.problem = ""
             self._changed()
