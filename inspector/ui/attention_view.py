@@ -6,7 +6,8 @@ tokens, which causal attention never sees, are left blank. Both share the key ax
 max-pooled to about a pixel per bin over the part in view, so a few strong weights in a long context
 stay visible. Hover reads out the token pair and its weight; a click on a row selects that token, a
 click on a head's row selects the head. When there is no pattern the tab says why, and, where the
-engine can capture what is missing, offers to.
+engine can capture what is missing, offers to; where other requests of the run hold it, it offers to
+show one.
 """
 
 from __future__ import annotations

@@ -216,9 +216,10 @@ def _not_captured(view: RunView, rid: str, layer: int | None, captured: dict[str
 
 def _holders(view: RunView, rid: str) -> list[str]:
     """The run's requests other than ``rid`` with some layer's queries and keys both captured (a request
-    may lack them: it ran before they were ticked, or its capture file was written so)."""
+    that ran before they were ticked has none)."""
     def holds(req) -> bool:
-        kinds = {(h.layer, h.kind) for h in map(view.hook_info, req.hooks) if h is not None and h.kind in ATTENTION_KINDS}
+        points = [h for h in map(view.hook_info, req.hooks) if h is not None and h.kind in ATTENTION_KINDS]
+        kinds = {(h.layer, h.kind) for h in points}
         return any((layer, KEY) in kinds for layer, kind in kinds if kind == QUERY)
     return [other for other, req in view.run.requests.items() if other != rid and holds(req)]
 
