@@ -286,6 +286,42 @@ def test_a_capture_without_q_and_k_says_so(qtbot, ui_settings, tmp_path):
     assert "This capture holds no attention queries and keys" in w.attention_view.message.text()
 
 
+def test_a_capture_whose_first_request_lacks_q_and_k_names_and_offers_the_requests_that_hold_them(
+        qtbot, ui_settings, tmp_path):
+    run = make_run(n_tokens=(6, 9, 7), kinds=("q", "k", "resid_post"), width=128)
+    first = run.requests["req0"]  # it ran before q and k were captured
+    for name in [n for n in first.hooks if run.hooks[n].kind in ("q", "k")]:
+        del first.hooks[name]
+    write_run(run, tmp_path / "mixed.h5")
+    w = make_window(qtbot, boot=False)
+    assert w.open_capture(str(tmp_path / "mixed.h5"))
+    show_tab(w)
+    view = w.attention_view
+    assert w.shown.selection.request == "req0" and view.stack.currentIndex() == 0
+    assert "Request req0 holds no attention queries and keys; req1 and req2 do" in view.message.text()
+    assert view.capture_button.isHidden()  # nothing to capture in a file
+    assert not view.request_button.isHidden() and view.request_button.text() == "Show req1"
+    view.request_button.click()
+    assert w.shown.selection.request == "req1" and w.request_box.currentData() == "req1"
+    shown = show_tab(w)
+    assert view.stack.currentIndex() == 1 and shown.layer == 0 and len(shown.pattern) == 8
+
+
+def test_a_request_that_ran_before_q_and_k_were_ticked_points_to_one_after(qtbot, ui_settings):
+    w = make_window(qtbot, mode="eager", hooks=["blocks.*.hook_resid_post"])
+    generate(qtbot, w)
+    show_tab(w)
+    w.attention_view.capture_button.click()  # eager: ticked and applied live
+    qtbot.waitUntil(lambda: len(w.controller.engine.session.installed) == 6, timeout=5000)
+    wait_state(qtbot, w, "ready")
+    generate(qtbot, w)
+    w.select_request("req0")
+    show_tab(w)
+    view = w.attention_view
+    assert "Request req0 holds no attention queries and keys; req1 does" in view.message.text()
+    assert view.request_button.text() == "Show req1" and view.capture_button.isHidden()  # captured already
+
+
 @pytest.fixture(autouse=True)
 def fresh_fake(monkeypatch):
     monkeypatch.setattr(FakeSession, "_next_id", 0)

@@ -96,6 +96,22 @@ def test_prompts_of_unequal_length_are_refused_with_the_sessions_message(qtbot, 
     assert w.last_dialog is None and w.state.value == "ready"
 
 
+def test_a_refused_sweep_ends_its_status_line_and_its_reason_goes_once_the_input_changes(qtbot, ui_settings):
+    w = patching_window(qtbot)
+    view = w.patching_view
+    run_sweep(qtbot, w, answer=" cat")
+    assert not w.statusBar().currentMessage().startswith("Patching sweep over")
+    assert "refused" in w.statusBar().currentMessage() and view.problem.isVisible()
+    view.answer_edit.setText(ANSWER)  # the input the reason was about is fixed
+    view.repaint_sweep()
+    assert not view.problem.isVisible() and not w.controller.experiments.sweep.problem
+    run_sweep(qtbot, w, corrupted="the dog sat")  # refused too; then another prompt, not yet run
+    assert view.problem.isVisible()
+    view.corrupted_edit.setPlainText(CORRUPTED)
+    view.repaint_sweep()
+    assert not view.problem.isVisible()
+
+
 def test_stop_keeps_the_cells_that_ran_and_marks_the_sweep_incomplete(qtbot, ui_settings, monkeypatch, tmp_path):
     monkeypatch.setattr(FakeSession, "step_delay", 0.05)
     w = patching_window(qtbot, max_slots=3)

@@ -6,7 +6,8 @@ tokens, which causal attention never sees, are left blank. Both share the key ax
 max-pooled to about a pixel per bin over the part in view, so a few strong weights in a long context
 stay visible. Hover reads out the token pair and its weight; a click on a row selects that token, a
 click on a head's row selects the head. When there is no pattern the tab says why, and, where the
-engine can capture what is missing, offers to.
+engine can capture what is missing, offers to; where other requests of the run hold it, it offers to
+show one.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class AttentionView(QWidget):
     positionClicked = Signal(int)  # a token's row was clicked: select that token everywhere
     settingsChanged = Signal()  # the layer or head changed: the window feeds new data
     captureRequested = Signal(list)  # hook names to tick (the button under a "not captured" message)
+    requestChosen = Signal(str)  # show this request (the button under a "held by other requests" message)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -117,11 +119,13 @@ class AttentionView(QWidget):
         self.message = QLabel(wordWrap=True, alignment=Qt.AlignmentFlag.AlignCenter)
         self.message.setStyleSheet("color: rgb(110, 110, 110)")
         self.capture_button = QPushButton()
+        self.request_button = QPushButton(toolTip="Show this request, which holds queries and keys, in every view")
         message_page = QWidget()
         column = QVBoxLayout(message_page)
         column.addStretch(1)
         column.addWidget(self.message)
         column.addWidget(self.capture_button, 0, Qt.AlignmentFlag.AlignHCenter)
+        column.addWidget(self.request_button, 0, Qt.AlignmentFlag.AlignHCenter)
         column.addStretch(1)
 
         self.glw = pg.GraphicsLayoutWidget()
@@ -172,6 +176,7 @@ class AttentionView(QWidget):
         self.layer_box.currentIndexChanged.connect(self._emit_settings)
         self.head_box.currentIndexChanged.connect(self._emit_settings)
         self.capture_button.clicked.connect(self._capture_clicked)
+        self.request_button.clicked.connect(self._request_clicked)
         self.fit_button.clicked.connect(self.fit)
         self.pattern_plot.getViewBox().sigRangeChangedManually.connect(self._user_moved_view)
         self.heads_plot.getViewBox().sigRangeChangedManually.connect(self._user_moved_view)
@@ -206,6 +211,9 @@ class AttentionView(QWidget):
     def _capture_clicked(self) -> None:
         self.captureRequested.emit([h.name for h in self.shown.to_capture])
 
+    def _request_clicked(self) -> None:
+        self.requestChosen.emit(self.shown.holders[0])
+
     # ------------------------------------------------------------------ data
     def draw(self, drawing: AttentionDrawing) -> None:
         self.show_attention(drawing.shown, drawing.can_capture, drawing.live)
@@ -220,6 +228,8 @@ class AttentionView(QWidget):
             self.capture_button.setVisible(can_capture and bool(wanted))
             self.capture_button.setText(f"Capture {wanted[0].alias}" if len(wanted) == 1 else
                                         "Capture the queries and keys of every layer")
+            self.request_button.setVisible(bool(shown.holders))
+            self.request_button.setText(f"Show {shown.holders[0]}" if shown.holders else "")
             self.stack.setCurrentIndex(0)
             return
         self.stack.setCurrentIndex(1)

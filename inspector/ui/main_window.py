@@ -138,7 +138,7 @@ class MainWindow(QMainWindow):
     def _build_docks(self) -> None:
         self.tree = ModelTreeWidget()
         self.interventions = InterventionsPanel()
-        self.prompt = PromptPanel()
+        self.prompt = PromptPanel(self.settings)
         self.tree_dock = self._dock("Model", "model_dock", self.tree, Qt.DockWidgetArea.LeftDockWidgetArea)
         self.interventions_dock = self._dock("Interventions", "interventions_dock", self.interventions,
                                              Qt.DockWidgetArea.RightDockWidgetArea)
@@ -178,6 +178,7 @@ class MainWindow(QMainWindow):
         self.features_view.steerRequested.connect(self.steer_with_feature)
         self.features_view.featureSelected.connect(self._feature_selected)
         self.attention_view.captureRequested.connect(self._capture_hooks)
+        self.attention_view.requestChosen.connect(self.select_request)
         self.patching_view.captureRequested.connect(self._capture_hooks)
         self.patching_view.runRequested.connect(self.controller.experiments.start_sweep)
         self.patching_view.stopRequested.connect(self.controller.experiments.stop_sweep)
@@ -415,6 +416,7 @@ class MainWindow(QMainWindow):
         self._update_clock()
 
     def session_changed(self, info: SessionInfo | None, restarted: bool) -> None:
+        self.painter.forget_stale()  # now: a message about the new session may follow at once
         if info is None:
             self.tree.set_catalogue([], ())
             self.interventions.set_hooks({})

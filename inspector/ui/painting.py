@@ -17,6 +17,8 @@ from inspector.viewer.app_state import EMPTY_TEXT, AppState
 from inspector.viewer.tabs import (AttentionPresenter, ComparePresenter, ExpertsPresenter, FeaturesPresenter,
                                    HeatmapPresenter, LensPresenter, Presenter, SummaryPresenter, TabRequest)
 
+from .view_kit import clear_readout
+
 PAINT_INTERVAL_MS = 16  # alternately the upper and the lower views: each ~30 times a second
 UPPER, LOWER = "upper", "lower"  # the tab on show above; the token strip or text below
 PROGRESS_INTERVAL_S = 0.1  # QProgressBar.setValue repaints synchronously (~1 ms): ten times a second is enough
@@ -38,6 +40,7 @@ class Painter(QObject):
         self._text_shown: tuple = (None, 0)
         self._strip_key = None
         self._progress_shown = 0.0
+        self._subject = self._current_subject()
         self.longest_tick_s = 0.0  # the slowest repaint so far (the bench reads it)
         self.invalidate()
         self.timer = QTimer(self, interval=PAINT_INTERVAL_MS)
@@ -84,6 +87,7 @@ class Painter(QObject):
             return
         self._painted.update({h: keys[h] for h in halves})
         self._refresh_selectors()
+        self.forget_stale()
         sel = view.selection
         rid, hook = sel.request, sel.hook
         texts = view.token_texts(rid)
@@ -93,6 +97,27 @@ class Painter(QObject):
             self._refresh_upper(view, texts, marks)
         if LOWER in halves:
             self._refresh_lower(view, req, texts, marks)
+
+    def _current_subject(self) -> tuple:
+        """What read-outs and messages are about: the run on show, its request and hook, the engine session."""
+        w = self.window
+        return w.shown, w.shown.selection.request, w.shown.selection.hook, w.controller.engine.info
+
+    def forget_stale(self) -> None:
+        """Hover read-outs go when the run, request, hook or session they described changes; red messages
+        when the run, request or session does (a message about the new one comes after this)."""
+        w = self.window
+        (view, rid, hook, info), (old_view, old_rid, old_hook, old_info) = self._current_subject(), self._subject
+        self._subject = view, rid, hook, info
+        same_session, same_request = info is old_info, view is old_view and rid == old_rid
+        if same_session and same_request and hook == old_hook:
+            return
+        for tab, _ in self.tab_presenters:
+            clear_readout(tab)
+        if not (same_session and same_request):
+            w.interventions.clear_message()
+        if not same_session:
+            w.controller.experiments.sweep.forget_problem()
 
     def _refresh_upper(self, view, texts: list[str], marks) -> None:
         w = self.window

@@ -86,6 +86,10 @@ class PatchingView(CellGridTab):
         self._layout()
 
         self.kind_box.currentTextChanged.connect(self._kind_changed)
+        for edit in (self.clean_edit, self.corrupted_edit, self.answer_edit, self.foil_edit):
+            edit.textChanged.connect(self._input_changed)
+        for box in (self.kind_box, self.direction_box):
+            box.currentIndexChanged.connect(self._input_changed)
         self.capture_button.clicked.connect(self._capture_clicked)
         self.run_button.clicked.connect(self._run_clicked)
         self.stop_button.clicked.connect(self.stopRequested)
@@ -180,6 +184,9 @@ class PatchingView(CellGridTab):
         self.capture_button.setVisible(bool(missing))
         self.capture_button.setEnabled(self._can_run)
         self.run_button.setEnabled(self._can_run and bool(rows))
+
+    def _input_changed(self, *_) -> None:
+        self.sweep.forget_problem()
 
     def _capture_clicked(self) -> None:
         self.captureRequested.emit([h.name for h in uncaptured(self._catalogue, self._installed,

@@ -12,6 +12,7 @@ from pathlib import Path
 from PySide6.QtCore import QByteArray, QSettings
 
 from inspector.capture.colormaps import DEFAULT_COLORMAP
+from inspector.viewer.prompts import LINES, RULES
 
 ORG = "ActivationInspector"
 APP = "inspector"
@@ -91,6 +92,16 @@ class Settings:
     @feature_clamps.setter
     def feature_clamps(self, count: int) -> None:
         self._q.setValue("engine/feature_clamps", str(int(count)))
+
+    @property
+    def prompt_rule(self) -> str:
+        """How the prompt box's text is split into prompts (a rule of ``inspector.viewer.prompts``)."""
+        rule = self._str("prompt/rule", LINES)
+        return rule if rule in RULES else LINES
+
+    @prompt_rule.setter
+    def prompt_rule(self, rule: str) -> None:
+        self._q.setValue("prompt/rule", rule)
 
     @property
     def last_model(self) -> str:

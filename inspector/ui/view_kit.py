@@ -99,3 +99,9 @@ def stack_view(widget, bar, plot_area, readout) -> None:
     layout.addLayout(bar)
     layout.addWidget(plot_area, 1)
     layout.addWidget(readout)
+
+
+def clear_readout(tab) -> None:
+    """Empty a tab's hover read-out: what it described is no longer on show."""
+    tab.last_readout = ""
+    tab.readout.setText(" ")

@@ -50,6 +50,7 @@ class AttentionShown:
     query: int | None = None  # the position whose weights ``query_weights`` holds (None: none)
     query_weights: np.ndarray = _empty(0, 0)  # [heads, keys up to the query's]
     query_note: str = ""  # why no token's weights are shown
+    holders: tuple[str, ...] = ()  # the run's other requests that hold a layer's queries and keys
 
     def weight(self, head: int, query: int, key: int) -> float | None:
         """How much token ``query`` attends to token ``key`` in ``head``, if it is shown (else None)."""
@@ -194,6 +195,8 @@ def _not_captured(view: RunView, rid: str, layer: int | None, captured: dict[str
         wanted = [h for h in offered if h.layer == layer and h.kind == lacking]
         missing = f"Layer {layer} has its {WHAT[have]} captured but not its {WHAT[lacking]}"
         tick = wanted[0].alias if wanted else f"blocks.{layer}.attn.hook_{lacking}"
+    elif holders := _holders(view, rid):
+        return _held_elsewhere(view, rid, holders, offered, capturing)
     elif view.source is RunSource.FILE:
         return AttentionShown("This capture holds no attention queries and keys (blocks.N.attn.hook_q and "
                               "hook_k): capture them to see attention patterns")
@@ -209,3 +212,25 @@ def _not_captured(view: RunView, rid: str, layer: int | None, captured: dict[str
                               layer=layer)
     return AttentionShown(f"{missing}: tick {tick} in the model tree",
                           tuple(h for h in wanted if h.name not in capturing), layer)
+
+
+def _holders(view: RunView, rid: str) -> list[str]:
+    """The run's requests other than ``rid`` with some layer's queries and keys both captured (a request
+    that ran before they were ticked has none)."""
+    def holds(req) -> bool:
+        points = [h for h in map(view.hook_info, req.hooks) if h is not None and h.kind in ATTENTION_KINDS]
+        kinds = {(h.layer, h.kind) for h in points}
+        return any((layer, KEY) in kinds for layer, kind in kinds if kind == QUERY)
+    return [other for other, req in view.run.requests.items() if other != rid and holds(req)]
+
+
+def _held_elsewhere(view: RunView, rid: str, holders: list[str], offered: list[HookPoint], capturing) -> AttentionShown:
+    """Request ``rid`` has no queries and keys but ``holders`` do: say which, and offer to show one."""
+    named = holders if len(holders) <= 4 else [*holders[:3], f"{len(holders) - 3} more"]
+    listed = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+    message = (f"Request {rid} holds no attention queries and keys; {listed} {'does' if len(holders) == 1 else 'do'}: "
+               "choose one in the Request box above to see its patterns")
+    missing = [h for h in offered if h.name not in capturing] if view.source is not RunSource.FILE else []
+    if missing:
+        message += ", or tick blocks.N.attn.hook_q and hook_k of a layer N to capture them for new requests"
+    return AttentionShown(message, tuple(missing), holders=tuple(holders))

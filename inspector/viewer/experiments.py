@@ -125,9 +125,14 @@ class Experiments(ControllerPart):
     def _sweep_failed(self, exc: BaseException) -> None:
         refused = isinstance(exc, ValueError)  # the request does not fit the session: the session's reason
         self.sweep.fail(str(exc) if refused else describe_exception(exc, "patching"))
-        if self._sweep_over() and not refused:
-            self.view.error(f"The patching sweep failed.\n\n{self.sweep.problem}\n\nThe cells that ran are kept.",
-                            details_of(exc), title="Patching")
+        if not self._sweep_over():
+            return
+        if refused:  # the tab says why in red; the status line no longer says it runs
+            self.view.status("The patching sweep was refused: the Patching tab says why.", 10000)
+            return
+        self.view.status("The patching sweep failed; the cells that ran are kept.", 10000)
+        self.view.error(f"The patching sweep failed.\n\n{self.sweep.problem}\n\nThe cells that ran are kept.",
+                        details_of(exc), title="Patching")
 
     def open_patched_cell(self, row: int, column: int, sampling: Sampling) -> bool:
         """Generate the sweep's target prompt with cell (row, column) patched and nothing else: a run in

@@ -48,7 +48,7 @@ class Generating(ControllerPart):
             self.view.status("Not ready: " + GENERATE_TIPS[self.engine.state], 5000)
             return False
         if not prompts:
-            self.view.status("Type a prompt first (one per line).", 5000)
+            self.view.status("Type a prompt first.", 5000)
             return False
         if self.runs.shown is not self.runs.live:
             self.runs.show(self.runs.live)

@@ -137,6 +137,12 @@ class PatchingSweep:
         self.message = self.outcome() if self.result is not None else ""
         self._changed()
 
+    def forget_problem(self) -> None:
+        """The reason shown no longer applies: the input it was about was edited, or its session is gone."""
+        if self.problem:
+            self.problem = ""
+            self._changed()
+
     @property
     def progress(self) -> tuple[int, int]:
         """(cells done, cells) of the running sweep; (0, 0) before its first news (or when none runs)."""
