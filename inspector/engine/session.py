@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from inspector import __version__
 from inspector.capture.blocks import RequestRowsView
+from inspector.capture.drained import DrainedRequest
 from inspector.capture.hooks import HookPoint, check_patterns
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import checked_token_ids
@@ -42,7 +43,10 @@ from .boot import shutdown_llm
 from .head import ModelHead
 from .opening import boot_engine, describe_engine, open_engine
 from .tokens import token_text
-from .translation import drained_features, drained_rows, drained_scores, new_tokens, sampling_params
+from .translation import drained_rows, new_tokens, sampling_params
+
+
+NOTHING_DRAINED = DrainedRequest({}, {}, None)  # a request with news other than captures
 
 
 class Session(ModelHead, Experiments):
@@ -209,9 +213,9 @@ class Session(ModelHead, Experiments):
                 if not flying:
                     return
                 finished = [out.request_id for out in engine.step() if out.finished and out.request_id in flying]
-                for rid, rows in self._drain(wait=bool(finished)).items():
+                for rid, drained in self._drain(wait=bool(finished)).items():
                     if rid in flying:
-                        flying[rid][2].append(rows)
+                        flying[rid][2].append(drained.rows)
                 for rid in finished:
                     index, length, parts = flying.pop(rid)
                     queued -= length
@@ -464,14 +468,15 @@ class Session(ModelHead, Experiments):
         digest = hashlib.sha256(f"{self._edit_generation}\n{encode_edit(active)}".encode()).hexdigest()
         return {"cache_salt": f"s-{digest}"}
 
-    def _drain(self, wait: bool = True) -> dict:
+    def _drain(self, wait: bool = True) -> dict[str, DrainedRequest]:
         """The workers' rows since the last drain; ``wait=False`` leaves those still copying, except
         where tensor-parallel ranks each send a slice of a hook's columns (they must send the same rows)."""
         sharded = {name for name, h in self.installed.items() if h.shards > 1}
         return merge_ranks(self._llm.collective_rpc("inspector_drain", kwargs={"wait": wait or bool(sharded)}),
                            sharded)
 
-    def _event(self, captures: dict, outputs: dict, finish: dict[str, str] | None = None) -> StepEvent:
+    def _event(self, captures: dict[str, DrainedRequest], outputs: dict, finish: dict[str, str] | None = None
+               ) -> StepEvent:
         """One event for every request with news (a start, rows, tokens, log entries or an end), folded
         into ``run`` as it is made."""
         finish = finish or {}
@@ -486,7 +491,7 @@ class Session(ModelHead, Experiments):
         for rid in dict.fromkeys(order):
             if rid not in self._computed:
                 continue
-            hooks = captures.get(rid, {})
+            drained = captures.get(rid, NOTHING_DRAINED)
             if blocks is not None:
                 rows = RequestRowsView(blocks, rid)
                 for b in rows.blocks:
@@ -494,14 +499,14 @@ class Session(ModelHead, Experiments):
                     if where.stop > where.start:
                         self._computed[rid] = max(self._computed[rid], int(b.positions[where.stop - 1]) + 1)
             else:
-                rows = drained_rows(hooks)
+                rows = drained_rows(drained.rows)
                 self._note_computed(rid, rows)
             tokens = new_tokens(outputs[rid], self._text) if rid in outputs else {}
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,
-                                     finish_reason=finish.get(rid), features=drained_features(hooks, self.saes),
-                                     windows=self._unsent_windows.pop(rid, None), scores=drained_scores(hooks),
-                                     **tokens))
+                                     finish_reason=finish.get(rid), windows=self._unsent_windows.pop(rid, None),
+                                     features={sae: f for sae, f in drained.features.items() if sae in self.saes},
+                                     scores=drained.scores, **tokens))
         self._open = [rid for rid in self._open if rid not in finish]
         for rid in finish:  # a long-lived session (a server's) forgets requests that are over
             self._computed.pop(rid, None)
