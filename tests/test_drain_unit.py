@@ -203,8 +203,9 @@ def test_a_drain_in_request_order_is_one_block_a_forward_of_views_and_others_are
             for k, key in enumerate(("positions", "token_ids", "values")):
                 np.testing.assert_array_equal(view[k], got[rid][hook][key])
     later = forward._replace(positions=np.array([5, 6, 4, 5, 6, 7]), host=[values + 1000, torch.arange(6)])
+    # several forwards: a block each, not joined
     first, second = bulk_of({rid: DrainedRequest(rows, {}, None)
-                             for rid, rows in rows_by_request([forward, later]).items()})  # several forwards: a block each, not joined
+                             for rid, rows in rows_by_request([forward, later]).items()})
     assert first.positions.tolist() == [3, 4, 0, 1, 2, 3] and second.positions.tolist() == [5, 6, 4, 5, 6, 7]
     assert np.shares_memory(second.values["a"], later.host[0].numpy())
     drained["r2"] = DrainedRequest({"a": {"positions": np.array([0]), "token_ids": np.array([1]),
@@ -244,7 +245,8 @@ def test_ranks_merge_into_one_drained_request():
     """A sharded hook's columns side by side; each other hook, SAE and score from the one rank that sends
     it; the same one from two ranks is an error."""
     def rows(first, width, value):
-        return {"positions": np.arange(first, first + 2), "token_ids": np.zeros(2), "values": np.full((2, width), value)}
+        return {"positions": np.arange(first, first + 2), "token_ids": np.zeros(2),
+                "values": np.full((2, width), value)}
 
     features = (np.arange(2), np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32))
     scores = (np.arange(2), np.zeros((2, 3)))
