@@ -18,6 +18,8 @@ Scores = tuple[np.ndarray, np.ndarray]  # positions [n], logprobs [n, score toke
 
 
 class DrainedRequest(NamedTuple):
+    """One request's captures since the last drain."""
+
     rows: DrainedRows  # the plugin's rows are made when read (``plugin.gather.RequestRows``)
     features: dict[str, Features]  # by attached SAE
     scores: Scores | None  # a scored request's (``Sampling.score_token_ids``)

@@ -183,7 +183,7 @@ def drained_requests(forwards: list[QueuedForward], scores: dict[str, Scores], n
     forwards, features = split_features(forwards)
     rows = rows_by_request(forwards)
     drained = {}
-    for rid in dict.fromkeys([*rows, *scores]):  # a request with features has rows in the same forwards
+    for rid in dict.fromkeys([*rows, *scores]):  # a request with features has spans in the forwards: it is in rows
         found = features.get(rid, {})
         if rid not in no_rows:
             drained[rid] = DrainedRequest(rows.get(rid, {}), found, scores.get(rid))
