@@ -52,7 +52,7 @@ def generate(llm, prompts, max_tokens=6, request_ids=None):
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = (list(out.prompt_token_ids), list(out.outputs[0].token_ids))
-    return tokens, rpc(llm, "inspector_drain")
+    return tokens, {rid: drained.rows for rid, drained in rpc(llm, "inspector_drain").items()}
 
 
 def rel_l2(a, b):

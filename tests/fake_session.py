@@ -21,13 +21,13 @@ import numpy as np
 
 from inspector.capture.attention import AttentionGeometry
 from inspector.capture.hooks import HookPoint
-from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
 from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError, check_request,
-                                        SessionOptions, StepEvent, NewRows, checked_interventions, fold_event)
-from inspector.capture.run import Run, TopToken
+                                        SessionOptions, StepEvent)
+from inspector.capture.run import TopToken
 from inspector.capture.sae import AttachedSae, checked_attachment, encode, load_weights, strongest
+from inspector.capture.session_base import HeldInterventions, SessionBase
 from inspector.capture.windows import ALL, CaptureWindow, checked_windows, windows_from_patterns
 from inspector.experiments.methods import Experiments
 
@@ -79,7 +79,7 @@ def fake_value(hook_index: int, positions: np.ndarray, width: int) -> np.ndarray
     return (np.sin(0.37 * p + 0.11 * f + hook_index) * (1 + 0.05 * f) + 0.01 * p).astype(np.float32)
 
 
-class FakeSession(Experiments):
+class FakeSession(SessionBase, HeldInterventions, Experiments):
     """Class attributes steer a test: delays, a failing boot, a crash at a given step."""
 
     boot_delay = 0.0
@@ -88,7 +88,6 @@ class FakeSession(Experiments):
     fail_at_step: int | None = None
     block_family = "fused (LlamaDecoderLayer), read from its forward"  # as the plugin's block reader names it
     refused_kinds: dict[str, str] = {}  # kind -> why the model offers no point of it
-    _next_id = 0  # class-wide, like the real session's
 
     def __init__(self, options: SessionOptions, layers: int = 2, hidden: int = 128, intermediate: int = 256):
         self.options = options
@@ -98,9 +97,7 @@ class FakeSession(Experiments):
         self.alive = True
         self.threads: set[int] = {threading.get_ident()}  # threads that called in (tests check)
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._pending: list[Intervention] | None = None
-        self._interventions: list[Intervention] = []
+        self._hold_interventions()
         self.saes: dict[str, AttachedSae] = {}
         self._sae_weights: dict[str, dict[str, np.ndarray]] = {}  # by SAE name, read once when attached
         self.windows: dict[str, CaptureWindow] = windows_from_patterns(options.windows, self.installed)
@@ -122,32 +119,10 @@ class FakeSession(Experiments):
     # ---- the protocol ----
     def new_run(self) -> None:
         self.threads.add(threading.get_ident())
-        self.run = Run(metadata={"model": self.options.model, "model_path": f"/fake/{self.options.model}",
-                                 "engine_mode": self.options.mode, "dtype": self.options.dtype,
-                                 "block_family": self.block_family, "refused_kinds": dict(self.refused_kinds),
-                                 "saes": [sae.as_dict() for sae in self.saes.values()]},
-                       hooks=dict(self.installed))
-        self._new_rows = None
-
-    def write_through(self, new_rows: NewRows) -> None:
-        self._new_rows = new_rows
-
-    def upcoming_request_ids(self, n: int) -> list[str]:
-        return [f"req{self._next_id + i}" for i in range(n)]
+        super().new_run()
 
     def stop(self) -> None:
         self._stop.set()
-
-    @property
-    def interventions(self) -> list[Intervention]:
-        """The set last given (tests look; not part of the protocol)."""
-        with self._lock:
-            return list(self._pending if self._pending is not None else self._interventions)
-
-    def set_interventions(self, interventions: list[Intervention]) -> None:
-        checked = checked_interventions(interventions, self.installed, self.options)
-        with self._lock:
-            self._pending = checked
 
     def set_windows(self, windows: dict[str, CaptureWindow]) -> None:
         checked = checked_windows(windows, self.installed)
@@ -161,9 +136,7 @@ class FakeSession(Experiments):
         self.windows = {name: w for name, w in self.windows.items() if name in self.installed}
         self.options = replace(self.options, hooks=tuple(patterns))
         self.run.hooks.update(self.installed)
-        wanted = self._pending if self._pending is not None else self._interventions  # as Session does
-        self._interventions = [iv for iv in wanted if iv.hook in self.installed]
-        self._pending = list(self._interventions)
+        self._keep_installed_interventions()
         self.saes = {name: sae for name, sae in self.saes.items() if sae.hook in self.installed}
         self._sae_weights = {name: self._sae_weights[name] for name in self.saes}
         if self.options.mode == "compiled":
@@ -212,7 +185,7 @@ class FakeSession(Experiments):
         sae = checked_attachment(path, hook, k, self.installed, self.saes)
         self._sae_weights[sae.name] = load_weights(sae.config)
         self.saes[sae.name] = sae
-        self.run.metadata["saes"] = [s.as_dict() for s in self.saes.values()]
+        self._note_saes()
         return sae
 
     def detach_sae(self, name: str) -> None:
@@ -220,7 +193,7 @@ class FakeSession(Experiments):
         self.threads.add(threading.get_ident())
         self.saes.pop(name, None)
         self._sae_weights.pop(name, None)
-        self.run.metadata["saes"] = [sae.as_dict() for sae in self.saes.values()]
+        self._note_saes()
 
     def close(self) -> None:
         self.threads.add(threading.get_ident())
@@ -231,8 +204,7 @@ class FakeSession(Experiments):
         check_request(prompts, sampling)
         self.threads.add(threading.get_ident())
         self._stop.clear()
-        ids = self.upcoming_request_ids(len(prompts))
-        type(self)._next_id += len(ids)
+        ids = self._take_request_ids(len(prompts))
         with self._lock:
             windows = {rid: dict(self.windows) for rid in ids}
         started = tuple(self._start(rid, prompt, sampling, windows[rid]) for rid, prompt in zip(ids, prompts))
@@ -251,9 +223,10 @@ class FakeSession(Experiments):
                 raise SessionError("the engine failed while generating: RuntimeError: engine core died (simulated "
                                    "crash). Everything captured so far is kept; open a new session to go on.")
             time.sleep(self.step_delay)
+            pending = self._take_pending()
+            if pending is not None:
+                self._interventions = pending
             with self._lock:
-                if self._pending is not None:
-                    self._interventions, self._pending = self._pending, None
                 changed, self._windows_changed = self._windows_changed, False
                 if changed:
                     windows = {rid: dict(self.windows) for rid in windows}
@@ -265,6 +238,11 @@ class FakeSession(Experiments):
                 return
 
     # ---- internals ----
+    def _run_metadata(self) -> dict:
+        return {"model": self.options.model, "model_path": f"/fake/{self.options.model}",
+                "engine_mode": self.options.mode, "dtype": self.options.dtype, "block_family": self.block_family,
+                "refused_kinds": dict(self.refused_kinds), "saes": self._sae_metadata()}
+
     def _require_alive(self) -> None:
         if not self.alive:
             raise SessionError("this session is closed or its engine failed; open a new session")
@@ -344,5 +322,5 @@ class FakeSession(Experiments):
 
     def _event(self, step: int, started: tuple, steps: list[RequestStep]) -> StepEvent:
         event = StepEvent(step, tuple(steps), started, owns_rows=True)  # each step's arrays are new
-        fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
+        self._fold(event)
         return event

@@ -126,6 +126,31 @@ def test_version():
     assert out.startswith("Activation Inspector ") and "vLLM " in out and "torch " in out
 
 
+def test_the_apps_own_server_command_carries_every_session_option():
+    """What the app gives its own server (``serve_command``) reads back, through the CLI's own parser,
+    as the very options (a server's session keeps no rows: its client does)."""
+    import dataclasses
+
+    from inspector.capture.protocol import SessionOptions
+    from inspector.cli import build_parser
+    from inspector.cli.serve import served_options
+    from inspector.client.local import serve_command
+
+    options = SessionOptions(model="/models/tiny", mode="eager", hooks=("blocks.0.*", "ln_final.hook_normalized"),
+                             dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=256,
+                             enable_position_interventions=False, retain_rows=False, max_slots=8, feature_clamps=4,
+                             windows=(("*", "generated"), ("blocks.1.*", "last:3")), kept_layers=2,
+                             engine_args={"tensor_parallel_size": 2, "seed": 3})
+    defaults = SessionOptions()
+    assert [f.name for f in dataclasses.fields(options) if getattr(options, f.name) == getattr(defaults, f.name)] == []
+    command = serve_command(options, "ipc:///tmp/inspector-test.sock")
+    assert command[:4] == [sys.executable, "-m", "inspector.cli", "serve"]
+    args = build_parser().parse_args(command[3:])
+    assert served_options(args) == options and args.listen == "ipc:///tmp/inspector-test.sock"
+    assert served_options(build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])).engine_args == {
+        "tensor_parallel_size": 2}
+
+
 @pytest.mark.parametrize("fmt", ["table", "json"])
 def test_hooks_lists_the_catalogue(fmt):
     result = inspector("hooks", "--model", "demo", *(["--json"] if fmt == "json" else []))

@@ -16,9 +16,11 @@ from inspector.capture.blocks import RequestRowsView
 from inspector.capture.dtypes import BFLOAT16
 
 from inspector.plugin import vllm_compat
-from inspector.plugin.config import SCORES, PluginConfig
+from inspector.capture.drained import DrainedRequest
+from inspector.capture.ranks import merge_ranks
+from inspector.plugin.config import PluginConfig
 from inspector.plugin.copyout import Transfer
-from inspector.plugin.gather import QueuedForward, bulk_of, rows_by_request
+from inspector.plugin.gather import QueuedForward, SaeStack, bulk_of, rows_by_request
 from inspector.plugin.runtime import InspectorRuntime
 
 
@@ -36,6 +38,11 @@ class FlagEvent:
 def _runtime() -> InspectorRuntime:
     config = PluginConfig({}, 64, "bfloat16", False, False, ())
     return InspectorRuntime(nn.Module(), [], config, torch.device("cpu"), 64, 128)
+
+
+def _rows(runtime, wait=True) -> dict:
+    """A drain's rows by request (each request's rows by hook)."""
+    return {rid: drained.rows for rid, drained in runtime.drain(wait).items()}
 
 
 def _queue(runtime, req_ids, counts, first_position, event, hooks=("a", "b")):
@@ -57,12 +64,12 @@ def test_drain_without_wait_takes_only_landed_steps_in_order():
     _queue(runtime, ["r0"], [1], 4, third)
     first.done = third.done = True  # the second is still copying: the third must wait behind it
 
-    early = runtime.drain(wait=False)
+    early = _rows(runtime, wait=False)
     assert early["r0"]["a"]["positions"].tolist() == [0, 1, 2]
     assert early["r1"]["b"]["positions"].tolist() == [0, 1]
     assert runtime.drain(wait=False) == {}
 
-    rest = runtime.drain(wait=True)
+    rest = _rows(runtime, wait=True)
     assert second.done
     assert rest["r0"]["a"]["positions"].tolist() == [3, 4]
     assert rest["r1"]["a"]["positions"].tolist() == [3]
@@ -80,7 +87,7 @@ def test_forwards_drained_together_become_one_slice_a_request_and_hook():
     runtime = _runtime()
     for first_position, counts in ((0, [3, 2]), (3, [1, 1]), (4, [1, 1])):
         _queue(runtime, ["r0", "r1"], counts, first_position, None)
-    rows = runtime.drain()
+    rows = _rows(runtime)
     assert all(len(r._spans) == 3 for r in rows.values())  # nothing copied until a request's rows are read
     assert rows["r0"]["a"]["positions"].tolist() == [0, 1, 2, 3, 4]
     assert all(len(r._spans) == 1 for r in rows.values())  # then every request's at once and rows["r1"]["b"]["positions"].tolist() == [0, 1, 3, 4]
@@ -90,7 +97,7 @@ def test_forwards_drained_together_become_one_slice_a_request_and_hook():
     assert a0.base is a1.base and a1.__array_interface__["data"][0] == a0.__array_interface__["data"][0] + a0.nbytes
     _queue(runtime, ["r0"], [1], 5, None)
     _queue(runtime, ["r0"], [1], 6, None)
-    unread = weakref.ref(runtime.drain()["r0"])
+    unread = weakref.ref(runtime.drain()["r0"].rows)
     assert unread() is None  # a drain nobody reads is freed at once, its copies with it (no cycle)
 
 
@@ -99,7 +106,7 @@ def test_a_hook_added_between_drained_steps_covers_only_its_steps():
     _queue(runtime, ["r0"], [2], 0, None, hooks=("a",))
     _queue(runtime, ["r0"], [1], 2, None, hooks=("a", "b"))  # eager mode: "b" installed after step one
     _queue(runtime, ["r0"], [1], 3, None, hooks=(None, "b"))  # and "a" removed
-    rows = runtime.drain()["r0"]
+    rows = runtime.drain()["r0"].rows
     assert rows["a"]["positions"].tolist() == [0, 1, 2]
     assert rows["b"]["positions"].tolist() == [2, 3]
     assert rows["b"]["token_ids"].tolist() == [1002, 1003]
@@ -149,8 +156,8 @@ def test_drained_rows_are_each_requests_rows_in_order(dtype):
 
 
 def test_a_requests_rows_are_read_set_and_deleted_like_a_dict_and_pickle_with_their_stacks_once():
-    """What the session (scores set, features read), tensor-parallel merging (another rank's rows set)
-    and vLLM's worker processes (pickling) do with a drained request's rows."""
+    """What the session (rows read), tensor-parallel merging (another rank's rows set) and vLLM's worker
+    processes (pickling) do with a drained request's rows."""
     import pickle
 
     values = torch.arange(2 * 6 * 512, dtype=torch.float32).reshape(2, 6, 512)
@@ -161,18 +168,18 @@ def test_a_requests_rows_are_read_set_and_deleted_like_a_dict_and_pickle_with_th
     assert list(r1) == ["a", "b"] and len(r1) == 2 and "a" in r1 and "z" not in r1 and r1.get("z") is None
     np.testing.assert_array_equal(r1["b"]["values"], values[1, 2:].numpy())
     assert r1["a"]["positions"].tolist() == [0, 1, 2, 3] and r1["a"]["token_ids"].tolist() == [2, 3, 4, 5]
-    r1["scores"] = {"positions": np.array([3])}
+    r1["c"] = {"positions": np.array([3])}
     r1["a"] = {**r1["a"], "values": np.zeros((4, 512))}
-    assert [hook for hook, _ in r1.items()] == list(r1) == ["a", "b", "scores"] and len(r1) == 3
+    assert [hook for hook, _ in r1.items()] == list(r1) == ["a", "b", "c"] and len(r1) == 3
     assert not r1["a"]["values"].any() and dict(r1.items())["a"] is r1["a"]
     del r1["b"]
-    assert list(r1) == ["a", "scores"] and "b" not in r1 and not r1["a"]["values"].any()
+    assert list(r1) == ["a", "c"] and "b" not in r1 and not r1["a"]["values"].any()
     assert list(got["r0"]) == ["a", "b"]  # the stacks' index is shared: deleting from one request leaves the others
     wire = pickle.dumps(got)
     assert len(wire) < values.numpy().nbytes + np.zeros((4, 512)).nbytes + 2048  # the stack once, not per request
     back = pickle.loads(wire)
     np.testing.assert_array_equal(back["r0"]["b"]["values"], values[1, :2].numpy())
-    assert back["r1"]["scores"]["positions"].tolist() == [3]
+    assert back["r1"]["c"]["positions"].tolist() == [3]
 
 
 def test_a_drain_in_request_order_is_one_block_a_forward_of_views_and_others_are_not_bulk():
@@ -184,8 +191,9 @@ def test_a_drain_in_request_order_is_one_block_a_forward_of_views_and_others_are
     forward = QueuedForward(["r0", "r1"], np.array([0, 2, 6]), np.array([3, 4, 0, 1, 2, 3]), [["a", "b"]],
                             [values, torch.arange(6)])
     got = rows_by_request([forward])
-    got["r1"][SCORES] = {"positions": np.array([3]), "values": np.ones((1, 2))}
-    (blocks,) = bulk_of(got)
+    drained = {rid: DrainedRequest(rows, {}, None) for rid, rows in got.items()}
+    drained["r1"] = drained["r1"]._replace(scores=(np.array([3]), np.ones((1, 2))))
+    (blocks,) = bulk_of(drained)
     assert blocks.request_ids == ("r0", "r1") and blocks.bounds.tolist() == [0, 2, 6]
     assert blocks.positions.tolist() == [3, 4, 0, 1, 2, 3] and blocks.token_ids.tolist() == list(range(6))
     assert list(blocks.values) == ["a", "b"] and np.shares_memory(blocks.values["b"], values.numpy())
@@ -195,14 +203,68 @@ def test_a_drain_in_request_order_is_one_block_a_forward_of_views_and_others_are
             for k, key in enumerate(("positions", "token_ids", "values")):
                 np.testing.assert_array_equal(view[k], got[rid][hook][key])
     later = forward._replace(positions=np.array([5, 6, 4, 5, 6, 7]), host=[values + 1000, torch.arange(6)])
-    first, second = bulk_of(rows_by_request([forward, later]))  # several forwards: a block each, not joined
+    # several forwards: a block each, not joined
+    first, second = bulk_of({rid: DrainedRequest(rows, {}, None)
+                             for rid, rows in rows_by_request([forward, later]).items()})
     assert first.positions.tolist() == [3, 4, 0, 1, 2, 3] and second.positions.tolist() == [5, 6, 4, 5, 6, 7]
     assert np.shares_memory(second.values["a"], later.host[0].numpy())
-    got["r2"] = {"a": {"positions": np.array([0]), "token_ids": np.array([1]), "values": np.zeros((1, 8))}}
-    assert bulk_of(got) is None
-    got["r1"]["a"] = got["r2"].pop("a")  # another rank's rows set by hook
-    del got["r2"]
-    assert bulk_of(got) is None
+    drained["r2"] = DrainedRequest({"a": {"positions": np.array([0]), "token_ids": np.array([1]),
+                                          "values": np.zeros((1, 8))}}, {}, None)
+    assert bulk_of(drained) is None
+    got["r1"]["a"] = drained.pop("r2").rows["a"]  # another rank's rows set by hook
+    assert bulk_of(drained) is None
+
+
+def test_a_drain_gives_each_request_its_rows_features_and_scores_apart():
+    """An SAE's features ride in a forward's copy as a stack of their own and leave the drain beside the
+    rows, across forwards; a request that wants no rows keeps its features and scores; a scored request
+    with nothing else drained still comes."""
+    runtime = _runtime()
+    runtime.set_request_options({"r1": {"capture": False}}, [])
+    for qsl, positions in ((np.array([0, 2, 3]), np.array([0, 1, 0])), (np.array([0, 1, 2]), np.array([2, 1]))):
+        n = len(positions)
+        rows = torch.tensor(positions, dtype=torch.float32).reshape(1, n, 1).expand(1, n, 4).clone()
+        features = torch.stack([torch.tensor(positions, dtype=torch.float32)[:, None] + torch.zeros(n, 2),
+                                torch.tensor(positions + 10, dtype=torch.float32)[:, None] + torch.zeros(n, 2)])
+        transfer = Transfer([rows, features, torch.tensor(positions + 1000)], None)
+        runtime._in_flight._pending.append((QueuedForward(["r0", "r1"], qsl, positions, [["a"], SaeStack("sae")],
+                                                          transfer.host), transfer))
+    runtime._scores._found = {"r1": [(2, np.ones(3))], "r2": [(7, np.zeros(3)), (8, np.ones(3))]}
+    drained = runtime.drain()
+    assert list(drained) == ["r0", "r1", "r2"]
+    r0, r1, r2 = drained.values()
+    assert list(r0.rows) == ["a"] and r0.rows["a"]["positions"].tolist() == [0, 1, 2] and r0.scores is None
+    positions, ids, activations = r0.features["sae"]
+    assert positions.tolist() == [0, 1, 2] and ids.dtype == np.int32 and ids[:, 0].tolist() == [10, 11, 12]
+    assert activations[:, 1].tolist() == [0.0, 1.0, 2.0] and activations.dtype == np.float32
+    assert not r1.rows and r1.features["sae"][0].tolist() == [0, 1] and r1.scores[0].tolist() == [2]
+    assert not r2.rows and not r2.features and r2.scores[0].tolist() == [7, 8] and r2.scores[1].shape == (2, 3)
+
+
+def test_ranks_merge_into_one_drained_request():
+    """A sharded hook's columns side by side; each other hook, SAE and score from the one rank that sends
+    it; the same one from two ranks is an error."""
+    def rows(first, width, value):
+        return {"positions": np.arange(first, first + 2), "token_ids": np.zeros(2),
+                "values": np.full((2, width), value)}
+
+    features = (np.arange(2), np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32))
+    scores = (np.arange(2), np.zeros((2, 3)))
+    first = {"r0": DrainedRequest({"mlp": rows(0, 2, 1.0), "b0": rows(0, 4, 5.0)}, {"sae": features}, None)}
+    second = {"r0": DrainedRequest({"mlp": rows(0, 3, 2.0), "b1": rows(0, 4, 6.0)}, {}, scores),
+              "r1": DrainedRequest({}, {}, scores)}
+    merged = merge_ranks([first, second], {"mlp"})
+    r0 = merged["r0"]
+    assert r0.rows["mlp"]["values"].tolist() == [[1.0, 1.0, 2.0, 2.0, 2.0]] * 2 and list(r0.rows) == ["mlp", "b0", "b1"]
+    assert r0.features == {"sae": features} and r0.scores is scores and merged["r1"].scores is scores
+    with pytest.raises(RuntimeError, match="scores"):
+        merge_ranks([{"r0": DrainedRequest({}, {}, scores)}, {"r0": DrainedRequest({}, {}, scores)}], set())
+    with pytest.raises(RuntimeError, match="SAE sae"):
+        merge_ranks([{"r0": DrainedRequest({}, {"sae": features}, None)},
+                     {"r0": DrainedRequest({}, {"sae": features}, None)}], set())
+    with pytest.raises(RuntimeError, match="different rows"):
+        merge_ranks([{"r0": DrainedRequest({"b0": rows(0, 4, 5.0)}, {}, None)},
+                     {"r0": DrainedRequest({"b0": rows(0, 4, 5.0)}, {}, None)}], set())
 
 
 @pytest.mark.parametrize("windows", [
@@ -237,7 +299,7 @@ def test_windowed_steps_keep_each_hooks_promised_rows_in_order(windows):
                 stack.tensor[h, :n] = torch.tensor(h * 1000 + owner * 100 + positions, dtype=torch.float32)[:, None]
         step = StepInfo(list(counts), np.concatenate([[0], np.cumsum(list(counts.values()))]), positions)
         runtime.after_forward(step, torch.tensor(positions + 7))
-    rows = runtime.drain()
+    rows = _rows(runtime)
     assert "r3" not in rows
     for rid in ("r0", "r1", "r2"):
         for h, hook in enumerate("abc"):

@@ -6,6 +6,7 @@ window loads. And the house rules: no module longer than ``MAX_LINES``, and with
 ``vllm_compat`` (the one module that touches vLLM's internals) a leaf that imports none of the plugin's modules."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,17 @@ def test_no_module_is_longer_than_max_lines():
     lengths = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     offenders = sorted(f"{path}: {n} lines" for path, n in lengths.items() if n > MAX_LINES)
     assert not offenders, f"modules over {MAX_LINES} lines: {offenders}"
+
+
+def test_a_drain_names_no_pseudo_hooks():
+    """A drained request's SAE features and scores are fields of ``capture.drained.DrainedRequest``; no
+    module names them as made-up hooks beside the rows (the ``@scores`` and ``@features/...`` keys of old)."""
+    import inspector.plugin.config
+
+    assert not {"SCORES", "FEATURES", "feature_keys"} & set(vars(inspector.plugin.config))
+    pseudo = re.compile(r"""\b(SCORES|FEATURES|feature_keys)\b|["']@(scores|features)""")
+    offenders = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py") if pseudo.search(p.read_text())]
+    assert not offenders
 
 
 def _plugin_imports() -> dict[str, set[str]]:

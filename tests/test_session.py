@@ -314,7 +314,7 @@ def test_stream_matches_plain_generate_and_the_plugin(sessions):
         assert req.prompt_token_ids == list(out.prompt_token_ids)  # tokenized as vLLM does
         assert np.all(np.array(req.logprobs) <= 0)
         for hook, rows in req.hooks.items():
-            np.testing.assert_array_equal(rows.values, plugin_rows[out.request_id][hook]["values"])
+            np.testing.assert_array_equal(rows.values, plugin_rows[out.request_id].rows[hook]["values"])
 
 
 def test_hdf5_round_trip_is_bit_for_bit(sessions, tmp_path):

@@ -13,6 +13,7 @@ from engines import ENGINE_ARGS
 from fake_session import FakeSession
 from inspector.capture.models import ModelNotFound, resolve_model
 from inspector.capture.protocol import Sampling, SessionError, SessionOptions
+from inspector.capture.windows import CaptureWindow
 from inspector.client.local import start_local_server
 from inspector.engine.session import Session
 from inspector.plugin import vllm_compat
@@ -97,6 +98,21 @@ def test_a_failure_is_a_session_error_that_keeps_the_run(tiny_models, kind, monk
         session.close()
     with pytest.raises(SessionError, match="closed"):
         next(session.generate(["x"]))
+
+
+def test_the_apps_own_server_boots_with_the_slots_and_capture_windows_it_was_given(tiny_models):
+    given = options(tiny_models["llama"], max_slots=8, windows=(("blocks.0.*", "generated"),))
+    session = start_local_server(given)
+    try:
+        assert session.options == given  # as the server's engine session holds them
+        assert session.windows == {"model.layers.0.resid_post": CaptureWindow.parse("generated")}
+        list(session.generate(["def f(x):"], Sampling(max_tokens=3, ignore_eos=True)))
+        req = next(iter(session.run.requests.values()))
+        prompt = len(req.prompt_token_ids)
+        assert req.hooks["model.layers.0.resid_post"].positions.tolist() == [prompt - 1, prompt, prompt + 1]
+        assert len(req.hooks["model.layers.1.resid_post"]) == prompt + 2
+    finally:
+        session.close()
 
 
 def test_bad_model_names_fail_clearly(tmp_path):

@@ -137,7 +137,7 @@ def _generate(llm, points: list[dict]) -> dict:
                 generated = list(out.outputs[0].token_ids)
                 logprobs = [step[token].logprob for step, token in zip(out.outputs[0].logprobs, generated)]
                 tokens[out.request_id] = (list(out.prompt_token_ids), generated, logprobs)
-    rows = _rpc(llm, "inspector_drain")
+    rows = {rid: drained.rows for rid, drained in _rpc(llm, "inspector_drain").items()}
     aliases = {p["name"]: p["alias"] for p in points if p["kind"] in ("resid_pre", "resid_post")}
     return {rid: {"prompt": prompt, "generated": generated, "logprobs": logprobs,
                   "rows": {aliases[name]: np.asarray(r["values"], np.float32)[np.argsort(r["positions"])]

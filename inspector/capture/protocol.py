@@ -20,6 +20,7 @@ from .interventions import DEFAULT_MAX_SLOTS, Intervention, check_clamp_capacity
 from .lens import Attribution, Lens
 from .sae import AttachedSae
 from .blocks import RowBlocks
+from .drained import Features, Scores
 from .run import FeatureRows, HookRows, RequestCapture, Run, TopToken
 from .windows import CaptureWindow
 
@@ -111,7 +112,6 @@ def check_sampling(s: Sampling) -> None:
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], token ids [n], values [n, width] (dtypes.ROW_DTYPES)
 NewRows = Callable[[RequestCapture, HookPoint, np.dtype], HookRows]  # a (request, hook)'s first rows: where they go
-Features = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions [n], ids [n, k] int32, activations [n, k] float32
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class RequestStep:
     finished: bool = False
     finish_reason: str | None = None
     # (positions [n], logprobs [n, len(score_token_ids)]): at each position predicted from in this step
-    scores: tuple[np.ndarray, np.ndarray] | None = None
+    scores: Scores | None = None
     features: dict[str, Features] = field(default_factory=dict)  # attached SAE -> its strongest features
     windows: dict[str, str] | None = None  # capture windows changed: in force from this step's forward on
 

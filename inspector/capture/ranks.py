@@ -5,22 +5,34 @@ from __future__ import annotations
 
 import numpy as np
 
+from .drained import DrainedRequest
 
-def merge_ranks(per_rank: list[dict[str, dict[str, dict]]], sharded: set[str]) -> dict[str, dict[str, dict]]:
+
+def merge_ranks(per_rank: list[dict[str, DrainedRequest]], sharded: set[str]) -> dict[str, DrainedRequest]:
     """One drain of every rank as one drain: a ``sharded`` hook's column slices side by side in rank order
-    (each slice comes from one tensor-parallel rank), every other hook as the one rank that sends it (a
-    pipeline stage's hooks from that stage)."""
+    (each slice comes from one tensor-parallel rank), every other hook, SAE's features and request's
+    scores as the one rank that sends them (a pipeline stage's hooks from that stage)."""
     merged = per_rank[0]
-    for rows_of_rank in per_rank[1:]:
-        for rid, hooks in rows_of_rank.items():
-            mine = merged.setdefault(rid, {})
-            for hook, rows in hooks.items():
-                if hook not in mine:
-                    mine[hook] = rows
+    for of_rank in per_rank[1:]:
+        for rid, theirs in of_rank.items():
+            mine = merged.get(rid)
+            if mine is None:
+                merged[rid] = theirs
+                continue
+            for hook, rows in theirs.rows.items():
+                if hook not in mine.rows:
+                    mine.rows[hook] = rows
                     continue
-                if hook not in sharded or not np.array_equal(mine[hook]["positions"], rows["positions"]):
+                if hook not in sharded or not np.array_equal(mine.rows[hook]["positions"], rows["positions"]):
                     raise RuntimeError(f"request {rid}, hook {hook}: the tensor-parallel ranks sent different rows")
-                mine[hook] = {**mine[hook], "values": np.concatenate([mine[hook]["values"], rows["values"]], axis=1)}
+                mine.rows[hook] = {**mine.rows[hook], "values": np.concatenate([mine.rows[hook]["values"],
+                                                                                rows["values"]], axis=1)}
+            twice = mine.features.keys() & theirs.features.keys()
+            if twice or (mine.scores is not None and theirs.scores is not None):
+                what = f"SAE {min(twice)}'s features" if twice else "scores"
+                raise RuntimeError(f"request {rid}: two ranks sent its {what}")
+            merged[rid] = mine._replace(features={**mine.features, **theirs.features},
+                                        scores=theirs.scores if mine.scores is None else mine.scores)
     return merged
 
 

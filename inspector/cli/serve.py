@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     srv.add_argument("--feature-clamps", type=int, default=0, metavar="N",
                      help="room, per hook, for N SAE features clamped to a value at once (default 0: none; the room "
                           "costs every compiled forward, a few percent of a decode step)")
+    srv.add_argument("--kept-layers", type=int, default=0, metavar="N",
+                     help="boot only the model's first N decoder blocks (default 0: every block)")
     srv.add_argument("--max-backlog-mib", type=float, default=256,
                      help="the engine waits for a client this far behind; one that stops reading for 5 s with this "
                           "much waiting is disconnected (default 256)")
@@ -46,21 +48,31 @@ def run(args) -> int:
         for path in keygen(args.keygen, args.client):
             print(f"wrote {path}")
         return 0
-    try:
-        engine_args = json.loads(args.engine_args)
-    except ValueError as e:
-        raise ValueError(f"--engine-args is not JSON: {e}") from None
     if args.openai:
         from inspector.engine.environment import prepare_environment
 
         prepare_environment()
         args.hooks = args.hooks or list(DEFAULT_HOOKS)
-        return openai_cli.serve(args, {**engine_args, **parallel_args(args)})
-    options = SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks or DEFAULT_HOOKS),
-                             dtype=args.dtype, max_model_len=args.max_model_len,
-                             windows=tuple(parse_window_option(text) for text in args.window or []),
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             enable_position_interventions=not args.no_position_interventions,
-                             feature_clamps=args.feature_clamps, retain_rows=False, engine_args={**engine_args, **parallel_args(args)})
-    return run(options, args.listen, args.keys, args.exit_when_idle, int(args.max_backlog_mib * 2**20),
+        return openai_cli.serve(args, _engine_args(args))
+    return run(served_options(args), args.listen, args.keys, args.exit_when_idle, int(args.max_backlog_mib * 2**20),
                log=lambda text: print(text, flush=True))
+
+
+def served_options(args) -> SessionOptions:
+    """The session options of a parsed ``inspector serve`` command line (what ``capture.serve_argv``
+    writes); a server's session keeps no rows (its clients do)."""
+    return SessionOptions(model=args.model, mode=args.mode, hooks=tuple(args.hooks or DEFAULT_HOOKS), dtype=args.dtype,
+                          max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_position_interventions=not args.no_position_interventions, retain_rows=False,
+                          max_slots=args.max_slots, feature_clamps=args.feature_clamps,
+                          windows=tuple(parse_window_option(text) for text in args.window or []),
+                          kept_layers=args.kept_layers, engine_args=_engine_args(args))
+
+
+def _engine_args(args) -> dict:
+    """--engine-args with --tensor-parallel-size and --pipeline-parallel-size."""
+    try:
+        engine_args = json.loads(args.engine_args)
+    except ValueError as e:
+        raise ValueError(f"--engine-args is not JSON: {e}") from None
+    return {**engine_args, **parallel_args(args)}

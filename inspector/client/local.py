@@ -7,7 +7,6 @@ its private directory; it exits when its last client is gone, so a killed app le
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from inspector.capture.protocol import BootProgress, SessionOptions
+from inspector.capture.serve_argv import serve_argv
 
 from .remote import RemoteSession, connect
 
@@ -25,12 +25,8 @@ STOP_TIMEOUT_S = 30.0
 
 
 def serve_command(options: SessionOptions, listen: str) -> list[str]:
-    return [sys.executable, "-m", "inspector.cli", "serve", "--model", options.model, "--mode", options.mode,
-            "--hooks", *options.hooks, "--dtype", options.dtype, "--max-model-len", str(options.max_model_len),
-            "--max-num-batched-tokens", str(options.max_num_batched_tokens),
-            "--engine-args", json.dumps(options.engine_args), "--listen", listen,
-            "--exit-when-idle", str(EXIT_WHEN_IDLE_S), "--feature-clamps", str(options.feature_clamps),
-            *([] if options.enable_position_interventions else ["--no-position-interventions"])]
+    return [sys.executable, "-m", "inspector.cli", "serve", *serve_argv(options), "--listen", listen,
+            "--exit-when-idle", str(EXIT_WHEN_IDLE_S)]
 
 
 def start_local_server(options: SessionOptions, progress: Callable[[BootProgress], None] | None = None

@@ -15,9 +15,9 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import Attribution, Lens
 from inspector.capture.protocol import (BootProgress, Prefilled, Sampling, SessionError, SessionOptions, StepEvent,
-                                        check_request, NewRows, checked_interventions, fold_event)
-from inspector.capture.run import Run
+                                        check_request, checked_interventions)
 from inspector.capture.sae import AttachedSae, SaeConfig
+from inspector.capture.session_base import SessionBase
 from inspector.capture.windows import CaptureWindow, checked_windows
 from inspector.experiments.methods import Experiments
 from inspector.net.keys import ClientKeys
@@ -100,10 +100,8 @@ def _reason(why_gone: Callable[[], str | None], wait_s: float) -> str | None:
     return why
 
 
-class RemoteSession(Experiments):
+class RemoteSession(SessionBase, Experiments):
     """See ``SessionProtocol``; ``stop`` and ``set_interventions`` may be called from any thread."""
-
-    _next_id = 0  # class-wide, like the in-process session's: request ids stay unique in this process
 
     def __init__(self, connection: Connection, welcome: Message, retain_rows: bool,
                  why_gone: Callable[[], str | None] = lambda: None, on_close: Callable[[], None] = lambda: None):
@@ -116,7 +114,6 @@ class RemoteSession(Experiments):
         self._failed = False  # the server's engine failed
         self._gone_waited = False  # _gone_reason waited for a child process once
         self.process = None  # the server's process, when it is our child (inspector.client.local)
-        self._refused: str | None = None  # an intervention set the server refused, said on the next call
         self._interventions: list[Intervention] = []
         self.new_run()
 
@@ -139,22 +136,10 @@ class RemoteSession(Experiments):
             return self._gone_reason() or self._conn.lost
         return None
 
-    def new_run(self) -> None:
-        self.run = Run(metadata={**self.metadata, "saes": [s.as_dict() for s in self.saes.values()]},
-                       hooks=dict(self.installed))
-        self._new_rows = None
-
-    def write_through(self, new_rows: NewRows) -> None:
-        self._new_rows = new_rows
-
-    def upcoming_request_ids(self, n: int) -> list[str]:
-        return [f"req{self._next_id + i}" for i in range(n)]
-
     def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]:
         self._require_alive()
         check_request(prompts, sampling)
-        ids = self.upcoming_request_ids(len(prompts))
-        type(self)._next_id += len(ids)
+        ids = self._take_request_ids(len(prompts))
         body = {"prompts": list(prompts), "sampling": to_builtins(sampling), "request_ids": ids}
         try:
             with self._conn.start("generate", body) as call:
@@ -165,7 +150,7 @@ class RemoteSession(Experiments):
                         self._failed = message.body.get("kind") in ("engine-failed", "no-session")
                         self._raise(message)
                     event = event_from_body(message.body)
-                    fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
+                    self._fold(event)
                     yield event
         except (ServerGone, WireError) as e:
             raise SessionError(f"{self._gone_reason() or e}. Everything received so far is kept; connect again (or "
@@ -276,14 +261,14 @@ class RemoteSession(Experiments):
         self._require_alive()
         sae = _attached(self._call("attach_sae", {"path": str(path), "hook": hook, "k": int(k)}).body)
         self.saes[sae.name] = sae
-        self.run.metadata["saes"] = [s.as_dict() for s in self.saes.values()]
+        self._note_saes()
         return sae
 
     def detach_sae(self, name: str) -> None:
         self._require_alive()
         self._call("detach_sae", {"name": name})
         self.saes.pop(name, None)
-        self.run.metadata["saes"] = [s.as_dict() for s in self.saes.values()]
+        self._note_saes()
 
     def close(self) -> None:
         if self._conn is not None:
@@ -291,13 +276,10 @@ class RemoteSession(Experiments):
             connection.close()
             self._on_close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     # ------------------------------------------------------------------ internals
+    def _run_metadata(self) -> dict:
+        return {**self.metadata, "saes": self._sae_metadata()}
+
     def _require_alive(self) -> None:
         if self._conn is None:
             raise SessionError("this session is closed; connect again")

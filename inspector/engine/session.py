@@ -23,17 +23,17 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from inspector import __version__
 from inspector.capture.blocks import RequestRowsView
+from inspector.capture.drained import DrainedRequest
 from inspector.capture.hooks import HookPoint, check_patterns
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import checked_token_ids
 from inspector.capture.models import model_config
-from inspector.capture.protocol import (BootProgress, NewRows, Prefilled, RequestStart, RequestStep, Rows, Sampling,
-                                        SessionError, SessionOptions, StepEvent, check_request, checked_interventions,
-                                        fold_event)
+from inspector.capture.protocol import (BootProgress, Prefilled, RequestStart, RequestStep, Rows, Sampling,
+                                        SessionError, SessionOptions, StepEvent, check_request)
 from inspector.capture.ranks import merge_ranks
 from inspector.capture.request_edits import encode_edit
-from inspector.capture.run import Run
 from inspector.capture.sae import AttachedSae, checked_attachment
+from inspector.capture.session_base import HeldInterventions, SessionBase
 from inspector.capture.windows import CaptureWindow, checked_windows, windows_from_patterns
 from inspector.experiments.methods import Experiments
 from inspector.plugin.gather import bulk_of
@@ -42,15 +42,14 @@ from .boot import shutdown_llm
 from .head import ModelHead
 from .opening import boot_engine, describe_engine, open_engine
 from .tokens import token_text
-from .translation import drained_features, drained_rows, drained_scores, new_tokens, sampling_params
+from .translation import drained_rows, new_tokens, sampling_params
 
 
-class Session(ModelHead, Experiments):
+NOTHING_DRAINED = DrainedRequest({}, {}, None)  # a request with news other than captures
+
+
+class Session(SessionBase, HeldInterventions, ModelHead, Experiments):
     """Use ``Session.open(options, progress)``; close it to free the engine for another."""
-
-    # Class-wide, so request ids stay unique across the sessions of one process: the app keeps
-    # showing a run while it reopens the engine, and a new "req0" would land in the old one.
-    _next_id = 0
 
     def __init__(self, options: SessionOptions, llm, model_path, catalogue: list[HookPoint],
                  installed: dict[str, HookPoint], block_family: str, refused_kinds: dict[str, str] | None = None):
@@ -64,10 +63,8 @@ class Session(ModelHead, Experiments):
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
         self._texts: dict[int, str] = {}  # token id -> display text
-        self._lock = threading.Lock()
+        self._hold_interventions()
         self._stop = threading.Event()
-        self._pending: list[Intervention] | None = None  # set from another thread, applied between steps
-        self._interventions: list[Intervention] = []
         # prefix caching (engine_args enable_prefix_caching): cached blocks are keyed by the edits they were
         # computed under and by how many times the edits changed, so a block computed while a live change
         # happened is read by no request admitted after it
@@ -100,19 +97,6 @@ class Session(ModelHead, Experiments):
             self.alive = False
             shutdown_llm(llm)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def new_run(self) -> None:
-        self.run = Run(metadata=self._metadata(), hooks=dict(self.installed))
-        self._new_rows = None
-
-    def write_through(self, new_rows: NewRows) -> None:
-        self._new_rows = new_rows
-
     # --- generation ---
 
     def generate(self, prompts: list[str], sampling: Sampling = Sampling()) -> Iterator[StepEvent]:
@@ -142,11 +126,9 @@ class Session(ModelHead, Experiments):
         params = sampling_params(sampling, skip_cache=self._prefix_caching and sampling.capture)
         vocab = self._llm.llm_engine.model_config.get_vocab_size()
         checked_token_ids(sampling.score_token_ids, vocab)
-        ids = list(request_ids) if request_ids is not None else self.upcoming_request_ids(len(prompts))
+        ids = list(request_ids) if request_ids is not None else self._take_request_ids(len(prompts))
         if len(ids) != len(prompts) or len(set(ids)) != len(ids) or set(ids) & set(self._open):
             raise ValueError(f"request ids must be new and one per prompt, got {ids}")
-        if request_ids is None:
-            type(self)._next_id += len(ids)
         windows = {name: str(w) for name, w in (self.windows if windows is None else windows).items()}
         starts = [self._start(rid, prompt, sampling, windows) for rid, prompt in zip(ids, prompts)]
         self._send_request_options(starts, sampling)
@@ -199,19 +181,15 @@ class Session(ModelHead, Experiments):
                     ids = checked_token_ids(ids, vocab).tolist()
                     if not 0 < len(ids) <= longest:
                         raise ValueError(f"context {index} has {len(ids)} tokens; the engine takes 1 to {longest}")
-                    if request_ids is None:
-                        rid = f"prefill{type(self)._next_id}"
-                        type(self)._next_id += 1
-                    else:
-                        rid = request_ids[index]
+                    rid = self._take_request_ids(1, "prefill")[0] if request_ids is None else request_ids[index]
                     engine.add_request(rid, {"prompt_token_ids": ids, **self._cache_salt(rid)}, params)
                     flying[rid], queued = (index, len(ids), []), queued + len(ids)
                 if not flying:
                     return
                 finished = [out.request_id for out in engine.step() if out.finished and out.request_id in flying]
-                for rid, rows in self._drain(wait=bool(finished)).items():
+                for rid, drained in self._drain(wait=bool(finished)).items():
                     if rid in flying:
-                        flying[rid][2].append(rows)
+                        flying[rid][2].append(drained.rows)
                 for rid in finished:
                     index, length, parts = flying.pop(rid)
                     queued -= length
@@ -264,25 +242,11 @@ class Session(ModelHead, Experiments):
         self._llm.llm_engine.abort_request(ids)
         return self._event(self._drain(), {}, finish={rid: "stopped" for rid in ids})
 
-    def upcoming_request_ids(self, n: int) -> list[str]:
-        return [f"req{self._next_id + i}" for i in range(n)]
-
     def stop(self) -> None:
         """Thread-safe: generation ends before the next step; what was captured stays."""
         self._stop.set()
 
     # --- interventions and hooks ---
-
-    @property
-    def interventions(self) -> list[Intervention]:
-        with self._lock:
-            return list(self._pending if self._pending is not None else self._interventions)
-
-    def set_interventions(self, interventions: list[Intervention]) -> None:
-        """Thread-safe. Validated at once (ValueError); applied before the next forward."""
-        checked = checked_interventions(interventions, self.installed, self.options)
-        with self._lock:
-            self._pending = checked
 
     def set_python_hooks(self, functions: dict[str, Callable]) -> None:
         """Python functions on installed hooks' rows at every forward (``plugin.python_hooks``), replacing
@@ -352,10 +316,7 @@ class Session(ModelHead, Experiments):
             self.run = run
         self.run.hooks.update(self.installed)
         self.windows = {name: w for name, w in self.windows.items() if name in self.installed}
-        with self._lock:  # the set last given (one not applied yet included), less what lost its hook
-            wanted = self._pending if self._pending is not None else self._interventions
-            self._interventions = [iv for iv in wanted if iv.hook in self.installed]
-            self._pending = list(self._interventions)
+        self._keep_installed_interventions()
         attached, self.saes = self.saes, {}
         for sae in attached.values():  # on the hooks still installed (a restarted engine has none attached)
             if sae.hook in self.installed:
@@ -375,14 +336,14 @@ class Session(ModelHead, Experiments):
         sae = checked_attachment(path, hook, k, self.installed, self.saes)
         self._llm.collective_rpc("inspector_attach_sae", args=(sae.config.as_dict(), sae.hook, sae.k))
         self.saes[sae.name] = sae
-        self.run.metadata["saes"] = [s.as_dict() for s in self.saes.values()]
+        self._note_saes()
         return sae
 
     def detach_sae(self, name: str) -> None:
         self._require_alive()
         self._llm.collective_rpc("inspector_detach_sae", args=(name,))
         self.saes.pop(name, None)
-        self.run.metadata["saes"] = [sae.as_dict() for sae in self.saes.values()]
+        self._note_saes()
 
     # --- internals ---
 
@@ -429,8 +390,7 @@ class Session(ModelHead, Experiments):
     def _apply_interventions(self, open_ids: list[str], force: bool = False) -> None:
         """Push a pending intervention set to the worker and note, per request, from which position it
         applies; ``force`` notes the current set for new requests."""
-        with self._lock:
-            pending, self._pending = self._pending, None
+        pending = self._take_pending()
         queued = {}
         if pending is not None:
             self._llm.collective_rpc("inspector_set_interventions", args=([iv.as_dict(arrays=True) for iv in pending],))
@@ -464,14 +424,15 @@ class Session(ModelHead, Experiments):
         digest = hashlib.sha256(f"{self._edit_generation}\n{encode_edit(active)}".encode()).hexdigest()
         return {"cache_salt": f"s-{digest}"}
 
-    def _drain(self, wait: bool = True) -> dict:
+    def _drain(self, wait: bool = True) -> dict[str, DrainedRequest]:
         """The workers' rows since the last drain; ``wait=False`` leaves those still copying, except
         where tensor-parallel ranks each send a slice of a hook's columns (they must send the same rows)."""
         sharded = {name for name, h in self.installed.items() if h.shards > 1}
         return merge_ranks(self._llm.collective_rpc("inspector_drain", kwargs={"wait": wait or bool(sharded)}),
                            sharded)
 
-    def _event(self, captures: dict, outputs: dict, finish: dict[str, str] | None = None) -> StepEvent:
+    def _event(self, captures: dict[str, DrainedRequest], outputs: dict, finish: dict[str, str] | None = None
+               ) -> StepEvent:
         """One event for every request with news (a start, rows, tokens, log entries or an end), folded
         into ``run`` as it is made."""
         finish = finish or {}
@@ -486,7 +447,7 @@ class Session(ModelHead, Experiments):
         for rid in dict.fromkeys(order):
             if rid not in self._computed:
                 continue
-            hooks = captures.get(rid, {})
+            drained = captures.get(rid, NOTHING_DRAINED)
             if blocks is not None:
                 rows = RequestRowsView(blocks, rid)
                 for b in rows.blocks:
@@ -494,14 +455,14 @@ class Session(ModelHead, Experiments):
                     if where.stop > where.start:
                         self._computed[rid] = max(self._computed[rid], int(b.positions[where.stop - 1]) + 1)
             else:
-                rows = drained_rows(hooks)
+                rows = drained_rows(drained.rows)
                 self._note_computed(rid, rows)
             tokens = new_tokens(outputs[rid], self._text) if rid in outputs else {}
             log = tuple(self._unsent_log.pop(rid, ()))
             steps.append(RequestStep(rid, rows=rows, intervention_log=log, finished=rid in finish,
-                                     finish_reason=finish.get(rid), features=drained_features(hooks, self.saes),
-                                     windows=self._unsent_windows.pop(rid, None), scores=drained_scores(hooks),
-                                     **tokens))
+                                     finish_reason=finish.get(rid), windows=self._unsent_windows.pop(rid, None),
+                                     features={sae: f for sae, f in drained.features.items() if sae in self.saes},
+                                     scores=drained.scores, **tokens))
         self._open = [rid for rid in self._open if rid not in finish]
         for rid in finish:  # a long-lived session (a server's) forgets requests that are over
             self._computed.pop(rid, None)
@@ -513,7 +474,7 @@ class Session(ModelHead, Experiments):
         self._steps += 1
         # the landed copies are the event's: the engine writes the next forward's rows into new ones
         event = StepEvent(self._steps - 1, tuple(steps), started, owns_rows=True, blocks=blocks)
-        fold_event(self.run, event, keep_rows=self.options.retain_rows, new_rows=self._new_rows)
+        self._fold(event)
         return event
 
     def _note_computed(self, rid: str, rows: dict[str, Rows]) -> None:
@@ -528,7 +489,7 @@ class Session(ModelHead, Experiments):
             text = self._texts[token_id] = token_text(self._tokenizer, token_id)
         return text
 
-    def _metadata(self) -> dict:
+    def _run_metadata(self) -> dict:
         import torch
         import vllm
 
@@ -544,6 +505,6 @@ class Session(ModelHead, Experiments):
             "block_family": self.block_family,  # the blocks' structure, as read from the model's forward at boot
             "refused_kinds": self.refused_kinds,  # kind -> why no point of it is offered
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "saes": [sae.as_dict() for sae in self.saes.values()],  # what features in the run come from
+            "saes": self._sae_metadata(),
         }
 

@@ -1,16 +1,13 @@
 """Between vLLM's values and the protocol's: a ``Sampling`` as vLLM's sampling parameters, a request
-output as its new tokens and logprobs, and what the workers drained for a request as its rows, SAE
-features and token scores. Plain functions, apart from the session's bookkeeping of its requests."""
+output as its new tokens and logprobs, and a request's drained rows as the protocol's. Plain functions,
+apart from the session's bookkeeping of its requests."""
 
 from __future__ import annotations
 
-from typing import Callable
-
-import numpy as np
+from typing import Callable, Mapping
 
 from inspector.capture.protocol import Rows, Sampling
 from inspector.capture.run import TopToken
-from inspector.plugin.config import FEATURES, SCORES, feature_keys
 
 
 def sampling_params(s: Sampling, skip_cache: bool = False):
@@ -43,20 +40,6 @@ def new_tokens(out, text: Callable[[int], str]) -> dict:
             "logprobs": tuple(chosen), "top_logprobs": tuple(tops)}
 
 
-def drained_rows(hooks: dict[str, dict]) -> dict[str, Rows]:
-    """A request's drained hooks as rows by hook (its scores and SAE features are not rows)."""
-    return {hook: (c["positions"], c["token_ids"], c["values"]) for hook, c in hooks.items()
-            if hook != SCORES and not hook.startswith(FEATURES)}
-
-
-def drained_features(hooks: dict[str, dict], saes) -> dict[str, tuple]:
-    """A request's drained SAE features, per attached SAE name in ``saes``: (positions, ids, activations)."""
-    return {name: (hooks[acts]["positions"], hooks[ids]["values"].astype(np.int32), hooks[acts]["values"])
-            for name, (acts, ids) in ((n, feature_keys(n)) for n in saes) if acts in hooks}
-
-
-def drained_scores(hooks: dict[str, dict]) -> tuple[np.ndarray, np.ndarray] | None:
-    """A request's drained token scores (positions, values), or None."""
-    scores = hooks.get(SCORES)
-    return None if scores is None else (scores["positions"], scores["values"])
-
+def drained_rows(rows: Mapping[str, dict]) -> dict[str, Rows]:
+    """A request's drained rows by hook as the protocol's (positions, token ids, values)."""
+    return {hook: (c["positions"], c["token_ids"], c["values"]) for hook, c in rows.items()}

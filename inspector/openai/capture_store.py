@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from inspector.capture.portable import from_portable
+from inspector.capture.drained import ROW_KEYS
 from inspector.capture.run import RequestCapture
 from inspector.io.writer import CaptureWriter
 
@@ -49,7 +49,8 @@ class _Choice:
 
 class CaptureStore:
     def __init__(self, directory: Path, limit_bytes: int, hooks: HookTable, metadata: dict, drain, token_texts):
-        """``drain()``: an awaitable of the engine's rows since the last; ``token_texts(ids)``: their texts."""
+        """``drain()``: an awaitable of the engine's drained requests since the last; ``token_texts(ids)``:
+        their texts."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.limit_bytes = limit_bytes
@@ -122,7 +123,7 @@ class CaptureStore:
     async def _collect(self) -> None:
         async with self._lock:
             drained = await self._drain()
-        for rid, hooks in drained.items():
+        for rid, request in drained.items():
             match = ENGINE_ID.match(rid)
             pending = self._pending.get(match.group(2)) if match else None
             if pending is None:
@@ -132,10 +133,8 @@ class CaptureStore:
             choice = prompt * int(pending.request.get("n") or 1) + sample
             rows = pending.rows.setdefault(choice, {})
             for hook in pending.ask.hooks:
-                if hook in hooks:
-                    found = hooks[hook]
-                    rows.setdefault(hook, []).append(tuple(from_portable(found[key])
-                                                           for key in ("positions", "token_ids", "values")))
+                if hook in request.rows:
+                    rows.setdefault(hook, []).append(tuple(request.rows[hook][key] for key in ROW_KEYS))
 
     def _write(self, path: Path, pending: _Pending, choices: dict[int, _Choice], response_id: str,
                finish: str | None = "stop") -> None:

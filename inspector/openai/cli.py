@@ -18,7 +18,7 @@ from .vectors import absolute_vector_spec, parse_vector_spec
 
 PLUGIN = "activation_inspector"  # the name of both entry points, ours in VLLM_PLUGINS
 NOT_WITH_OPENAI = {"listen": "tcp://127.0.0.1:5557", "keys": None, "window": None, "exit_when_idle": None,
-                   "no_position_interventions": False}
+                   "no_position_interventions": False, "kept_layers": 0}
 
 
 def add_options(parser) -> None:
@@ -31,7 +31,7 @@ def add_options(parser) -> None:
                         help="with --openai: named steering vectors, a .npy file at a hook (or an SAE's feature: "
                              "NAME=SAE_DIR#FEATURE), which requests name in inspector_steer")
     parser.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS, metavar="N",
-                        help=f"with --openai: distinct edits running at once, plus one (default {DEFAULT_MAX_SLOTS})")
+                        help=f"distinct edits running at once, plus one (default {DEFAULT_MAX_SLOTS})")
     parser.add_argument("--capture-dir", metavar="DIR",
                         help="with --openai: where the captures of requests that ask (inspector_capture) are kept "
                              "(default: a new temporary directory)")

@@ -19,6 +19,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from inspector.capture.hooks import HookPoint, check_patterns
 from inspector.capture.request_edits import SERVED_SECTION, decode_vector
 from inspector.engine.tokens import token_text
+from inspector.capture.drained import drain_from_portable
 from inspector.capture.ranks import merge_descriptions, merge_ranks
 
 from .admission import Admission
@@ -73,7 +74,8 @@ class InspectorEndpoints:
         split = {name for name, point in hooks.points.items() if point.shards > 1}
 
         async def drain():
-            return merge_ranks(await engine_client.collective_rpc("inspector_drain", args=(True, True)), split)
+            replies = await engine_client.collective_rpc("inspector_drain", args=(True, True))
+            return merge_ranks([drain_from_portable(reply) for reply in replies], split)
 
         directory = section.get("capture_dir")
         if directory is None:  # a directory of this server's own, gone when it stops

@@ -14,13 +14,6 @@ from inspector.capture.interventions import DEFAULT_MAX_SLOTS
 from inspector.capture.request_edits import SERVED_SECTION
 
 ENV_VAR = "INSPECTOR_PLUGIN_CONFIG"
-SCORES = "@scores"  # in a drain: a scored request's logprobs of its score tokens, beside its hooks' rows
-FEATURES = "@features"  # in a drain: an attached SAE's strongest features, beside its hook's rows (feature_keys)
-
-
-def feature_keys(sae: str) -> tuple[str, str]:
-    """An attached SAE's two entries in a drain: its features' activations, then their ids (as floats)."""
-    return f"{FEATURES}/{sae}/activations", f"{FEATURES}/{sae}/ids"
 DTYPES = ("float32", "float16", "bfloat16")
 # A worker without our runtime says this; the driver turns it into advice (spawned workers load the
 # plugin only through its installed entry point)

@@ -10,7 +10,9 @@ engine's step path, and rows joined there were a host copy of every backlogged f
 (measurements: docs/performance-notes.md). Where the requests' rows lie one after another,
 ``bulk_of`` hands the drain out as one block per hook (``RowBlocks``). A landed copy's pinned block
 goes back to torch's host allocator once nothing refers to it: rows kept are kept as they are, and the
-allocator's cache reuses their blocks once they are let go (a new run reuses the last one's).
+allocator's cache reuses their blocks once they are let go (a new run reuses the last one's). An
+attached SAE's features travel in a forward's copy as a stack of their own (``SaeStack``) and leave
+the drain beside the rows, in a ``DrainedRequest``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,17 @@ import numpy as np
 import torch
 
 from inspector.capture.blocks import RowBlocks
+from inspector.capture.drained import DrainedRequest, Features, Scores
 from inspector.capture.dtypes import BFLOAT16
-from inspector.plugin.config import FEATURES, SCORES
 
 Rows = dict[str, np.ndarray]  # positions, token_ids, values
+
+
+class SaeStack(NamedTuple):
+    """In a forward's ``stack_names``, in place of a stack's hook names: an attached SAE's strongest
+    features of its hook's rows, [2, rows, k] (activations, then ids as floats)."""
+
+    sae: str
 
 
 class QueuedForward(NamedTuple):
@@ -36,7 +45,7 @@ class QueuedForward(NamedTuple):
     req_ids: list[str]
     query_start_loc: np.ndarray
     positions: np.ndarray
-    stack_names: list[list[str | None]]
+    stack_names: list[list[str | None] | SaeStack]
     host: list[torch.Tensor]
 
 
@@ -51,7 +60,7 @@ class Span(NamedTuple):
 
 class RequestRows(MutableMapping):
     """One request's rows of a drain: hook → rows (positions, token_ids, values), each made when it is
-    read. Rows set here (scores, another rank's) are kept as they are."""
+    read. Rows set here (another rank's) are kept as they are."""
 
     __slots__ = ("_spans", "_set", "_join", "__weakref__")
 
@@ -122,18 +131,19 @@ class RequestRows(MutableMapping):
         self._spans = []
 
 
-def bulk_of(drained: dict[str, MutableMapping]) -> tuple[RowBlocks, ...] | None:
+def bulk_of(drained: dict[str, DrainedRequest]) -> tuple[RowBlocks, ...] | None:
     """A drain's rows in bulk, one ``RowBlocks`` a forward drained (views of its landed copy, no
     copy), where each forward's requests lie one after another; None where they do not (a capture
     window's rows, a request that wants none between others, ranks merged by hook)."""
     rows, request_ids = [], []
-    for rid, r in drained.items():
+    for rid, request in drained.items():
+        r = request.rows
         if type(r) is RequestRows and r._spans:
-            if any(not _pseudo(k) for k in r._set):  # another rank's rows, set by hook
+            if r._set:  # another rank's rows, set by hook
                 return None
             rows.append(r)
             request_ids.append(rid)
-        elif any(not _pseudo(k) for k in r):
+        elif r:
             return None
     if not rows:
         return None
@@ -157,18 +167,54 @@ def bulk_of(drained: dict[str, MutableMapping]) -> tuple[RowBlocks, ...] | None:
         bounds = np.concatenate([[0], np.cumsum([s.rows.stop - s.rows.start for s, _ in spans])])
         blocks.append(RowBlocks([rid for _, rid in spans], bounds, np.concatenate([s.positions for s, _ in spans]),
                                 np.concatenate([s.token_ids for s, _ in spans]),
-                                {hook: stack[h, where] for hook, (stack, h) in index.items() if not _pseudo(hook)}))
+                                {hook: stack[h, where] for hook, (stack, h) in index.items()}))
     return tuple(blocks)
-
-
-def _pseudo(key: str) -> bool:
-    """A drain's entry that is not a hook's rows: scores, an SAE's features."""
-    return key == SCORES or key.startswith(FEATURES)
 
 
 def _rows(span: Span, hook: str) -> Rows:
     stack, h = span.index[hook]
     return {"positions": span.positions, "token_ids": span.token_ids, "values": stack[h, span.rows]}
+
+
+def drained_requests(forwards: list[QueuedForward], scores: dict[str, Scores], no_rows: set[str]
+                     ) -> dict[str, DrainedRequest]:
+    """request id → its rows, features and scores, over ``forwards`` in order; requests in ``no_rows``
+    keep their features and scores, not their rows."""
+    forwards, features = split_features(forwards)
+    rows = rows_by_request(forwards)
+    drained = {}
+    for rid in dict.fromkeys([*rows, *scores]):  # a request with features has spans in the forwards: it is in rows
+        found = features.get(rid, {})
+        if rid not in no_rows:
+            drained[rid] = DrainedRequest(rows.get(rid, {}), found, scores.get(rid))
+        elif found or rid in scores:
+            drained[rid] = DrainedRequest({}, found, scores.get(rid))
+    return drained
+
+
+def split_features(forwards: list[QueuedForward]) -> tuple[list[QueuedForward], dict[str, dict[str, Features]]]:
+    """The forwards without their SAE stacks, and each request's features from them: SAE name →
+    positions, ids (int32), activations, over the forwards in order."""
+    parts: dict[str, dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]] = {}
+    stripped = []
+    for f in forwards:
+        saes = [k for k, names in enumerate(f.stack_names) if isinstance(names, SaeStack)]
+        if not saes:
+            stripped.append(f)
+            continue
+        bounds = f.query_start_loc.tolist()
+        for k in saes:
+            stack = _numpy(f.host[k])
+            for rid, a, b in zip(f.req_ids, bounds, bounds[1:]):
+                if a != b:
+                    parts.setdefault(rid, {}).setdefault(f.stack_names[k].sae, []).append(
+                        (f.positions[a:b], stack[1, a:b].astype(np.int32), stack[0, a:b]))
+        keep = [k for k in range(len(f.host)) if k not in saes]
+        stripped.append(f._replace(stack_names=[f.stack_names[k] for k in keep if k < len(f.stack_names)],
+                                   host=[f.host[k] for k in keep]))
+    features = {rid: {sae: pieces[0] if len(pieces) == 1 else tuple(np.concatenate(p) for p in zip(*pieces))
+                      for sae, pieces in of_request.items()} for rid, of_request in parts.items()}
+    return stripped, features
 
 
 def rows_by_request(forwards: list[QueuedForward]) -> dict[str, RequestRows]:

@@ -22,16 +22,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from inspector.capture.drained import DrainedRequest
 from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention, check_clamp_capacity, validate
 from inspector.capture.sae import AttachedSae
 
 from . import hookpoints as hp
 from .clamps import ClampTable
-from .config import FEATURES, SCORES, PluginConfig, feature_keys
+from .config import PluginConfig
 from .copyout import HostQueue
 from .features import DeviceSae
-from .gather import QueuedForward, rows_by_request
+from .gather import QueuedForward, SaeStack, drained_requests
 from .python_hooks import PythonHooks
 from .row_windows import SlotIndex, WindowTable
 from .scores import TokenScores
@@ -375,7 +376,7 @@ class InspectorRuntime:
         for name, sae in self.saes.items():  # encoded now, on the device: only the strongest features leave it
             tensors.append(sae.strongest(self.active[sae.attached.hook].buffer[:n]))
             arenas.append(None)
-            names.append(list(feature_keys(name)))
+            names.append(SaeStack(name))
         if windowed:
             self._queue_windowed(step, input_ids)
         if not tensors:
@@ -504,20 +505,12 @@ class InspectorRuntime:
         self._clamped = {self.active[iv.hook].point.name for iv in interventions if iv.clamp is not None}
         self._has_interventions = bool(interventions)
 
-    def drain(self, wait: bool = True) -> dict[str, dict[str, dict[str, np.ndarray]]]:
-        """Captures since the last drain: request id → hook → positions, token_ids, values (and
-        ``SCORES`` → positions, values for a scored request).
+    def drain(self, wait: bool = True) -> dict[str, DrainedRequest]:
+        """Captures since the last drain, by request: its rows by hook, its SAE features and its scores.
 
         ``wait=False`` never waits for the GPU: steps whose copies are still in flight stay for the
         next drain (rows still arrive in step order)."""
-        rows = rows_by_request(self._in_flight.take(wait))
-        for rid in self._no_capture & rows.keys():  # features are not rows: they stay
-            rows[rid] = {key: r for key, r in rows[rid].items() if key.startswith(FEATURES)}
-            if not rows[rid]:
-                del rows[rid]
-        for rid, found in self._scores.take().items():
-            rows.setdefault(rid, {})[SCORES] = found
-        return rows
+        return drained_requests(self._in_flight.take(wait), self._scores.take(), self._no_capture)
 
     def queued_positions(self, request_ids: list[str]) -> dict[str, int]:
         """Per request, the position after the last row of a forward already queued but not drained:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from inspector.capture.drained import Scores
+
 from .vllm_compat import StepInfo
 
 
@@ -49,8 +51,8 @@ class TokenScores:
         for j, i in enumerate(wanted):
             self._found.setdefault(step.req_ids[i], []).append((int(step.positions[ends[i]]), picked[j, :len(ids[j])]))
 
-    def take(self) -> dict[str, dict[str, np.ndarray]]:
-        """The scores since the last call: request -> positions, values [positions, its tokens]."""
+    def take(self) -> dict[str, Scores]:
+        """The scores since the last call: request -> (positions, values [positions, its tokens])."""
         found, self._found = self._found, {}
-        return {rid: {"positions": np.array([p for p, _ in rows], dtype=np.int64),
-                      "values": np.stack([v for _, v in rows])} for rid, rows in found.items()}
+        return {rid: (np.array([p for p, _ in rows], dtype=np.int64), np.stack([v for _, v in rows]))
+                for rid, rows in found.items()}

@@ -13,6 +13,7 @@ import time
 import types
 from dataclasses import replace
 
+from inspector.capture.drained import ROW_KEYS
 from inspector.capture.interventions import Intervention
 from inspector.capture.portable import to_portable
 from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, decode_edit
@@ -132,15 +133,15 @@ class InspectorWorkerExtension:
         return self._inspector().describe()
 
     def inspector_drain(self, wait: bool = True, portable: bool = False) -> dict:
-        """Captured rows since the last drain; ``wait=False`` leaves steps still copying for later.
-        ``portable``: plain dicts of ``capture.portable`` arrays, for vLLM's own RPC, which sends neither
-        our mappings nor typed arrays (and fails the engine on what it cannot send)."""
-        rows = self._inspector().drain(wait)
+        """Captures since the last drain, a ``DrainedRequest`` by request; ``wait=False`` leaves steps
+        still copying for later. ``portable``: the rows alone, as plain dicts of ``capture.portable``
+        arrays (``drain_from_portable`` reads them), for vLLM's own RPC, which sends neither our types
+        nor typed arrays (and fails the engine on what it cannot send)."""
+        drained = self._inspector().drain(wait)
         if not portable:
-            return rows
-        return {rid: {hook: {key: to_portable(found[key]) for key in ("positions", "token_ids", "values")}
-                      for hook, found in hooks.items() if not hook.startswith("@")}  # scores, features: not here
-                for rid, hooks in rows.items()}
+            return drained
+        return {rid: {hook: {key: to_portable(found[key]) for key in ROW_KEYS}
+                      for hook, found in request.rows.items()} for rid, request in drained.items()}
 
     def inspector_queued_positions(self, request_ids: list[str]) -> dict[str, int]:
         return self._inspector().queued_positions(list(request_ids))

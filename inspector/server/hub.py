@@ -324,7 +324,7 @@ class Hub:
         if done is None:
             self._end_prefill(Message("done", {"contexts": job.sent, "stopped": False}, job.call))
             return
-        installed = self.installed_for(job.client)  # and none of the drain's other keys (SAE features)
+        installed = self.installed_for(job.client)
         parts = [{hook: rows for hook, rows in part.items() if hook in installed} for part in done.parts]
         self.send(job.client.key, Message("prefilled", {"index": done.index, "tokens": done.tokens, "parts": parts},
                                           job.call))
