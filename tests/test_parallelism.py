@@ -24,6 +24,7 @@ from inspector.capture.interventions import Intervention
 from inspector.capture.protocol import SessionOptions, Sampling
 from inspector.engine.session import Session
 
+SCORED = (5, 17, 42)  # tokens whose logprobs every request asks for wherever the model predicts
 REHOOKED = ["blocks.0.hook_resid_post", "blocks.1.mlp.hook_post", "blocks.1.hook_resid_post"]
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
            "import os\nimport sys\nfrom pathlib import Path\n\n\ndef main():"]
@@ -32,11 +33,12 @@ PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibon
 def generate(session, out, tag):
     """Both prompts greedy; per prompt its tokens and every hook's positions and values, by alias."""
     ids = session.upcoming_request_ids(len(PROMPTS))
-    for _ in session.generate(PROMPTS, Sampling(max_tokens=5, ignore_eos=True, logprobs=1)):
+    for _ in session.generate(PROMPTS, Sampling(max_tokens=5, ignore_eos=True, logprobs=1, score_token_ids=SCORED)):
         pass
     arrays = {}
     for i, rid in enumerate(ids):
         req = session.run.requests[rid]
+        arrays[f"{i}|scores"] = np.array([[p, *v] for p, v in sorted(req.scores.items())])
         arrays[f"{i}|tokens"] = np.array(req.token_ids)
         arrays[f"{i}|prompt"] = np.array(len(req.prompt_token_ids))
         for name, rows in req.hooks.items():
@@ -217,6 +219,23 @@ def test_hooks_change_on_a_running_parallel_eager_engine(saved, config):
     assert set(rehooked) == {"blocks.0.hook_resid_post", "blocks.1.mlp.hook_post", "blocks.1.hook_resid_post"}
     for alias, (positions, values) in rehooked.items():
         assert rel_l2(values, plain[alias][1]).max() < PARITY_TOL
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_token_scores_under_parallelism_are_read_once_and_equal_tp1(saved, config):
+    """The logprobs of the tokens a request scores: one rank reads them (vLLM may gather the logits onto
+    every rank), at every position a token was generated from, as TP=1 reads them (where a prefill chunk
+    ends inside the prompt depends on the schedule: those positions are compared where both have them)."""
+    for run in ("plain", "steered"):
+        for i in range(2):
+            arrays, single_arrays = saved[1][f"{config}-{run}"], saved[1][f"tp1-{run}"]
+            ours, single = arrays[f"{i}|scores"], single_arrays[f"{i}|scores"]
+            last_prompt = int(arrays[f"{i}|prompt"]) - 1
+            assert ours.shape[1] == 4 and len(np.unique(ours[:, 0])) == len(ours)  # each position read once
+            np.testing.assert_array_equal(ours[ours[:, 0] >= last_prompt, 0], np.arange(last_prompt, last_prompt + 5))
+            both, mine, theirs = np.intersect1d(ours[:, 0], single[:, 0], return_indices=True)
+            assert set(range(last_prompt, last_prompt + 5)) <= set(both.tolist())
+            np.testing.assert_allclose(ours[mine, 1:], single[theirs, 1:], atol=1e-4)
 
 
 @pytest.mark.parametrize("config", EAGER)

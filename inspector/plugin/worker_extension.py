@@ -86,7 +86,8 @@ def install_runtime(worker) -> None:
     runtime.install({**config.capture_specs, **matched})
     vllm_compat.count_as_model_memory(worker, runtime.allocated_bytes())
     vllm_compat.wrap_model_forward(worker, runtime.before_forward, runtime.after_forward)
-    vllm_compat.watch_logits(worker, runtime.on_logits)
+    if vllm_compat.tensor_parallel(worker).rank == 0:  # vLLM may gather the logits onto every rank: one reads them
+        vllm_compat.watch_logits(worker, runtime.on_logits)
     vllm_compat.watch_scheduled_requests(worker, functools.partial(_read_requests, runtime))
     setattr(worker, _ATTR, runtime)
     _offer_extension(worker)
