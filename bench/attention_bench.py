@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from inspector.capture.attention import AttentionGeometry, attention_weights
+from inspector.core.attention import AttentionGeometry, attention_weights
 
 
 def timed(fn, reps: int) -> float:

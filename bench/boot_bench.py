@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
 
 
 def model_dir(name: str) -> str:
-    from inspector.capture.models import resolve_model
+    from inspector.core.models import resolve_model
     from inspector.testing.tinymodels import tiny_model
 
     return str(resolve_model("demo")) if name == "demo" else str(tiny_model(name))

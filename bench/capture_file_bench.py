@@ -26,10 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inspector.capture.blocks import RowBlocks  # noqa: E402
-from inspector.capture.dtypes import ROW_DTYPES  # noqa: E402
-from inspector.capture.hooks import HookPoint  # noqa: E402
-from inspector.capture.run import RequestCapture  # noqa: E402
+from inspector.core.blocks import RowBlocks  # noqa: E402
+from inspector.core.dtypes import ROW_DTYPES  # noqa: E402
+from inspector.core.hooks import HookPoint  # noqa: E402
+from inspector.core.run import RequestCapture  # noqa: E402
 from inspector.io import CaptureWriter  # noqa: E402
 from inspector.io.background import BackgroundWriter  # noqa: E402
 

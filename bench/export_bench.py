@@ -33,9 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES  # noqa: E402
-from inspector.capture.hooks import HookPoint  # noqa: E402
-from inspector.capture.run import RequestCapture, Run  # noqa: E402
+from inspector.core.dtypes import BFLOAT16, ROW_DTYPES  # noqa: E402
+from inspector.core.hooks import HookPoint  # noqa: E402
+from inspector.core.run import RequestCapture, Run  # noqa: E402
 from inspector.io import CaptureWriter, open_run, write_run  # noqa: E402
 
 

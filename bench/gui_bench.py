@@ -40,7 +40,7 @@ def table(rows):
 def bench_heatmap(app, frames: int = 60) -> list:
     import numpy as np
 
-    from inspector.capture.run import HookRows
+    from inspector.core.run import HookRows
     from inspector.ui.heatmap import HeatmapWidget
 
     w = HeatmapWidget()

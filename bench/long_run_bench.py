@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from inspector.capture.dtypes import BFLOAT16  # noqa: E402
-from inspector.capture.hooks import HookPoint  # noqa: E402
-from inspector.capture.protocol import RequestStart, RequestStep, StepEvent  # noqa: E402
+from inspector.core.dtypes import BFLOAT16  # noqa: E402
+from inspector.core.hooks import HookPoint  # noqa: E402
+from inspector.core.protocol import RequestStart, RequestStep, StepEvent  # noqa: E402
 from inspector.viewer.run_view import RunView  # noqa: E402
 
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from attention_bench import timed as median_ms  # noqa: E402
-from inspector.capture.models import resolve_model  # noqa: E402
+from inspector.core.models import resolve_model  # noqa: E402
 from inspector.engine.environment import prepare_environment  # noqa: E402
 
 RESID = "*hook_resid_post"
@@ -125,7 +125,7 @@ def generation_breakdown(ins, prompts: list[str], new: int, reps: int) -> None:
     of the whole call on the host and on the device."""
     from vllm import SamplingParams
 
-    from inspector.capture.protocol import Sampling
+    from inspector.core.protocol import Sampling
 
     session, llm = ins.session, ins.session._llm
     config = llm.llm_engine.vllm_config

@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inspector.capture.models import resolve_model  # noqa: E402
-from inspector.capture.request_edits import encode_vector  # noqa: E402
+from inspector.core.models import resolve_model  # noqa: E402
+from inspector.core.request_edits import encode_vector  # noqa: E402
 from inspector.engine.environment import prepare_environment  # noqa: E402
 from inspector.openai.cli import OPENAI_SERVER_MODULE, vllm_flags  # noqa: E402
 from plugin_bench import PRESETS, model_dir  # noqa: E402

@@ -68,7 +68,7 @@ def ours(conn, preset: str, path: str, extra: dict, gpu_util: float, cache_root:
     """The inspector's engine: ("sweep",) runs the whole grid batched, ("sequential", n) the first n
     cells one request at a time."""
     engine_args, dtype, max_batched = engine_setup(preset, extra, gpu_util, cache_root)
-    from inspector.capture.protocol import Sampling, SessionOptions
+    from inspector.core.protocol import Sampling, SessionOptions
     from inspector.engine.session import Session
     from inspector.experiments.patching import patch
 

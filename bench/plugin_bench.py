@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inspector.capture.interventions import DEFAULT_MAX_SLOTS  # noqa: E402
+from inspector.core.interventions import DEFAULT_MAX_SLOTS  # noqa: E402
 
 RESIDUAL = ("blocks.*.hook_resid_post",)
 
@@ -53,7 +53,7 @@ class Config(NamedTuple):
     waits: bool = False  # every drain waits for the copies in flight
     plugin: dict = {}  # more boot_llm arguments
     env: dict = {}  # set in the engine's process before it boots
-    window: str = "all"  # every request's capture window at every hook (inspector.capture.windows)
+    window: str = "all"  # every request's capture window at every hook (inspector.core.windows)
 
 
 CONFIGS = {"vanilla": Config("compiled"), "vanilla-again": Config("compiled"),

@@ -74,7 +74,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, sae_dir: str, do
             outs = llm.generate(documents, params, use_tqdm=False)
             return sum(len(o.prompt_token_ids) for o in outs) / (time.perf_counter() - t)
     else:
-        from inspector.capture.protocol import Sampling, SessionOptions
+        from inspector.core.protocol import Sampling, SessionOptions
         from inspector.engine.session import Session
         from inspector.experiments.scan import ScanSpec, ScanState, scan
 
@@ -119,7 +119,7 @@ def _transformers_loop(path: str, dtype: str, sae_dir: str, documents: list[str]
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from inspector.capture.sae import load_weights, read_sae
+    from inspector.core.sae import load_weights, read_sae
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = getattr(torch, dtype)

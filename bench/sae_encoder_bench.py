@@ -49,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from inspector.capture.sae import AttachedSae, read_sae
+    from inspector.core.sae import AttachedSae, read_sae
     from inspector.plugin.features import CHUNK_ROWS, DeviceSae
     from sae_files import write_sae
 

@@ -31,7 +31,7 @@ from plugin_bench import PRESETS, model_dir  # noqa: E402
 
 
 def decode_bench(preset: str, reps: int) -> list[tuple]:
-    from inspector.capture.protocol import Sampling, SessionOptions
+    from inspector.core.protocol import Sampling, SessionOptions
     from inspector.client.local import start_local_server
     from inspector.engine.environment import prepare_environment
 
@@ -76,7 +76,7 @@ def decode_bench(preset: str, reps: int) -> list[tuple]:
 def wire_bench(reps: int, hooks: int = 32, n_rows: int = 64, width: int = 4096, events: int = 40) -> list[tuple]:
     import zmq
 
-    from inspector.capture.protocol import RequestStep, StepEvent
+    from inspector.core.protocol import RequestStep, StepEvent
     from inspector.net.endpoint import Endpoint
     from inspector.net.wire import Message, decode, encode, event_from_body, event_to_body
 

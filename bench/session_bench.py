@@ -121,7 +121,7 @@ def time_parts(session) -> None:
 
 
 def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None, what: str = "") -> float:
-    from inspector.capture.protocol import Sampling
+    from inspector.core.protocol import Sampling
 
     session.new_run()
     PARTS.clear()
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
                    help="print, for each run of vanilla and the in-process session, the seconds spent in its parts")
     args = p.parse_args(argv)
 
-    from inspector.capture.protocol import SessionOptions
+    from inspector.core.protocol import SessionOptions
     from inspector.cli.capture import record
     from inspector.engine.environment import prepare_environment
 

@@ -43,7 +43,7 @@ icons=$here/../resources/icons
 if [ ! -f "$icons/$NAME-256.png" ]; then
     # No source checkout around: take the icons the installed package carries.
     python=$(sed -n '1s/^#! *//p' "$launcher")
-    icons=$("$python" -c 'from inspector.capture.resources import icon_path; print(icon_path().parent)') || {
+    icons=$("$python" -c 'from inspector.core.resources import icon_path; print(icon_path().parent)') || {
         echo "error: cannot find the icons (no resources/icons next to $0, none in the installed package)" >&2
         exit 1
     }

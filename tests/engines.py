@@ -9,8 +9,8 @@ import os
 import numpy as np
 
 import hf_reference
-from inspector.capture.attention import attention_weights
-from inspector.capture.hooks import HookPoint, installed_name
+from inspector.core.attention import attention_weights
+from inspector.core.hooks import HookPoint, installed_name
 from inspector.engine.boot import boot_llm, shutdown_llm
 
 
@@ -142,7 +142,7 @@ def session_on(llm, model_dir, **options):
     experiments on it without another boot. Do not close it."""
     from pathlib import Path
 
-    from inspector.capture.protocol import SessionOptions
+    from inspector.core.protocol import SessionOptions
     from inspector.engine.opening import describe_engine
     from inspector.engine.session import Session
 
@@ -184,8 +184,8 @@ def assert_windows_keep_exactly_their_rows(session, prompts, hooks, windows=("ge
                                            sampling=None):
     """Each window on ``hooks`` (the session's other hooks capture all) keeps exactly the rows of the same
     run with every window "all" at the positions ``CaptureWindow.keeps`` promises, bit for bit."""
-    from inspector.capture.protocol import Sampling
-    from inspector.capture.windows import CaptureWindow
+    from inspector.core.protocol import Sampling
+    from inspector.core.windows import CaptureWindow
 
     sampling = sampling or Sampling(max_tokens=4, ignore_eos=True)
 
@@ -217,8 +217,8 @@ def assert_windows_keep_exactly_their_rows(session, prompts, hooks, windows=("ge
 
 def assert_window_change_applies_between_forwards(session, prompt, hook):
     """A window given while a request runs applies from a later forward on, and the run records it."""
-    from inspector.capture.protocol import Sampling
-    from inspector.capture.windows import CaptureWindow
+    from inspector.core.protocol import Sampling
+    from inspector.core.windows import CaptureWindow
 
     session.set_windows({})
     session.new_run()

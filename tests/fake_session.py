@@ -19,16 +19,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from inspector.capture.attention import AttentionGeometry
-from inspector.capture.hooks import HookPoint
-from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
+from inspector.core.attention import AttentionGeometry
+from inspector.core.hooks import HookPoint
+from inspector.core.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
-from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError, check_request,
+from inspector.core.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError, check_request,
                                         SessionOptions, StepEvent)
-from inspector.capture.run import TopToken
-from inspector.capture.sae import AttachedSae, checked_attachment, encode, load_weights, strongest
-from inspector.capture.session_base import HeldInterventions, SessionBase
-from inspector.capture.windows import ALL, CaptureWindow, checked_windows, windows_from_patterns
+from inspector.core.run import TopToken
+from inspector.core.sae import AttachedSae, checked_attachment, encode, load_weights, strongest
+from inspector.core.session_base import HeldInterventions, SessionBase
+from inspector.core.windows import ALL, CaptureWindow, checked_windows, windows_from_patterns
 from inspector.experiments.methods import Experiments
 
 FAKE_VOCAB_SIZE = 1024  # the fake's token ids stay below it

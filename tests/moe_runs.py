@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.routing import Routing
-from inspector.capture.run import HookRows, RequestCapture, Run
+from inspector.core.hooks import HookPoint
+from inspector.core.routing import Routing
+from inspector.core.run import HookRows, RequestCapture, Run
 
 
 def router_point(layer: int, routing: Routing | None) -> HookPoint:

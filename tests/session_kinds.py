@@ -6,7 +6,7 @@
 from fake_session import FakeSession
 from engines import ENGINE_ARGS
 from servers import FEATURE_CLAMPS, HOOKS  # the server fixture boots with the same
-from inspector.capture.protocol import Sampling, SessionOptions
+from inspector.core.protocol import Sampling, SessionOptions
 from inspector.client import connect
 from inspector.engine.session import Session
 

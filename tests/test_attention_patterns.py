@@ -14,9 +14,9 @@ import torch
 import hf_reference
 from engines import (PARITY_TOL, QK, assert_lens_matches, assert_patterns_match_transformers, booted, captured_patterns,
                      generate, rel_l2, rpc)
-from inspector.capture import attention
-from inspector.capture.attention import AttentionGeometry, attention_weights
-from inspector.capture.hooks import HookPoint
+from inspector.core import attention
+from inspector.core.attention import AttentionGeometry, attention_weights
+from inspector.core.hooks import HookPoint
 
 PROMPTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)", "import os\nimport sys"]
 

@@ -1,4 +1,4 @@
-"""The shared value vocabulary (``inspector.capture``): positions, vectors, model names, growing arrays,
+"""The shared value vocabulary (``inspector.core``): positions, vectors, model names, growing arrays,
 and folding step events into a run."""
 
 import threading
@@ -6,14 +6,14 @@ import threading
 import numpy as np
 import pytest
 
-from inspector.capture.arrays import GrowableArray
-from inspector.capture.blocks import RequestRowsView, RowBlocks
-from inspector.capture.models import ModelNotFound, model_path_problem, resolve_model
-from inspector.capture.positions import format_positions, parse_positions
-from inspector.capture.protocol import RequestStart, RequestStep, StepEvent, fold_event
-from inspector.capture.resources import demo_model_path
-from inspector.capture.run import HookRows, Run, TopToken
-from inspector.capture.vectors import check_vector, load_vector
+from inspector.core.arrays import GrowableArray
+from inspector.core.blocks import RequestRowsView, RowBlocks
+from inspector.core.models import ModelNotFound, model_path_problem, resolve_model
+from inspector.core.positions import format_positions, parse_positions
+from inspector.core.protocol import RequestStart, RequestStep, StepEvent, fold_event
+from inspector.core.resources import demo_model_path
+from inspector.core.run import HookRows, Run, TopToken
+from inspector.core.vectors import check_vector, load_vector
 
 
 @pytest.mark.parametrize("text, positions", [

@@ -131,7 +131,7 @@ def test_the_apps_own_server_command_carries_every_session_option():
     as the very options (a server's session keeps no rows: its client does)."""
     import dataclasses
 
-    from inspector.capture.protocol import SessionOptions
+    from inspector.core.protocol import SessionOptions
     from inspector.cli import build_parser
     from inspector.cli.serve import served_options
     from inspector.client.local import serve_command
@@ -201,7 +201,7 @@ def test_capture_compare_marks_twins_in_the_file(compiled_server, tmp_path):
 def test_capture_with_an_sae_stores_each_tokens_strongest_features(compiled_server, tmp_path):
     from sae_files import saelens_encode, write_sae
 
-    from inspector.capture.sae import strongest
+    from inspector.core.sae import strongest
 
     sae = write_sae(tmp_path / "res1", "topk", 128, 1024, "blocks.1.hook_resid_post", k=12)
     out = tmp_path / "features.h5"
@@ -226,7 +226,7 @@ def test_capture_clamps_a_feature_of_an_sae_it_attached(compiled_server, tmp_pat
     plus its error)."""
     from sae_files import write_sae
 
-    from inspector.capture.sae import encode, load_weights, read_sae
+    from inspector.core.sae import encode, load_weights, read_sae
 
     sae = write_sae(tmp_path / "relu", "jumprelu", 128, 512, "blocks.1.hook_resid_post", seed=3)
     out = tmp_path / "clamped.h5"
@@ -249,7 +249,7 @@ def test_capture_clamps_a_feature_of_an_sae_it_attached(compiled_server, tmp_pat
 
 def test_capture_windows_keep_the_rows_they_promise_in_the_file(compiled_server, tmp_path):
     """On the shared test server: the windowed file's rows are the all-window file's at the kept positions."""
-    from inspector.capture.windows import CaptureWindow
+    from inspector.core.windows import CaptureWindow
 
     common = ["capture", "--server", compiled_server[0], "--prompt", "def f(a, b):", "--prompt", "import ",
               "--max-tokens", "4"]

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from inspector.capture.resources import demo_model_path
+from inspector.core.resources import demo_model_path
 from tools.demo_model import EVAL_PROMPTS, greedy_completion
 
 MAX_WEIGHT_BYTES = 20 * 1024 * 1024

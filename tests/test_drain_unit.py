@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from inspector.capture.blocks import RequestRowsView
-from inspector.capture.dtypes import BFLOAT16
+from inspector.core.blocks import RequestRowsView
+from inspector.core.dtypes import BFLOAT16
 
 from inspector.plugin import vllm_compat
-from inspector.capture.drained import DrainedRequest
-from inspector.capture.ranks import merge_ranks
+from inspector.core.drained import DrainedRequest
+from inspector.core.ranks import merge_ranks
 from inspector.plugin.config import PluginConfig
 from inspector.plugin.copyout import Transfer
 from inspector.plugin.gather import QueuedForward, SaeStack, bulk_of, rows_by_request
@@ -276,7 +276,7 @@ def test_windowed_steps_keep_each_hooks_promised_rows_in_order(windows):
     (so the sub-forwards of one drain alternate), or where each request has one window for all hooks
     (kept rows in one range, sent as a slice, or scattered, gathered): every hook gets exactly the rows
     its window keeps."""
-    from inspector.capture.windows import CaptureWindow
+    from inspector.core.windows import CaptureWindow
     from inspector.plugin.runtime import RowStack
     from inspector.plugin.vllm_compat import StepInfo
 
@@ -359,7 +359,7 @@ def test_two_pipeline_stages_describe_one_model():
     """Each stage's points in the model's order, once (tensor-parallel ranks of a stage repeat them);
     a kind is refused only where no stage offers it; each stage's modules (its placeholders left out by
     the stage), in the model's order."""
-    from inspector.capture.ranks import merge_descriptions
+    from inspector.core.ranks import merge_descriptions
 
     def stage(points, installed, refused, modules, seconds):
         return {"mode": "compiled", "hook_points": [{"name": n, "kind": k} for n, k in points], "installed": installed,

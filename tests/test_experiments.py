@@ -10,9 +10,9 @@ import pytest
 
 from engines import assert_sweep_matches_transformers, same_length_prompts
 from session_kinds import GREEDY, KINDS, collect
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling
-from inspector.capture.windows import CaptureWindow
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling
+from inspector.core.windows import CaptureWindow
 from inspector.experiments.compare import (compare, difference, first_divergence, logprob_change, scoped_to_intervened,
                                            token_kl, twins_of, upcoming_twins)
 from inspector.experiments.patching import Metric, PatchSpec, patch
@@ -104,7 +104,7 @@ def test_sweep_files_round_trip_and_bad_specs_are_refused(sessions, tmp_path):
 
 def test_a_fake_sweep_wider_than_its_slots_says_how_many_calls(tiny_models):
     from fake_session import FakeSession
-    from inspector.capture.protocol import SessionOptions
+    from inspector.core.protocol import SessionOptions
 
     session = FakeSession(SessionOptions(hooks=LAYERS, max_slots=3))
     messages = []

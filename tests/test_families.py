@@ -21,8 +21,8 @@ from engines import (PARITY_TOL, PATCH_TOL, assert_greedy_matches, assert_lens_m
                      assert_steering_matches_transformers,
                      assert_sweep_matches_transformers, booted, captured_patterns, generate, rel_l2, rpc,
                      same_length_prompts, session_on)
-from inspector.capture.hooks import ROUTER_KIND, HookPoint
-from inspector.capture.routing import dense_weights, route
+from inspector.core.hooks import ROUTER_KIND, HookPoint
+from inspector.core.routing import dense_weights, route
 from inspector.experiments.patching import Metric, PatchSpec, patch
 from inspector.plugin.reader import READ
 

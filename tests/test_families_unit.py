@@ -83,7 +83,7 @@ class ToyBlock(nn.Module):
 
 
 def toy_points(resid_mid_at=("ln_2", "input")):
-    from inspector.capture.hooks import HookPoint
+    from inspector.core.hooks import HookPoint
     from inspector.plugin.hookpoints import Site
 
     def point(i, kind, module, how):
@@ -142,7 +142,7 @@ def test_a_point_whose_module_runs_twice_a_forward_is_read_at_its_last_call_and_
     last resid_post is what its hook reads at the last call, and an edit there would act on both."""
     import torch
 
-    from inspector.capture.hooks import HookPoint
+    from inspector.core.hooks import HookPoint
     from inspector.plugin.hookpoints import Site
     from inspector.plugin.probe import verify
 

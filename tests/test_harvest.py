@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_reference import block_points
-from inspector.capture.protocol import Sampling
+from inspector.core.protocol import Sampling
 from inspector.engine.boot import layer_overrides
 from inspector.harvesting import Corpus, CorpusError, HarvestSpec, harvest, harvest_to_disk, pack
 from inspector.harvesting.mixing import mixed_batches

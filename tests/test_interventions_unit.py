@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from inspector.capture.interventions import Intervention, check_clamp_capacity, validate
+from inspector.core.interventions import Intervention, check_clamp_capacity, validate
 from inspector.plugin.slots import SlotPlanner, compose
 
 

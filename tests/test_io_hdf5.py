@@ -15,10 +15,10 @@ import h5py
 import numpy as np
 import pytest
 
-from inspector.capture.blocks import RowBlocks
-from inspector.capture.hooks import HookPoint
-from inspector.capture.run import HookRows, LensRows, RequestCapture, Run, TopToken
-from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
+from inspector.core.blocks import RowBlocks
+from inspector.core.hooks import HookPoint
+from inspector.core.run import HookRows, LensRows, RequestCapture, Run, TopToken
+from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.io import (FORMAT_NAME, FORMAT_VERSION, CaptureFileError, CaptureWriter, H5Array, LazyHookRows,
                           open_run, read_run, write_run)
 from inspector.io.background import BackgroundWriter
@@ -564,8 +564,8 @@ HARD_KILL = textwrap.dedent("""
     import os, sys, time
     import numpy as np
     sys.path.insert(0, sys.argv[2])
-    from inspector.capture.hooks import HookPoint
-    from inspector.capture.run import RequestCapture
+    from inspector.core.hooks import HookPoint
+    from inspector.core.run import RequestCapture
     from inspector.io import CaptureWriter
     w = CaptureWriter(os.path.join(sys.argv[1], "run.h5"), {}, {"h": HookPoint("h", "h", "m", "resid", 256)})
     w.add_request(RequestCapture("a", "p", [1], {}))
@@ -660,7 +660,7 @@ def test_a_router_hook_stores_its_rule_and_the_chosen_experts_beside_its_logits(
     leaves the logits alone."""
     from moe_runs import moe_run
 
-    from inspector.capture.routing import Routing, route
+    from inspector.core.routing import Routing, route
 
     rule = Routing(4, 2, renormalize=True)
     run = moe_run({1: rule, 3: Routing(4, 2, unsupported="a custom routing function")}, n_tokens=30)
@@ -681,7 +681,7 @@ def test_a_router_hook_stores_its_rule_and_the_chosen_experts_beside_its_logits(
 
 
 def test_sae_features_round_trip_written_whole_or_streamed(tmp_path):
-    from inspector.capture.run import FeatureRows
+    from inspector.core.run import FeatureRows
 
     run = make_run(seed=5, rows=(30, 7, 0))
     rng = np.random.default_rng(5)

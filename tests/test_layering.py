@@ -1,5 +1,5 @@
-"""Layers point one way: ui → viewer → client → net → capture (and io, experiments); server → engine → plugin →
-capture; harvesting and notebook → engine (the notebook also → io, for capture files, and → client, for a server's
+"""Layers point one way: ui → viewer → client → net → core (and io, experiments); server → engine → plugin →
+core; harvesting and notebook → engine (the notebook also → io, for capture files, and → client, for a server's
 engine); cli → all of them, but only once a command runs. Checked by importing every module of a layer in a fresh
 interpreter where the modules it must not use cannot be imported, and, for the app, by what a plain import of its
 window loads. And the house rules: no module longer than ``MAX_LINES``, and within the plugin no import cycle, with
@@ -34,7 +34,7 @@ ENGINE = ["torch", "vllm", "transformers"]
 NET = ["zmq", "msgspec"]
 APP = ["inspector.viewer", "inspector.ui"]
 RULES = {
-    "capture": QT + ENGINE + NET + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.net",
+    "core": QT + ENGINE + NET + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.net",
                                     "inspector.client", "inspector.server", *APP],
     "experiments": QT + ENGINE + NET + ["h5py", "inspector.engine", "inspector.plugin", "inspector.io", "inspector.net",
                                         "inspector.client", "inspector.server", *APP],
@@ -59,7 +59,20 @@ MAX_LINES = 600  # a module a newcomer can read in one sitting; a longer one hol
 
 def test_every_layer_has_a_rule():
     layers = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
-    assert layers - {"testing"} == set(RULES)
+    assert layers - {"testing", "capture"} == set(RULES)  # capture: the core's former name, nothing of its own
+    assert [p.name for p in (PACKAGE / "capture").glob("*.py")] == ["__init__.py"]
+
+
+def test_the_cores_former_name_still_imports_with_a_warning():
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n    import inspector.capture.protocol\nexcept DeprecationWarning as e:\n    print('warned:', e)\n"
+            "warnings.simplefilter('ignore')\n"
+            "import inspector.capture.protocol as old, inspector.core.protocol as new\n"
+            "from inspector.capture import Intervention\n"
+            "print(old is new, Intervention is new.__dict__.get('Intervention', Intervention))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "warned: inspector.capture is now inspector.core" in result.stdout and "True True" in result.stdout
 
 
 @pytest.mark.parametrize("layer", sorted(RULES))

@@ -14,7 +14,7 @@ pytest.importorskip("torchvision", reason="vLLM's multimodal models need torchvi
 import hf_reference  # noqa: E402
 from engines import (PARITY_TOL, assert_greedy_matches, assert_steering_matches_transformers, booted,  # noqa: E402
                      generate, rel_l2, rpc)
-from inspector.capture.hooks import HookPoint  # noqa: E402
+from inspector.core.hooks import HookPoint  # noqa: E402
 from inspector.plugin.reader import READ  # noqa: E402
 from inspector.testing.tinymodels import tiny_model, tiny_vision_language_model  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 
 import hf_reference
 from engines import PARITY_TOL, assert_greedy_generation_caches_as_a_prefill, rel_l2
-from inspector.capture.labels import display_token
+from inspector.core.labels import display_token
 from inspector.io import read_run, write_run
 from inspector.notebook.files import load
 from test_notebook_files import assert_same_cache
@@ -347,7 +347,7 @@ def test_a_generation_saved_reads_back_with_its_token_texts(ins, tmp_path):
 
 @pytest.mark.slow
 def test_the_engines_own_capture_loads_as_generate_with_cache_caches_it(ins, tmp_path):
-    from inspector.capture.protocol import Sampling
+    from inspector.core.protocol import Sampling
 
     ins.session.new_run()
     for _ in ins.session.generate(PROMPTS, Sampling(max_tokens=4, logprobs=0)):

@@ -8,7 +8,7 @@ import torch
 
 import hf_reference
 from engines import PARITY_TOL, assert_greedy_generation_caches_as_a_prefill, rel_l2
-from inspector.capture.protocol import Sampling, SessionError
+from inspector.core.protocol import Sampling, SessionError
 from inspector.client import connect
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "import os"]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from inspector.capture.attention import AttentionGeometry
-from inspector.capture.dtypes import BFLOAT16
-from inspector.capture.hooks import HookPoint
-from inspector.capture.run import HookRows, RequestCapture, Run
+from inspector.core.attention import AttentionGeometry
+from inspector.core.dtypes import BFLOAT16
+from inspector.core.hooks import HookPoint
+from inspector.core.run import HookRows, RequestCapture, Run
 from inspector.io import CaptureFileError, read_run, write_run
 from inspector.notebook.cache import ActivationCache, as_torch
 from inspector.notebook.files import Loaded, load, load_cache, open_in_app, run_of, save

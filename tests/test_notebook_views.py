@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from inspector.capture.colormaps import DEFAULT_COLORMAP, DIFF_COLORMAP, lookup_table
-from inspector.capture.hooks import HookPoint
-from inspector.capture.labels import default_hook
-from inspector.capture.run import HookRows, RequestCapture, Run
+from inspector.core.colormaps import DEFAULT_COLORMAP, DIFF_COLORMAP, lookup_table
+from inspector.core.hooks import HookPoint
+from inspector.core.labels import default_hook
+from inspector.core.run import HookRows, RequestCapture, Run
 from inspector.notebook.views import activation_view, compare_view, lens_view, pattern_view, run_view
 from ui_fixtures import fail_on_qt_warnings, keep, ui_settings  # noqa: F401
 

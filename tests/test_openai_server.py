@@ -22,10 +22,10 @@ from sae_files import write_sae
 from ui_fixtures import fail_on_qt_warnings, keep, ui_settings  # noqa: F401
 from servers import running_openai_server
 from session_kinds import options
-from inspector.capture.hooks import installed_name
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling
-from inspector.capture.request_edits import encode_vector
+from inspector.core.hooks import installed_name
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling
+from inspector.core.request_edits import encode_vector
 from inspector.engine.session import Session
 from inspector.io import read_run
 
@@ -434,7 +434,7 @@ def test_a_clamped_sae_feature_moves_the_rows_along_its_decoder_to_its_value(ser
     """A clamp is the SAE's reconstruction with the feature at the value, plus the SAE's error: each row
     moves along the feature's decoder row by (value - its activation). At the model's last block the
     prompt's rows see no other change."""
-    from inspector.capture.sae import feature_clamp, read_sae
+    from inspector.core.sae import feature_clamp, read_sae
 
     assert json.load(urllib.request.urlopen(f"{server[1]}/inspector/v1/hooks"))["feature_clamps"] == 2
     clamp = feature_clamp(read_sae(sae_dir), 3, 2.5)

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.interventions import Intervention
-from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, decode_edit, encode_edit, encode_vector, fingerprint
+from inspector.core.hooks import HookPoint
+from inspector.core.interventions import Intervention
+from inspector.core.request_edits import CAPTURE_KEY, EDIT_KEY, decode_edit, encode_edit, encode_vector, fingerprint
 from inspector.openai.admission import Admission
 from inspector.openai.steering import HookTable, Refused
 from inspector.openai.vectors import absolute_vector_spec, parse_vector_spec, split_vector_spec

@@ -127,7 +127,7 @@ def test_wheel_carries_resources_and_entry_points(wheel):
         assert f"inspector/resources/demo-sae/{f}" in names
     for f in ["activation-inspector.svg", "activation-inspector-256.png"]:
         assert f"inspector/resources/icons/{f}" in names
-    assert "inspector/capture/resources.py" in names and "inspector/plugin/__init__.py" in names
+    assert "inspector/core/resources.py" in names and "inspector/plugin/__init__.py" in names
     assert not [n for n in names if n.startswith("tools/") or "demo_model" in n or "demo_sae" in n], \
         "the trainers are tools, not shipped"
     assert not [n for n in names if n.startswith("resources/") or "__pycache__" in n]
@@ -137,7 +137,7 @@ def test_wheel_carries_resources_and_entry_points(wheel):
 
 def test_installed_copy_is_used(venv):
     out = json.loads(venv.py(
-        "import json, inspector, torch; from inspector.capture.resources import demo_model_path, icon_path;"
+        "import json, inspector, torch; from inspector.core.resources import demo_model_path, icon_path;"
         "print(json.dumps({'inspector': inspector.__file__, 'version': inspector.__version__,"
         " 'demo': str(demo_model_path()), 'icon': str(icon_path()), 'torch': torch.__version__}))"))
     for key in ("inspector", "demo", "icon"):
@@ -146,7 +146,7 @@ def test_installed_copy_is_used(venv):
     import torch
     assert out["torch"] == torch.__version__  # the heavy dependencies come through the .pth line
 
-    from inspector.capture.resources import demo_model_path
+    from inspector.core.resources import demo_model_path
     shipped, installed = demo_model_path(), Path(out["demo"])
     for f in ["config.json", "model.safetensors", "tokenizer.json"]:
         assert (installed / f).stat().st_size == (shipped / f).stat().st_size
@@ -208,12 +208,12 @@ def test_desktop_file_names_the_launcher_and_icon():
     entry = _desktop_entry(DESKTOP)
     assert entry["Exec"].split()[0] == "inspector" and entry["Type"] == "Application"
     assert entry["Icon"] == "activation-inspector"
-    from inspector.capture.resources import icon_path
+    from inspector.core.resources import icon_path
     assert icon_path(0).name == "activation-inspector.svg" and icon_path(0).is_file()
 
 
 def test_icon_png_is_256_square():
-    from inspector.capture.resources import icon_path
+    from inspector.core.resources import icon_path
     data = icon_path(256).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     assert struct.unpack(">II", data[16:24]) == (256, 256)

@@ -20,8 +20,8 @@ SCRIPT = r'''
 import faulthandler, json, sys
 from pathlib import Path
 import numpy as np
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import SessionOptions, Sampling
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import SessionOptions, Sampling
 from inspector.engine.session import Session
 
 SCORED = (5, 17, 42)  # tokens whose logprobs every request asks for wherever the model predicts
@@ -249,7 +249,7 @@ def test_the_lens_under_parallelism_is_the_models_own(saved, config):
 
 MISSING_PLUGIN = r'''
 import sys
-from inspector.capture.protocol import SessionError, SessionOptions
+from inspector.core.protocol import SessionError, SessionOptions
 from inspector.engine.session import Session
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import hf_reference
-from inspector.capture.dtypes import BFLOAT16
-from inspector.capture.hooks import HookPoint
-from inspector.capture.run import HookRows, RequestCapture, Run
+from inspector.core.dtypes import BFLOAT16
+from inspector.core.hooks import HookPoint
+from inspector.core.run import HookRows, RequestCapture, Run
 from inspector.io import open_run, write_run
 from engines import booted, generate, rel_l2, rpc
 

@@ -9,9 +9,9 @@ import pytest
 
 from engines import ENGINE_ARGS
 from session_kinds import options
-from inspector.capture.hooks import installed_name
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling
+from inspector.core.hooks import installed_name
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling
 from inspector.engine.session import Session
 
 pytestmark = pytest.mark.slow

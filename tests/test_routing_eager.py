@@ -6,8 +6,8 @@ import numpy as np
 
 import hf_reference
 from engines import booted, generate, rpc
-from inspector.capture.hooks import ROUTER_KIND, HookPoint
-from inspector.capture.routing import dense_weights, route
+from inspector.core.hooks import ROUTER_KIND, HookPoint
+from inspector.core.routing import dense_weights, route
 
 PROMPT = "class Stack:\n    def push(self, item):"
 

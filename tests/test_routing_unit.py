@@ -1,4 +1,4 @@
-"""Expert choice recomputed from router logits (inspector/capture/routing.py) against vLLM's own CPU
+"""Expert choice recomputed from router logits (inspector/core/routing.py) against vLLM's own CPU
 routers, for each routing rule it describes, and the boot probe's check of a rule against the router."""
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.routing import Routing, dense_weights, route
+from inspector.core.hooks import HookPoint
+from inspector.core.routing import Routing, dense_weights, route
 from inspector.plugin.hookpoints import Site
 
 

@@ -1,4 +1,4 @@
-"""Sparse-autoencoder features (inspector/capture/sae.py, inspector/plugin/features.py): SAELens's
+"""Sparse-autoencoder features (inspector/core/sae.py, inspector/plugin/features.py): SAELens's
 directories read and checked, the reference encoding equal to SAELens's own equations, and in the
 engine (the in-process compiled session on the tiny Llama) each token's strongest features equal
 that encoding of the captured rows; a feature-steered run equals the bias intervention it stands for."""
@@ -11,8 +11,8 @@ import pytest
 import hf_reference
 from sae_files import saelens_encode, write_sae
 from session_kinds import GREEDY, collect
-from inspector.capture.interventions import Intervention
-from inspector.capture.sae import SaeError, decoder_row, encode, feature_clamp, load_weights, read_sae, strongest
+from inspector.core.interventions import Intervention
+from inspector.core.sae import SaeError, decoder_row, encode, feature_clamp, load_weights, read_sae, strongest
 
 ARCHITECTURES = ("standard", "topk", "jumprelu")
 HOOK = "blocks.1.hook_resid_post"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from sae_files import saelens_encode, write_sae
-from inspector.capture.protocol import Sampling
-from inspector.capture.sae import strongest
+from inspector.core.protocol import Sampling
+from inspector.core.sae import strongest
 from inspector.client import connect
 from inspector.experiments.scan import AFTER, BEFORE, ScanSpec, ScanState, scan, windows_at
 from inspector.io.scan import read_scan, write_scan

@@ -21,8 +21,8 @@ import zmq
 
 import hf_reference
 from engines import PARITY_TOL, rel_l2
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling, SessionError
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling, SessionError
 from inspector.client import connect
 from inspector.net.keys import client_keys, keygen
 from inspector.net.wire import Message, encode
@@ -116,7 +116,7 @@ def test_an_sae_on_the_server_encodes_for_the_clients_that_attached_it(compiled_
     last of them detaches or leaves."""
     from sae_files import saelens_encode, write_sae
 
-    from inspector.capture.sae import strongest
+    from inspector.core.sae import strongest
 
     url, _ = compiled_server
     path = write_sae(tmp_path / "res1", "jumprelu", 128, 1024, "blocks.1.hook_resid_post", seed=3)
@@ -161,7 +161,7 @@ def test_eager_hook_changes_are_the_clients_own(eager_server):
 CLIENT = """
 import sys
 from inspector.client import connect
-from inspector.capture.protocol import Sampling
+from inspector.core.protocol import Sampling
 session = connect(sys.argv[1])
 for k, event in enumerate(session.generate(["while True:"] * 4, Sampling(max_tokens=200, ignore_eos=True))):
     if k == 3:

@@ -17,10 +17,10 @@ import hf_reference
 from engines import (PARITY_TOL, assert_attribution_matches, assert_lens_matches, assert_windows_keep_exactly_their_rows,
                      rel_l2, rpc)
 from session_kinds import GREEDY, KINDS, collect
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import BOOT_STAGES, Sampling, fold_event
-from inspector.capture.run import Run
-from inspector.capture.windows import CaptureWindow
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import BOOT_STAGES, Sampling, fold_event
+from inspector.core.run import Run
+from inspector.core.windows import CaptureWindow
 from inspector.client import connect
 from inspector.io import read_run, write_run
 from inspector.io.spool import RowSpool, SpooledHookRows

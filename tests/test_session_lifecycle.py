@@ -11,9 +11,9 @@ import pytest
 
 from engines import ENGINE_ARGS
 from fake_session import FakeSession
-from inspector.capture.models import ModelNotFound, resolve_model
-from inspector.capture.protocol import Sampling, SessionError, SessionOptions
-from inspector.capture.windows import CaptureWindow
+from inspector.core.models import ModelNotFound, resolve_model
+from inspector.core.protocol import Sampling, SessionError, SessionOptions
+from inspector.core.windows import CaptureWindow
 from inspector.client.local import start_local_server
 from inspector.engine.session import Session
 from inspector.plugin import vllm_compat

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
-from inspector.capture.hooks import HookPoint
-from inspector.capture.protocol import RequestStart, RequestStep, StepEvent
-from inspector.capture.run import HookRows, RequestCapture
+from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
+from inspector.core.hooks import HookPoint
+from inspector.core.protocol import RequestStart, RequestStep, StepEvent
+from inspector.core.run import HookRows, RequestCapture
 from inspector.io import CaptureFileError, open_run, write_run
 from inspector.io.spool import RowSpool
 from inspector.viewer.run_view import RunSource, RunView

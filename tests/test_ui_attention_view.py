@@ -14,8 +14,8 @@ from PySide6.QtWidgets import QMessageBox
 
 import fake_session
 from fake_session import FakeSession
-from inspector.capture.attention import attention_weights
-from inspector.capture.run import HookRows
+from inspector.core.attention import attention_weights
+from inspector.core.run import HookRows
 from inspector.io import write_run
 from inspector.viewer.image_pool import pool_maxabs
 from inspector.viewer.attention import AttentionShown

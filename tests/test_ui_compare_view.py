@@ -8,7 +8,7 @@ import numpy as np
 from PySide6.QtCore import QPointF, Qt
 
 from fake_session import FakeSession
-from inspector.capture.interventions import Intervention
+from inspector.core.interventions import Intervention
 from inspector.experiments.compare import Twins, first_divergence, scoped_to_intervened, token_kl, twins_of
 from inspector.io import read_run
 from inspector.ui.compare_view import TwinText

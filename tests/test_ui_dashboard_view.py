@@ -16,8 +16,8 @@ from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QFileDialog
 
-from inspector.capture import resources
-from inspector.capture.sae import read_sae
+from inspector.core import resources
+from inspector.core.sae import read_sae
 from inspector.experiments.scan import BEFORE, ScanState
 from inspector.io.scan import read_scan, write_scan
 from inspector.ui.cell_grid import CELL_W, LABEL_W

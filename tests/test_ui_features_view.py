@@ -14,7 +14,7 @@ import pytest
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QFileDialog
 
-from inspector.capture.sae import encode, feature_clamp, load_weights, read_sae, strongest
+from inspector.core.sae import encode, feature_clamp, load_weights, read_sae, strongest
 from inspector.io import write_run
 from inspector.viewer.app_state import EMPTY_TEXT, AppState
 from inspector.viewer.features import ACTIVATION, NO_SAE

@@ -7,7 +7,7 @@ import numpy as np
 from PySide6.QtCore import Qt
 
 from fake_session import FakeSession
-from inspector.capture.run import LensRows
+from inspector.core.run import LensRows
 from inspector.io import write_run
 from inspector.viewer.labels import display_token
 from inspector.viewer.lens import ALL_RESIDUAL, NEXT_PROB, NEXT_RANK, TOP, percent

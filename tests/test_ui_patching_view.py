@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from fake_session import FakeSession
-from inspector.capture.interventions import Intervention
+from inspector.core.interventions import Intervention
 from inspector.experiments.patching import Metric, PatchSpec, patch
 from inspector.io.sweep import read_sweep
 from inspector.viewer.patching import METRIC

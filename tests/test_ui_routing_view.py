@@ -7,7 +7,7 @@ cannot be recomputed, the tab says why."""
 import numpy as np
 from PySide6.QtCore import Qt
 
-from inspector.capture.routing import Routing, route
+from inspector.core.routing import Routing, route
 from inspector.io import write_run
 from inspector.viewer.lens import percent
 from inspector.viewer.routing import LOGIT, WEIGHT

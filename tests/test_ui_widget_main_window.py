@@ -374,7 +374,7 @@ def test_opening_another_model_keeps_the_earlier_run(qtbot, ui_settings, tmp_pat
 
 
 def test_failure_messages():
-    from inspector.capture.protocol import SessionError
+    from inspector.core.protocol import SessionError
     from inspector.viewer.app_state import describe_exception
 
     assert describe_exception(MemoryError(), "generating").startswith("Out of memory while generating")
@@ -405,7 +405,7 @@ def test_the_tensor_parallel_size_is_an_engine_option_kept_in_the_settings(qtbot
 def test_a_capture_window_chosen_next_to_a_hooks_check_box_keeps_only_its_rows(qtbot, ui_settings):
     from PySide6.QtWidgets import QAbstractItemDelegate, QComboBox
 
-    from inspector.capture.windows import CaptureWindow
+    from inspector.core.windows import CaptureWindow
     from inspector.ui.model_tree import WINDOW_COLUMN
 
     window = make_window(qtbot, hooks=["blocks.*.hook_resid_post"])

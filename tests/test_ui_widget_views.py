@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from inspector.capture.run import HookRows, TopToken
+from inspector.core.run import HookRows, TopToken
 from inspector.viewer.run_view import RunSource, RunView
 from ui_fixtures import fail_on_qt_warnings, keep, make_run, ui_settings  # noqa: F401
 
@@ -304,9 +304,9 @@ def test_color_image_colours_incrementally_like_a_full_recolour(qtbot, ui_settin
 def test_heatmap_of_written_through_rows_shows_what_rows_in_memory_show(qtbot, ui_settings, tmp_path, wide):
     """Rows read back from a write-through run's file are pooled and coloured off the GUI thread; the
     picture must be the one the same rows give from memory, while scrolling too."""
-    from inspector.capture.dtypes import BFLOAT16
-    from inspector.capture.hooks import HookPoint
-    from inspector.capture.run import RequestCapture
+    from inspector.core.dtypes import BFLOAT16
+    from inspector.core.hooks import HookPoint
+    from inspector.core.run import RequestCapture
     from inspector.io.spool import RowSpool
     from inspector.ui.heatmap import HeatmapWidget
 

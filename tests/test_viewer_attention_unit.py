@@ -9,8 +9,8 @@ import pytest
 
 import inspector.viewer.attention as attention
 from fake_session import llama_catalogue
-from inspector.capture.attention import AttentionGeometry, attention_weights
-from inspector.capture.run import HookRows, RequestCapture, Run
+from inspector.core.attention import AttentionGeometry, attention_weights
+from inspector.core.run import HookRows, RequestCapture, Run
 from inspector.viewer.attention import AttentionPatterns, HeadPattern, attention_layers
 from inspector.viewer.run_view import RunSource, RunView
 
@@ -136,7 +136,7 @@ def test_capture_windows_that_leave_out_rows_a_pattern_needs_say_so(windows, sho
     layer0 = {h.kind: h for h in QK.values() if h.layer == 0}
     req.windows = {layer0[kind].name: text for kind, text in windows.items()}
     if "q" in windows and windows["q"] != "all":  # the rows the window kept
-        from inspector.capture.windows import CaptureWindow
+        from inspector.core.windows import CaptureWindow
 
         rows = req.hooks[layer0["q"].name]
         keep = CaptureWindow.parse(windows["q"]).keeps(rows.positions, len(req.prompt_token_ids))

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from fake_session import FakeSession
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling, SessionOptions
-from inspector.capture.run import HookRows
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling, SessionOptions
+from inspector.core.run import HookRows
 from inspector.experiments.compare import (Twins, compare, difference, logprob_change, mark_twins,
                                            scoped_to_intervened, token_kl)
 from inspector.viewer import jobs

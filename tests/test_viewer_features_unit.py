@@ -7,9 +7,9 @@ features)."""
 import numpy as np
 import pytest
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.run import FeatureRows, RequestCapture, Run
-from inspector.capture.sae import AttachedSae, SaeConfig
+from inspector.core.hooks import HookPoint
+from inspector.core.run import FeatureRows, RequestCapture, Run
+from inspector.core.sae import AttachedSae, SaeConfig
 from inspector.viewer.features import (ACTIVATION, NO_SAE, FeatureGrid, recorded_saes, show_features,
                                        strongest_features)
 from inspector.viewer.run_view import RunSource, RunView

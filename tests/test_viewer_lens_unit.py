@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fake_session import FakeSession
-from inspector.capture.protocol import Sampling, SessionOptions
-from inspector.capture.run import LensRows
+from inspector.core.protocol import Sampling, SessionOptions
+from inspector.core.run import LensRows
 from inspector.viewer import jobs, lens as lens_module
 from inspector.viewer.app_state import AppState
 from inspector.viewer.controller import Controller

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from fake_session import llama_catalogue
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling
 from inspector.experiments.patching import Metric, PatchSpec, SweepResult, single_token
 from inspector.viewer import jobs
 from inspector.viewer.app_state import Action, AppState

@@ -4,7 +4,7 @@ logit in logit mode, and in words why there is nothing to show when there is not
 
 import numpy as np
 
-from inspector.capture.routing import Routing, route
+from inspector.core.routing import Routing, route
 from inspector.viewer.routing import LOGIT, WEIGHT, router_layers, show_experts
 from inspector.viewer.run_view import RunSource, RunView
 from moe_runs import moe_run, router_logits, router_point

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from fake_session import FakeSession, llama_catalogue
-from inspector.capture.protocol import RequestStart, RequestStep, Sampling, StepEvent
-from inspector.capture.run import HookRows, TopToken
+from inspector.core.protocol import RequestStart, RequestStep, Sampling, StepEvent
+from inspector.core.run import HookRows, TopToken
 from inspector.viewer import jobs
 from inspector.viewer.app_state import ENABLED, Action, AppState
 from inspector.viewer.controller import Controller

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fake_session import llama_catalogue
-from inspector.capture.windows import (CaptureWindow, checked_windows, parse_window_option,
+from inspector.core.windows import (CaptureWindow, checked_windows, parse_window_option,
                                        windows_from_patterns)
 
 

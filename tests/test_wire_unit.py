@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import zmq
 
-from inspector.capture.dtypes import BFLOAT16
-from inspector.capture.protocol import RequestStart, RequestStep, StepEvent
+from inspector.core.dtypes import BFLOAT16
+from inspector.core.protocol import RequestStart, RequestStep, StepEvent
 from inspector.client.connection import Connection, ServerGone
-from inspector.capture.blocks import RequestRowsView, RowBlocks
+from inspector.core.blocks import RequestRowsView, RowBlocks
 from inspector.net.wire import MAX_MESSAGE_BYTES, Message, WireError, decode, encode, event_from_body, \
     event_to_body
 

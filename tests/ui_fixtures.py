@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from fake_session import FakeSession, fake_value, llama_catalogue  # noqa: E402
-from inspector.capture.run import HookRows, RequestCapture, Run, TopToken  # noqa: E402
+from inspector.core.run import HookRows, RequestCapture, Run, TopToken  # noqa: E402
 
 __all__ = ["fail_on_qt_warnings", "ui_settings", "make_run", "make_window", "wait_state", "keep"]
 

@@ -247,7 +247,7 @@ def tokenizer():
     """The offline tokenizer, trained once and cached."""
     from transformers import PreTrainedTokenizerFast
 
-    from inspector.capture.resources import cache_root
+    from inspector.core.resources import cache_root
     from inspector.testing.tinymodels import stdlib_corpus, train_tokenizer
 
     where = cache_root() / "coverage-models" / "tokenizer-512"
@@ -276,7 +276,7 @@ def build(arch: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from inspector.capture.resources import cache_root
+    from inspector.core.resources import cache_root
 
     if config_class(arch) is None:
         return {"why": f"transformers cannot build it: transformers {_version()} has no causal-LM class named {arch}"}

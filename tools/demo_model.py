@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from inspector.capture.resources import DEMO_DIRNAME
+from inspector.core.resources import DEMO_DIRNAME
 from inspector.testing import tinymodels
 
 EVAL_PROMPTS = ("def ", "import ", "class ", "for i in ", "return ")

@@ -46,7 +46,7 @@ def chunks(texts: list[str]) -> list[str]:
 
 def activations(session, documents: list[str], limit: int, hook: str) -> np.ndarray:
     """Rows of ``hook`` over ``documents`` (prefill), until ``limit`` rows."""
-    from inspector.capture.protocol import Sampling
+    from inspector.core.protocol import Sampling
 
     rows = []
     for start in range(0, len(documents), 32):
@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     from demo_model import split_corpus
     from safetensors.numpy import save_file
 
-    from inspector.capture.protocol import SessionOptions
-    from inspector.capture.sae import encode, read_sae
+    from inspector.core.protocol import SessionOptions
+    from inspector.core.sae import encode, read_sae
     from inspector.engine.session import Session
     from inspector.experiments.scan import ScanSpec, ScanState, scan
     from inspector.io.scan import write_scan

@@ -171,7 +171,7 @@ def shoot_remote(model: str, out: Path, w: int, h: int, pump, app) -> None:
     import subprocess
     import threading
 
-    from inspector.capture.protocol import Sampling
+    from inspector.core.protocol import Sampling
     from inspector.client import connect
     from inspector.client.local import start_local_server
     from inspector.ui.main_window import MainWindow
@@ -371,7 +371,7 @@ def shoot_dashboard(out: Path, w: int, h: int, app) -> None:
     """The Dashboard tab on the demo SAE's shipped scan (no engine needed): feature 565, which fires on
     "may", "must" and "not" in docstrings (found by listing the strongest features whose top tokens are
     a few words), its examples with the token highlighted and its histogram."""
-    from inspector.capture.resources import demo_sae_path
+    from inspector.core.resources import demo_sae_path
     from inspector.client.local import start_local_server
     from inspector.ui.main_window import MainWindow
 

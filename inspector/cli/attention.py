@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Attention patterns recomputed from the queries and keys a capture file holds."""
-    from inspector.capture.attention import attention_weights
+    from inspector.core.attention import attention_weights
     from inspector.io import read_run
 
     run = read_run(args.file)

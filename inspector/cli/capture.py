@@ -8,14 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
-from inspector.capture.hooks import RESIDUAL_KINDS
-from inspector.capture.interventions import Intervention
-from inspector.capture.lens import MAX_K
-from inspector.capture.positions import parse_positions
-from inspector.capture.protocol import Sampling, SessionProtocol, check_request
-from inspector.capture.sae import decoder_row, feature_clamp, read_sae
-from inspector.capture.vectors import load_vector
-from inspector.capture.windows import parse_window_option, windows_from_patterns
+from inspector.core.hooks import RESIDUAL_KINDS
+from inspector.core.interventions import Intervention
+from inspector.core.lens import MAX_K
+from inspector.core.positions import parse_positions
+from inspector.core.protocol import Sampling, SessionProtocol, check_request
+from inspector.core.sae import decoder_row, feature_clamp, read_sae
+from inspector.core.vectors import load_vector
+from inspector.core.windows import parse_window_option, windows_from_patterns
 from inspector.experiments.compare import compare, upcoming_twins
 
 from .engine_options import DEFAULT_HOOKS, add_engine_options, add_server_options, add_window_option, open_session

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from inspector.capture.protocol import MODES, SessionOptions, SessionProtocol
+from inspector.core.protocol import MODES, SessionOptions, SessionProtocol
 
 DEFAULT_HOOKS = ("blocks.*.hook_resid_post",)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from inspector.capture.protocol import SessionOptions
+from inspector.core.protocol import SessionOptions
 
 from .engine_options import add_parallel_option, add_server_options, engine_session, open_session, parallel_args
 from .progress import TerminalProgress

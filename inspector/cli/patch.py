@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inspector.capture.positions import parse_positions
+from inspector.core.positions import parse_positions
 
 from .engine_options import add_engine_options, add_server_options, open_session
 from .progress import TerminalProgress

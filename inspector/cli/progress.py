@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from inspector.capture.protocol import BootProgress
+from inspector.core.protocol import BootProgress
 
 
 class TerminalProgress:

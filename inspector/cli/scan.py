@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inspector.capture.sae import read_sae
+from inspector.core.sae import read_sae
 from inspector.harvesting.corpus import Corpus
 
 from .engine_options import add_engine_options, add_server_options, open_session

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from inspector.capture.protocol import SessionOptions
-from inspector.capture.windows import parse_window_option
+from inspector.core.protocol import SessionOptions
+from inspector.core.windows import parse_window_option
 from inspector.openai import cli as openai_cli
 
 from .engine_options import DEFAULT_HOOKS, add_engine_options, add_window_option, parallel_args

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from inspector.capture.protocol import BootProgress, SessionOptions
-from inspector.capture.serve_argv import serve_argv
+from inspector.core.protocol import BootProgress, SessionOptions
+from inspector.core.serve_argv import serve_argv
 
 from .remote import RemoteSession, connect
 

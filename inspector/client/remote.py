@@ -1,5 +1,5 @@
 """A session on a server: ``connect(url)`` returns an object with the same protocol as the in-process
-``Session`` (``inspector.capture.protocol.SessionProtocol``), so the app and scripts cannot tell them
+``Session`` (``inspector.core.protocol.SessionProtocol``), so the app and scripts cannot tell them
 apart. Step events arrive as the server makes them and are folded into ``run`` here.
 """
 
@@ -11,14 +11,14 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import zmq
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.interventions import Intervention
-from inspector.capture.lens import Attribution, Lens
-from inspector.capture.protocol import (BootProgress, Prefilled, Sampling, SessionError, SessionOptions, StepEvent,
+from inspector.core.hooks import HookPoint
+from inspector.core.interventions import Intervention
+from inspector.core.lens import Attribution, Lens
+from inspector.core.protocol import (BootProgress, Prefilled, Sampling, SessionError, SessionOptions, StepEvent,
                                         check_request, checked_interventions)
-from inspector.capture.sae import AttachedSae, SaeConfig
-from inspector.capture.session_base import SessionBase
-from inspector.capture.windows import CaptureWindow, checked_windows
+from inspector.core.sae import AttachedSae, SaeConfig
+from inspector.core.session_base import SessionBase
+from inspector.core.windows import CaptureWindow, checked_windows
 from inspector.experiments.methods import Experiments
 from inspector.net.keys import ClientKeys
 from inspector.net.wire import (Message, WireError, convert, event_from_body, hooks_from_body, progress_from_body,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from inspector.capture.interventions import DEFAULT_MAX_SLOTS
-from inspector.capture.protocol import MODES
+from inspector.core.interventions import DEFAULT_MAX_SLOTS
+from inspector.core.protocol import MODES
 
 from .environment import engine_precision, parallel_ranks, prepare_environment, worker_environment
 

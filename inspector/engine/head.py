@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inspector.capture.lens import Attribution, Lens, checked_attribution_request, checked_lens_request
+from inspector.core.lens import Attribution, Lens, checked_attribution_request, checked_lens_request
 
 
 def from_head(per_rank: list[dict]) -> dict:

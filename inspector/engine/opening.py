@@ -8,11 +8,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from inspector.capture.hooks import HookPoint, check_patterns
-from inspector.capture.models import resolve_model
-from inspector.capture.protocol import MODES, BootProgress, SessionError, SessionOptions
-from inspector.capture.ranks import merge_descriptions
-from inspector.capture.windows import windows_from_patterns
+from inspector.core.hooks import HookPoint, check_patterns
+from inspector.core.models import resolve_model
+from inspector.core.protocol import MODES, BootProgress, SessionError, SessionOptions
+from inspector.core.ranks import merge_descriptions
+from inspector.core.windows import windows_from_patterns
 from inspector.plugin.config import PLUGIN_MISSING
 
 from .boot import boot_llm, shutdown_llm

@@ -1,6 +1,6 @@
 """The in-process engine session: one model booted with the plugin, generation as a stream of step events.
 
-``Session`` implements ``inspector.capture.protocol.SessionProtocol``. It drives vLLM step by step
+``Session`` implements ``inspector.core.protocol.SessionProtocol``. It drives vLLM step by step
 (``submit``, ``step``, ``cancel``: requests join the running batch at any step, which is how a
 server serves many clients at once; ``generate`` is that loop for one caller), drains the worker's
 captures after every step without waiting for copies still in flight (so the host's work of one step
@@ -22,19 +22,19 @@ from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 from inspector import __version__
-from inspector.capture.blocks import RequestRowsView
-from inspector.capture.drained import DrainedRequest
-from inspector.capture.hooks import HookPoint, check_patterns
-from inspector.capture.interventions import Intervention
-from inspector.capture.lens import checked_token_ids
-from inspector.capture.models import model_config
-from inspector.capture.protocol import (BootProgress, Prefilled, RequestStart, RequestStep, Rows, Sampling,
+from inspector.core.blocks import RequestRowsView
+from inspector.core.drained import DrainedRequest
+from inspector.core.hooks import HookPoint, check_patterns
+from inspector.core.interventions import Intervention
+from inspector.core.lens import checked_token_ids
+from inspector.core.models import model_config
+from inspector.core.protocol import (BootProgress, Prefilled, RequestStart, RequestStep, Rows, Sampling,
                                         SessionError, SessionOptions, StepEvent, check_request)
-from inspector.capture.ranks import merge_ranks
-from inspector.capture.request_edits import encode_edit
-from inspector.capture.sae import AttachedSae, checked_attachment
-from inspector.capture.session_base import HeldInterventions, SessionBase
-from inspector.capture.windows import CaptureWindow, checked_windows, windows_from_patterns
+from inspector.core.ranks import merge_ranks
+from inspector.core.request_edits import encode_edit
+from inspector.core.sae import AttachedSae, checked_attachment
+from inspector.core.session_base import HeldInterventions, SessionBase
+from inspector.core.windows import CaptureWindow, checked_windows, windows_from_patterns
 from inspector.experiments.methods import Experiments
 from inspector.plugin.gather import bulk_of
 

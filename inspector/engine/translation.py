@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from inspector.capture.protocol import Rows, Sampling
-from inspector.capture.run import TopToken
+from inspector.core.protocol import Rows, Sampling
+from inspector.core.run import TopToken
 
 
 def sampling_params(s: Sampling, skip_cache: bool = False):

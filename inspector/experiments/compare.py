@@ -13,10 +13,10 @@ from typing import Iterator
 
 import numpy as np
 
-from inspector.capture.dtypes import as_float32
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling, SessionProtocol, StepEvent
-from inspector.capture.run import HookRows, RequestCapture, Run, TopToken
+from inspector.core.dtypes import as_float32
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling, SessionProtocol, StepEvent
+from inspector.core.run import HookRows, RequestCapture, Run, TopToken
 
 ROLES = ("clean", "intervened")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling, StepEvent
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling, StepEvent
 
 from . import compare, patching
 

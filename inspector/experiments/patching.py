@@ -17,10 +17,10 @@ from typing import Callable
 
 import numpy as np
 
-from inspector.capture.hooks import installed_name
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling, SessionProtocol, StepEvent
-from inspector.capture.windows import every_row
+from inspector.core.hooks import installed_name
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling, SessionProtocol, StepEvent
+from inspector.core.windows import every_row
 
 DIRECTIONS = ("denoise", "noise")  # clean → corrupted, corrupted → clean
 

@@ -26,8 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from inspector.capture.protocol import Sampling, SessionProtocol
-from inspector.capture.windows import every_row
+from inspector.core.protocol import Sampling, SessionProtocol
+from inspector.core.windows import every_row
 
 BEFORE, AFTER = 8, 3  # tokens kept around each top activation
 BINS = 48  # histogram bins between the edges, plus one below and one above

@@ -19,8 +19,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
-from inspector.capture.protocol import BootProgress, SessionOptions
+from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
+from inspector.core.protocol import BootProgress, SessionOptions
 
 from .corpus import Corpus
 from .packing import pack

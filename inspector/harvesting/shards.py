@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inspector.capture.dtypes import BFLOAT16
+from inspector.core.dtypes import BFLOAT16
 
 MANIFEST = "harvest.json"
 FORMAT = "inspector-harvest/1"

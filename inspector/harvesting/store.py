@@ -14,8 +14,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from inspector import __version__
-from inspector.capture.dtypes import BFLOAT16
-from inspector.capture.protocol import BootProgress
+from inspector.core.dtypes import BFLOAT16
+from inspector.core.protocol import BootProgress
 
 from .corpus import Corpus
 from .mixing import check_mixing, mixed_batches

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inspector.capture.blocks import RowBlocks, consecutive
+from inspector.core.blocks import RowBlocks, consecutive
 
 from .atomic_file import FinishedOrDropped
 from .writer import CaptureWriter

@@ -10,9 +10,9 @@ from dataclasses import asdict
 import numpy as np
 
 from inspector import __version__ as APP_VERSION
-from inspector.capture.hooks import HookPoint
-from inspector.capture.routing import Routing, route
-from inspector.capture.run import FeatureRows, LensRows, RequestCapture, TopToken
+from inspector.core.hooks import HookPoint
+from inspector.core.routing import Routing, route
+from inspector.core.run import FeatureRows, LensRows, RequestCapture, TopToken
 
 from .format import FORMAT_NAME, FORMAT_VERSION, escape_name, set_text, to_json, write_texts
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from inspector.capture.attention import AttentionGeometry
-from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
-from inspector.capture.routing import Routing
-from inspector.capture.hooks import HookPoint
-from inspector.capture.run import FeatureRows, HookRows, LensRows, RequestCapture, Run, TopToken
+from inspector.core.attention import AttentionGeometry
+from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
+from inspector.core.routing import Routing
+from inspector.core.hooks import HookPoint
+from inspector.core.run import FeatureRows, HookRows, LensRows, RequestCapture, Run, TopToken
 
 from .format import FORMAT_NAME, FORMAT_VERSION, CaptureFileError, get_text, os_reason, read_texts, unescape_name
 

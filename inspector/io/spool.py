@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from inspector.capture.arrays import GrowableArray
-from inspector.capture.hooks import HookPoint
-from inspector.capture.run import HookRows, RequestCapture
+from inspector.core.arrays import GrowableArray
+from inspector.core.hooks import HookPoint
+from inspector.core.run import HookRows, RequestCapture
 
 from .writer import CaptureWriter
 

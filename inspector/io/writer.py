@@ -12,11 +12,11 @@ from typing import Callable
 import h5py
 import numpy as np
 
-from inspector.capture.arrays import GrowableArray
-from inspector.capture.blocks import RowBlocks
-from inspector.capture.dtypes import BFLOAT16, ROW_DTYPES
-from inspector.capture.hooks import HookPoint
-from inspector.capture.run import FeatureRows, LensRows, RequestCapture, Run
+from inspector.core.arrays import GrowableArray
+from inspector.core.blocks import RowBlocks
+from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
+from inspector.core.hooks import HookPoint
+from inspector.core.run import FeatureRows, LensRows, RequestCapture, Run
 
 from .atomic_file import AtomicFile
 from .format import (EXPORT_CHUNK_BYTES, check_compression, chunk_cols_for, chunk_rows_for, extendable_dataset,

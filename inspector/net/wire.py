@@ -18,11 +18,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from inspector.capture.blocks import RequestRowsView, RowBlocks, consecutive
-from inspector.capture.dtypes import BFLOAT16
-from inspector.capture.hooks import HookPoint
-from inspector.capture.protocol import BootProgress, RequestStart, RequestStep, StepEvent
-from inspector.capture.run import TopToken
+from inspector.core.blocks import RequestRowsView, RowBlocks, consecutive
+from inspector.core.dtypes import BFLOAT16
+from inspector.core.hooks import HookPoint
+from inspector.core.protocol import BootProgress, RequestStart, RequestStep, StepEvent
+from inspector.core.run import TopToken
 
 VERSION = 2  # 2: arrays may be bfloat16
 # What a client may send a server in one message (a clear error beyond). A server's messages to its

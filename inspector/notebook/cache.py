@@ -13,10 +13,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from inspector.capture.attention import AttentionGeometry, attention_weights
-from inspector.capture.dtypes import BFLOAT16
-from inspector.capture.hooks import HookPoint
-from inspector.capture.lens import Attribution, Lens
+from inspector.core.attention import AttentionGeometry, attention_weights
+from inspector.core.dtypes import BFLOAT16
+from inspector.core.hooks import HookPoint
+from inspector.core.lens import Attribution, Lens
 
 from . import views
 

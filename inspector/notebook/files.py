@@ -19,10 +19,10 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from inspector.capture.attention import AttentionGeometry
-from inspector.capture.dtypes import BFLOAT16
-from inspector.capture.hooks import HookPoint
-from inspector.capture.run import HookRows, RequestCapture, Run
+from inspector.core.attention import AttentionGeometry
+from inspector.core.dtypes import BFLOAT16
+from inspector.core.hooks import HookPoint
+from inspector.core.run import HookRows, RequestCapture, Run
 from inspector.io import read_run, write_run
 from inspector.plugin.families import ALIASES
 

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from inspector.capture.hooks import HookPoint
+from inspector.core.hooks import HookPoint
 
 HookFunction = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
 

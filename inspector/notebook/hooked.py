@@ -20,9 +20,9 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from inspector.capture.hooks import installed_name
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling, SessionOptions
+from inspector.core.hooks import installed_name
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling, SessionOptions
 from inspector.engine.session import Session
 
 from . import files

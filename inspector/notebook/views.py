@@ -1,7 +1,7 @@
 """Inline views for a notebook: a cache entry, an attention pattern, a logit lens, a twin comparison and a run show
 themselves in Jupyter (``_repr_html_``: an inline PNG with the tokens along its axes, a title and a colour legend;
 ``_repr_png_`` where HTML is not shown), coloured through the app's own colour tables and level rules
-(``inspector.capture.colormaps``), so that a figure reads as the app's. Self-contained: no script, no widget, no
+(``inspector.core.colormaps``), so that a figure reads as the app's. Self-contained: no script, no widget, no
 file beside the notebook."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from inspector.capture.colormaps import (DEFAULT_COLORMAP, DIFF_COLORMAP, colour_indices, lookup_table, pool_maxabs,
+from inspector.core.colormaps import (DEFAULT_COLORMAP, DIFF_COLORMAP, colour_indices, lookup_table, pool_maxabs,
                                          robust_levels)
-from inspector.capture.dtypes import as_float32
-from inspector.capture.hooks import HookPoint, installed_name
-from inspector.capture.labels import default_hook, display_token, short_hook_label
-from inspector.capture.run import Run
+from inspector.core.dtypes import as_float32
+from inspector.core.hooks import HookPoint, installed_name
+from inspector.core.labels import default_hook, display_token, short_hook_label
+from inspector.core.run import Run
 
 MAX_BINS = (1024, 320)  # (columns, rows) drawn at most: past them bins are pooled max-abs, as the app pools to pixels
 HEATMAP_PX = (720, 320)  # about the room a heatmap takes: smaller ones get bigger cells ...

@@ -16,7 +16,7 @@ import json
 import uuid
 from typing import NamedTuple
 
-from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, encode_edit, fingerprint
+from inspector.core.request_edits import CAPTURE_KEY, EDIT_KEY, encode_edit, fingerprint
 
 from .steering import PREFIX, CaptureAsk, HookTable, Refused, capture_ask, resolve, steering_fields
 from .vectors import VectorRegistry

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from inspector.capture.drained import ROW_KEYS
-from inspector.capture.run import RequestCapture
+from inspector.core.drained import ROW_KEYS
+from inspector.core.run import RequestCapture
 from inspector.io.writer import CaptureWriter
 
 from .steering import CaptureAsk, HookTable

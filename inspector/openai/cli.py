@@ -9,9 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from inspector.capture.interventions import DEFAULT_MAX_SLOTS
-from inspector.capture.models import resolve_model
-from inspector.capture.request_edits import SERVED_SECTION
+from inspector.core.interventions import DEFAULT_MAX_SLOTS
+from inspector.core.models import resolve_model
+from inspector.core.request_edits import SERVED_SECTION
 from inspector.engine.environment import parallel_ranks, worker_environment
 
 from .vectors import absolute_vector_spec, parse_vector_spec

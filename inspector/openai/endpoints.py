@@ -16,11 +16,11 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from inspector.capture.hooks import HookPoint, check_patterns
-from inspector.capture.request_edits import SERVED_SECTION, decode_vector
+from inspector.core.hooks import HookPoint, check_patterns
+from inspector.core.request_edits import SERVED_SECTION, decode_vector
 from inspector.engine.tokens import token_text
-from inspector.capture.drained import drain_from_portable
-from inspector.capture.ranks import merge_descriptions, merge_ranks
+from inspector.core.drained import drain_from_portable
+from inspector.core.ranks import merge_descriptions, merge_ranks
 
 from .admission import Admission
 from .capture_store import CaptureStore, server_metadata

@@ -21,11 +21,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.interventions import FeatureClamp, Intervention, validate
-from inspector.capture.positions import parse_positions
-from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, decode_vector
-from inspector.capture.windows import CaptureWindow
+from inspector.core.hooks import HookPoint
+from inspector.core.interventions import FeatureClamp, Intervention, validate
+from inspector.core.positions import parse_positions
+from inspector.core.request_edits import CAPTURE_KEY, EDIT_KEY, decode_vector
+from inspector.core.windows import CaptureWindow
 
 from .vectors import VectorRegistry
 

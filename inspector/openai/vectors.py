@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from inspector.capture.interventions import FeatureClamp
-from inspector.capture.sae import decoder_row, feature_clamp, read_sae
-from inspector.capture.vectors import check_vector, load_vector
+from inspector.core.interventions import FeatureClamp
+from inspector.core.sae import decoder_row, feature_clamp, read_sae
+from inspector.core.vectors import check_vector, load_vector
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from inspector.capture.interventions import DEFAULT_MAX_SLOTS
+from inspector.core.interventions import DEFAULT_MAX_SLOTS
 
 from .config import ENV_VAR, PluginConfig, validate
 

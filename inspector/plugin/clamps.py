@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inspector.capture.interventions import FeatureClamp, Intervention
+from inspector.core.interventions import FeatureClamp, Intervention
 
 from .uploads import upload
 

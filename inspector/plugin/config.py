@@ -10,8 +10,8 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from inspector.capture.interventions import DEFAULT_MAX_SLOTS
-from inspector.capture.request_edits import SERVED_SECTION
+from inspector.core.interventions import DEFAULT_MAX_SLOTS
+from inspector.core.request_edits import SERVED_SECTION
 
 ENV_VAR = "INSPECTOR_PLUGIN_CONFIG"
 DTYPES = ("float32", "float16", "bfloat16")

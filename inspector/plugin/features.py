@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from inspector.capture.sae import AttachedSae, load_weights
+from inspector.core.sae import AttachedSae, load_weights
 
 CHUNK_ROWS = 1024  # rows encoded at once: a 65,536-feature SAE's pre-activations of 1,024 rows are 256 MiB
 

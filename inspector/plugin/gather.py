@@ -24,9 +24,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from inspector.capture.blocks import RowBlocks
-from inspector.capture.drained import DrainedRequest, Features, Scores
-from inspector.capture.dtypes import BFLOAT16
+from inspector.core.blocks import RowBlocks
+from inspector.core.drained import DrainedRequest, Features, Scores
+from inspector.core.dtypes import BFLOAT16
 
 Rows = dict[str, np.ndarray]  # positions, token_ids, values
 

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from inspector.capture.hooks import ROUTER_KIND, HookPoint
+from inspector.core.hooks import ROUTER_KIND, HookPoint
 
 from . import families, vllm_compat
 from .vllm_compat import TensorParallel

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from inspector.capture.hooks import HookPoint
+from inspector.core.hooks import HookPoint
 
 from . import vllm_compat
 

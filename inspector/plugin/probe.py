@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.routing import Routing, dense_weights, route
+from inspector.core.hooks import HookPoint
+from inspector.core.routing import Routing, dense_weights, route
 
 from . import hookpoints as hp
 from . import vllm_compat

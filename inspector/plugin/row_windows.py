@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from inspector.capture.windows import ALL, CaptureWindow
+from inspector.core.windows import ALL, CaptureWindow
 
 from .vllm_compat import StepInfo
 

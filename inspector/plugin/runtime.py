@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from inspector.capture.drained import DrainedRequest
-from inspector.capture.hooks import HookPoint
-from inspector.capture.interventions import Intervention, check_clamp_capacity, validate
-from inspector.capture.sae import AttachedSae
+from inspector.core.drained import DrainedRequest
+from inspector.core.hooks import HookPoint
+from inspector.core.interventions import Intervention, check_clamp_capacity, validate
+from inspector.core.sae import AttachedSae
 
 from . import hookpoints as hp
 from .clamps import ClampTable

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inspector.capture.drained import Scores
+from inspector.core.drained import Scores
 
 from .vllm_compat import StepInfo
 

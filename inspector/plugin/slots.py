@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from inspector.capture.interventions import Intervention
+from inspector.core.interventions import Intervention
 
 Key = tuple[int, ...]  # the effects applied to a row at one hook, in order (an effect: scale and bias)
 

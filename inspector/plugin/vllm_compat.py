@@ -19,9 +19,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from inspector.capture.attention import AttentionGeometry
-from inspector.capture.request_edits import SERVED_SECTION
-from inspector.capture.routing import Routing
+from inspector.core.attention import AttentionGeometry
+from inspector.core.request_edits import SERVED_SECTION
+from inspector.core.routing import Routing
 
 _PATCHED_FLAG = "_inspector_patched"
 

@@ -13,11 +13,11 @@ import time
 import types
 from dataclasses import replace
 
-from inspector.capture.drained import ROW_KEYS
-from inspector.capture.interventions import Intervention
-from inspector.capture.portable import to_portable
-from inspector.capture.request_edits import CAPTURE_KEY, EDIT_KEY, decode_edit
-from inspector.capture.sae import AttachedSae, SaeConfig
+from inspector.core.drained import ROW_KEYS
+from inspector.core.interventions import Intervention
+from inspector.core.portable import to_portable
+from inspector.core.request_edits import CAPTURE_KEY, EDIT_KEY, decode_edit
+from inspector.core.sae import AttachedSae, SaeConfig
 
 from . import hookpoints, lens, probe, reader, vllm_compat
 from .config import PLUGIN_MISSING, PluginConfig, served_config

@@ -19,11 +19,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from inspector.capture.hooks import HookPoint, check_patterns, installed_name
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import RequestStep, Sampling, SessionError, StepEvent, checked_interventions
-from inspector.capture.sae import read_sae
-from inspector.capture.windows import CaptureWindow, checked_windows
+from inspector.core.hooks import HookPoint, check_patterns, installed_name
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import RequestStep, Sampling, SessionError, StepEvent, checked_interventions
+from inspector.core.sae import read_sae
+from inspector.core.windows import CaptureWindow, checked_windows
 from inspector.net.wire import Message, WireError, convert, event_to_body, to_builtins
 
 SEPARATOR = "/"

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.auth.thread
 
-from inspector.capture.protocol import BootProgress, SessionError, SessionOptions
+from inspector.core.protocol import BootProgress, SessionError, SessionOptions
 from inspector.net.keys import ServerKeys, server_keys
 from inspector.net.wire import Message
 

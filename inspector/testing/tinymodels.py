@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from inspector.capture.resources import cache_root
+from inspector.core.resources import cache_root
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3",
                  "gpt_neox", "olmo2", "phi", "mixtral", "olmoe", "qwen2_moe", "gemma", "stablelm",

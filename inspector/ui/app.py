@@ -14,8 +14,8 @@ import os
 import sys
 import traceback
 
-from inspector.capture.protocol import SessionFactory
-from inspector.capture.resources import icon_path
+from inspector.core.protocol import SessionFactory
+from inspector.core.resources import icon_path
 
 
 _collector = None

@@ -17,7 +17,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QRectF
 from PySide6.QtGui import QImage
 
-from inspector.capture.colormaps import colour
+from inspector.core.colormaps import colour
 
 
 class ColorImageItem(pg.GraphicsObject):

@@ -16,7 +16,7 @@ from PySide6.QtGui import QColor, QFont, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QSizePolicy, QSplitter, QStackedWidget, QTextEdit,
                                QVBoxLayout, QWidget)
 
-from inspector.capture.colormaps import DIFF_COLORMAP
+from inspector.core.colormaps import DIFF_COLORMAP
 from inspector.viewer.compare import CHANGE_TIP, KL_TIP, NO_TWINS, ComparisonShown
 from inspector.viewer.labels import display_token
 from inspector.viewer.tabs import CompareDrawing

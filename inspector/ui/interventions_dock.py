@@ -19,8 +19,8 @@ from PySide6.QtGui import QBrush, QColor
 from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialog, QHBoxLayout, QHeaderView,
                                QLabel, QPushButton, QStyledItemDelegate, QTableView, QVBoxLayout, QWidget)
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.vectors import check_vector, load_vector
+from inspector.core.hooks import HookPoint
+from inspector.core.vectors import check_vector, load_vector
 from inspector.viewer.intervention_rows import SCOPE_LABELS, SCOPES, InterventionRow, active_interventions
 from inspector.viewer.labels import short_hook_label
 

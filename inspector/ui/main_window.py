@@ -15,8 +15,8 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (QComboBox, QDockWidget, QHBoxLayout, QLabel, QMainWindow, QMessageBox, QPlainTextEdit,
                                QProgressBar, QProgressDialog, QPushButton, QSplitter, QTabWidget, QVBoxLayout, QWidget)
 
-from inspector.capture.protocol import BOOT_STAGES, BootProgress, SessionFactory
-from inspector.capture.sae import AttachedSae
+from inspector.core.protocol import BOOT_STAGES, BootProgress, SessionFactory
+from inspector.core.sae import AttachedSae
 from inspector.viewer.app_state import GENERATE_TIPS, Action, AppState, describe_generation
 from inspector.viewer.controller import Controller
 from inspector.viewer.feature_labels import sae_key

@@ -16,8 +16,8 @@ from PySide6.QtGui import QBrush, QColor, QFont, QStandardItem, QStandardItemMod
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QMenu, QPushButton,
                                QStyledItemDelegate, QToolButton, QTreeView, QVBoxLayout, QWidget)
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.windows import ALL, CaptureWindow
+from inspector.core.hooks import HookPoint
+from inspector.core.windows import ALL, CaptureWindow
 
 NAME_ROLE = Qt.ItemDataRole.UserRole + 1
 PRESETS = {

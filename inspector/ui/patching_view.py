@@ -14,7 +14,7 @@ from PySide6.QtGui import QColor, QFontDatabase, QPalette
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QMenu,
                                QPlainTextEdit, QProgressBar, QPushButton, QToolButton, QVBoxLayout)
 
-from inspector.capture.hooks import HookPoint
+from inspector.core.hooks import HookPoint
 from inspector.viewer.patching import (DIRECTIONS, MODES, PatchingSweep, SweepRequest, kind_rows, patch_kinds,
                                        rows_note, uncaptured)
 

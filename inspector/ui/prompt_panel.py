@@ -8,7 +8,7 @@ from PySide6.QtGui import QKeySequence
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel,
                                QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
-from inspector.capture.protocol import Sampling
+from inspector.core.protocol import Sampling
 from inspector.viewer.prompts import PLACEHOLDERS, RULES, describe_split, split_prompts
 
 from .settings import Settings

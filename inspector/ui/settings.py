@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from inspector.capture.colormaps import DEFAULT_COLORMAP
+from inspector.core.colormaps import DEFAULT_COLORMAP
 from inspector.viewer.prompts import LINES, RULES
 
 ORG = "ActivationInspector"

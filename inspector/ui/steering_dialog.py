@@ -7,8 +7,8 @@ import numpy as np
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QGroupBox,
                                QLabel, QLineEdit, QPushButton)
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.positions import format_positions, parse_positions
+from inspector.core.hooks import HookPoint
+from inspector.core.positions import format_positions, parse_positions
 
 
 class SteeringDialog(QDialog):

@@ -10,8 +10,8 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from inspector.capture.protocol import BootProgress, SessionError
-from inspector.capture.sae import AttachedSae
+from inspector.core.protocol import BootProgress, SessionError
+from inspector.core.sae import AttachedSae
 
 from .jobs import GenerationResult, SessionInfo, TaskState
 

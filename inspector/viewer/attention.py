@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from inspector.capture.attention import attention_weights
-from inspector.capture.hooks import ATTENTION_KINDS, HookPoint
-from inspector.capture.windows import CaptureWindow
+from inspector.core.attention import attention_weights
+from inspector.core.hooks import ATTENTION_KINDS, HookPoint
+from inspector.core.windows import CaptureWindow
 
 from .labels import display_token
 from .run_view import RunSource, RunView

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from inspector.capture.arrays import GrowableArray
-from inspector.capture.run import HookRows, RequestCapture
+from inspector.core.arrays import GrowableArray
+from inspector.core.run import HookRows, RequestCapture
 from inspector.experiments.compare import Twins, difference, first_divergence, logprob_change, token_kl, twins_of
 
 from .labels import display_token, short_hook_label

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from inspector.capture.protocol import SessionFactory
+from inspector.core.protocol import SessionFactory
 
 from .app_state import ControllerView, TaskRunner
 from .engine_control import EngineControl

@@ -11,11 +11,11 @@ from dataclasses import fields
 from pathlib import Path
 
 from inspector import client
-from inspector.capture import resources
-from inspector.capture.models import DEMO, model_path_problem
-from inspector.capture.protocol import BootProgress, SessionFactory, SessionOptions, SessionProtocol
-from inspector.capture.sae import AttachedSae
-from inspector.capture.windows import CaptureWindow
+from inspector.core import resources
+from inspector.core.models import DEMO, model_path_problem
+from inspector.core.protocol import BootProgress, SessionFactory, SessionOptions, SessionProtocol
+from inspector.core.sae import AttachedSae
+from inspector.core.windows import CaptureWindow
 from inspector.net.keys import ClientKeys
 
 from . import jobs

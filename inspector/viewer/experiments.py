@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inspector.capture.protocol import Sampling
+from inspector.core.protocol import Sampling
 from inspector.experiments.patching import SweepResult
 
 from . import jobs

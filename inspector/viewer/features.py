@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inspector.capture.sae import AttachedSae
+from inspector.core.sae import AttachedSae
 
 from .feature_labels import NO_LABELS, FeatureLabels, LabelBook, feature_label
 from .labels import display_token

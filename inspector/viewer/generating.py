@@ -8,10 +8,10 @@ from __future__ import annotations
 import functools
 import time
 
-from inspector.capture import resources
-from inspector.capture.dtypes import ROW_DTYPES
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling, StepEvent
+from inspector.core import resources
+from inspector.core.dtypes import ROW_DTYPES
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling, StepEvent
 from inspector.experiments.compare import Twins, mark_twins, scoped_to_intervened, upcoming_twins
 
 from . import jobs

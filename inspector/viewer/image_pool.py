@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inspector.capture.colormaps import pool_maxabs, robust_levels  # noqa: F401 - the app's modules take them from here
+from inspector.core.colormaps import pool_maxabs, robust_levels  # noqa: F401 - the app's modules take them from here
 
 
 READ_BYTES = 2 << 20  # rows pooled at a time

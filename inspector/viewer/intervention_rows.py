@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from inspector.capture.interventions import FeatureClamp, Intervention
-from inspector.capture.positions import format_positions, parse_positions
-from inspector.capture.vectors import check_vector
+from inspector.core.interventions import FeatureClamp, Intervention
+from inspector.core.positions import format_positions, parse_positions
+from inspector.core.vectors import check_vector
 
 SCOPES = ("all", "request", "positions", "request+positions")
 SCOPE_LABELS = {"all": "all requests", "request": "this request", "positions": "positions",

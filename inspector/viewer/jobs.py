@@ -15,11 +15,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from inspector.capture.hooks import HookPoint
-from inspector.capture.interventions import Intervention
-from inspector.capture.protocol import Sampling, SessionFactory, SessionOptions, SessionProtocol, StepEvent
-from inspector.capture.run import Run
-from inspector.capture.sae import AttachedSae
+from inspector.core.hooks import HookPoint
+from inspector.core.interventions import Intervention
+from inspector.core.protocol import Sampling, SessionFactory, SessionOptions, SessionProtocol, StepEvent
+from inspector.core.run import Run
+from inspector.core.sae import AttachedSae
 from inspector.experiments.compare import compare as compare_twins
 from inspector.experiments.patching import SweepResult, patch
 from inspector.io import write_run

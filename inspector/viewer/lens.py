@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from inspector.capture.hooks import RESIDUAL_KINDS, HookPoint
-from inspector.capture.lens import Lens
-from inspector.capture.run import LensRows, Run
+from inspector.core.hooks import RESIDUAL_KINDS, HookPoint
+from inspector.core.lens import Lens
+from inspector.core.run import LensRows, Run
 
 from .labels import display_token, short_hook_label
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from inspector.capture.hooks import HookPoint
+from inspector.core.hooks import HookPoint
 from inspector.experiments.patching import PatchSpec, SweepResult, metric_from_text
 
 from .labels import display_token, short_hook_label

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inspector.capture.hooks import ROUTER_KIND, HookPoint
-from inspector.capture.routing import dense_weights, route
+from inspector.core.hooks import ROUTER_KIND, HookPoint
+from inspector.core.routing import dense_weights, route
 
 from .labels import display_token
 from .lens import percent

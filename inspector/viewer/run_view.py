@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inspector.capture.arrays import GrowableArray
-from inspector.capture.dtypes import as_float32
-from inspector.capture.hooks import RESIDUAL_KINDS, HookPoint
-from inspector.capture.labels import default_hook
-from inspector.capture.protocol import StepEvent, fold_event
-from inspector.capture.run import HookRows, RequestCapture, Run
-from inspector.capture.sae import AttachedSae
+from inspector.core.arrays import GrowableArray
+from inspector.core.dtypes import as_float32
+from inspector.core.hooks import RESIDUAL_KINDS, HookPoint
+from inspector.core.labels import default_hook
+from inspector.core.protocol import StepEvent, fold_event
+from inspector.core.run import HookRows, RequestCapture, Run
+from inspector.core.sae import AttachedSae
 from inspector.io.spool import RowSpool
 
 from .labels import hook_sort_key, short_hook_label

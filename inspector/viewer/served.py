@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inspector.capture.run import Run
+from inspector.core.run import Run
 
 POLL_S = 1.0  # between two looks at the server's list
 

@@ -48,12 +48,12 @@ class SessionOptions:
     max_num_batched_tokens: int = 512
     enable_position_interventions: bool = True
     retain_rows: bool = True  # False: rows only reach the step events (the consumer keeps them)
-    max_slots: int = DEFAULT_MAX_SLOTS  # per hook: see inspector.capture.interventions
+    max_slots: int = DEFAULT_MAX_SLOTS  # per hook: see inspector.core.interventions
     # per hook, the SAE features one intervention set may clamp; each hook's room for them costs every compiled
     # forward (on an H200, 9% of a batch-1 decode step with 32 hooks), so there is none unless asked for
     feature_clamps: int = 0
     # capture windows applied when the session opens: (glob pattern over installed hook names and aliases,
-    # window text as in inspector.capture.windows), a later pair overriding an earlier one; unnamed hooks: all
+    # window text as in inspector.core.windows), a later pair overriding an earlier one; unnamed hooks: all
     windows: tuple[tuple[str, str], ...] = ()
     kept_layers: int = 0  # >0: boot only the model's first decoder blocks (nothing is computed past them)
     engine_args: dict = field(default_factory=dict)
