@@ -75,9 +75,10 @@ class PatchingView(CellGridTab):
         self.message = elided_label()
         self.mode_box = QComboBox(toolTip="What each cell shows (the colour is always the effect)")
         self.mode_box.addItems(list(MODES))
-        self.scale.setToolTip("colour: the effect, −1 (left), 0 = corrupted (middle), 1 = clean (right)")
         self.cells.set_lookup(colormap(DIVERGING).getLookupTable(nPts=256, alpha=False).astype("uint8")[::-1].copy())
         self.show_scale()
+        self.set_scale_numbers("−1", "0", "1", "colour: the effect, −1 (left), 0 = as corrupted (middle), "
+                                               "1 = as clean (right)")
         self.details = QLabel(CLICK_HINT, wordWrap=True)
         self.details.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
