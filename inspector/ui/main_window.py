@@ -41,6 +41,7 @@ from .settings import Settings
 from .summary_view import SummaryView
 from .tasks import TaskRunner
 from .token_strip import TokenStrip
+from .upper_tabs import upper_tabs
 
 STAGE_TEXT = {"resolving": "Resolving model", "loading": "Loading weights", "compiling": "Compiling",
               "ready": "Ready"}
@@ -104,17 +105,8 @@ class MainWindow(QMainWindow):
         self.features_view = FeaturesView()
         self.dashboard_view = DashboardView()
         self.compare_view = CompareView()
-        self.tabs = QTabWidget()
-        self.tabs.addTab(self.heatmap, "Tokens × features")
-        self.tabs.addTab(self.summary, "Layers × tokens")
-        self.tabs.addTab(self.lens_view, "Lens")
-        self.tabs.addTab(self.attention_view, "Attention")
-        self.tabs.addTab(self.experts_view, "Experts")
-        self.tabs.addTab(self.features_view, "Features")
-        self.tabs.addTab(self.dashboard_view, "Dashboard")
         self.patching_view = PatchingView(self.controller.experiments.sweep)
-        self.tabs.addTab(self.patching_view, "Patching")
-        self.tabs.addTab(self.compare_view, "Compare")
+        self.tabs = upper_tabs(self)
         self.strip = TokenStrip()
         self.text_view = QPlainTextEdit(readOnly=True)
         self.text_view.setPlaceholderText("Generated text streams in here.")
