@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QComboBox, QDockWidget, QHBoxLayout, QLabel, QMai
 
 from inspector.capture.protocol import BOOT_STAGES, BootProgress, SessionFactory
 from inspector.capture.sae import AttachedSae
-from inspector.viewer.app_state import GENERATE_TIPS, Action, AppState, describe_generation
+from inspector.viewer.app_state import GENERATE_TIPS, Action, AppState, describe_generation, stage_text
 from inspector.viewer.controller import Controller
 from inspector.viewer.feature_labels import sae_key
 from inspector.viewer.jobs import GenerationResult, SessionInfo
@@ -399,6 +399,8 @@ class MainWindow(QMainWindow):
             self.stage_label.setText("Engine stopped")
         elif state is AppState.NO_MODEL:
             self.stage_label.setText("No model" if c.engine.options else "")
+        elif engine.info is not None:  # ready, generating or patching
+            self.stage_label.setText(stage_text(state, engine.info, self._server_name(), c.generating.progress))
         self._update_title()
 
     def boot_progress(self, progress: BootProgress) -> None:
@@ -424,8 +426,7 @@ class MainWindow(QMainWindow):
         self.interventions.set_hooks(info.installed)
         self.patching_view.set_hooks(list(info.catalogue), info.installed)
         self.boot_bar.setValue(len(BOOT_STAGES))
-        server = f" · {self.controller.engine.server[0]}" if self.controller.engine.server else ""
-        self.stage_label.setText(f"Ready · {len(info.installed)} hook points · {mode}{server}")
+        self.stage_label.setText(stage_text(self.state, info, self._server_name(), self.controller.generating.progress))
         family = info.metadata.get("block_family", "")
         refused = info.metadata.get("refused_kinds") or {}
         self.stage_label.setToolTip("\n".join([f"Blocks: {family}"] * bool(family) + list(refused.values())))
@@ -550,6 +551,9 @@ class MainWindow(QMainWindow):
             self.setWindowTitle(f"{Path(options.model).name} ({options.mode}){where}")
         else:
             self.setWindowTitle("")
+
+    def _server_name(self) -> str:
+        return self.controller.engine.server[0] if self.controller.engine.server else ""
 
     def _update_clock(self) -> None:
         c = self.controller
