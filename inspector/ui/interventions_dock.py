@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt, Signal
 from PySide6.QtGui import QBrush, QColor
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialog, QHBoxLayout, QHeaderView,
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QHBoxLayout, QHeaderView,
                                QLabel, QPushButton, QStyledItemDelegate, QTableView, QVBoxLayout, QWidget)
 
 from inspector.capture.hooks import HookPoint
@@ -24,6 +24,7 @@ from inspector.capture.vectors import check_vector, load_vector
 from inspector.viewer.intervention_rows import SCOPE_LABELS, SCOPES, InterventionRow, active_interventions
 from inspector.viewer.labels import short_hook_label
 
+from .file_dialogs import open_file
 from .steering_dialog import SteeringDialog
 
 COLUMNS = ("On", "Hook", "Scope", "Request", "Positions", "Scale", "Bias", "Source")
@@ -410,7 +411,7 @@ class InterventionsPanel(QWidget):
         i = self._target_row()
         if i is None:
             return
-        path, _ = QFileDialog.getOpenFileName(self, f"Load {which} vector", "", "NumPy arrays (*.npy *.npz)")
+        path = open_file(self, f"Load {which.capitalize()} Vector", "NumPy arrays (*.npy *.npz)")
         if path:
             self.load_vector(i, which, path)
 
