@@ -76,7 +76,6 @@ class HelpMenu(QObject):
             dialog.resize(620, 520)
             dialog.setWindowModality(Qt.WindowModality.NonModal)
         self.first_steps.show()
-        self.first_steps.raise_()
         return self.first_steps
 
     def about(self) -> None:

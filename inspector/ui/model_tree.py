@@ -108,7 +108,7 @@ class ModelTreeWidget(QWidget):
         self.tree.setUniformRowHeights(True)
         self.tree.setAlternatingRowColors(True)
         self.tree.setIndentation(14)  # deep module paths keep room for their names
-        self.tree.header().setStretchLastSection(True)
+        self.tree.header().setStretchLastSection(False)  # a stretched last column may be narrower than its cells
         self._arrange_columns()
         self.tree.setItemDelegateForColumn(WINDOW_COLUMN, WindowDelegate(self.tree))
         self.tree.setEditTriggers(QTreeView.EditTrigger.DoubleClicked | QTreeView.EditTrigger.SelectedClicked
