@@ -76,6 +76,7 @@ class LensView(CellGridTab):
 
     def _show_legend(self) -> None:
         self.legend.setText(LEGEND[self.mode()])
+        self.legend.setToolTip(LEGEND[self.mode()])  # the text is cut where the window is narrow
         self.set_scale_numbers(*SCALE[self.mode()])
 
     def mode(self) -> str:

@@ -135,7 +135,7 @@ class MainWindow(QMainWindow):
         self.interventions_dock = self._dock("Interventions", "interventions_dock", self.interventions,
                                              Qt.DockWidgetArea.RightDockWidgetArea)
         self.prompt_dock = self._dock("Prompt", "prompt_dock", self.prompt, Qt.DockWidgetArea.BottomDockWidgetArea)
-        self.resizeDocks([self.tree_dock, self.interventions_dock], [360, 440], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.tree_dock, self.interventions_dock], [275, 415], Qt.Orientation.Horizontal)
         self.resizeDocks([self.prompt_dock], [150], Qt.Orientation.Vertical)
 
     def _dock(self, title: str, name: str, widget: QWidget, area) -> QDockWidget:
