@@ -28,7 +28,7 @@ from .view_kit import MARK_THIS, quiet_axes
 PROMPT, SHARED, SPLIT, AFTER = "prompt", "shared", "split", "after"
 KL_COLOUR, CHANGE_COLOUR = (213, 94, 0), (0, 114, 178)  # Okabe-Ito vermillion and blue
 STRIP_HEIGHT = 130
-DIFF_MIN_HEIGHT = 170  # the heatmap's controls, its intervention track and a readable band of features
+DIFF_MIN_HEIGHT = 200  # the heatmap's controls, its intervention track and a readable band of features
 AFTER_SPLIT_TIP = ("After the first diverging token the twins continue different texts: from there on the "
                    "measures compare the next tokens of two different contexts")
 
@@ -50,6 +50,7 @@ class TwinText(QTextEdit):
     def __init__(self, parent=None):
         super().__init__(parent, readOnly=True)
         self.setLineWrapMode(QTextEdit.LineWrapMode.WidgetWidth)
+        self.setMinimumHeight(3 * self.fontMetrics().lineSpacing() + 8)  # the room goes to the plots below
         self._formats = _formats()
         self._shown: tuple = (None, None, 0)  # (pair, divergence, tokens shown)
 
@@ -170,7 +171,7 @@ class CompareView(QWidget):
         split.setStretchFactor(0, 2)
         split.setStretchFactor(1, 1)
         split.setStretchFactor(2, 3)
-        split.setSizes([80, STRIP_HEIGHT, 3 * DIFF_MIN_HEIGHT])
+        split.setSizes([60, STRIP_HEIGHT, 3 * DIFF_MIN_HEIGHT])
         self.readout = QLabel(" ")
         self.content = QWidget()
         layout = QVBoxLayout(self.content)
