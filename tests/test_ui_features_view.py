@@ -97,7 +97,7 @@ def test_the_grid_is_the_requests_strongest_features_as_the_engine_sent_them(qtb
             assert grid.cell_text(ACTIVATION, r, c) == (f"{want:.2f}" if len(hits) else "")
     peaks = [features.activations[features.ids == f].max() for f in grid.features]
     assert peaks == sorted(peaks, reverse=True)
-    assert view.scale_low.text() == "0" and view.scale_high.text() == f"{max(peaks):.2f}"
+    assert view.scale.numbers() == ("0", f"{max(peaks) / 2:.2f}", f"{max(peaks):.2f}")
     assert view.cells.viewport().grab().width() > 0  # paints
 
 

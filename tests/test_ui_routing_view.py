@@ -53,7 +53,7 @@ def test_weight_mode_fills_each_tokens_chosen_experts_with_their_weights(qtbot, 
         assert sorted(filled) == sorted(ids[c]) == sorted(np.flatnonzero(np.isfinite(colours[:, c])))
         for expert, weight in zip(ids[c], weights[c]):
             assert grid.dense[expert, c] == weight and texts[expert][c] == percent(float(weight))
-    assert view.scale_low.text() == "0" and view.scale_high.text() == percent(float(weights.max()))
+    assert view.scale.numbers() == ("0%", percent(float(weights.max()) / 2), percent(float(weights.max())))
     assert view.cells.viewport().grab().width() > 0  # paints
 
 
@@ -80,7 +80,7 @@ def test_logit_mode_shows_every_cell(qtbot, ui_settings):
     assert view.cells.mode == LOGIT and "router logit" in view.legend.text()
     assert cell_texts(view) == [[f"{x:.2f}" for x in row] for row in logits.T]
     assert np.isfinite(view.cells.grid.colour_values(LOGIT)).all()
-    assert (view.scale_low.text(), view.scale_high.text()) == (f"{logits.min():.2f}", f"{logits.max():.2f}")
+    assert view.scale.numbers() == (f"{logits.min():.2f}", f"{(logits.min() + logits.max()) / 2:.2f}", f"{logits.max():.2f}")
     view.layer_box.setCurrentText("L3")  # the mode is kept across layers
     w.refresh()
     assert view.cells.mode == LOGIT and view.cells.grid.hook.layer == 3

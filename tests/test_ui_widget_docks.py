@@ -133,10 +133,10 @@ H0 = "model.layers.0.resid_post"
 def test_interventions_edit_emits_interventions(panel, qtbot):
     with qtbot.waitSignal(panel.interventionsChanged) as sig:
         row = panel.add_row(H0)
-    assert sig.args[0][0].hook == H0 and sig.args[0][0].scale == 1.0
+    assert sig.args[0] == []  # scale 1, bias 0: no effect until edited
     with qtbot.waitSignal(panel.interventionsChanged) as sig:
         assert panel.edit(row, "Scale", "2.5")
-    assert sig.args[0][0].scale == 2.5
+    assert sig.args[0][0].hook == H0 and sig.args[0][0].scale == 2.5
     assert panel.edit(row, "Scope", "request")
     assert panel.interventions()[0].request_id == "req1"
     assert not panel.edit(row, "Scope", "positions")
@@ -147,7 +147,7 @@ def test_interventions_edit_emits_interventions(panel, qtbot):
     iv = panel.interventions()[0]
     assert iv.positions == (3, 4, 5, 8) and iv.request_id is None
     panel.strip_selection = lambda: ("req1", (6, 7))  # a new row takes positions from the token strip
-    row2 = panel.add_row(H0)
+    row2 = panel.add_row(H0, bias="0.5")
     assert panel.edit(row2, "Scope", "request+positions")
     assert panel.interventions()[1].positions == (6, 7) and panel.interventions()[1].request_id == "req1"
     panel.model.remove([row2])
@@ -195,7 +195,7 @@ def test_interventions_engine_refusal_restores_last_accepted(panel):
 
 
 def test_interventions_park_rows_on_hooks_gone(panel):
-    panel.add_row(H0)
+    panel.add_row(H0, scale="2")
     cat = llama_catalogue(hidden=8, intermediate=16)
     panel.set_hooks({h.name: h for h in cat if h.kind == "mlp_out"})
     assert panel.model.rows[0].problem and panel.interventions() == []

@@ -104,6 +104,18 @@ def decoder_row(config: SaeConfig, feature: int) -> np.ndarray:
         return np.asarray(f.get_slice("W_dec")[feature:feature + 1], np.float64)[0]
 
 
+def clamp_refusal(config: SaeConfig) -> str:
+    """Why no feature of this SAE can be clamped ("" when they can): the rule ``feature_clamp`` applies,
+    for a button to say before it is pressed."""
+    if config.architecture == "topk":
+        return ("a top-k SAE's feature cannot be clamped (whether it is active depends on all the others); "
+                "steer it by strength instead")
+    if config.normalize_activations not in ("none", "expected_average_only_in"):
+        return (f"its inputs are normalised ({config.normalize_activations}), so a feature is not one direction "
+                "and cannot be clamped; steer it by strength instead")
+    return ""
+
+
 def feature_clamp(config: SaeConfig, feature: int, value: float) -> FeatureClamp:
     """What clamping ``feature`` to ``value`` needs, read alone from the file: its encoder column, bias
     (with ``b_dec`` folded in), threshold and decoder row. A top-k feature's activation depends on every
@@ -111,12 +123,9 @@ def feature_clamp(config: SaeConfig, feature: int, value: float) -> FeatureClamp
     are refused (steer those by strength)."""
     from safetensors import safe_open
 
-    if config.architecture == "topk":
-        raise ValueError(f"{config.name}: a top-k SAE's feature cannot be clamped (whether it is active depends on "
-                         "all the others); steer it by strength instead")
-    if config.normalize_activations not in ("none", "expected_average_only_in"):
-        raise ValueError(f"{config.name}: its inputs are normalised ({config.normalize_activations}), so a feature "
-                         "is not one direction and cannot be clamped; steer it by strength instead")
+    refusal = clamp_refusal(config)
+    if refusal:
+        raise ValueError(f"{config.name}: {refusal}")
     decoder = decoder_row(config, feature)  # checks the feature's range
     with safe_open(str(Path(config.path) / WEIGHTS_FILE), framework="np") as f:
         def read(name, *index):

@@ -23,7 +23,7 @@ MAX_LABEL_W = 240  # longer labels are elided: the cells keep most of the room
 EMPTY_BG = QColor(242, 242, 242)
 HEADER_BG = QColor(230, 230, 230)
 SELECTED = QColor(200, 80, 0)
-SCALE_WITH_ENDS = "colour scale: from the number on its left to the one on its right"
+SCALE_W, STRIP_H = 150, 10
 
 
 class Cells(Protocol):
@@ -44,11 +44,46 @@ class Cells(Protocol):
         """One line for the read-out and the tooltip."""
 
 
-def lookup_strip(lut: np.ndarray, width: int = 96, height: int = 12) -> QPixmap:
+def lookup_strip(lut: np.ndarray, width: int = SCALE_W, height: int = STRIP_H) -> QPixmap:
     """A colour scale's legend: the lookup table from left (0) to right (1)."""
     strip = np.ascontiguousarray(np.repeat(lut[None, :, :], height, axis=0))
     image = QImage(strip.data, len(lut), height, 3 * len(lut), QImage.Format.Format_RGB888)
     return QPixmap.fromImage(image).scaled(width, height)
+
+
+class ColourScale(QWidget):
+    """A colour scale's legend: the strip, and under it the values at its left end, middle and right end
+    (a colour alone says nothing of how much)."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self._strip = QPixmap()
+        self._numbers = ("", "", "")
+        small = QFont(self.font())
+        small.setPointSizeF(max(6.0, small.pointSizeF() * 0.85))
+        self.setFont(small)
+        self.setFixedSize(SCALE_W, STRIP_H + QFontMetrics(small).height() + 1)
+
+    def set_lookup(self, lut: np.ndarray) -> None:
+        self._strip = lookup_strip(lut)
+        self.update()
+
+    def set_numbers(self, low: str, middle: str, high: str) -> None:
+        self._numbers = (low, middle, high)
+        self.update()
+
+    def numbers(self) -> tuple[str, str, str]:
+        return self._numbers
+
+    def paintEvent(self, event) -> None:
+        painter = QPainter(self)
+        painter.drawPixmap(0, 0, self._strip)
+        painter.setPen(self.palette().windowText().color())
+        below = QRect(0, STRIP_H + 1, self.width(), self.height() - STRIP_H - 1)
+        for text, where in zip(self._numbers, (Qt.AlignmentFlag.AlignLeft, Qt.AlignmentFlag.AlignHCenter,
+                                               Qt.AlignmentFlag.AlignRight)):
+            painter.drawText(below, where | Qt.AlignmentFlag.AlignTop, text)
+        painter.end()
 
 
 def elided_label(text: str = "", **options) -> QLabel:
@@ -128,6 +163,15 @@ class CellGrid(QAbstractScrollArea):
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
         self._update_ranges()
+
+    def scroll_to_column(self, c: int) -> None:
+        """Scroll the least that brings column ``c`` into view."""
+        bar, room = self.horizontalScrollBar(), self.viewport().width() - self.label_w
+        left = c * CELL_W
+        if left < bar.value():
+            bar.setValue(left)
+        elif left + CELL_W > bar.value() + room:
+            bar.setValue(left + CELL_W - room)
 
     def scrollContentsBy(self, dx, dy) -> None:
         self.viewport().update()
@@ -253,33 +297,31 @@ class CellGrid(QAbstractScrollArea):
 
 
 class CellGridTab(QWidget):
-    """What the four cell-grid tabs share: the grid, its colour scale (with the numbers at its ends where
-    ``scale_ends``), the read-out of the cell under the cursor, and what a click on a cell does
-    (``_cell_clicked``, each tab's own)."""
+    """What the four cell-grid tabs share: the grid, its colour scale with the values at its ends and
+    middle, the read-out of the cell under the cursor, and what a click on a cell does (``_cell_clicked``,
+    each tab's own)."""
 
-    def __init__(self, cells: CellGrid, scale_ends: bool = False, parent=None):
+    def __init__(self, cells: CellGrid, parent=None):
         super().__init__(parent)
         self.cells = cells
-        self.scale = QLabel()
-        self.scale_low, self.scale_high = (QLabel(), QLabel()) if scale_ends else (None, None)
-        if scale_ends:
-            self.scale.setToolTip(SCALE_WITH_ENDS)
+        self.scale = ColourScale()
         self.readout = QLabel(" ")
         self.last_readout = ""
         self.show_scale()
         cells.cellClicked.connect(self._cell_clicked)
         cells.cellHovered.connect(self._cell_hovered)
 
-    def scale_widgets(self) -> list[QLabel]:
-        """The colour scale's widgets, left to right, for the tab's bar."""
-        return [w for w in (self.scale_low, self.scale, self.scale_high) if w is not None]
-
     def set_colormap(self, name: str) -> None:
         self.cells.set_colormap(name)
         self.show_scale()
 
     def show_scale(self) -> None:
-        self.scale.setPixmap(lookup_strip(self.cells.lookup()))
+        self.scale.set_lookup(self.cells.lookup())
+
+    def set_scale_numbers(self, low: str, middle: str, high: str, tip: str) -> None:
+        """The values the colour scale's left end, middle and right end stand for, and what they are."""
+        self.scale.set_numbers(low, middle, high)
+        self.scale.setToolTip(tip)
 
     def click_cell(self, r: int, c: int) -> None:
         """What a click on a cell does."""

@@ -2,9 +2,10 @@
 
 The two texts sit next to each other with the first diverging token marked; under them a strip
 gives, per generated token, the KL divergence between the twins' next-token distributions and the
-logprob change of the clean twin's token; under that a heatmap shows intervened − clean of the hook
-selected in the window, position by position, on a diverging colour map centred on 0. Data come
-from ``inspector.viewer.compare`` at the window's repaint rate.
+logprob change of the clean twin's token; under that a heatmap shows intervened − clean at the hook
+point the intervention is on (the one selected in the window where that was not captured), position
+by position, on a diverging colour map centred on 0, at least a third of the tab high. Data come from
+``inspector.viewer.compare`` at the window's repaint rate.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .view_kit import MARK_THIS, quiet_axes
 
 PROMPT, SHARED, SPLIT, AFTER = "prompt", "shared", "split", "after"
 KL_COLOUR, CHANGE_COLOUR = (213, 94, 0), (0, 114, 178)  # Okabe-Ito vermillion and blue
-STRIP_HEIGHT = 160
+STRIP_HEIGHT = 130
+DIFF_MIN_HEIGHT = 200  # the heatmap's controls, its intervention track and a readable band of features
 AFTER_SPLIT_TIP = ("After the first diverging token the twins continue different texts: from there on the "
                    "measures compare the next tokens of two different contexts")
 
@@ -48,6 +50,7 @@ class TwinText(QTextEdit):
     def __init__(self, parent=None):
         super().__init__(parent, readOnly=True)
         self.setLineWrapMode(QTextEdit.LineWrapMode.WidgetWidth)
+        self.setMinimumHeight(3 * self.fontMetrics().lineSpacing() + 8)  # the room goes to the plots below
         self._formats = _formats()
         self._shown: tuple = (None, None, 0)  # (pair, divergence, tokens shown)
 
@@ -159,6 +162,7 @@ class CompareView(QWidget):
         diff_layout.setSpacing(1)
         diff_layout.addWidget(self.diff_title)
         diff_layout.addWidget(self.diff, 1)
+        diff_box.setMinimumHeight(DIFF_MIN_HEIGHT)
 
         split = QSplitter(Qt.Orientation.Vertical)
         split.addWidget(texts)
@@ -167,7 +171,7 @@ class CompareView(QWidget):
         split.setStretchFactor(0, 2)
         split.setStretchFactor(1, 1)
         split.setStretchFactor(2, 3)
-        split.setSizes([120, STRIP_HEIGHT, 320])
+        split.setSizes([60, STRIP_HEIGHT, 3 * DIFF_MIN_HEIGHT])
         self.readout = QLabel(" ")
         self.content = QWidget()
         layout = QVBoxLayout(self.content)
@@ -217,7 +221,7 @@ class CompareView(QWidget):
             pane.show_tokens(shown.twins, texts, shown.prompt_length, shown.divergence)
         self._show_strip(shown)
         self.diff.live = live
-        self.diff_title.setText(f"<b>Intervened − clean</b> at {shown.hook_label or 'the selected hook point'}, "
+        self.diff_title.setText(f"<b>Intervened − clean</b> at {shown.hook_label or 'the intervened hook point'}, "
                                 "position by position (diverging colours: 0 in the middle)")
         if shown.hook_label:
             self.diff.set_data(shown.diff_positions, shown.diff_values, shown.intervened_texts, shown.diff_source,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
                                QPushButton, QWidget)
 
 from inspector.net.keys import ClientKeys, client_keys
+
+from .file_dialogs import open_file
 
 DEFAULT_URL = "tcp://127.0.0.1:5557"
 
@@ -46,7 +48,7 @@ class ConnectDialog(QDialog):
 
     def _browse(self) -> None:
         button = self.sender()
-        path, _ = QFileDialog.getOpenFileName(self, button.toolTip())
+        path = open_file(self, button.toolTip())
         if path:
             self._browsed[button].setText(path)
 

@@ -42,7 +42,7 @@ class FeaturesView(CellGridTab):
     steerRequested = Signal(str, int, str, float)  # SAE, feature, a key of STEER_HOW, strength or value
 
     def __init__(self, parent=None):
-        super().__init__(CellGrid("feature ↓ token →", NO_SAE, row_heights=(20, 32)), scale_ends=True, parent=parent)
+        super().__init__(CellGrid("feature ↓ token →", NO_SAE, row_heights=(20, 32)), parent=parent)
         self.shown = FeaturesShown(NO_SAE)
         self.selected_feature: int | None = None  # of the SAE shown
         self._focus: int | None = None  # the position whose features the side list shows
@@ -79,6 +79,8 @@ class FeaturesView(CellGridTab):
                                         toolTip="A row in the interventions table, for all requests from the next "
                                                 "forward on (edit its scope there)")
         self._can_steer = False
+        self.clamp_note = QLabel(visible=False)  # why "clamp to" is not offered, beside the button
+        self.clamp_note.setStyleSheet("color: #8a4b00")
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         for line in (self.trace_title, self.readout):  # a long feature label never widens the window
             line.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -88,8 +90,7 @@ class FeaturesView(CellGridTab):
         bar.addWidget(QLabel("SAE"))
         bar.addWidget(self.sae_box)
         bar.addWidget(self.detach_button)
-        for widget in self.scale_widgets():
-            bar.addWidget(widget)
+        bar.addWidget(self.scale)
         bar.addWidget(self.legend, 1)
         grid_column = QVBoxLayout()
         grid_column.setContentsMargins(0, 0, 0, 0)
@@ -98,7 +99,7 @@ class FeaturesView(CellGridTab):
         grid_column.addWidget(self.trace_plot)
         steer = QHBoxLayout()
         steer.addWidget(QLabel("Steer with the selected feature:"))
-        for widget in (self.steer_how, self.steer_value, self.steer_button):
+        for widget in (self.steer_how, self.steer_value, self.steer_button, self.clamp_note):
             steer.addWidget(widget)
         steer.addStretch(1)
         grid_column.addLayout(steer)
@@ -145,13 +146,17 @@ class FeaturesView(CellGridTab):
 
     # ------------------------------------------------------------------ data
     def draw(self, drawing: FeaturesDrawing) -> None:
-        self.show_features(drawing.shown, drawing.position, drawing.can_detach, drawing.can_steer)
+        self.show_features(drawing.shown, drawing.position, drawing.can_detach, drawing.can_steer,
+                           drawing.clamp_refusal)
 
-    def show_features(self, shown: FeaturesShown, position: int | None, can_detach: bool, can_steer: bool) -> None:
+    def show_features(self, shown: FeaturesShown, position: int | None, can_detach: bool, can_steer: bool,
+                      clamp_refusal: str = "") -> None:
         """Draw ``shown``: its grid, or its message where it has none. ``position``: the token selected
         in the window (the side list follows it when it changes); ``can_detach``: the SAE shown is
-        attached to the engine now, and the engine is idle; ``can_steer``: it is attached now."""
+        attached to the engine now, and the engine is idle; ``can_steer``: it is attached now;
+        ``clamp_refusal``: why its features cannot be clamped ("" when they can)."""
         self._can_steer = can_steer
+        self._offer_clamp(clamp_refusal)
         if shown.sae != self.shown.sae:
             self.selected_feature = None  # a feature id means another feature in another SAE
         self.shown = shown
@@ -167,9 +172,20 @@ class FeaturesView(CellGridTab):
         grid = shown.grid
         self.cells.set_grid(grid, ACTIVATION, shown.message)
         self.trace_plot.setVisible(grid is not None)
-        self.scale_low.setText("0" if grid is not None else "")
-        self.scale_high.setText(f"{grid.peak:.2f}" if grid is not None else "")
+        self.set_scale_numbers(*(("0", f"{grid.peak / 2:.2f}", f"{grid.peak:.2f}") if grid is not None else ("",) * 3),
+                               "colour: the feature's activation, 0 (left) to the largest in the grid (right)")
         self._show_selection()
+
+    def _offer_clamp(self, refusal: str) -> None:
+        """The "clamp to" choice is greyed out where the engine would refuse it, the reason beside the button."""
+        item = self.steer_how.model().item(self.steer_how.findData("clamp"))
+        item.setEnabled(not refusal)
+        item.setToolTip(f"Not offered: {refusal}" if refusal else "")
+        if refusal and self.steer_how.currentData() == "clamp":
+            self.steer_how.setCurrentIndex(self.steer_how.findData("add"))
+        self.clamp_note.setText("No clamping: hover for why" if refusal else "")
+        self.clamp_note.setToolTip(refusal[:1].upper() + refusal[1:])
+        self.clamp_note.setVisible(bool(refusal))
 
     def select_feature(self, feature: int) -> None:
         self.selected_feature = feature

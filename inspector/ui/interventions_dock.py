@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt, Signal
 from PySide6.QtGui import QBrush, QColor
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialog, QHBoxLayout, QHeaderView,
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QHBoxLayout, QHeaderView,
                                QLabel, QPushButton, QStyledItemDelegate, QTableView, QVBoxLayout, QWidget)
 
 from inspector.core.hooks import HookPoint
@@ -24,6 +24,7 @@ from inspector.core.vectors import check_vector, load_vector
 from inspector.viewer.intervention_rows import SCOPE_LABELS, SCOPES, InterventionRow, active_interventions
 from inspector.viewer.labels import short_hook_label
 
+from .file_dialogs import open_file
 from .steering_dialog import SteeringDialog
 
 COLUMNS = ("On", "Hook", "Scope", "Request", "Positions", "Scale", "Bias", "Source")
@@ -33,6 +34,7 @@ HEADER_TIPS = ("Enabled", "Hook point", "Which rows: all, one request, given pos
                "Multiply the activation (scalar or per-feature vector)",
                "Then add (scalar or per-feature vector)", "Where a vector came from")
 SCOPE_SHORT = {"all": "all", "request": "request", "positions": "positions", "request+positions": "req+pos"}
+NO_EFFECT = "no effect yet: set its Scale or Bias"
 FIELD_OF = {0: "enabled", 1: "hook", 2: "scope", 3: "request_id", 4: "positions", 5: "scale", 6: "bias"}
 
 
@@ -95,11 +97,11 @@ class InterventionTableModel(QAbstractTableModel):
                 v = getattr(row, which)
                 return f"vec[{v.shape[0]}]" if display and isinstance(v, np.ndarray) else row.value_text(which)
             if col == 7:
-                return row.problem or row.source
+                return row.problem or row.source or (NO_EFFECT if row.is_identity() else "")
         if role == Qt.ItemDataRole.ForegroundRole:
             if row.problem:
                 return QBrush(QColor(180, 30, 30))
-            if not row.enabled:
+            if not row.enabled or row.is_identity():
                 return QBrush(QColor(140, 140, 140))
         if role == Qt.ItemDataRole.ToolTipRole:
             info = self.hooks.get(row.hook)
@@ -109,6 +111,8 @@ class InterventionTableModel(QAbstractTableModel):
                    else f"bias {row.value_text('bias')}"]
             if row.problem:
                 tip.append(f"not applied: {row.problem}")
+            elif row.is_identity():
+                tip.append(f"not applied: {NO_EFFECT}")
             if row.source:
                 tip.append(row.source)
             return "\n".join(tip)
@@ -247,12 +251,10 @@ class InterventionsPanel(QWidget):
                                    QAbstractItemView.EditTrigger.EditKeyPressed |
                                    QAbstractItemView.EditTrigger.SelectedClicked)
         self.table.verticalHeader().setVisible(False)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+        header = self.table.horizontalHeader()  # every column as wide as its header and cells, Source the rest
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setStretchLastSection(True)
         header.setMinimumSectionSize(24)
-        for col, width in enumerate((30, 96, 66, 44, 56, 42, 64)):
-            header.resizeSection(col, width)
         self.table.setWordWrap(False)
         self.table.verticalHeader().setDefaultSectionSize(self.table.fontMetrics().height() + 8)
         self.table.setItemDelegateForColumn(1, ChoiceDelegate(
@@ -262,7 +264,8 @@ class InterventionsPanel(QWidget):
         self.table.setItemDelegateForColumn(3, ChoiceDelegate(
             lambda: [("—", "")] + [(r, r) for r in self._request_ids], self))
 
-        self.add_button = QPushButton("Add", toolTip="New row on the hook shown in the heatmap")
+        self.add_button = QPushButton("Add", toolTip="New row on the hook shown in the heatmap (no effect until its "
+                                                             "Scale or Bias is set)")
         self.remove_button = QPushButton("Remove")
         self.scale_file = QPushButton("Scale file…", toolTip="Per-feature scale vector from a .npy file")
         self.bias_file = QPushButton("Bias file…", toolTip="Per-feature bias vector from a .npy file")
@@ -408,7 +411,7 @@ class InterventionsPanel(QWidget):
         i = self._target_row()
         if i is None:
             return
-        path, _ = QFileDialog.getOpenFileName(self, f"Load {which} vector", "", "NumPy arrays (*.npy *.npz)")
+        path = open_file(self, f"Load {which.capitalize()} Vector", "NumPy arrays (*.npy *.npz)")
         if path:
             self.load_vector(i, which, path)
 
@@ -476,9 +479,12 @@ class InterventionsPanel(QWidget):
         self.interventionsChanged.emit(ivs)
 
     def _update_status(self) -> None:
-        n = sum(1 for r in self.model.rows if r.enabled and not r.problem)
+        n = sum(1 for r in self.model.rows if r.is_active())
         parked = sum(1 for r in self.model.rows if r.problem)
+        idle = sum(1 for r in self.model.rows if r.enabled and not r.problem and r.is_identity())
         text = f"{n} intervention(s) active" if n else "No interventions: generation runs unchanged."
         if parked:
             text += f" · {parked} parked (hook not captured)"
+        if idle:
+            text += f" · {idle} row(s) with no effect yet (scale 1, bias 0)"
         self.status.setText(text + ("  · takes effect on the next forward" if n else ""))

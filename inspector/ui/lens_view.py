@@ -23,6 +23,10 @@ from .view_kit import stack_view
 LEGEND = {TOP: "cell: the most likely next token at that point · colour: its probability",
           NEXT_PROB: "cell: the probability of the token that came next · colour: the same",
           NEXT_RANK: "cell: the rank of the token that came next (#1 = the top) · colour: 1 / rank"}
+PROBABILITY_SCALE = ("0%", "50%", "100%", "colour: the probability, 0% (left) to 100% (right)")
+SCALE = {TOP: PROBABILITY_SCALE, NEXT_PROB: PROBABILITY_SCALE,
+         NEXT_RANK: ("#∞", "#2", "#1", "colour: 1 / rank of the token that came next, from far down the list "
+                     "(left) through #2 (middle) to #1, the top (right)")}
 
 
 class LensView(CellGridTab):
@@ -31,7 +35,7 @@ class LensView(CellGridTab):
 
     def __init__(self, parent=None):
         super().__init__(CellGrid("input →", "Computing the lens…"), parent=parent)
-        self.scale.setToolTip("colour scale: 0 (left) to 1 (right)")
+        self._scrolled_to: int | None = None  # the selected position last brought into view
         self.kind_box = QComboBox(toolTip="Which residual-stream hook points form the rows")
         self.kind_box.setMinimumContentsLength(len(ALL_RESIDUAL))
         self.kind_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
@@ -72,6 +76,8 @@ class LensView(CellGridTab):
 
     def _show_legend(self) -> None:
         self.legend.setText(LEGEND[self.mode()])
+        self.legend.setToolTip(LEGEND[self.mode()])  # the text is cut where the window is narrow
+        self.set_scale_numbers(*SCALE[self.mode()])
 
     def mode(self) -> str:
         return self.mode_box.currentText()
@@ -83,6 +89,14 @@ class LensView(CellGridTab):
 
     def draw(self, drawing: LensDrawing) -> None:
         self.set_grid(drawing.grid, drawing.message)
+        self.follow_position(drawing.position)
+
+    def follow_position(self, position: int | None) -> None:
+        """Bring a newly selected token's column into view (once: the user may scroll away from it)."""
+        if position != self._scrolled_to and position is not None and self.cells.grid is not None \
+                and position < self.cells.grid.shape[1]:
+            self.cells.scroll_to_column(position)
+            self._scrolled_to = position
 
     def set_grid(self, grid: LensGrid | None, message: str | None = None) -> None:
         """``message``: why there are no cells to show (instead of the grid)."""

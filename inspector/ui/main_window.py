@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QComboBox, QDockWidget, QHBoxLayout, QLabel, QMai
 
 from inspector.core.protocol import BOOT_STAGES, BootProgress, SessionFactory
 from inspector.core.sae import AttachedSae
-from inspector.viewer.app_state import GENERATE_TIPS, Action, AppState, describe_generation
+from inspector.viewer.app_state import GENERATE_TIPS, Action, AppState, describe_generation, stage_text
 from inspector.viewer.controller import Controller
 from inspector.viewer.feature_labels import sae_key
 from inspector.viewer.jobs import GenerationResult, SessionInfo
@@ -41,6 +41,7 @@ from .settings import Settings
 from .summary_view import SummaryView
 from .tasks import TaskRunner
 from .token_strip import TokenStrip
+from .upper_tabs import upper_tabs
 
 STAGE_TEXT = {"resolving": "Resolving model", "loading": "Loading weights", "compiling": "Compiling",
               "ready": "Ready"}
@@ -104,17 +105,8 @@ class MainWindow(QMainWindow):
         self.features_view = FeaturesView()
         self.dashboard_view = DashboardView()
         self.compare_view = CompareView()
-        self.tabs = QTabWidget()
-        self.tabs.addTab(self.heatmap, "Tokens × features")
-        self.tabs.addTab(self.summary, "Layers × tokens")
-        self.tabs.addTab(self.lens_view, "Lens")
-        self.tabs.addTab(self.attention_view, "Attention")
-        self.tabs.addTab(self.experts_view, "Experts")
-        self.tabs.addTab(self.features_view, "Features")
-        self.tabs.addTab(self.dashboard_view, "Dashboard")
         self.patching_view = PatchingView(self.controller.experiments.sweep)
-        self.tabs.addTab(self.patching_view, "Patching")
-        self.tabs.addTab(self.compare_view, "Compare")
+        self.tabs = upper_tabs(self)
         self.strip = TokenStrip()
         self.text_view = QPlainTextEdit(readOnly=True)
         self.text_view.setPlaceholderText("Generated text streams in here.")
@@ -143,7 +135,7 @@ class MainWindow(QMainWindow):
         self.interventions_dock = self._dock("Interventions", "interventions_dock", self.interventions,
                                              Qt.DockWidgetArea.RightDockWidgetArea)
         self.prompt_dock = self._dock("Prompt", "prompt_dock", self.prompt, Qt.DockWidgetArea.BottomDockWidgetArea)
-        self.resizeDocks([self.tree_dock, self.interventions_dock], [360, 440], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.tree_dock, self.interventions_dock], [275, 415], Qt.Orientation.Horizontal)
         self.resizeDocks([self.prompt_dock], [150], Qt.Orientation.Vertical)
 
     def _dock(self, title: str, name: str, widget: QWidget, area) -> QDockWidget:
@@ -407,6 +399,8 @@ class MainWindow(QMainWindow):
             self.stage_label.setText("Engine stopped")
         elif state is AppState.NO_MODEL:
             self.stage_label.setText("No model" if c.engine.options else "")
+        elif engine.info is not None:  # ready, generating or patching
+            self.stage_label.setText(stage_text(state, engine.info, self._server_name(), c.generating.progress))
         self._update_title()
 
     def boot_progress(self, progress: BootProgress) -> None:
@@ -432,8 +426,7 @@ class MainWindow(QMainWindow):
         self.interventions.set_hooks(info.installed)
         self.patching_view.set_hooks(list(info.catalogue), info.installed)
         self.boot_bar.setValue(len(BOOT_STAGES))
-        server = f" · {self.controller.engine.server[0]}" if self.controller.engine.server else ""
-        self.stage_label.setText(f"Ready · {len(info.installed)} hook points · {mode}{server}")
+        self.stage_label.setText(stage_text(self.state, info, self._server_name(), self.controller.generating.progress))
         family = info.metadata.get("block_family", "")
         refused = info.metadata.get("refused_kinds") or {}
         self.stage_label.setToolTip("\n".join([f"Blocks: {family}"] * bool(family) + list(refused.values())))
@@ -558,6 +551,9 @@ class MainWindow(QMainWindow):
             self.setWindowTitle(f"{Path(options.model).name} ({options.mode}){where}")
         else:
             self.setWindowTitle("")
+
+    def _server_name(self) -> str:
+        return self.controller.engine.server[0] if self.controller.engine.server else ""
 
     def _update_clock(self) -> None:
         c = self.controller

@@ -3,13 +3,13 @@ its items open (each hands what the user chose to the window)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from PySide6.QtCore import QObject
 from PySide6.QtGui import QKeySequence
-from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
+from PySide6.QtWidgets import QInputDialog
 
 from .connect_dialog import ConnectDialog
+from .file_dialogs import open_directory, open_file, save_file
+from .help_menu import HelpMenu
 
 
 class Menus(QObject):
@@ -51,7 +51,7 @@ class Menus(QObject):
         v.addSeparator()
         for dock in (w.tree_dock, w.interventions_dock, w.prompt_dock):
             v.addAction(dock.toggleViewAction())
-        w.menuBar().addMenu("&Help").addAction("&About", self.about)
+        self.help = HelpMenu(w, w.menuBar().addMenu("&Help"))
         self.rebuild_recent()
         self.rebuild_runs()
 
@@ -92,12 +92,9 @@ class Menus(QObject):
                      "restarts", 8000)
 
     def open_model_dialog(self) -> None:
-        w = self.window
-        start = w.settings.last_model or w.settings.last_dir
-        path = QFileDialog.getExistingDirectory(w, "Open a Hugging Face model directory",
-                                                str(Path(start).parent) if start else "")
+        path = open_directory(self.window, "Open Model (a Hugging Face directory)")
         if path:
-            w.open_model(path)
+            self.window.open_model(path)
 
     def connect_dialog(self) -> None:
         w = self.window
@@ -110,18 +107,14 @@ class Menus(QObject):
         self.window.connect(dialog.url.text().strip(), dialog.keys)
 
     def attach_sae_dialog(self) -> None:
-        w = self.window
-        path = QFileDialog.getExistingDirectory(w, "Attach a sparse autoencoder (a directory in SAELens's format)",
-                                                w.settings.last_dir)
+        path = open_directory(self.window, "Attach SAE (a SAELens directory)")
         if path:
-            w.attach_sae(path)
+            self.window.attach_sae(path)
 
     def open_capture_dialog(self) -> None:
-        w = self.window
-        path, _ = QFileDialog.getOpenFileName(w, "Open a capture", w.settings.last_dir,
-                                              "Captures (*.h5 *.hdf5);;All files (*)")
+        path = open_file(self.window, "Open Capture", "Captures (*.h5 *.hdf5);;All files (*)")
         if path:
-            w.open_capture(path)
+            self.window.open_capture(path)
 
     def watch_served_dialog(self) -> None:
         w = self.window
@@ -134,22 +127,14 @@ class Menus(QObject):
             w.watch_served(url)
 
     def open_scan_dialog(self) -> None:
-        w = self.window
-        path, _ = QFileDialog.getOpenFileName(w, "Open a corpus scan", w.settings.last_dir,
-                                              "Scans (*.h5 *.hdf5);;All files (*)")
+        path = open_file(self.window, "Open Scan", "Scans (*.h5 *.hdf5);;All files (*)")
         if path:
-            w.open_scan(path)
+            self.window.open_scan(path)
 
     def export_dialog(self) -> None:
-        w = self.window
-        default = str(Path(w.settings.last_dir) / "capture.h5")
-        path, _ = QFileDialog.getSaveFileName(w, "Export the run to HDF5", default, "Captures (*.h5)")
+        path = save_file(self.window, "Export Run (HDF5)", "capture.h5", "Captures (*.h5)")
         if path:
-            w.export(path if path.endswith((".h5", ".hdf5")) else path + ".h5")
-
-    def about(self) -> None:
-        QMessageBox.about(self.window, "About Activation Inspector",
-                          "<b>Activation Inspector</b><br>Look inside an LLM while vLLM serves it.")
+            self.window.export(path if path.endswith((".h5", ".hdf5")) else path + ".h5")
 
     def rebuild_recent(self) -> None:
         w = self.window

@@ -107,7 +107,8 @@ class ModelTreeWidget(QWidget):
         self.tree.setModel(self.proxy)
         self.tree.setUniformRowHeights(True)
         self.tree.setAlternatingRowColors(True)
-        self.tree.header().setStretchLastSection(True)
+        self.tree.setIndentation(14)  # deep module paths keep room for their names
+        self.tree.header().setStretchLastSection(False)  # a stretched last column may be narrower than its cells
         self._arrange_columns()
         self.tree.setItemDelegateForColumn(WINDOW_COLUMN, WindowDelegate(self.tree))
         self.tree.setEditTriggers(QTreeView.EditTrigger.DoubleClicked | QTreeView.EditTrigger.SelectedClicked
@@ -152,10 +153,8 @@ class ModelTreeWidget(QWidget):
 
     def _arrange_columns(self) -> None:
         """The window column sits beside the check box; a model reset undoes this, so it is reapplied."""
-        header = self.tree.header()
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Interactive)
-        header.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
-        header.setSectionResizeMode(WINDOW_COLUMN, QHeaderView.ResizeMode.ResizeToContents)
+        header = self.tree.header()  # every column as wide as its header and cells: none is cut
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.moveSection(header.visualIndex(WINDOW_COLUMN), 1)
 
     # ------------------------------------------------------------------ content
@@ -222,8 +221,6 @@ class ModelTreeWidget(QWidget):
         self._installed = set(installed)
         self.set_checked(self._installed)
         self.tree.expandToDepth(2)
-        self.tree.resizeColumnToContents(0)
-        self.tree.setColumnWidth(0, min(self.tree.columnWidth(0), 210))
         self._refresh_badges()
 
     def set_installed(self, installed) -> None:

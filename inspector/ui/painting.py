@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import QObject, QSignalBlocker, QTimer
+from PySide6.QtCore import QObject, QSignalBlocker, Qt, QTimer
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import QWidget
 
-from inspector.viewer.app_state import EMPTY_TEXT, AppState
+from inspector.viewer.app_state import EMPTY_TEXT, AppState, stage_text
 from inspector.viewer.tabs import (AttentionPresenter, ComparePresenter, ExpertsPresenter, FeaturesPresenter,
                                    HeatmapPresenter, LensPresenter, Presenter, SummaryPresenter, TabRequest)
 
@@ -79,6 +79,7 @@ class Painter(QObject):
                 self._progress_shown = now
                 w.prompt.progress.setValue(min(progress.tokens, progress.total))
                 w.tokens_label.setText(f"{progress.tokens} tokens · {progress.rate:.0f} tok/s")
+                w.stage_label.setText(stage_text(c.engine.state, c.engine.info, progress=progress))
         keys = {UPPER: (id(view), view.revision, view.lens.revision, c.experiments.lens_problem, w.tabs.currentIndex(),
                         view.selection.position),
                 LOWER: (id(view), view.revision, w.lower_tabs.currentIndex())}
@@ -157,9 +158,12 @@ class Painter(QObject):
         if ids != current or (ids and w.request_box.currentData() != sel.request):
             with QSignalBlocker(w.request_box):
                 w.request_box.clear()
-                for rid in ids:
-                    prompt = (view.request(rid).prompt or "").replace("\n", "↵")
-                    w.request_box.addItem(f"{rid} · {prompt[:40]}{'…' if len(prompt) > 40 else ''}", rid)
+                for i, rid in enumerate(ids):
+                    label, tip = view.request_choice(rid)
+                    w.request_box.addItem(label, rid)
+                    w.request_box.setItemData(i, tip, Qt.ItemDataRole.ToolTipRole)
+                w.request_box.setToolTip(view.request_choice(sel.request)[1] if sel.request in ids else
+                                         "Request (prompt) shown")
                 w.request_box.setCurrentIndex(max(w.request_box.findData(sel.request), 0))
             w.interventions.set_requests(ids)
         hooks = view.hooks_for(sel.request)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QFontDatabase, QPalette
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QMenu,
+from PySide6.QtWidgets import (QComboBox, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QMenu,
                                QPlainTextEdit, QProgressBar, QPushButton, QToolButton, QVBoxLayout)
 
 from inspector.core.hooks import HookPoint
@@ -20,6 +20,7 @@ from inspector.viewer.patching import (DIRECTIONS, MODES, PatchingSweep, SweepRe
 
 from .cell_grid import CellGrid, CellGridTab, elided_label
 from .combo import offer
+from .file_dialogs import save_file
 from .view_kit import colormap
 
 PAINT_INTERVAL_MS = 50  # the grid and the progress catch up with the sweep this often at most
@@ -75,9 +76,10 @@ class PatchingView(CellGridTab):
         self.message = elided_label()
         self.mode_box = QComboBox(toolTip="What each cell shows (the colour is always the effect)")
         self.mode_box.addItems(list(MODES))
-        self.scale.setToolTip("colour: the effect, −1 (left), 0 = corrupted (middle), 1 = clean (right)")
         self.cells.set_lookup(colormap(DIVERGING).getLookupTable(nPts=256, alpha=False).astype("uint8")[::-1].copy())
         self.show_scale()
+        self.set_scale_numbers("−1", "0", "1", "colour: the effect, −1 (left), 0 = as corrupted (middle), "
+                                               "1 = as clean (right)")
         self.details = QLabel(CLICK_HINT, wordWrap=True)
         self.details.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -210,7 +212,7 @@ class PatchingView(CellGridTab):
         edit.setPlainText(action.data())
 
     def save_dialog(self) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Save the patching sweep", "sweep.h5", "Sweeps (*.h5)")
+        path = save_file(self, "Save Sweep", "sweep.h5", "Sweeps (*.h5)")
         if path:
             self.saveRequested.emit(path if path.endswith((".h5", ".hdf5")) else path + ".h5")
 

@@ -28,12 +28,14 @@ def layer_label(layer: int) -> str:
     return f"L{layer}"
 
 
-def colour_range(grid: ExpertGrid | None, mode: str) -> tuple[str, str]:
-    """What the colour scale's ends stand for in ``grid``, as text."""
+def colour_range(grid: ExpertGrid | None, mode: str) -> tuple[str, str, str]:
+    """What the colour scale's left end, middle and right end stand for in ``grid``, as text."""
     if grid is None or 0 in grid.shape:
-        return "", ""
+        return "", "", ""
     lo, hi = grid.colour_ends(mode)
-    return ("0", percent(hi)) if mode == WEIGHT else (f"{lo:.2f}", f"{hi:.2f}")
+    if mode == WEIGHT:
+        return "0%", percent(hi / 2), percent(hi)
+    return f"{lo:.2f}", f"{(lo + hi) / 2:.2f}", f"{hi:.2f}"
 
 
 class ExpertsView(CellGridTab):
@@ -41,8 +43,7 @@ class ExpertsView(CellGridTab):
     settingsChanged = Signal()  # the layer changed: the window feeds its routing
 
     def __init__(self, parent=None):
-        super().__init__(CellGrid("expert ↓ token →", "No expert routing yet", row_heights=(22, 40)), scale_ends=True,
-                         parent=parent)
+        super().__init__(CellGrid("expert ↓ token →", "No expert routing yet", row_heights=(22, 40)), parent=parent)
         self.shown = ExpertsShown("No expert routing yet")
         self.last_readout = ""
         self._wanted_mode = WEIGHT  # the user's choice, back in force once a layer's choice can be recomputed
@@ -61,8 +62,7 @@ class ExpertsView(CellGridTab):
         bar.addWidget(self.layer_box)
         bar.addWidget(QLabel("Show"))
         bar.addWidget(self.mode_box)
-        for widget in self.scale_widgets():
-            bar.addWidget(widget)
+        bar.addWidget(self.scale)
         bar.addWidget(self.legend, 1)
         body = QWidget()
         column = QVBoxLayout(body)
@@ -120,9 +120,7 @@ class ExpertsView(CellGridTab):
 
     def _show_legend(self) -> None:
         mode = self.mode()
-        low, high = colour_range(self.shown.grid, mode)
-        self.scale_low.setText(low)
-        self.scale_high.setText(high)
+        self.set_scale_numbers(*colour_range(self.shown.grid, mode), f"colour: the {LEGEND[mode]}")
         self.legend.setText(LEGEND[mode])
         self.legend.setToolTip(LEGEND[mode])  # the text is cut where the window is narrow
 

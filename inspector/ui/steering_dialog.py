@@ -17,7 +17,7 @@ class SteeringDialog(QDialog):
     def __init__(self, hooks: list[HookPoint], requests: list[str], compute, strip_selection, default_hook=None,
                  parent=None):
         super().__init__(parent)
-        self.setWindowTitle("Steering vector from two token selections")
+        self.setWindowTitle("Steering Vector")
         self._compute, self._strip = compute, strip_selection
         self.result_vector: np.ndarray | None = None
         self.description = ""

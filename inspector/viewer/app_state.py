@@ -123,6 +123,19 @@ class GenerationProgress:
         return self.tokens / max(time.perf_counter() - self.started, 1e-6)
 
 
+def stage_text(state: AppState, info: SessionInfo | None, server: str = "",
+               progress: GenerationProgress | None = None) -> str:
+    """The status bar's word on an engine that is up: "Ready" only while it is idle; while it generates,
+    how far it got."""
+    if state is S.GENERATING:
+        return f"Generating · {progress.tokens} of {progress.total} tokens" if progress else "Generating…"
+    if state is S.PATCHING:
+        return "Patching sweep running…"
+    if info is None:
+        return ""
+    return f"Ready · {len(info.installed)} hook points · {info.options.mode}" + (f" · {server}" if server else "")
+
+
 def describe_exception(exc: BaseException, doing: str) -> str:
     """One clear sentence for a dialog."""
     text = str(exc).strip() or type(exc).__name__

@@ -114,7 +114,9 @@ class Comparisons:
         self._measures: dict[Twins, PairMeasures] = {}
 
     def show(self, view: RunView, hook: str | None) -> ComparisonShown:
-        """The pair holding the selected request (else the run's first pair), with ``hook``'s difference."""
+        """The pair holding the selected request (else the run's first pair), with the difference at the
+        hook point its intervention is on (``hook``, the one selected in the window, where none of those
+        was captured)."""
         if view is not self._view:
             self._view, self._measures = view, {}
         pairs = tuple(twins_of(view.run))
@@ -126,6 +128,7 @@ class Comparisons:
         measures = self._measures.setdefault(twins, PairMeasures())
         kl, change = measures.tokens(clean, intervened)
         divergence = first_divergence(clean, intervened)
+        hook = intervened_hook(clean, intervened) or hook
         if hook in clean.hooks and hook in intervened.hooks:
             diff_positions, diff_values = measures.difference(hook, clean.hooks[hook], intervened.hooks[hook])
         else:
@@ -138,6 +141,16 @@ class Comparisons:
             divergence=divergence, kl=kl, logprob_change=change, hook_label=short_hook_label(info) if info else "",
             diff_source=(measures.serial, hook), diff_positions=diff_positions, diff_values=diff_values,
             marks=view.intervention_marks(twins.intervened, hook, len(intervened.token_texts)))
+
+
+def intervened_hook(clean: RequestCapture, intervened: RequestCapture) -> str | None:
+    """The first hook point an intervention on the intervened twin acted at that both twins captured
+    (None: no such hook point)."""
+    for _, interventions in intervened.intervention_log:
+        for iv in interventions:
+            if iv["hook"] in clean.hooks and iv["hook"] in intervened.hooks:
+                return iv["hook"]
+    return None
 
 
 def _label(view: RunView, twins: Twins) -> str:

@@ -146,9 +146,10 @@ class Experiments(ControllerPart):
             self.view.error(f"This sweep ran on hook points the engine no longer captures ({hook}): run the sweep "
                             "again to open its cells.", title="Patching")
             return False
-        if not self.generating.generate([self.sweep.target_prompt()], sampling, cell=result.cell_intervention(row, column)):
-            return False
         where = self.sweep.grid().where(row, column)
+        if not self.generating.generate([self.sweep.target_prompt()], sampling, cell=result.cell_intervention(row, column),
+                                        cell_where=where):
+            return False
         self.view.status(f"Patched run: {where}; your own interventions are not applied to it.", 15000)
         return True
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from inspector.core.sae import AttachedSae
+from inspector.core.sae import clamp_refusal as sae_clamp_refusal
 
 from .feature_labels import NO_LABELS, FeatureLabels, LabelBook, feature_label
 from .labels import display_token
@@ -184,3 +185,13 @@ def _no_saes(view: RunView) -> str:
     if view.source is RunSource.EARLIER:
         return "No SAE was attached while this run was captured, so it has no features to show"
     return NO_SAE
+
+
+NO_CLAMP_ROOM = ("the engine was booted without room for feature clamps: Engine ▸ Room for Feature Clamps…, "
+                 "then restart it")
+
+
+def clamp_refusal(attached: AttachedSae, room: int) -> str:
+    """Why the engine would refuse a clamp of ``attached``'s features ("" when it would not): the SAE's
+    kind, or an engine booted with no room for clamps (``room``: the clamps it holds per hook)."""
+    return sae_clamp_refusal(attached.config) or ("" if room else NO_CLAMP_ROOM)

@@ -34,6 +34,7 @@ class Generating(ControllerPart):
         self.compared: list[Twins] | None = None  # the twins of the comparison generating now
         self._compared_with: list[Intervention] = []  # the interventions its job was given
         self.patched_cell: Intervention | None = None  # the intervention of the patched run generating now
+        self._patched_where = ""  # that patching cell, in words
         self.progress: GenerationProgress | None = None
         self.last_result: GenerationResult | None = None
         self.write_through_bytes = WRITE_THROUGH_BYTES
@@ -41,9 +42,10 @@ class Generating(ControllerPart):
         self._select_new = False
 
     def generate(self, prompts: list[str], sampling: Sampling, compare: bool = False,
-                 cell: Intervention | None = None) -> bool:
+                 cell: Intervention | None = None, cell_where: str = "") -> bool:
         """``compare``: each prompt twice in the batch, clean and with the interventions (the twins);
-        ``cell``: a patching cell's intervention alone, not the user's (``open_patched_cell``)."""
+        ``cell``: a patching cell's intervention alone, not the user's (``open_patched_cell``), which
+        ``cell_where`` names."""
         if not self.engine.enabled(Action.GENERATE):
             self.view.status("Not ready: " + GENERATE_TIPS[self.engine.state], 5000)
             return False
@@ -67,7 +69,7 @@ class Generating(ControllerPart):
                 self.view.status("Compare is on but no intervention is set: the twins will agree. Set one in the "
                                  "Interventions dock to see what it changes.", 15000)
         elif cell is not None:
-            self.patched_cell = cell
+            self.patched_cell, self._patched_where = cell, cell_where
             job, args = jobs.patched_run, (self.engine.session, prompts[0], cell, sampling)
         else:
             job, args = jobs.generate, (self.engine.session, list(prompts), sampling)
@@ -114,6 +116,8 @@ class Generating(ControllerPart):
             if self._select_new and event.started:
                 self._select_new = False
                 live.select(request=event.started[0].request_id)
+        if event.started and self.patched_cell is not None:
+            live.patched.update((start.request_id, self._patched_where) for start in event.started)
         if event.started and self.compared:
             mark_twins(live.run, self.compared)
             if self.engine.state is AppState.GENERATING and self.interventions != self._compared_with:

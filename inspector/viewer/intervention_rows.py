@@ -60,6 +60,15 @@ class InterventionRow:
             return f"vector[{v.shape[0]}] ‖{np.linalg.norm(v):.3g}‖"
         return f"{v:g}"
 
+    def is_identity(self) -> bool:
+        """Scale 1 and bias 0, no clamp: the row changes nothing (a new row, until it is edited)."""
+        return self.clamp is None and bool(np.all(np.asarray(self.scale) == 1.0)) and \
+            bool(np.all(np.asarray(self.bias) == 0.0))
+
+    def is_active(self) -> bool:
+        """Enabled, fitting the engine, and changing something: what the engine is sent and the dock counts."""
+        return self.enabled and not self.problem and not self.is_identity()
+
     def positions_text(self) -> str:
         return format_positions(self.positions) if self.positions else ""
 
@@ -127,10 +136,10 @@ class InterventionRow:
 
 
 def active_interventions(rows: list[InterventionRow], widths: dict[str, int]) -> list[Intervention]:
-    """Interventions of enabled rows; invalid rows raise (the editor keeps them from existing)."""
+    """Interventions of the active rows; invalid rows raise (the editor keeps them from existing)."""
     out = []
     for row in rows:
-        if row.enabled and not row.problem:
+        if row.is_active():
             row.validate(widths)
             out.append(row.to_intervention())
     return out

@@ -162,7 +162,7 @@ class LensGrid:
     def colour_values(self, mode: str) -> np.ndarray:
         """Per cell a value in 0..1 for the colour scale (NaN: empty): the top token's probability, the
         next token's probability, or 1 / (1 + its rank)."""
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"):  # rank -1 (unknown): NaN, whatever 1 / 0 gave
             if mode == TOP:
                 return np.exp(self.top_logprobs[:, :, 0])
             if mode == NEXT_PROB:

@@ -60,6 +60,7 @@ class RunView:
         self._file_norms: dict[tuple[str, str], np.ndarray] = {}
         self._loaded: OrderedDict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self.spool: RowSpool | None = None  # where new rows go, if they are written through
+        self.patched: dict[str, str] = {}  # request id -> the patching cell its run patched, in words
         if source is RunSource.FILE:
             self.selection.request = next(iter(run.requests), None)
             hooks = self.hooks_for(self.selection.request)
@@ -147,6 +148,21 @@ class RunView:
 
     def request(self, rid: str | None) -> RequestCapture | None:
         return None if rid is None else self.run.requests.get(rid)
+
+    def request_choice(self, rid: str) -> tuple[str, str]:
+        """(label, tooltip) of a request in the request list: its prompt's start, and what kind of run it
+        is where it is one of a comparison's twins or a patched run."""
+        req = self.run.requests[rid]
+        prompt = (req.prompt or "").replace("\n", "↵")
+        label = f"{rid} · {prompt[:40]}{'…' if len(prompt) > 40 else ''}"
+        if req.twin_role in ("clean", "intervened"):
+            clean = req.twin_role == "clean"
+            return (f"{label}  [{req.twin_role} twin]",
+                    f"{'Clean' if clean else 'Intervened'} twin of {req.twin_of}: the same prompt run "
+                    f"{'without' if clean else 'with'} the interventions (Compare tab)")
+        if rid in self.patched:
+            return f"{label}  [patched]", f"Patched run: {self.patched[rid]} (Patching tab)"
+        return label, req.prompt or ""
 
     def hook_info(self, hook: str | None) -> HookPoint | None:
         if hook is None:

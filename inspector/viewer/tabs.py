@@ -18,7 +18,7 @@ import numpy as np
 from .app_state import Action, AppState
 from .attention import AttentionPatterns, AttentionShown, attention_layers
 from .compare import ComparisonShown, Comparisons
-from .features import FeaturesShown, show_features
+from .features import FeaturesShown, clamp_refusal, show_features
 from .labels import short_hook_label
 from .lens import LensGrid, lens_hooks, lens_kinds
 from .routing import ExpertsShown, router_layers, show_experts
@@ -94,6 +94,7 @@ class LensChoices(Protocol):
 class LensDrawing:
     grid: LensGrid | None
     message: str | None  # why there are no cells (instead of the grid)
+    position: int | None = None  # the token selected in the window (a column: the grid's columns are positions)
 
 
 class LensPresenter:
@@ -108,7 +109,7 @@ class LensPresenter:
         hooks = lens_hooks(captured, tab.set_kinds(lens_kinds(captured)))
         experiments.follow_lens(view, rid, hooks)
         message = request.empty or experiments.lens_message(view, rid, hooks)
-        return LensDrawing(None if message else view.lens.grid(view.run, rid, hooks), message)
+        return LensDrawing(None if message else view.lens.grid(view.run, rid, hooks), message, view.selection.position)
 
 
 # ---------------------------------------------------------------- Attention
@@ -166,6 +167,7 @@ class FeaturesDrawing:
     position: int | None  # the token selected in the window
     can_detach: bool  # the SAE shown is attached now, and the engine is idle
     can_steer: bool  # the SAE shown is attached now
+    clamp_refusal: str = ""  # why its features cannot be clamped now ("" when they can)
 
 
 class FeaturesPresenter:
@@ -183,7 +185,8 @@ class FeaturesPresenter:
             shown = show_features(view, view.selection.request, tab.sae(), attached, self.app.runs.labels)
         is_attached = shown.sae in attached
         return FeaturesDrawing(shown, view.selection.position, is_attached and engine.enabled(Action.EDIT_SAES),
-                               is_attached)
+                               is_attached, clamp_refusal(attached[shown.sae], engine.info.options.feature_clamps)
+                               if is_attached else "")
 
 
 # ---------------------------------------------------------------- Compare
