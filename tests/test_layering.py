@@ -65,14 +65,14 @@ def test_every_layer_has_a_rule():
 
 def test_the_cores_former_name_still_imports_with_a_warning():
     code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-            "try:\n    import inspector.core.protocol\nexcept DeprecationWarning as e:\n    print('warned:', e)\n"
+            "try:\n    import inspector.capture.protocol\nexcept DeprecationWarning as e:\n    print('warned:', e)\n"
             "warnings.simplefilter('ignore')\n"
-            "import inspector.core.protocol as old, inspector.core.protocol as new\n"
-            "from inspector.core import Intervention\n"
+            "import inspector.capture.protocol as old, inspector.core.protocol as new\n"
+            "from inspector.capture import Intervention\n"
             "print(old is new, Intervention is new.__dict__.get('Intervention', Intervention))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "warned: inspector.core is now inspector.core" in result.stdout and "True True" in result.stdout
+    assert "warned: inspector.capture is now inspector.core" in result.stdout and "True True" in result.stdout
 
 
 @pytest.mark.parametrize("layer", sorted(RULES))
