@@ -36,7 +36,9 @@ def serve_command(options: SessionOptions, listen: str) -> list[str]:
 def start_local_server(options: SessionOptions, progress: Callable[[BootProgress], None] | None = None
                        ) -> RemoteSession:
     """Spawn a server for ``options`` and connect to it; SessionError (with the end of its log) if it
-    cannot start. Closing the session stops the child."""
+    cannot start. While the child lives it is starting (importing torch and vLLM on a busy machine may
+    outlast any deadline), so it is waited for; once it exits, its exit code and log say why at once.
+    Closing the session stops the child."""
     home = Path(tempfile.mkdtemp(prefix="inspector-engine-"))  # 0700: the socket is ours alone
     log_path = home / "engine.log"
     listen = f"ipc://{home / 'engine.sock'}"
@@ -61,7 +63,8 @@ def start_local_server(options: SessionOptions, progress: Callable[[BootProgress
         shutil.rmtree(home, ignore_errors=True)
 
     try:
-        session = connect(listen, progress, retain_rows=options.retain_rows, why_gone=why_gone, on_close=stop)
+        session = connect(listen, progress, retain_rows=options.retain_rows, timeout_s=None, why_gone=why_gone,
+                          on_close=stop)
     except BaseException:
         stop()
         raise

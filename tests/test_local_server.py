@@ -1,0 +1,60 @@
+"""The app's own engine server (``inspector.client.local``) while it starts: a child that is alive is
+starting, however long it takes; a child that dies is said at once, in its own words. The children
+here are stand-ins on the fake engine, slow or failing on purpose."""
+
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from inspector.capture.protocol import SessionError, SessionOptions
+from inspector.client import local, remote
+
+TESTS = Path(__file__).parent
+
+
+def child_command(body: str):
+    """A ``serve_command`` stand-in: a Python child that runs ``body`` with ``listen`` bound."""
+    def command(options: SessionOptions, listen: str) -> list[str]:
+        script = f"import sys, time\nsys.path.insert(0, {str(TESTS)!r})\nlisten = {listen!r}\n" + textwrap.dedent(body)
+        return [sys.executable, "-c", script]
+    return command
+
+
+def test_a_child_slower_than_the_connect_deadline_is_waited_for(monkeypatch):
+    """A busy machine: the child binds its socket only after a remote server would have been given up."""
+    monkeypatch.setattr(local, "serve_command", child_command(f"""
+        time.sleep({remote.CONNECT_TIMEOUT_S + 2})
+        from fake_session import FakeSession
+        from inspector.capture.protocol import SessionOptions
+        from inspector.server.serve import serve
+
+        class IdleSession(FakeSession):  # what the server asks of an engine that runs no request
+            open_requests = {{}}
+
+        sys.exit(serve(SessionOptions(model="slow-model"), listen, exit_when_idle_s=5, session_factory=IdleSession.open))
+    """))
+    stages = []
+    session = local.start_local_server(SessionOptions(model="slow-model"), stages.append)
+    try:
+        assert session.alive and session.options.model == "slow-model"
+        assert [p.stage for p in stages][-1] == "ready"
+    finally:
+        session.close()
+
+
+def test_a_child_that_dies_while_starting_is_said_at_once_in_its_own_words(monkeypatch):
+    monkeypatch.setattr(local, "serve_command", child_command("""
+        time.sleep(1)
+        print("ImportError: no module named 'vllm_broken'", flush=True)
+        sys.exit(3)
+    """))
+    started = time.monotonic()
+    with pytest.raises(SessionError) as failure:
+        local.start_local_server(SessionOptions(model="broken-model"))
+    assert time.monotonic() - started < remote.CONNECT_TIMEOUT_S
+    message = str(failure.value)
+    assert "exited with code 3" in message and "vllm_broken" in message
+    assert "key" not in message and "allow-list" not in message  # a remote server's wording
