@@ -24,8 +24,9 @@ from inspector.capture.hooks import HookPoint
 from inspector.capture.interventions import Intervention
 from inspector.capture.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
-from inspector.capture.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError, check_request,
-                                        SessionOptions, StepEvent, NewRows, checked_interventions, fold_event)
+from inspector.capture.protocol import (BOOT_STAGES, BootProgress, RequestStart, RequestStep, Sampling, SessionError,
+                                        check_request, SessionOptions, StepEvent, NewRows, checked_interventions,
+                                        fold_event)
 from inspector.capture.run import Run, TopToken
 from inspector.capture.sae import AttachedSae, checked_attachment, encode, load_weights, strongest
 from inspector.capture.windows import ALL, CaptureWindow, checked_windows, windows_from_patterns
@@ -110,9 +111,9 @@ class FakeSession(Experiments):
     @classmethod
     def open(cls, options: SessionOptions, progress=None) -> "FakeSession":
         report = progress or (lambda p: None)
-        for stage in ("resolving", "loading", "compiling"):
+        for stage in BOOT_STAGES[:-1]:
             report(BootProgress(stage, f"{stage} {options.model}"))
-            time.sleep(cls.boot_delay / 3)
+            time.sleep(cls.boot_delay / (len(BOOT_STAGES) - 1))
             if cls.fail_open and stage == "loading":
                 raise SessionError(cls.fail_open)
         session = cls(options)

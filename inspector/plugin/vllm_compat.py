@@ -306,7 +306,10 @@ def probe_forward(worker, num_tokens: int, on_attention: Callable | None = None)
     reader could not tell which one a block means (a multimodal model's dummy run passes an embeddings
     buffer instead of ids: it gets the embeddings of such ids); ``on_attention(layer, args, output)``
     sees each of their calls. A later pipeline stage gets seeded random streams from the stage before
-    it in place of the dummy run's zeros, for the same reason."""
+    it in place of the dummy run's zeros, for the same reason. Every ``torch.compile`` in the forward
+    runs eagerly: vLLM compiles its ops' native forms one by one for calls outside the model's graph,
+    which only this probe makes (on a cold Inductor cache, 10-23 s of a 2-core machine's boot, for a
+    graph the engine never runs again)."""
     model = model_of(worker)
     embeddings = [m.register_forward_pre_hook(_random_token_ids)  # an output head is never called
                   for m in model.modules() if is_vocabulary_embedding(m)]
@@ -330,7 +333,8 @@ def probe_forward(worker, num_tokens: int, on_attention: Callable | None = None)
     try:
         for m in compiled:
             m.do_not_compile = True
-        runner._dummy_run(num_tokens, **extra)
+        with torch.compiler.set_stance("force_eager"):
+            runner._dummy_run(num_tokens, **extra)
     finally:
         for handle in embeddings:
             handle.remove()

@@ -42,8 +42,8 @@ from .summary_view import SummaryView
 from .tasks import TaskRunner
 from .token_strip import TokenStrip
 
-STAGE_TEXT = {"resolving": "Resolving model", "loading": "Loading weights", "compiling": "Compiling",
-              "ready": "Ready"}
+STAGE_TEXT = {"resolving": "Resolving model", "loading": "Starting vLLM, loading weights",
+              "probing": "Finding hook points", "compiling": "Compiling", "ready": "Ready"}
 SHUTDOWN_TIMEOUT_MS = 180_000
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from inspector import client
 from inspector.capture import resources
 from inspector.capture.models import DEMO, model_path_problem
-from inspector.capture.protocol import BootProgress, SessionFactory, SessionOptions, SessionProtocol
+from inspector.capture.protocol import BootProgress, BootTimes, SessionFactory, SessionOptions, SessionProtocol
 from inspector.capture.sae import AttachedSae
 from inspector.capture.windows import CaptureWindow
 from inspector.net.keys import ClientKeys
@@ -37,6 +37,7 @@ class EngineControl(ControllerPart):
         self.options: SessionOptions | None = None  # of the model last opened (kept when it fails)
         self.windows: dict[str, CaptureWindow] = {}  # the user's capture windows, by hook (installed or not)
         self.boot_started, self.boot_stage = 0.0, ""
+        self.boot_times = BootTimes()  # of the last boot: the stages' seconds, said when it is ready
 
     def enabled(self, action: Action) -> bool:
         if action is Action.RESTART and self.options is None:
@@ -103,7 +104,7 @@ class EngineControl(ControllerPart):
         self.generating.cancel()
         self.experiments.cancel_sweep()
         self.close_session()
-        self.boot_started, self.boot_stage = time.perf_counter(), "resolving"
+        self.boot_started, self.boot_stage, self.boot_times = time.perf_counter(), "resolving", BootTimes()
         self.set_state(AppState.BOOTING)
         self.view.status(status)
         self.tasks.start(jobs.boot, factory, options, on_partial=self._boot_progress, on_done=self._booted,
@@ -119,6 +120,7 @@ class EngineControl(ControllerPart):
 
     def _boot_progress(self, progress: BootProgress) -> None:
         self.boot_stage = progress.stage
+        self.boot_times.lap(progress.stage)
         self.view.boot_progress(progress)
 
     def _booted(self, result: tuple[SessionProtocol, SessionInfo]) -> None:
@@ -135,8 +137,9 @@ class EngineControl(ControllerPart):
         refused = self.info.metadata.get("refused_kinds") or {}
         # kinds the model's blocks have no point of: the user should know before looking for them
         missing = f"; not offered: {', '.join(sorted(refused))} (the ready label's tooltip says why)" if refused else ""
-        self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}"
-                         f"{missing}", 20000 if missing else 8000)
+        stages = self.boot_times.summary()
+        self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s"
+                         f"{f' ({stages})' if stages else ''}: {self.options.model}{missing}", 20000 if missing else 8000)
         self.generating.reapply_interventions("opening the model")
         self.send_windows()
 
