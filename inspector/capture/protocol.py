@@ -34,7 +34,7 @@ class SessionError(RuntimeError):
 
 @dataclass(frozen=True)
 class BootProgress:
-    stage: str  # one of BOOT_STAGES
+    stage: str  # one of BOOT_STAGES, or "starting": the app's own engine process, before its server listens
     message: str
 
 

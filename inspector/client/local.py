@@ -46,6 +46,8 @@ def start_local_server(options: SessionOptions, progress: Callable[[BootProgress
     with open(log_path, "wb") as log:
         process = subprocess.Popen(serve_command(options, listen), stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if progress is not None:  # before the server's own stages, which it reports once it listens
+        progress(BootProgress("starting", f"process {process.pid}, its log in {log_path}"))
 
     def why_gone() -> str | None:
         if process.poll() is None:

@@ -57,14 +57,14 @@ def boot_engine(options: SessionOptions, path, report: Callable[[BootProgress], 
     from inspector.plugin import worker_extension
 
     def probing():
-        report(BootProgress("probing", "weights loaded; finding the hook points (a probe forward)"))
+        report(BootProgress("probing", "weights loaded; a probe forward reads the model's blocks"))
 
     def compiling():
         report(BootProgress("compiling", "hooks installed; "
                             + ("compiling the model (the first boot of a model takes longest)"
                                if options.mode == "compiled" else "warming up")))
 
-    report(BootProgress("loading", f"starting vLLM, loading {path.name} ({options.dtype}, {options.mode})"))
+    report(BootProgress("loading", f"loading {path.name} ({options.dtype}, {options.mode})"))
     listeners = ((worker_extension.on_weights_loaded, probing), (worker_extension.on_hooks_installed, compiling))
     for listening, listener in listeners:
         listening.append(listener)

@@ -42,7 +42,7 @@ from .summary_view import SummaryView
 from .tasks import TaskRunner
 from .token_strip import TokenStrip
 
-STAGE_TEXT = {"resolving": "Resolving model", "loading": "Starting vLLM, loading weights",
+STAGE_TEXT = {"starting": "Starting the engine process", "resolving": "Resolving model", "loading": "Starting vLLM",
               "probing": "Finding hook points", "compiling": "Compiling", "ready": "Ready"}
 SHUTDOWN_TIMEOUT_MS = 180_000
 
@@ -561,9 +561,9 @@ class MainWindow(QMainWindow):
         c = self.controller
         c.engine.check_engine()
         if self.state in (AppState.BOOTING, AppState.RESTARTING) and c.engine.boot_stage:
-            step = BOOT_STAGES.index(c.engine.boot_stage) + 1 if c.engine.boot_stage in BOOT_STAGES else "?"
-            self.status(f"{STAGE_TEXT.get(c.engine.boot_stage, c.engine.boot_stage)} (step {step} of {len(BOOT_STAGES)}) · "
-                        f"{time.perf_counter() - c.engine.boot_started:.0f} s")
+            stage = c.engine.boot_stage
+            step = f" (step {BOOT_STAGES.index(stage) + 1} of {len(BOOT_STAGES)})" if stage in BOOT_STAGES else ""
+            self.status(f"{STAGE_TEXT.get(stage, stage)}{step} · {time.perf_counter() - c.engine.boot_started:.0f} s")
 
     def _capture_hooks(self, hooks: list) -> None:
         """A tab's capture button (Attention, Patching): tick ``hooks`` in the model tree and apply them
