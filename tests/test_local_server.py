@@ -3,39 +3,24 @@ starting, however long it takes; a child that dies is said at once, in its own w
 here are stand-ins on the fake engine, slow or failing on purpose."""
 
 import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
+import fake_server
 from inspector.capture.protocol import SessionError, SessionOptions
 from inspector.client import local, remote
 
-TESTS = Path(__file__).parent
 
-
-def child_command(body: str):
-    """A ``serve_command`` stand-in: a Python child that runs ``body`` with ``listen`` bound."""
-    def command(options: SessionOptions, listen: str) -> list[str]:
-        script = f"import sys, time\nsys.path.insert(0, {str(TESTS)!r})\nlisten = {listen!r}\n" + textwrap.dedent(body)
-        return [sys.executable, "-c", script]
-    return command
+def child_command(script):
+    """A ``serve_command`` stand-in: a Python child running ``script(listen)``."""
+    return lambda options, listen: [sys.executable, "-c", script(listen)]
 
 
 def test_a_child_slower_than_the_connect_deadline_is_waited_for(monkeypatch):
     """A busy machine: the child binds its socket only after a remote server would have been given up."""
-    monkeypatch.setattr(local, "serve_command", child_command(f"""
-        time.sleep({remote.CONNECT_TIMEOUT_S + 2})
-        from fake_session import FakeSession
-        from inspector.capture.protocol import SessionOptions
-        from inspector.server.serve import serve
-
-        class IdleSession(FakeSession):  # what the server asks of an engine that runs no request
-            open_requests = {{}}
-
-        sys.exit(serve(SessionOptions(model="slow-model"), listen, exit_when_idle_s=5, session_factory=IdleSession.open))
-    """))
+    monkeypatch.setattr(local, "serve_command", child_command(
+        lambda listen: fake_server.script(listen, "slow-model", delay_s=remote.CONNECT_TIMEOUT_S + 2)))
     stages = []
     session = local.start_local_server(SessionOptions(model="slow-model"), stages.append)
     try:
@@ -46,11 +31,9 @@ def test_a_child_slower_than_the_connect_deadline_is_waited_for(monkeypatch):
 
 
 def test_a_child_that_dies_while_starting_is_said_at_once_in_its_own_words(monkeypatch):
-    monkeypatch.setattr(local, "serve_command", child_command("""
-        time.sleep(1)
-        print("ImportError: no module named 'vllm_broken'", flush=True)
-        sys.exit(3)
-    """))
+    monkeypatch.setattr(local, "serve_command", child_command(lambda listen: (
+        "import sys, time\ntime.sleep(1)\nprint(\"ImportError: no module named 'vllm_broken'\", flush=True)\n"
+        "sys.exit(3)")))
     started = time.monotonic()
     with pytest.raises(SessionError) as failure:
         local.start_local_server(SessionOptions(model="broken-model"))

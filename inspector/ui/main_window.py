@@ -395,10 +395,11 @@ class MainWindow(QMainWindow):
         self.prompt.progress.setVisible(state is AppState.GENERATING)
         if state is AppState.BOOTING:
             self.boot_bar.setValue(0)
-            model = c.engine.options.model if c.engine.server else Path(c.engine.options.model).name
-            self.stage_label.setText(f"{STAGE_TEXT['resolving']}: {model}…")
+            doing = (f"Connecting to {c.engine.server[0]}" if c.engine.server else
+                     f"Starting {Path(c.engine.options.model).name}")
+            self.stage_label.setText(f"{doing}…")
             if not self.tree.hook_names():
-                self.tree.summary.setText(f"Starting {model}…")
+                self.tree.summary.setText(f"{doing}…")
         elif state is AppState.RESTARTING:
             self.boot_bar.setValue(BOOT_STAGES.index("compiling"))
             self.stage_label.setText("Restarting with the new hook points…")
@@ -414,12 +415,7 @@ class MainWindow(QMainWindow):
         self.stage_label.setText(f"{STAGE_TEXT.get(progress.stage, progress.stage)}… {progress.message}".strip())
         self._update_clock()
 
-    def session_changed(self, info: SessionInfo | None, restarted: bool) -> None:
-        if info is None:
-            self.tree.set_catalogue([], ())
-            self.interventions.set_hooks({})
-            self.patching_view.set_hooks([], {})
-            return
+    def session_changed(self, info: SessionInfo, restarted: bool) -> None:
         mode = info.options.mode
         self._update_title()
         self.tree.set_mode(mode)
@@ -519,7 +515,10 @@ class MainWindow(QMainWindow):
         box = QMessageBox(QMessageBox.Icon.Critical, title, text, QMessageBox.StandardButton.Ok, self)
         if details:
             box.setDetailedText(details)
-        self._show_box(box)
+        self.show_box(box)
+
+    def server_unreachable(self, url: str, reason: str) -> None:
+        self.menus.server_unreachable(url, reason)
 
     def ask(self, title: str, text: str, on_yes, details: str = "") -> None:
         box = QMessageBox(QMessageBox.Icon.Question, title, text,
@@ -529,9 +528,9 @@ class MainWindow(QMainWindow):
             box.setDetailedText(details)
         self._answers[box] = on_yes
         box.finished.connect(self._ask_finished)
-        self._show_box(box)
+        self.show_box(box)
 
-    def _show_box(self, box: QMessageBox) -> None:
+    def show_box(self, box: QMessageBox) -> None:
         box.setWindowModality(Qt.WindowModality.WindowModal)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         self.last_dialog = box
@@ -546,16 +545,13 @@ class MainWindow(QMainWindow):
     # ================================================================== window furniture
     def _update_title(self) -> None:
         """The app's name is appended by Qt (the application's display name)."""
-        view, options = self.shown, self.controller.engine.options
+        view = self.shown
         if view.source is RunSource.SERVED:
             self.setWindowTitle(view.label)
         elif view.source is not RunSource.LIVE:
             self.setWindowTitle(Path(view.label).name)
-        elif options is not None:
-            where = f" on {self.controller.engine.server[0]}" if self.controller.engine.server else ""
-            self.setWindowTitle(f"{Path(options.model).name} ({options.mode}){where}")
         else:
-            self.setWindowTitle("")
+            self.setWindowTitle(self.controller.engine.title)
 
     def _update_clock(self) -> None:
         c = self.controller
