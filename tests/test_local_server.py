@@ -41,3 +41,14 @@ def test_a_child_that_dies_while_starting_is_said_at_once_in_its_own_words(monke
     message = str(failure.value)
     assert "exited with code 3" in message and "vllm_broken" in message
     assert "key" not in message and "allow-list" not in message  # a remote server's wording
+
+
+def test_boot_times_say_how_long_each_stage_took(monkeypatch):
+    from inspector.capture import protocol
+
+    clock = iter([0.0, 1.5, 1.52, 29.0, 29.2, 43.0])
+    monkeypatch.setattr(protocol.time, "monotonic", lambda: next(clock))
+    times = protocol.BootTimes()
+    said = [times.lap(stage) for stage in ("resolving", "loading", "probing", "compiling", "ready")]
+    assert said == ["starting took 1.5 s", "", "loading took 27.5 s", "probing took 0.2 s", "compiling took 13.8 s"]
+    assert times.summary() == "starting 1.5 s · loading 27 s · probing 0.2 s · compiling 14 s"

@@ -46,19 +46,20 @@ class BootTimes:
         self.stage: str | None = None
         self.seconds: dict[str, float] = {}  # of the stages over
 
+    NOTABLE_S = 0.1  # stages shorter than this go unsaid
+
     def lap(self, stage: str) -> str:
         """``stage`` begins now: what the one before it took (before the first report: "starting", the
-        engine's process coming up)."""
+        engine's process coming up), or "" if that was too short to say."""
         now = time.monotonic()
         over, self.stage, since, self._since = self.stage or "starting", stage, self._since, now
         self.seconds[over] = self.seconds.get(over, 0.0) + now - since
-        return f"{over} took {now - since:.1f} s"
+        return f"{over} took {now - since:.1f} s" if now - since >= self.NOTABLE_S else ""
 
     def summary(self) -> str:
-        """"loading 27 s · probing 0.3 s · compiling 14 s": the stages over that took a tenth of a second
-        or more, in order."""
+        """"loading 27 s · probing 0.3 s · compiling 14 s": the stages over, in order."""
         return " · ".join(f"{stage} {seconds:.{0 if seconds >= 10 else 1}f} s"
-                          for stage, seconds in self.seconds.items() if seconds >= 0.1)
+                          for stage, seconds in self.seconds.items() if seconds >= self.NOTABLE_S)
 
 
 @dataclass(frozen=True)

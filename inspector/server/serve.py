@@ -101,7 +101,8 @@ def serve(options: SessionOptions, listen: str, keys_dir: str | None = None, exi
     times = BootTimes()
 
     def progress(p: BootProgress) -> None:
-        log(f"[{p.stage}] {p.message} ({times.lap(p.stage)})")
+        took = times.lap(p.stage)
+        log(f"[{p.stage}] {p.message}" + (f" ({took})" if took else ""))
         transport.broadcast(Message("progress", {"stage": p.stage, "message": p.message}))
 
     try:
