@@ -2,8 +2,11 @@
 starting, however long it takes; a child that dies is said at once, in its own words. The children
 here are stand-ins on the fake engine, slow or failing on purpose."""
 
+import re
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +44,9 @@ def test_a_child_that_dies_while_starting_is_said_at_once_in_its_own_words(monke
     message = str(failure.value)
     assert "exited with code 3" in message and "vllm_broken" in message
     assert "key" not in message and "allow-list" not in message  # a remote server's wording
+    log = Path(re.search(r"log: (\S+engine\.log)", message).group(1))
+    assert "vllm_broken" in log.read_text(), "the log the message names must be there to read"
+    shutil.rmtree(log.parent)
 
 
 def test_boot_times_say_how_long_each_stage_took(monkeypatch):

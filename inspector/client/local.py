@@ -54,7 +54,7 @@ def start_local_server(options: SessionOptions, progress: Callable[[BootProgress
             return None
         return f"the engine process exited with code {process.returncode} ({_tail(log_path)})"
 
-    def stop() -> None:
+    def stop(keep_log: bool = False) -> None:
         if process.poll() is None:
             process.terminate()
             try:
@@ -62,13 +62,16 @@ def start_local_server(options: SessionOptions, progress: Callable[[BootProgress
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        shutil.rmtree(home, ignore_errors=True)
+        if keep_log:
+            (home / "engine.sock").unlink(missing_ok=True)
+        else:
+            shutil.rmtree(home, ignore_errors=True)
 
     try:
         session = connect(listen, progress, retain_rows=options.retain_rows, timeout_s=None, why_gone=why_gone,
                           on_close=stop)
-    except BaseException:
-        stop()
+    except BaseException as e:
+        stop(keep_log=str(log_path) in str(e))  # where the error names the log, the user reads why there
         raise
     session.process = process
     return session
