@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,3 +59,4 @@ def fake_server(listen: str | None = None, model: str = "fake-model"):
         if process.poll() is None:
             process.terminate()
             process.wait(30)
+        shutil.rmtree(log_path.parent, ignore_errors=True)
