@@ -23,7 +23,7 @@ from inspector.core.attention import AttentionGeometry
 from inspector.core.hooks import HookPoint
 from inspector.core.lens import (Attribution, Lens, checked_attribution_request, checked_lens_request,
                                     checked_token_ids)
-from inspector.core.protocol import (BootProgress, RequestStart, RequestStep, Sampling, SessionError, check_request,
+from inspector.core.protocol import (BOOT_STAGES, BootProgress, RequestStart, RequestStep, Sampling, SessionError, check_request,
                                         SessionOptions, StepEvent)
 from inspector.core.run import TopToken
 from inspector.core.sae import AttachedSae, checked_attachment, encode, load_weights, strongest
@@ -107,9 +107,9 @@ class FakeSession(SessionBase, HeldInterventions, Experiments):
     @classmethod
     def open(cls, options: SessionOptions, progress=None) -> "FakeSession":
         report = progress or (lambda p: None)
-        for stage in ("resolving", "loading", "compiling"):
+        for stage in BOOT_STAGES[:-1]:
             report(BootProgress(stage, f"{stage} {options.model}"))
-            time.sleep(cls.boot_delay / 3)
+            time.sleep(cls.boot_delay / (len(BOOT_STAGES) - 1))
             if cls.fail_open and stage == "loading":
                 raise SessionError(cls.fail_open)
         session = cls(options)

@@ -12,7 +12,7 @@ import pytest
 from engines import ENGINE_ARGS
 from fake_session import FakeSession
 from inspector.core.models import ModelNotFound, resolve_model
-from inspector.core.protocol import Sampling, SessionError, SessionOptions
+from inspector.core.protocol import BOOT_STAGES, Sampling, SessionError, SessionOptions
 from inspector.core.windows import CaptureWindow
 from inspector.client.local import start_local_server
 from inspector.engine.session import Session
@@ -55,6 +55,21 @@ def test_eager_hook_change_is_live_and_keeps_the_run(tiny_models):
         assert set(first.hooks) == {"model.layers.0.resid_post", "model.layers.1.resid_post"}
         assert set(second.hooks) == set(session.installed)
         assert second.hooks["model.layers.1.mlp.down_proj.mlp_post"].values.shape[1] == 256
+
+
+def test_boot_stages_say_what_runs_and_the_hook_probe_compiles_nothing(tiny_models):
+    """Issue 38: "Loading weights" stood for 80 s of a tiny model's cold boot, most of it Inductor
+    compiling vLLM's ops for the plugin's probe forward. The stages name the probe, and it compiles
+    nothing: the only compilation is the model's, in the stage that says so."""
+    from torch._dynamo.utils import counters
+
+    seen = []
+    session = Session.open(options(tiny_models["llama"], mode="compiled"),
+                           lambda p: seen.append((p.stage, counters["frames"]["total"])))
+    session.close()
+    assert [stage for stage, _ in seen] == list(BOOT_STAGES)
+    frames = dict(seen)
+    assert frames["compiling"] == frames["probing"], "the probe forward compiled something"
 
 
 @pytest.mark.parametrize("kind", ["real", "fake", "remote"])

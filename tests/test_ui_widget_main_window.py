@@ -49,7 +49,7 @@ def test_boot_shows_stages_and_fills_tree(qtbot, ui_settings):
     qtbot.wait(50)
     assert "Compiling" in window.stage_label.text()
     wait_state(qtbot, window, "ready")
-    assert stages == ["resolving", "loading", "compiling", "ready"]
+    assert stages == ["resolving", "loading", "probing", "compiling", "ready"]
     assert sorted(window.tree.checked()) == ["model.layers.0.resid_post", "model.layers.1.resid_post"]
     assert window.prompt.generate_button.isEnabled() and window.windowTitle() == "demo (compiled)"
     assert threading.get_ident() not in session(window).threads

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from inspector.core.protocol import BootProgress
+from inspector.core.protocol import BootProgress, BootTimes
 
 
 class TerminalProgress:
@@ -12,9 +12,11 @@ class TerminalProgress:
 
     def __init__(self, stream=sys.stderr):
         self.stream, self.tty = stream, stream.isatty()
+        self.boot_times = BootTimes()
 
     def stage(self, progress: BootProgress) -> None:
-        print(f"[{progress.stage}] {progress.message}", file=self.stream, flush=True)
+        took = self.boot_times.lap(progress.stage)
+        print(f"[{progress.stage}] {progress.message}" + (f" ({took})" if took else ""), file=self.stream, flush=True)
 
     def tokens(self, done: int, total: int) -> None:
         self.bar("generating", done, total, "tokens")

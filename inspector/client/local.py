@@ -32,7 +32,9 @@ def serve_command(options: SessionOptions, listen: str) -> list[str]:
 def start_local_server(options: SessionOptions, progress: Callable[[BootProgress], None] | None = None
                        ) -> RemoteSession:
     """Spawn a server for ``options`` and connect to it; SessionError (with the end of its log) if it
-    cannot start. Closing the session stops the child."""
+    cannot start. While the child lives it is starting (importing torch and vLLM on a busy machine may
+    outlast any deadline), so it is waited for; once it exits, its exit code and log say why at once.
+    Closing the session stops the child."""
     home = Path(tempfile.mkdtemp(prefix="inspector-engine-"))  # 0700: the socket is ours alone
     log_path = home / "engine.log"
     listen = f"ipc://{home / 'engine.sock'}"
@@ -40,13 +42,15 @@ def start_local_server(options: SessionOptions, progress: Callable[[BootProgress
     with open(log_path, "wb") as log:
         process = subprocess.Popen(serve_command(options, listen), stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if progress is not None:  # before the server's own stages, which it reports once it listens
+        progress(BootProgress("starting", f"process {process.pid}, its log in {log_path}"))
 
     def why_gone() -> str | None:
         if process.poll() is None:
             return None
         return f"the engine process exited with code {process.returncode} ({_tail(log_path)})"
 
-    def stop() -> None:
+    def stop(keep_log: bool = False) -> None:
         if process.poll() is None:
             process.terminate()
             try:
@@ -54,12 +58,16 @@ def start_local_server(options: SessionOptions, progress: Callable[[BootProgress
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        shutil.rmtree(home, ignore_errors=True)
+        if keep_log:
+            (home / "engine.sock").unlink(missing_ok=True)
+        else:
+            shutil.rmtree(home, ignore_errors=True)
 
     try:
-        session = connect(listen, progress, retain_rows=options.retain_rows, why_gone=why_gone, on_close=stop)
-    except BaseException:
-        stop()
+        session = connect(listen, progress, retain_rows=options.retain_rows, timeout_s=None, why_gone=why_gone,
+                          on_close=stop)
+    except BaseException as e:
+        stop(keep_log=str(log_path) in str(e))  # where the error names the log, the user reads why there
         raise
     session.process = process
     return session

@@ -34,13 +34,14 @@ LOGITS_CALL_BYTES = 16 << 20  # final-norm rows sent per ``logits`` call: well u
 
 
 def connect(url: str, progress: Callable[[BootProgress], None] | None = None, keys: ClientKeys | None = None,
-            retain_rows: bool = True, timeout_s: float = CONNECT_TIMEOUT_S,
+            retain_rows: bool = True, timeout_s: float | None = CONNECT_TIMEOUT_S,
             why_gone: Callable[[], str | None] = lambda: None, on_close: Callable[[], None] = lambda: None
             ) -> "RemoteSession":
     """A session on the server at ``url`` (boot progress arrives through ``progress`` while it starts).
     ``why_gone()``: why the server can no longer answer (a child process that exited), or None;
-    ``on_close()``: called once the session is closed. SessionError if there is no server, it refuses
-    us, or it cannot boot."""
+    ``on_close()``: called once the session is closed; ``timeout_s``: how long a server that never answers
+    is waited for, None for as long as ``why_gone()`` has nothing to say (a child process that still
+    starts). SessionError if there is no server, it refuses us, or it cannot boot."""
     report = progress or (lambda p: None)
     failed_boot: list[str] = []  # the server's reason, sent to every client just before it goes
 
@@ -66,7 +67,7 @@ def connect(url: str, progress: Callable[[BootProgress], None] | None = None, ke
     return RemoteSession(connection, welcome, retain_rows, why_gone, on_close)
 
 
-def _hello(connection: Connection, timeout_s: float, why_gone: Callable[[], str | None]) -> Message:
+def _hello(connection: Connection, timeout_s: float | None, why_gone: Callable[[], str | None]) -> Message:
     """The server's welcome, once its engine is up. ``why_gone`` may learn the reason a moment after
     the connection closes (the boot's failure message is read after the close is noticed)."""
     started = time.monotonic()
@@ -79,7 +80,7 @@ def _hello(connection: Connection, timeout_s: float, why_gone: Callable[[], str 
                 why = why_gone()
                 if why is not None:
                     raise SessionError(why) from None
-                if not connection.heard_from and time.monotonic() - started > timeout_s:
+                if timeout_s is not None and not connection.heard_from and time.monotonic() - started > timeout_s:
                     raise SessionError(
                         f"no answer from {connection.url} in {timeout_s:.0f} s: no server is listening there, or "
                         "it only accepts clients with keys (a wrong server key, or a client key not in its "

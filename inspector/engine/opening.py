@@ -52,16 +52,22 @@ def open_engine(options: SessionOptions, report: Callable[[BootProgress], None]
 
 
 def boot_engine(options: SessionOptions, path, report: Callable[[BootProgress], None]):
-    """vLLM booted on the model at ``path`` as ``options`` say, reporting loading and compiling."""
+    """vLLM booted on the model at ``path`` as ``options`` say, reporting loading (vLLM's start and
+    the weights), probing (the hook points found) and compiling (or warming up)."""
     from inspector.plugin import worker_extension
 
+    def probing():
+        report(BootProgress("probing", "weights loaded; a probe forward reads the model's blocks"))
+
     def compiling():
-        report(BootProgress("compiling", "weights loaded, hooks installed; "
+        report(BootProgress("compiling", "hooks installed; "
                             + ("compiling the model (the first boot of a model takes longest)"
                                if options.mode == "compiled" else "warming up")))
 
     report(BootProgress("loading", f"loading {path.name} ({options.dtype}, {options.mode})"))
-    worker_extension.on_hooks_installed.append(compiling)
+    listeners = ((worker_extension.on_weights_loaded, probing), (worker_extension.on_hooks_installed, compiling))
+    for listening, listener in listeners:
+        listening.append(listener)
     try:
         return boot_llm(str(path), mode=options.mode, dtype=options.dtype, hook_patterns=tuple(options.hooks),
                         max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
@@ -71,7 +77,8 @@ def boot_engine(options: SessionOptions, path, report: Callable[[BootProgress], 
     except Exception as e:
         raise SessionError(f"could not start the engine on {path}: {_root_cause(e)}") from e
     finally:
-        worker_extension.on_hooks_installed.remove(compiling)
+        for listening, listener in listeners:
+            listening.remove(listener)
 
 
 def _root_cause(e: BaseException) -> str:

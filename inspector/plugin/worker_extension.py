@@ -27,8 +27,9 @@ _ATTR = "_inspector_runtime"
 PROBE_TOKENS = 8  # the boot probe's forward (probe.py)
 logger = logging.getLogger(__name__)
 
-# Called (in-process engines only) once weights are loaded and hooks installed, just before vLLM
-# compiles: the driver uses it to report a "compiling" boot stage.
+# Called (in-process engines only) once weights are loaded, before the hook points are probed, and once
+# hooks are installed, just before vLLM compiles: the driver reports the "probing" and "compiling" stages.
+on_weights_loaded: list = []
 on_hooks_installed: list = []
 
 
@@ -41,6 +42,8 @@ def install_runtime(worker) -> None:
         config = served_config(section, vllm_compat.model_dtype(worker), max_tokens, vllm_compat.is_eager(worker))
     if config is None:
         return
+    for listener in on_weights_loaded:
+        listener()
     if config.eager != vllm_compat.is_eager(worker):
         raise ValueError(f"this engine was asked for the {'eager' if config.eager else 'compiled'} flavour, "
                          f"but vLLM's enforce_eager is {vllm_compat.is_eager(worker)}: something other than the "

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.auth.thread
 
-from inspector.core.protocol import BootProgress, SessionError, SessionOptions
+from inspector.core.protocol import BootProgress, BootTimes, SessionError, SessionOptions
 from inspector.net.keys import ServerKeys, server_keys
 from inspector.net.wire import Message
 
@@ -98,8 +98,11 @@ def serve(options: SessionOptions, listen: str, keys_dir: str | None = None, exi
         signal.signal(sig, lambda *_: stopping.set())
     log(f"[serve] listening on {listen}" + (" (CurveZMQ: clients in the allow-list only)" if keys else ""))
 
+    times = BootTimes()
+
     def progress(p: BootProgress) -> None:
-        log(f"[{p.stage}] {p.message}")
+        took = times.lap(p.stage)
+        log(f"[{p.stage}] {p.message}" + (f" ({took})" if took else ""))
         transport.broadcast(Message("progress", {"stage": p.stage, "message": p.message}))
 
     try:

@@ -43,8 +43,8 @@ from .tasks import TaskRunner
 from .token_strip import TokenStrip
 from .upper_tabs import upper_tabs
 
-STAGE_TEXT = {"resolving": "Resolving model", "loading": "Loading weights", "compiling": "Compiling",
-              "ready": "Ready"}
+STAGE_TEXT = {"starting": "Starting the engine process", "resolving": "Resolving model", "loading": "Starting vLLM",
+              "probing": "Finding hook points", "compiling": "Compiling", "ready": "Ready"}
 SHUTDOWN_TIMEOUT_MS = 180_000
 
 
@@ -388,10 +388,11 @@ class MainWindow(QMainWindow):
         self.prompt.progress.setVisible(state is AppState.GENERATING)
         if state is AppState.BOOTING:
             self.boot_bar.setValue(0)
-            model = c.engine.options.model if c.engine.server else Path(c.engine.options.model).name
-            self.stage_label.setText(f"{STAGE_TEXT['resolving']}: {model}…")
+            doing = (f"Connecting to {c.engine.server[0]}" if c.engine.server else
+                     f"Starting {Path(c.engine.options.model).name}")
+            self.stage_label.setText(f"{doing}…")
             if not self.tree.hook_names():
-                self.tree.summary.setText(f"Starting {model}…")
+                self.tree.summary.setText(f"{doing}…")
         elif state is AppState.RESTARTING:
             self.boot_bar.setValue(BOOT_STAGES.index("compiling"))
             self.stage_label.setText("Restarting with the new hook points…")
@@ -409,13 +410,8 @@ class MainWindow(QMainWindow):
         self.stage_label.setText(f"{STAGE_TEXT.get(progress.stage, progress.stage)}… {progress.message}".strip())
         self._update_clock()
 
-    def session_changed(self, info: SessionInfo | None, restarted: bool) -> None:
+    def session_changed(self, info: SessionInfo, restarted: bool) -> None:
         self.painter.forget_stale()  # now: a message about the new session may follow at once
-        if info is None:
-            self.tree.set_catalogue([], ())
-            self.interventions.set_hooks({})
-            self.patching_view.set_hooks([], {})
-            return
         mode = info.options.mode
         self._update_title()
         self.tree.set_mode(mode)
@@ -514,7 +510,10 @@ class MainWindow(QMainWindow):
         box = QMessageBox(QMessageBox.Icon.Critical, title, text, QMessageBox.StandardButton.Ok, self)
         if details:
             box.setDetailedText(details)
-        self._show_box(box)
+        self.show_box(box)
+
+    def server_unreachable(self, url: str, reason: str) -> None:
+        self.menus.server_unreachable(url, reason)
 
     def ask(self, title: str, text: str, on_yes, details: str = "") -> None:
         box = QMessageBox(QMessageBox.Icon.Question, title, text,
@@ -524,9 +523,9 @@ class MainWindow(QMainWindow):
             box.setDetailedText(details)
         self._answers[box] = on_yes
         box.finished.connect(self._ask_finished)
-        self._show_box(box)
+        self.show_box(box)
 
-    def _show_box(self, box: QMessageBox) -> None:
+    def show_box(self, box: QMessageBox) -> None:
         box.setWindowModality(Qt.WindowModality.WindowModal)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         self.last_dialog = box
@@ -541,16 +540,13 @@ class MainWindow(QMainWindow):
     # ================================================================== window furniture
     def _update_title(self) -> None:
         """The app's name is appended by Qt (the application's display name)."""
-        view, options = self.shown, self.controller.engine.options
+        view = self.shown
         if view.source is RunSource.SERVED:
             self.setWindowTitle(view.label)
         elif view.source is not RunSource.LIVE:
             self.setWindowTitle(Path(view.label).name)
-        elif options is not None:
-            where = f" on {self.controller.engine.server[0]}" if self.controller.engine.server else ""
-            self.setWindowTitle(f"{Path(options.model).name} ({options.mode}){where}")
         else:
-            self.setWindowTitle("")
+            self.setWindowTitle(self.controller.engine.title)
 
     def _server_name(self) -> str:
         return self.controller.engine.server[0] if self.controller.engine.server else ""
@@ -559,9 +555,9 @@ class MainWindow(QMainWindow):
         c = self.controller
         c.engine.check_engine()
         if self.state in (AppState.BOOTING, AppState.RESTARTING) and c.engine.boot_stage:
-            step = BOOT_STAGES.index(c.engine.boot_stage) + 1 if c.engine.boot_stage in BOOT_STAGES else "?"
-            self.status(f"{STAGE_TEXT.get(c.engine.boot_stage, c.engine.boot_stage)} (step {step} of {len(BOOT_STAGES)}) · "
-                        f"{time.perf_counter() - c.engine.boot_started:.0f} s")
+            stage = c.engine.boot_stage
+            step = f" (step {BOOT_STAGES.index(stage) + 1} of {len(BOOT_STAGES)})" if stage in BOOT_STAGES else ""
+            self.status(f"{STAGE_TEXT.get(stage, stage)}{step} · {time.perf_counter() - c.engine.boot_started:.0f} s")
 
     def _capture_hooks(self, hooks: list) -> None:
         """A tab's capture button (Attention, Patching): tick ``hooks`` in the model tree and apply them

@@ -106,6 +106,24 @@ class Menus(QObject):
         dialog = self.sender()
         self.window.connect(dialog.url.text().strip(), dialog.keys)
 
+    def server_unreachable(self, url: str, reason: str) -> None:
+        """Engine ▸ Restart Engine while the server is gone: connect to it again, or choose another."""
+        why = reason if url in reason else f"the server at {url} is unreachable ({reason})"
+        box = QMessageBox(QMessageBox.Icon.Warning, "Server unreachable",
+                          f"Cannot restart the engine: {why}.\n\nEverything captured so far is kept. Reconnect once "
+                          "the server is back, or choose another server.", QMessageBox.StandardButton.Cancel, self.window)
+        box.setDefaultButton(box.addButton("Reconnect", QMessageBox.ButtonRole.AcceptRole))
+        box.addButton("Other Server…", QMessageBox.ButtonRole.ActionRole)
+        box.buttonClicked.connect(self._unreachable_answered)
+        self.window.show_box(box)
+
+    def _unreachable_answered(self, button) -> None:
+        role = self.sender().buttonRole(button)
+        if role is QMessageBox.ButtonRole.AcceptRole:
+            self.window.controller.engine.reconnect()
+        elif role is QMessageBox.ButtonRole.ActionRole:
+            self.connect_dialog()
+
     def attach_sae_dialog(self) -> None:
         path = open_directory(self.window, "Attach SAE (a SAELens directory)")
         if path:

@@ -80,8 +80,11 @@ class ControllerView(Protocol):
 
     def boot_progress(self, progress: BootProgress) -> None: ...
 
-    def session_changed(self, info: SessionInfo | None, restarted: bool) -> None:
-        """A session is ready (``restarted`` False), its hooks changed, or it is gone (None)."""
+    def session_changed(self, info: SessionInfo, restarted: bool) -> None:
+        """A session is ready (``restarted`` False), or its hooks changed."""
+
+    def server_unreachable(self, url: str, reason: str) -> None:
+        """The server's engine is gone: offer to connect to it again (``engine.reconnect``) or to another."""
 
     def shown_changed(self) -> None:
         """Another run is shown, or the list of runs changed."""

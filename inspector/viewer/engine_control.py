@@ -13,7 +13,7 @@ from pathlib import Path
 from inspector import client
 from inspector.core import resources
 from inspector.core.models import DEMO, model_path_problem
-from inspector.core.protocol import BootProgress, SessionFactory, SessionOptions, SessionProtocol
+from inspector.core.protocol import BootProgress, BootTimes, SessionFactory, SessionOptions, SessionProtocol
 from inspector.core.sae import AttachedSae
 from inspector.core.windows import CaptureWindow
 from inspector.net.keys import ClientKeys
@@ -31,12 +31,14 @@ class EngineControl(ControllerPart):
         super().__init__(app)
         self.factory, self.tasks = session_factory, app.engine_tasks
         self.server: tuple[str, ClientKeys | None] | None = None  # connected to a server: (url, keys)
+        self.lost_reason = ""  # why the engine last went away, or could not be reached
         self.state = AppState.NO_MODEL
         self.session: SessionProtocol | None = None
         self.info: SessionInfo | None = None  # of the session, as last described on the engine thread
         self.options: SessionOptions | None = None  # of the model last opened (kept when it fails)
         self.windows: dict[str, CaptureWindow] = {}  # the user's capture windows, by hook (installed or not)
         self.boot_started, self.boot_stage = 0.0, ""
+        self.boot_times = BootTimes()  # of the last boot: the stages' seconds, said when it is ready
 
     def enabled(self, action: Action) -> bool:
         if action is Action.RESTART and self.options is None:
@@ -74,19 +76,29 @@ class EngineControl(ControllerPart):
         """Use the engine of the server at ``url`` (shared with its other clients)."""
         if not self._may_start():
             return False
+        # the same server again: its model, as last described, names the window until it answers
+        known = self.options if self.server is not None and self.server[0] == url else None
         self.server = (url, keys)
 
         def remote(options: SessionOptions, progress) -> SessionProtocol:
             return client.connect(url, progress, keys, retain_rows=False)
 
-        self._start(remote, SessionOptions(model=url, hooks=()), f"Connecting to {url}…")
+        self._start(remote, known or SessionOptions(model=url, hooks=()), f"Connecting to {url}…")
         return True
+
+    def reconnect(self) -> bool:
+        """Connect again to the server last used."""
+        return self.server is not None and self.connect(*self.server)
 
     def reopen(self, mode: str | None = None, hooks=None, **changes) -> None:
         """Open the current model again (Engine ▸ Restart, a mode switch), keeping its other options but
-        ``changes`` (SessionOptions fields); connected to a server, connect again."""
+        ``changes`` (SessionOptions fields). Connected to a server: connect again while it answers; once it
+        is gone the user chooses (a dead address would only be dialled until the connect deadline)."""
         if self.server is not None:
-            self.connect(*self.server)
+            if self.session is not None and self.session.alive:
+                self.connect(*self.server)
+            else:
+                self.view.server_unreachable(self.server[0], self.lost_reason or "it stopped answering")
             return
         o = self.options
         extra = {f.name: getattr(o, f.name) for f in fields(o) if f.name not in ("model", "mode", "hooks")}
@@ -103,7 +115,7 @@ class EngineControl(ControllerPart):
         self.generating.cancel()
         self.experiments.cancel_sweep()
         self.close_session()
-        self.boot_started, self.boot_stage = time.perf_counter(), "resolving"
+        self.boot_started, self.boot_stage, self.boot_times = time.perf_counter(), "resolving", BootTimes()
         self.set_state(AppState.BOOTING)
         self.view.status(status)
         self.tasks.start(jobs.boot, factory, options, on_partial=self._boot_progress, on_done=self._booted,
@@ -113,12 +125,13 @@ class EngineControl(ControllerPart):
         """Notice an engine that went away while idle (a server stopped, its process was killed)."""
         if self.state is AppState.READY and self.session is not None and not self.session.alive:
             self.set_state(AppState.DEAD)
-            reason = getattr(self.session, "lost", None) or "it stopped answering"
+            reason = self.lost_reason = getattr(self.session, "lost", None) or "it stopped answering"
             self.view.error(f"The engine is gone: {reason}.\n\nEverything captured so far is kept. "
                             "Engine ▸ Restart Engine starts it again.", title="Engine")
 
     def _boot_progress(self, progress: BootProgress) -> None:
         self.boot_stage = progress.stage
+        self.boot_times.lap(progress.stage)
         self.view.boot_progress(progress)
 
     def _booted(self, result: tuple[SessionProtocol, SessionInfo]) -> None:
@@ -135,18 +148,36 @@ class EngineControl(ControllerPart):
         refused = self.info.metadata.get("refused_kinds") or {}
         # kinds the model's blocks have no point of: the user should know before looking for them
         missing = f"; not offered: {', '.join(sorted(refused))} (the ready label's tooltip says why)" if refused else ""
-        self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s: {self.options.model}"
-                         f"{missing}", 20000 if missing else 8000)
+        stages = self.boot_times.summary()
+        self.view.status(f"Model ready in {time.perf_counter() - self.boot_started:.0f} s"
+                         f"{f' ({stages})' if stages else ''}: {self.options.model}{missing}", 20000 if missing else 8000)
         self.generating.reapply_interventions("opening the model")
         self.send_windows()
 
     def _boot_failed(self, exc: BaseException) -> None:
+        """The views keep the last engine's hook points (the tree, the interventions' names) until
+        another engine replaces them."""
         self.session = self.info = None
+        self.lost_reason = describe_exception(exc, "connecting" if self.server else "opening the model")
         self.set_state(AppState.NO_MODEL)
-        self.view.session_changed(None, restarted=False)
+        if self.server is not None:
+            self.view.status("Connecting failed; Engine ▸ Restart Engine tries again (File ▸ Connect to Server…: "
+                             "another one).")
+            self.view.error(f"Could not connect to the server at {self.server[0]}.\n\n{self.lost_reason}",
+                            details_of(exc), title="Connect to Server")
+            return
         self.view.status("Opening the model failed; open another one (File ▸ Open Model…).")
-        self.view.error(f"Could not open the model.\n\n{describe_exception(exc, 'opening the model')}",
-                        details_of(exc), title="Open Model")
+        self.view.error(f"Could not open the model.\n\n{self.lost_reason}", details_of(exc), title="Open Model")
+
+    @property
+    def title(self) -> str:
+        """What the window's title says of the engine: its model and mode, and the server's address once."""
+        if self.options is None:
+            return ""
+        url = self.server[0] if self.server is not None else None
+        if self.options.model == url:  # connecting: the server has not said which model it runs
+            return url
+        return f"{Path(self.options.model).name} ({self.options.mode})" + (f" on {url}" if url else "")
 
     def close_session(self) -> None:
         session, self.session = self.session, None
