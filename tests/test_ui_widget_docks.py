@@ -113,6 +113,29 @@ def test_tree_apply_and_modes(tree, qtbot):
 # ------------------------------------------------------------------ interventions
 
 
+class ShownStub:
+    """The window's side of the dock (``DockContext``), set by each test: the request on show, the token
+    strip's selection, and a run whose rows steering vectors come from."""
+
+    def __init__(self):
+        self.request, self.selection, self.view = "req1", (None, ()), None
+
+    def current_request(self):
+        return self.request
+
+    def current_hook(self):
+        return None
+
+    def strip_selection(self):
+        return self.selection
+
+    def steering_vector(self, hook, a, b):
+        return self.view.steering_vector(hook, a, b)
+
+    def captured_hooks(self):
+        return self.view.hooks_for(None) if self.view is not None else []
+
+
 @pytest.fixture
 def panel(qtbot, ui_settings):
     from inspector.ui.interventions_dock import InterventionsPanel
@@ -123,7 +146,7 @@ def panel(qtbot, ui_settings):
     cat = llama_catalogue(hidden=8, intermediate=16)
     p.set_hooks({h.name: h for h in cat if h.kind in ("resid_post", "mlp_out")})
     p.set_requests(["req0", "req1"])
-    p.current_request = lambda: "req1"
+    p.context = ShownStub()
     return p
 
 
@@ -146,7 +169,7 @@ def test_interventions_edit_emits_interventions(panel, qtbot):
     assert panel.edit(row, "Positions", "3-5, 8") and panel.edit(row, "Scope", "positions")
     iv = panel.interventions()[0]
     assert iv.positions == (3, 4, 5, 8) and iv.request_id is None
-    panel.strip_selection = lambda: ("req1", (6, 7))  # a new row takes positions from the token strip
+    panel.context.selection = ("req1", (6, 7))  # a new row takes positions from the token strip
     row2 = panel.add_row(H0, bias="0.5")
     assert panel.edit(row2, "Scope", "request+positions")
     assert panel.interventions()[1].positions == (6, 7) and panel.interventions()[1].request_id == "req1"
@@ -209,9 +232,8 @@ def test_steering_dialog_computes_mean_difference(panel, qtbot):
 
     run = make_run(n_tokens=(12, 9), width=8)
     view = RunView(run, RunSource.FILE, "x.h5")
-    panel.compute_steering = view.steering_vector
-    panel.captured_hooks = lambda: view.hooks_for(None)
-    panel.strip_selection = lambda: ("req1", (2, 3))
+    panel.context.view = view
+    panel.context.selection = ("req1", (2, 3))
     dialog = panel.open_steering_dialog()
     assert dialog is not None
     dialog.hook_box.setCurrentIndex(dialog.hook_box.findData(H0))

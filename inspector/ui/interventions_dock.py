@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt, Signal
@@ -230,6 +230,40 @@ class ChoiceDelegate(QStyledItemDelegate):
         model.setData(index, editor.currentData(), Qt.ItemDataRole.EditRole)
 
 
+class DockContext(Protocol):
+    """What the dock asks of the window it sits in: the request and hook on show, the token strip's
+    selection, a steering vector from the run on show, and the hook points that run captured."""
+
+    def current_request(self) -> str | None: ...
+
+    def current_hook(self) -> str | None: ...
+
+    def strip_selection(self) -> tuple[str | None, tuple[int, ...]]: ...
+
+    def steering_vector(self, hook: str, a, b) -> np.ndarray: ...
+
+    def captured_hooks(self) -> list[HookPoint]: ...
+
+
+class NoContext:
+    """A dock in no window: nothing on show, nothing captured (so no steering vector to compute)."""
+
+    def current_request(self) -> None:
+        return None
+
+    def current_hook(self) -> None:
+        return None
+
+    def strip_selection(self) -> tuple[None, tuple]:
+        return None, ()
+
+    def steering_vector(self, hook: str, a, b):
+        raise RuntimeError("no run on show")
+
+    def captured_hooks(self) -> list[HookPoint]:
+        return []
+
+
 class InterventionsPanel(QWidget):
     interventionsChanged = Signal(list)  # list[Intervention] of enabled rows
 
@@ -238,11 +272,7 @@ class InterventionsPanel(QWidget):
         self.model = InterventionTableModel(self)
         self._accepted: list[InterventionRow] = []
         self._request_ids: list[str] = []
-        self.current_request: Callable[[], str | None] = lambda: None
-        self.current_hook: Callable[[], str | None] = lambda: None
-        self.strip_selection: Callable[[], tuple[str | None, tuple[int, ...]]] = lambda: (None, ())
-        self.compute_steering: Callable | None = None
-        self.captured_hooks: Callable[[], list[HookPoint]] = lambda: list(self.model.hooks.values())
+        self.context: DockContext = NoContext()  # the window sets its own
 
         self.table = QTableView()
         self.table.setModel(self.model)
@@ -304,8 +334,8 @@ class InterventionsPanel(QWidget):
         self.scale_file.clicked.connect(self._scale_file_clicked)
         self.bias_file.clicked.connect(self._bias_file_clicked)
         self.steer_button.clicked.connect(self.open_steering_dialog)
-        self.model.default_positions = lambda: self.strip_selection()[1]
-        self.model.default_request = lambda: self.current_request()
+        self.model.default_positions = lambda: self.context.strip_selection()[1]
+        self.model.default_request = lambda: self.context.current_request()
         self.model.rejected.connect(self.show_message)
         self.table.selectionModel().selectionChanged.connect(self._show_details)
         self.model.dataChanged.connect(self._show_details)
@@ -348,10 +378,10 @@ class InterventionsPanel(QWidget):
 
     # ---- actions ----
     def add_row(self, hook: str | None = None, **fields) -> int:
-        hook = hook or self.current_hook() or next(iter(self.model.hooks), "")
+        hook = hook or self.context.current_hook() or next(iter(self.model.hooks), "")
         if self.model.hooks and hook not in self.model.hooks:
             hook = next(iter(self.model.hooks))
-        row = InterventionRow(hook=hook, request_id=self.current_request())
+        row = InterventionRow(hook=hook, request_id=self.context.current_request())
         for name, value in fields.items():
             try:
                 row = row.with_field(name, value, self.model.width_of(row.hook))
@@ -440,12 +470,12 @@ class InterventionsPanel(QWidget):
         return ok
 
     def open_steering_dialog(self) -> SteeringDialog | None:
-        hooks = self.captured_hooks()
-        if not hooks or self.compute_steering is None or not self._request_ids:
+        hooks = self.context.captured_hooks()
+        if not hooks or not self._request_ids:
             self.show_message("Generate (or open a capture) first: a steering vector is computed from captured rows.")
             return None
-        dialog = SteeringDialog(hooks, self._request_ids, self.compute_steering, self.strip_selection,
-                                default_hook=self.current_hook(), parent=self)
+        dialog = SteeringDialog(hooks, self._request_ids, self.context.steering_vector, self.context.strip_selection,
+                                default_hook=self.context.current_hook(), parent=self)
         dialog.finished.connect(self._steering_finished)
         dialog.open()
         return dialog

@@ -42,6 +42,7 @@ from .summary_view import SummaryView
 from .tasks import TaskRunner
 from .token_strip import TokenStrip
 from .upper_tabs import upper_tabs
+from .window_context import ShownRunContext
 
 STAGE_TEXT = {"starting": "Starting the engine process", "resolving": "Resolving model", "loading": "Starting vLLM",
               "probing": "Finding hook points", "compiling": "Compiling", "ready": "Ready"}
@@ -186,11 +187,7 @@ class MainWindow(QMainWindow):
         self.tree.modeChangeRequested.connect(self.change_mode)
         self.tree.hookActivated.connect(self._tree_hook_activated)
         self.interventions.interventionsChanged.connect(self._interventions_edited)
-        self.interventions.current_request = lambda: self.shown.selection.request
-        self.interventions.current_hook = lambda: self.shown.selection.hook
-        self.interventions.strip_selection = lambda: (self.shown.selection.request, self.strip.selected_positions())
-        self.interventions.compute_steering = lambda hook, a, b: self.shown.steering_vector(hook, a, b)
-        self.interventions.captured_hooks = lambda: self.shown.hooks_for(None)
+        self.interventions.context = ShownRunContext(self)
         self.live_button.clicked.connect(self.show_live)
 
     def _restore_settings(self) -> None:
