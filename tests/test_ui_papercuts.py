@@ -141,11 +141,9 @@ def test_the_request_list_marks_twins_and_patched_runs(qtbot, ui_settings):
     assert box.itemData(i, Qt.ItemDataRole.ToolTipRole).startswith("Patched run: ") and "position 1" in box.toolTip()
 
 
-@pytest.mark.parametrize("architecture, room, reason", [("topk", 2, "top-k SAE"),
-                                                        ("standard", 0, "booted without room for feature clamps")])
-def test_clamp_to_is_greyed_out_with_the_reason_where_the_engine_would_refuse_it(qtbot, ui_settings, tmp_path,
-                                                                                  architecture, room, reason):
-    path = write_sae(tmp_path / "sae", architecture, 128, 512, "blocks.1.hook_resid_post", k=8)
+def features_tab_with_an_sae(qtbot, path, room: int):
+    """The Features tab after a run, with the SAE at ``path`` attached to an engine booted with ``room``
+    feature clamps a hook."""
     w = make_window(qtbot, boot=False)
     w.settings.feature_clamps = room
     w.open_model("demo", mode="compiled", retain_rows=True)
@@ -155,7 +153,15 @@ def test_clamp_to_is_greyed_out_with_the_reason_where_the_engine_would_refuse_it
     generate(qtbot, w)
     w.tabs.setCurrentWidget(w.features_view)
     w.refresh()
-    view = w.features_view
+    return w.features_view
+
+
+@pytest.mark.parametrize("architecture, room, reason", [("topk", 2, "top-k SAE"),
+                                                        ("standard", 0, "booted without room for feature clamps")])
+def test_clamp_to_is_greyed_out_with_the_reason_where_the_engine_would_refuse_it(qtbot, ui_settings, tmp_path,
+                                                                                  architecture, room, reason):
+    view = features_tab_with_an_sae(qtbot, write_sae(tmp_path / "sae", architecture, 128, 512,
+                                                     "blocks.1.hook_resid_post", k=8), room)
     clamp = view.steer_how.model().item(view.steer_how.findData("clamp"))
     assert not clamp.isEnabled() and reason in clamp.toolTip()
     assert view.clamp_note.isVisible() and reason in view.clamp_note.toolTip()
@@ -163,17 +169,8 @@ def test_clamp_to_is_greyed_out_with_the_reason_where_the_engine_would_refuse_it
 
 
 def test_clamp_to_is_offered_where_the_engine_can_clamp(qtbot, ui_settings, tmp_path):
-    path = write_sae(tmp_path / "sae", "standard", 128, 512, "blocks.1.hook_resid_post")
-    w = make_window(qtbot, boot=False)
-    w.settings.feature_clamps = 2
-    w.open_model("demo", mode="compiled", retain_rows=True)
-    wait_state(qtbot, w, "ready")
-    assert w.attach_sae(str(path))
-    qtbot.waitUntil(lambda: "sae" in w.controller.engine.info.saes, timeout=5000)
-    generate(qtbot, w)
-    w.tabs.setCurrentWidget(w.features_view)
-    w.refresh()
-    view = w.features_view
+    view = features_tab_with_an_sae(qtbot, write_sae(tmp_path / "sae", "standard", 128, 512,
+                                                     "blocks.1.hook_resid_post"), room=2)
     assert view.steer_how.model().item(view.steer_how.findData("clamp")).isEnabled()
     assert not view.clamp_note.isVisible()
 
