@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     srv = sub.add_parser("serve", help="serve an engine to clients (the app, capture, scripts) over ZeroMQ",
                          description="Boot one engine and serve it until SIGINT/SIGTERM. Requests of all clients "
                                      "run in one continuous batch; each client's interventions apply to its own "
-                                     "requests. See docs/protocol.md and the README's 'Use a GPU server'.")
+                                     "requests. See docs/protocol.md and docs/serving.md ('Use a GPU server').")
     add_engine_options(srv)
     srv.add_argument("--listen", default="tcp://127.0.0.1:5557",
                      help="tcp://HOST:PORT or ipc://PATH (default: loopback; any other address needs --keys)")

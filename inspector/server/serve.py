@@ -43,7 +43,7 @@ def check_listen(url: str, keys: ServerKeys | None) -> None:
         raise ValueError(f"refusing to listen on {parts.hostname} without CurveZMQ keys: anyone who can reach it "
                          "could read the captures and drive the engine. Make keys (inspector serve --keygen DIR, "
                          "then --keygen DIR --client NAME) and pass --keys DIR, or listen on 127.0.0.1 and "
-                         "reach it through an SSH tunnel (README: Use a GPU server).")
+                         "reach it through an SSH tunnel (docs/serving.md: Use a GPU server).")
 
 
 def _loopback(host: str) -> bool:

@@ -27,7 +27,7 @@ class ConnectDialog(QDialog):
         form.addRow("Your key pair", self._with_browse(self.client_key, "Your key pair (NAME.key_secret)"))
         form.addRow("Server's key", self._with_browse(self.server_key, "The server's public key (server.key)"))
         form.addRow(QLabel("A server on another machine: reach it through an SSH tunnel to its 127.0.0.1 port, "
-                           "or with the key files its owner made (README: Use a GPU server).", wordWrap=True))
+                           "or with the key files its owner made (docs/serving.md: Use a GPU server).", wordWrap=True))
         form.addRow(self.problem)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self._accept)
