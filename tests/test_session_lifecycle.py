@@ -3,6 +3,7 @@ models, live hook changes, a failure (against the fake too: part of the session 
 model names resolve. One in-process engine at a time: each test closes what it opens."""
 
 import shutil
+from dataclasses import replace
 import signal
 import time
 
@@ -70,6 +71,23 @@ def test_boot_stages_say_what_runs_and_the_hook_probe_compiles_nothing(tiny_mode
     assert [stage for stage, _ in seen] == list(BOOT_STAGES)
     frames = dict(seen)
     assert frames["compiling"] == frames["probing"], "the probe forward compiled something"
+
+
+def test_a_model_shorter_than_the_default_context_boots_with_its_own(tiny_models, tmp_path):
+    """A checkpoint whose config allows 128 positions, opened with the default 1024-token context, boots
+    with 128 and says so (vLLM refuses a context longer than the model's)."""
+    import json
+
+    model = tmp_path / "short"
+    shutil.copytree(tiny_models["llama"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    said = []
+    with Session.open(replace(options(model), max_model_len=1024), lambda p: said.append(p.message)) as session:
+        assert session.options.max_model_len == 128
+        assert session._llm.llm_engine.model_config.max_model_len == 128
+        list(session.generate(["def f():"], Sampling(max_tokens=2)))
+    assert any("reads at most 128 tokens: the context is 128, not 1024" in text for text in said)
 
 
 @pytest.mark.parametrize("kind", ["real", "fake", "remote"])

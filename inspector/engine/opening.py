@@ -4,6 +4,7 @@ that says what went wrong and what to do; ``Session`` itself starts from an engi
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -19,9 +20,10 @@ from .boot import boot_llm, shutdown_llm
 
 
 def open_engine(options: SessionOptions, report: Callable[[BootProgress], None]
-                ) -> tuple[object, Path, list[HookPoint], dict[str, HookPoint], str, dict[str, str]]:
-    """(the ``LLM``, the model's path, and ``describe_engine``'s catalogue, installed points, block family
-    and refused kinds) of an engine booted for ``options``, its hooks and windows checked."""
+                ) -> tuple[SessionOptions, object, Path, list[HookPoint], dict[str, HookPoint], str, dict[str, str]]:
+    """(``options`` with the context the model allows, the ``LLM``, the model's path, and
+    ``describe_engine``'s catalogue, installed points, block family and refused kinds) of an engine booted
+    for ``options``, its hooks and windows checked."""
     if options.mode not in MODES:
         raise SessionError(f"engine mode must be one of {MODES}, got {options.mode!r}")
     report(BootProgress("resolving", f"resolving model {options.model}"))
@@ -29,6 +31,7 @@ def open_engine(options: SessionOptions, report: Callable[[BootProgress], None]
         path = resolve_model(options.model)
     except ValueError as e:
         raise SessionError(str(e)) from None
+    options = fitted_context(options, path, report)
     llm = boot_engine(options, path, report)
     try:
         catalogue, installed, family, refused = describe_engine(llm)
@@ -48,7 +51,33 @@ def open_engine(options: SessionOptions, report: Callable[[BootProgress], None]
         shutdown_llm(llm)
         raise SessionError(str(e)) from None
     report(BootProgress("ready", f"{path.name} ready ({options.mode}, {len(installed)} hooks)"))
-    return llm, path, catalogue, installed, family, refused
+    return options, llm, path, catalogue, installed, family, refused
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                 "max_seq_length", "seq_len")  # where configs name their longest context (vLLM reads these)
+
+
+def context_limit(path: Path) -> int | None:
+    """The longest context the config of the model at ``path`` names, or None where it names none."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    found = [int(text[k]) for k in POSITION_KEYS if isinstance(text.get(k), (int, float)) and text[k] > 0]
+    return min(found) if found else None
+
+
+def fitted_context(options: SessionOptions, path: Path, report: Callable[[BootProgress], None]) -> SessionOptions:
+    """``options`` with a context no longer than the model's own (a default of 1024 tokens would stop
+    a model of 512 from booting at all), saying so when it is shortened."""
+    longest = context_limit(path)
+    if longest is None or options.max_model_len <= longest:
+        return options
+    report(BootProgress("resolving", f"{path.name} reads at most {longest} tokens: the context is {longest}, "
+                                     f"not {options.max_model_len}"))
+    return replace(options, max_model_len=longest)
 
 
 def boot_engine(options: SessionOptions, path, report: Callable[[BootProgress], None]):

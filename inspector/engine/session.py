@@ -89,7 +89,7 @@ class Session(SessionBase, HeldInterventions, ModelHead, Experiments):
 
     @classmethod
     def open(cls, options: SessionOptions, progress: Callable[[BootProgress], None] | None = None) -> "Session":
-        return cls(options, *open_engine(options, progress or (lambda p: None)))
+        return cls(*open_engine(options, progress or (lambda p: None)))  # the options with the model's context
 
     def close(self) -> None:
         if self._llm is not None:
