@@ -90,6 +90,19 @@ def test_a_model_shorter_than_the_default_context_boots_with_its_own(tiny_models
     assert any("reads at most 128 tokens: the context is 128, not 1024" in text for text in said)
 
 
+def test_an_encoder_checkpoint_is_refused_as_one(tiny_models, tmp_path):
+    """A BERT checkpoint (vLLM runs it as an embedding model) is refused in words a user can act on."""
+    from transformers import BertConfig, BertModel
+
+    model = tmp_path / "bert"
+    BertModel(BertConfig(vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=256, max_position_embeddings=256)).save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_models["llama"] / name, model / name)
+    with pytest.raises(SessionError, match="BertEmbeddingModel, a pooling or embedding model that predicts no tokens"):
+        Session.open(options(model, max_num_batched_tokens=256))  # vLLM's pooling runner takes whole prompts
+
+
 @pytest.mark.parametrize("kind", ["real", "fake", "remote"])
 def test_a_failure_is_a_session_error_that_keeps_the_run(tiny_models, kind, monkeypatch):
     """A failed engine (or a killed server) is dead, its run intact, and it says to start again."""

@@ -124,6 +124,12 @@ def model_of(worker) -> torch.nn.Module:
     return worker.model_runner.get_model()
 
 
+def generates_tokens(model: torch.nn.Module) -> bool:
+    """Whether vLLM runs ``model`` as a text generator: its pooling and embedding models (an encoder such
+    as BERT) compute no next-token logits."""
+    return callable(getattr(model, "compute_logits", None))
+
+
 def device_of(worker) -> torch.device:
     return worker.model_runner.device
 

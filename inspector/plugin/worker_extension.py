@@ -54,6 +54,10 @@ def install_runtime(worker) -> None:
         raise ValueError(f"the inspector cannot capture under {unsupported}; use tensor or pipeline "
                          "parallelism (tensor_parallel_size, pipeline_parallel_size)")
     model = vllm_compat.model_of(worker)
+    if not vllm_compat.generates_tokens(model):
+        raise RuntimeError(f"vLLM runs this model as {type(model).__name__}, a pooling or embedding model that "
+                           "predicts no tokens: the inspector reads models that generate text (checkpoints whose "
+                           "architecture is a ...ForCausalLM or ...ForConditionalGeneration)")
     vllm_compat.run_hooks_on_forward_calls(model)
     hidden, max_model_len, max_tokens = vllm_compat.model_sizes(worker)
     started = time.perf_counter()
