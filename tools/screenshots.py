@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="demo")
     p.add_argument("--out", default="docs/screenshots")
-    p.add_argument("--size", default="1500x940")
+    p.add_argument("--size", default="1440x900", help="the window's size (default: the app's own default window)")
     p.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS, help="make only these groups of shots")
     args = p.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -101,7 +101,7 @@ def shoot_main(model: str, out: Path, w: int, h: int, pump, app) -> int:
 
     hooks = ["blocks.*.hook_resid_post", "blocks.*.hook_mlp_out"]
     win.open_model(model, mode="compiled", hooks=hooks)
-    pump(lambda: win.controller.boot_stage == "compiling" or win.state.value != "booting", 300)
+    pump(lambda: win.controller.engine.boot_stage == "compiling" or win.state.value != "booting", 300)
     pump(lambda: False, 1.5)
     shot("booting.png")
     pump(lambda: win.state.value != "booting")
@@ -112,21 +112,21 @@ def shoot_main(model: str, out: Path, w: int, h: int, pump, app) -> int:
     win.prompt.max_tokens.setValue(160)
     win.prompt.ignore_eos.setChecked(True)
     win.generate()
-    pump(lambda: win.controller.generation.tokens >= 150 or win.state.value != "generating")
+    pump(lambda: win.controller.generating.progress.tokens >= 150 or win.state.value != "generating")
     win.lower_tabs.setCurrentWidget(win.strip)
     shot("generating.png")
     pump(lambda: win.state.value != "generating")
-    live = win.controller.live
+    live = win.controller.runs.live
     rid = live.request_ids()[0]
     win.select_request(rid)
-    hook = next(h.name for h in win.controller.info.catalogue if h.alias == "blocks.1.hook_resid_post")
+    hook = next(h.name for h in win.controller.engine.info.catalogue if h.alias == "blocks.1.hook_resid_post")
     win.select_hook(hook)
     n = len(live.request(rid).prompt_token_ids)
     vec, _, _ = live.steering_vector(hook, [(rid, tuple(range(n, n + 8)))], [(rid, tuple(range(0, n)))])
     panel = win.interventions
     row = panel.add_row(hook)
     panel.set_vector(row, "bias", 4 * vec, f"steer 4×(mean {rid}[{n}-{n + 7}] − mean {rid}[0-{n - 1}])")
-    mlp = next(h.name for h in win.controller.info.catalogue if h.alias == "blocks.0.hook_mlp_out")
+    mlp = next(h.name for h in win.controller.engine.info.catalogue if h.alias == "blocks.0.hook_mlp_out")
     row2 = panel.add_row(mlp, scale="0.5")
     panel.edit(row2, "Positions", "12-40")
     panel.edit(row2, "Scope", "positions")
@@ -134,7 +134,7 @@ def shoot_main(model: str, out: Path, w: int, h: int, pump, app) -> int:
     win.prompt.prompts.setPlainText("def fibonacci(n):")
     win.prompt.max_tokens.setValue(10)
     win.generate()
-    pump(lambda: win.controller.generation.tokens >= 4)
+    pump(lambda: win.controller.generating.progress.tokens >= 4)
     panel.edit(row2, "Scale", "0.25")  # an edit mid-generation: applies from the next forward
     pump(lambda: win.state.value != "generating")
     win.prompt.max_tokens.setValue(60)
@@ -150,7 +150,7 @@ def shoot_main(model: str, out: Path, w: int, h: int, pump, app) -> int:
     win.tabs.setCurrentWidget(win.heatmap)
     path = Path(tempfile.mkdtemp()) / "capture.h5"
     win.export(str(path))
-    pump(lambda: not win.controller.exporting, 120)
+    pump(lambda: not win.controller.runs.exporting, 120)
     win.close()
 
     win = MainWindow(start_local_server)  # a fresh window with no engine: File > Open Capture
@@ -268,7 +268,7 @@ def shoot_windows(model: str, out: Path, w: int, h: int, pump, app) -> None:
     win.show()
     win.open_model(model, mode="compiled", hooks=["blocks.*.hook_resid_post"])
     pump(lambda: win.state.value != "booting", 300)
-    names = {h.alias: h.name for h in win.controller.info.catalogue}
+    names = {h.alias: h.name for h in win.controller.engine.info.catalogue}
     win.tree.set_window(names["blocks.1.hook_resid_post"], "every:4")
     win.tree.set_window(names["blocks.2.hook_resid_post"], "generated")
     win.tree.filter_box.setText("resid_post")
@@ -349,7 +349,7 @@ def shoot_features(model: str, out: Path, w: int, h: int, pump, app) -> None:
     win.open_model(model, mode="compiled", hooks=["blocks.*.hook_resid_post"])
     pump(lambda: win.state.value != "booting", 300)
     win.attach_demo_sae()
-    pump(lambda: bool(win.controller.info.saes), 120)
+    pump(lambda: bool(win.controller.engine.info.saes), 120)
     win.tabs.setCurrentWidget(win.features_view)
     win.prompt.prompts.setPlainText("def read_config(path):\n    with open(path) as f:\n        return")
     win.prompt.max_tokens.setValue(16)
@@ -411,13 +411,13 @@ def shoot_compare(model: str, out: Path, w: int, h: int, pump, app) -> None:
     win.prompt.max_tokens.setValue(1)
     win.generate()
     pump(lambda: win.state.value != "generating")
-    live = win.controller.live
+    live = win.controller.runs.live
     comment, code = live.request_ids()
-    alias = {p.alias: p.name for p in win.controller.info.catalogue}
+    alias = {p.alias: p.name for p in win.controller.engine.info.catalogue}
     hook = alias["blocks.2.hook_resid_post"]
     vec, _, _ = live.steering_vector(hook, [(comment, tuple(range(len(live.request(comment).prompt_token_ids))))],
                                      [(code, tuple(range(len(live.request(code).prompt_token_ids))))])
-    win.controller.new_run()  # File > New Run: the comparison alone in the run
+    win.controller.runs.new_run()  # File > New Run: the comparison alone in the run
     win.last_dialog.button(QMessageBox.StandardButton.Yes).click()
     panel = win.interventions
     row = panel.add_row(hook)
