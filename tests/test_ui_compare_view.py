@@ -14,7 +14,7 @@ from inspector.io import read_run
 from inspector.ui.compare_view import TwinText
 from inspector.viewer.compare import NO_TWINS
 from inspector.viewer.labels import display_token
-from ui_fixtures import fail_on_qt_warnings, keep, make_window, ui_settings, wait_state  # noqa: F401
+from ui_fixtures import fail_on_qt_warnings, keep, make_window, run_prompts, ui_settings, wait_state  # noqa: F401
 
 HOOK = "model.layers.0.resid_post"
 STEER = Intervention(HOOK, scale=0.5, bias=0.25)
@@ -25,12 +25,7 @@ def session(w):
 
 
 def compare(qtbot, w, prompts="the cat sat\nhello", max_tokens=8, wait=True):
-    w.prompt.prompts.setPlainText(prompts)
-    w.prompt.max_tokens.setValue(max_tokens)
-    w.prompt.compare.setChecked(True)
-    assert w.generate()
-    if wait:
-        wait_state(qtbot, w, "ready")
+    run_prompts(qtbot, w, prompts, max_tokens, compare=True, wait=wait)
 
 
 def steer(w):

@@ -19,17 +19,9 @@ from inspector.viewer.lens import NEXT_RANK
 from sae_files import write_sae
 from test_ui_patching_view import patching_window, run_sweep
 from ui_fixtures import fail_on_qt_warnings, make_window, ui_settings, wait_state  # noqa: F401
+from ui_fixtures import run_prompts as generate
 
 L0, L1 = "model.layers.0.resid_post", "model.layers.1.resid_post"
-
-
-def generate(qtbot, w, prompts="the cat sat", max_tokens=6, compare=False, wait=True):
-    w.prompt.prompts.setPlainText(prompts)
-    w.prompt.max_tokens.setValue(max_tokens)
-    w.prompt.compare.setChecked(compare)
-    assert w.generate()
-    if wait:
-        wait_state(qtbot, w, "ready")
 
 
 def steer(w, hook=L0):

@@ -108,6 +108,16 @@ def keep(qtbot, widget):
     return widget
 
 
+def run_prompts(qtbot, w, prompts="the cat sat", max_tokens=6, compare=False, wait=True):
+    """Generate ``prompts`` in the window as a user would (typed, Compare set), waiting for the end."""
+    w.prompt.prompts.setPlainText(prompts)
+    w.prompt.max_tokens.setValue(max_tokens)
+    w.prompt.compare.setChecked(compare)
+    assert w.generate()
+    if wait:
+        wait_state(qtbot, w, "ready")
+
+
 def wait_state(qtbot, window, state: str, timeout=10000):
     """Wait until the window's controller is in ``state`` (an AppState's value, e.g. "ready")."""
     qtbot.waitUntil(lambda: window.state.value == state, timeout=timeout)

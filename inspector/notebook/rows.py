@@ -27,7 +27,7 @@ class DeviceRows:
         self.written: torch.Tensor | None = None
         self._true: torch.Tensor | None = None
         self._stacked: dict[int, torch.Tensor] = {}  # stack's place -> its wanted hooks' [hooks, batch, capacity, width]
-        self._chosen: dict[int, torch.Tensor] = {}  # stack's place -> which of its hooks are wanted (some, not all)
+        self._chosen: dict[int, tuple] = {}  # stack's place -> (its hooks, the wanted ones, their index or None)
 
     def __call__(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray, stacks: list) -> None:
         requests = np.repeat([self.request_index.get(rid, -1) for rid in req_ids], np.diff(query_start_loc))
@@ -36,11 +36,10 @@ class DeviceRows:
             return
         device = stacks[0][1].device
         every = bool(ours.all())
-        where = np.stack([requests[ours], positions[ours]]).astype(np.int64)  # uploaded once, not waited for
-        where = torch.from_numpy(where)
+        # where each row goes (prompt, position) and which rows are ours: one upload, not waited for
+        where = torch.from_numpy(np.stack([requests[ours], positions[ours], np.flatnonzero(ours)]).astype(np.int64))
         where = where.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else where
-        b, p = where[0], where[1]
-        rows = None if every else torch.from_numpy(np.flatnonzero(ours)).to(device)
+        b, p, rows = where[0], where[1], where[2]
         if self.written is None:
             with torch.inference_mode(False):  # the cache's tensors are the user's, to edit as they like
                 self.written = torch.zeros((self.batch, self.capacity), dtype=torch.bool, device=device)
@@ -48,18 +47,23 @@ class DeviceRows:
         # a value already on the device: a host ``True`` would be copied there, waiting for the forward
         self.written.index_put_((b, p), self._true)  # written in inference mode, they stay ordinary tensors
         for place, (names, tensor) in enumerate(stacks):
-            chosen = [h for h, name in enumerate(names) if name in self.wanted]
+            chosen, index = self._chosen_of(place, names, device)
             if not chosen:
                 continue
-            if len(chosen) < len(names):
-                tensor = tensor.index_select(0, self._index(place, chosen, device))
+            if index is not None:
+                tensor = tensor.index_select(0, index)
             tensor = tensor if every else tensor.index_select(1, rows)
-            self._stack(place, [names[h] for h in chosen], tensor)[:, b, p] = tensor
+            self._stack(place, chosen, tensor)[:, b, p] = tensor
 
-    def _index(self, place: int, chosen: list[int], device) -> torch.Tensor:
-        if place not in self._chosen:
-            self._chosen[place] = torch.tensor(chosen, device=device)
-        return self._chosen[place]
+    def _chosen_of(self, place: int, names, device) -> tuple[list[str], torch.Tensor | None]:
+        """The wanted hooks of a stack, and where only some are, their index in it (worked out once a
+        stack's hooks, not each forward)."""
+        known = self._chosen.get(place)
+        if known is None or known[0] != tuple(names):
+            chosen = [h for h, name in enumerate(names) if name in self.wanted]
+            index = torch.tensor(chosen, device=device) if 0 < len(chosen) < len(names) else None
+            self._chosen[place] = known = (tuple(names), [names[h] for h in chosen], index)
+        return known[1], known[2]
 
     def _stack(self, place: int, names: list[str], tensor: torch.Tensor) -> torch.Tensor:
         """The wanted hooks of a stack: one [hooks, batch, capacity, width] tensor, each hook's a view."""
