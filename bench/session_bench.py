@@ -23,6 +23,9 @@ the event. On a small machine,
 ``py-spy record --format raw --subprocesses --idle --threads -o F -- python3 bench/session_bench.py``
 works too (on the H200 it fell minutes behind): each run's stacks pass through a frame named
 ``<consumer>_b<batch>`` (``<consumer>first_b<batch>`` for the first), and ``bench/stacks.py F`` sums them.
+``--profile DIR`` runs each in-process consumer once more at each batch under torch's profiler (the CUDA
+calls that wait: ``cudaStreamSynchronize``, ``cudaEventSynchronize``, ``cudaHostAlloc``) and once under
+``cProfile`` (the Python of a step, the engine's included), and writes their tables to DIR.
 """
 
 from __future__ import annotations
@@ -120,6 +123,34 @@ def time_parts(session) -> None:
     count_seconds(type(session), "_event", "event and fold")
 
 
+def profiled(run, texts: list[str], new_tokens: int, out: Path, name: str) -> None:
+    """``run`` once under torch's profiler and once under cProfile; their tables go to ``out``, the top of
+    each to the terminal."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        run(texts, new_tokens)
+    table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+    (out / f"torch-{name}.txt").write_text(table)
+    print(f"torch profiler, {name} (self CPU time):\n" + "\n".join(table.splitlines()[:18]), flush=True)
+    profiler = cProfile.Profile()
+    profiler.runcall(run, texts, new_tokens)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)
+    (out / f"cprofile-{name}.txt").write_text(text.getvalue())
+    top = io.StringIO()
+    pstats.Stats(profiler, stream=top).sort_stats("tottime").print_stats(25)
+    print(f"cProfile, {name} (own time):\n" + top.getvalue().split("\n\n", 2)[-1], flush=True)
+
+
 def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None, what: str = "") -> float:
     from inspector.core.protocol import Sampling
 
@@ -150,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="per engine (three share the GPU)")
     p.add_argument("--time-parts", action="store_true",
                    help="print, for each run of vanilla and the in-process session, the seconds spent in its parts")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="after the reps, profile one run of each in-process consumer at each batch; tables go here")
     args = p.parse_args(argv)
 
     from inspector.core.protocol import SessionOptions
@@ -233,6 +266,13 @@ def main(argv=None) -> int:
                     run = labelled(runners[name], f"{name}_b{b}")
                     rates[(name, b)].append(run(texts, args.new_tokens))
             print(f"rep {rep + 1}/{args.reps} done", flush=True)
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            for b in batches:
+                for name in ("memory", "file"):
+                    if name in args.consumers:
+                        profiled(runners[name], prompts(args.preset, b, args.prompt_tokens), args.new_tokens,
+                                 args.profile, f"{name}-b{b}")
     finally:
         parent.send(("stop",))
         session.close()
