@@ -14,8 +14,9 @@ this process, whose ``Session`` delivers the rows of every block's residual stre
 and a server of its own (``start_local_server``) whose client in this process keeps every row. The
 file's bound is the disk: its write speed is measured here too (a file of ``--disk-gib``, synced), and
 the target is 0.9x the lesser of vanilla and what that speed allows for the rows. Prompts are
-``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``. Each engine's first run
-of a size is printed apart: it allocates the host memory that later runs reuse.
+``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``, with ``--logprobs``
+top logprobs a token on both sides (none by default: the rows' cost is measured, not the logprobs').
+Each engine's first run of a size is printed apart: it allocates the host memory that later runs reuse.
 
 Where the time goes: ``--time-parts`` prints, for each run, the seconds spent in vLLM's step (vanilla's
 and the in-process session's) and, for the session, in the plugin's copies queued in it, the drain and
@@ -86,7 +87,7 @@ def report_parts(what: str, batch: int, new_tokens: int, seconds: float) -> None
               ", ".join(f"{part} {spent:.3f}" for part, spent in PARTS.items()), flush=True)
 
 
-def vanilla(conn, preset: str, path: str, engine_args: dict, parts: bool) -> None:
+def vanilla(conn, preset: str, path: str, engine_args: dict, parts: bool, logprobs: int) -> None:
     """Vanilla vLLM: answers ("run", batch, prompt_tokens, new_tokens) with generated tokens/s."""
     from inspector.engine.environment import prepare_environment
 
@@ -99,7 +100,7 @@ def vanilla(conn, preset: str, path: str, engine_args: dict, parts: bool) -> Non
     conn.send("ready")
 
     def run(batch, prompt_tokens, new_tokens):
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs or None)
         PARTS.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts(preset, batch, prompt_tokens), params, use_tqdm=False)
@@ -151,12 +152,12 @@ def profiled(run, texts: list[str], new_tokens: int, out: Path, name: str) -> No
     print(f"cProfile, {name} (own time):\n" + top.getvalue().split("\n\n", 2)[-1], flush=True)
 
 
-def tokens_per_s(session, texts: list[str], new_tokens: int, consume=None, what: str = "") -> float:
+def tokens_per_s(session, texts: list[str], new_tokens: int, logprobs: int, consume=None, what: str = "") -> float:
     from inspector.core.protocol import Sampling
 
     session.new_run()
     PARTS.clear()
-    events = session.generate(texts, Sampling(max_tokens=new_tokens, ignore_eos=True))
+    events = session.generate(texts, Sampling(max_tokens=new_tokens, ignore_eos=True, logprobs=logprobs))
     t0 = time.perf_counter()
     if consume is None:
         tokens = sum(len(step.new_token_ids) for event in events for step in event.requests)
@@ -175,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", help="default: 1 8 on CPU, 1 32 256 on a GPU")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--logprobs", type=int, default=0,
+                   help="top logprobs a token, vanilla's and the session's alike (the session's own default is 5)")
     p.add_argument("--consumers", nargs="+", default=["memory", "file", "server"], choices=["memory", "file", "server"])
     p.add_argument("--out-dir", default=None, help="where the capture files go (default: a temporary folder)")
     p.add_argument("--disk-gib", type=float, default=4.0)
@@ -207,7 +210,7 @@ def main(argv=None) -> int:
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=vanilla, args=(child, args.preset, path, engine_args, args.time_parts),
+    proc = ctx.Process(target=vanilla, args=(child, args.preset, path, engine_args, args.time_parts, args.logprobs),
                        daemon=True)
     proc.start()
     options = SessionOptions(model=path, hooks=HOOKS, dtype=dtype, max_model_len=1024, max_num_batched_tokens=max_batched,
@@ -229,7 +232,7 @@ def main(argv=None) -> int:
 
     def in_memory(texts, new):
         session.options = replace(session.options, retain_rows=True)
-        return tokens_per_s(session, texts, new, what="memory")
+        return tokens_per_s(session, texts, new, args.logprobs, what="memory")
 
     def to_file(texts, new):
         session.options = replace(session.options, retain_rows=False)
@@ -239,12 +242,12 @@ def main(argv=None) -> int:
         def consume(events):
             record(session, events, target, progress=written.append)
             return written[-1]
-        rate = tokens_per_s(session, texts, new, consume, "file")
+        rate = tokens_per_s(session, texts, new, args.logprobs, consume, "file")
         target.unlink()
         return rate
 
     def via_server(texts, new):
-        return tokens_per_s(server, texts, new)
+        return tokens_per_s(server, texts, new, args.logprobs)
 
     def vanilla_run(texts, new):
         parent.send(("run", len(texts), args.prompt_tokens, new))
