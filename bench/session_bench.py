@@ -152,12 +152,14 @@ def profiled(run, texts: list[str], new_tokens: int, out: Path, name: str) -> No
     print(f"cProfile, {name} (own time):\n" + top.getvalue().split("\n\n", 2)[-1], flush=True)
 
 
-def tokens_per_s(session, texts: list[str], new_tokens: int, logprobs: int, consume=None, what: str = "") -> float:
+def tokens_per_s(session, texts: list[str], new_tokens: int, logprobs: int, consume=None, what: str = "",
+                 capture: bool = True) -> float:
     from inspector.core.protocol import Sampling
 
     session.new_run()
     PARTS.clear()
-    events = session.generate(texts, Sampling(max_tokens=new_tokens, ignore_eos=True, logprobs=logprobs))
+    events = session.generate(texts, Sampling(max_tokens=new_tokens, ignore_eos=True, logprobs=logprobs,
+                                                   capture=capture))
     t0 = time.perf_counter()
     if consume is None:
         tokens = sum(len(step.new_token_ids) for event in events for step in event.requests)
@@ -178,7 +180,10 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--logprobs", type=int, default=0,
                    help="top logprobs a token, vanilla's and the session's alike (the session's own default is 5)")
-    p.add_argument("--consumers", nargs="+", default=["memory", "file", "server"], choices=["memory", "file", "server"])
+    p.add_argument("--consumers", nargs="+", default=["memory", "file", "server"],
+                   choices=["memory", "file", "server", "dropped", "uncaptured"],
+                   help="also, to tell the costs apart: dropped (rows reach the host, and each step's are let "
+                        "go), uncaptured (the same session, no row leaving the device)")
     p.add_argument("--out-dir", default=None, help="where the capture files go (default: a temporary folder)")
     p.add_argument("--disk-gib", type=float, default=4.0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="per engine (three share the GPU)")
@@ -246,6 +251,14 @@ def main(argv=None) -> int:
         target.unlink()
         return rate
 
+    def dropped(texts, new):
+        session.options = replace(session.options, retain_rows=False)
+        return tokens_per_s(session, texts, new, args.logprobs, what="dropped")
+
+    def uncaptured(texts, new):
+        session.options = replace(session.options, retain_rows=False)
+        return tokens_per_s(session, texts, new, args.logprobs, what="uncaptured", capture=False)
+
     def via_server(texts, new):
         return tokens_per_s(server, texts, new, args.logprobs)
 
@@ -253,7 +266,8 @@ def main(argv=None) -> int:
         parent.send(("run", len(texts), args.prompt_tokens, new))
         return receive(parent, proc)
 
-    runners = {"vanilla": vanilla_run, "memory": in_memory, "file": to_file, "server": via_server}
+    runners = {"vanilla": vanilla_run, "memory": in_memory, "file": to_file, "server": via_server,
+               "dropped": dropped, "uncaptured": uncaptured}
     chosen = ["vanilla", *args.consumers]
     rates = {(name, b): [] for name in chosen for b in batches}
     first = {}  # each engine's first run of a size, not counted: it allocates the host memory later runs reuse
