@@ -2,14 +2,13 @@
 
 A forward's rows sit in static capture buffers that the next forward overwrites, so on a GPU they are
 first copied on the device into a staging arena of the buffers' size (a gigabyte in well under a
-millisecond), and sent from there to pinned host memory (``HostSlabs``: pinned ahead, off the engine's
-thread) on a side stream, in parallel with the next forward: prefill steps as much as decode steps.
-The arena is reused by the next forward's staging only once the side stream has read it. Tensors
-made for this copy alone (a window's gathered rows, an SAE's features) are sent as they are. Nothing
-here waits for the GPU: ``Transfer.ready`` says whether the copies have landed, ``Transfer.wait``
-waits for them. ``HostQueue`` keeps the forwards in flight in step order; the driver's drain takes the
-landed ones and hands their copies out as they are, in ``gather`` (why not a background thread:
-docs/performance-notes.md).
+millisecond), and sent from there to pinned host memory on a side stream, in parallel with the next
+forward: prefill steps as much as decode steps. The arena is reused by the next forward's staging
+only once the side stream has read it. Tensors made for this copy alone (a window's gathered rows,
+an SAE's features) are sent as they are. Nothing here waits for the GPU: ``Transfer.ready`` says
+whether the copies have landed, ``Transfer.wait`` waits for them. ``HostQueue`` keeps the forwards in
+flight in step order; the driver's drain takes the landed ones and hands their copies out as they are,
+in ``gather`` (why not a background thread: docs/performance-notes.md).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from .gather import QueuedForward
-from .host_slabs import HostSlabs
 
 
 @dataclass
@@ -43,7 +41,6 @@ class CopyOut:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.host_memory = HostSlabs() if self.stream is not None else None  # pinned ahead of the copies
         self._arena_read: dict[int, torch.cuda.Event] = {}  # arena's address -> the side stream's last read of it
 
     def arena(self, like: torch.Tensor) -> torch.Tensor | None:
@@ -67,7 +64,7 @@ class CopyOut:
             sources.append(arena[:tensor.numel()].view(tensor.shape).copy_(tensor))  # contiguous: one copy out
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            host = [self.host_memory.tensor(t.shape, t.dtype) for t in sources]
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
             for dst, src in zip(host, sources):
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()

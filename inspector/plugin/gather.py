@@ -9,8 +9,8 @@ no host copy and a few Python objects per request, whatever the number of hooks:
 engine's step path, and rows joined there were a host copy of every backlogged forward
 (measurements: docs/performance-notes.md). Where the requests' rows lie one after another,
 ``bulk_of`` hands the drain out as one block per hook (``RowBlocks``). A landed copy's pinned block
-is free again once nothing refers to it (``host_slabs``): rows kept are kept as they are, and their
-memory is carved again once they are let go (a new run reuses the last one's). An
+goes back to torch's host allocator once nothing refers to it: rows kept are kept as they are, and the
+allocator's cache reuses their blocks once they are let go (a new run reuses the last one's). An
 attached SAE's features travel in a forward's copy as a stack of their own (``SaeStack``) and leave
 the drain beside the rows, in a ``DrainedRequest``.
 """
