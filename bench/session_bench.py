@@ -13,9 +13,11 @@ this process, whose ``Session`` delivers the rows of every block's residual stre
 
 and a server of its own (``start_local_server``) whose client in this process keeps every row. The
 file's bound is the disk: its write speed is measured here too (a file of ``--disk-gib``, synced), and
-the target is 0.9x the lesser of vanilla and what that speed allows for the rows. Prompts are
-``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``, with ``--logprobs``
-top logprobs a token on both sides (none by default: the rows' cost is measured, not the logprobs').
+the target is 0.9x the lesser of vanilla and what that speed allows for the rows (a request's prompt
+rows as well as its generated ones: about two rows a generated token with the default lengths).
+Prompts are ``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``, with
+``--logprobs`` top logprobs a token on both sides (none by default: the rows' cost is measured, not
+the logprobs').
 Each engine's first run of a size is printed apart: it allocates the host memory that later runs reuse.
 
 Where the time goes: ``--time-parts`` prints, for each run, the seconds spent in vLLM's step (vanilla's
@@ -305,13 +307,15 @@ def main(argv=None) -> int:
         for name in chosen:
             print(f"batch {b}, {name:52s} {med[name]:>10,.1f} tok/s  ({spread[name]}; "
                   f"first run {first[(name, b)]:,.0f})")
-        disk_bound = disk * 1e6 / bytes_per_token
+        # a request's rows: its prompt's and every generated token's but the last (never fed back)
+        rows_per_token = (args.prompt_tokens + args.new_tokens - 1) / args.new_tokens
+        disk_bound = disk * 1e6 / (bytes_per_token * rows_per_token)
         for name in args.consumers:
             bound = min(med["vanilla"], disk_bound) if name == "file" else med["vanilla"]
             ratio = med[name] / bound
             what = "min(vanilla, disk bound)" if name == "file" else "vanilla"
             print(f"batch {b}, {name} / {what:40s} {ratio:>14.3f}  >= 0.9  {'yes' if ratio >= 0.9 else 'NO'}")
-        print(f"batch {b}, disk bound {disk_bound:,.0f} tok/s")
+        print(f"batch {b}, disk bound {disk_bound:,.0f} tok/s ({rows_per_token:.2f} rows written a generated token)")
     return 0
 
 
