@@ -9,8 +9,9 @@ vectors (requests cycle through them), the same four sent inline, a distinct inl
 (each salts its own prefix-cache blocks, so it gives up the shared prompt's hits), and unsteered again. Every
 request shares one system prompt (a prefix-cache hit for all but the first; ``--no-shared-prefix``: none)
 and adds a line of its own.
-Printed: completion tokens/s of each load, the prefix-cache hit rate over it, and the ratios the issue
-targets: plugin idle / stock (>= 0.98), steered / plugin idle (>= 0.95).
+Printed: completion tokens/s of each load, the prefix-cache hit rate over it, the CPU time a request
+took in the API server's process and in the engine's processes (where a load's cost lies), and the
+ratios the issue targets: plugin idle / stock (>= 0.98), steered / plugin idle (>= 0.95).
 """
 
 from __future__ import annotations
@@ -117,15 +118,34 @@ async def load(url: str, model: str, requests: int, concurrency: int, max_tokens
     return tokens / seconds
 
 
-def measure(url: str, model: str, args, xargs) -> dict:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the API server's process, and of its children (the engine's processes)."""
+    import psutil
+
+    server = psutil.Process(pid)
+    engine = 0.0
+    for child in server.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        engine += times.user + times.system
+    times = server.cpu_times()
+    return times.user + times.system, engine
+
+
+def measure(url: str, pid: int, model: str, args, xargs) -> dict:
     prompt = (word_prompts if args.preset != "cpu" else text_prompts)(args.shared_prefix)
     # warm: compile sizes, the shared prefix; edits of requests past the measured ones (a distinct edit's
     # blocks stay unread)
     asyncio.run(load(url, model, args.concurrency, args.concurrency, 4, lambda i: xargs(args.requests + i), prompt))
     hits, queries = prefix_counters(url)
+    cpu = cpu_seconds(pid)
     rate = asyncio.run(load(url, model, args.requests, args.concurrency, args.max_tokens, xargs, prompt))
+    cpu2 = cpu_seconds(pid)
     hits2, queries2 = prefix_counters(url)
-    return {"tokens_per_s": rate, "prefix_hit_rate": (hits2 - hits) / max(queries2 - queries, 1)}
+    return {"tokens_per_s": rate, "prefix_hit_rate": (hits2 - hits) / max(queries2 - queries, 1),
+            "server_ms": 1000 * (cpu2[0] - cpu[0]) / args.requests, "engine_ms": 1000 * (cpu2[1] - cpu[1]) / args.requests}
 
 
 def main() -> int:
@@ -173,9 +193,9 @@ def main() -> int:
         process, url = start(command, env, home / f"{name}.log")
         try:
             for label, xargs in loads.items():
-                results[label] = measure(url, model, args, xargs)
-                print(f"{label:>16}: {results[label]['tokens_per_s']:8.1f} tok/s, prefix-cache hits "
-                      f"{results[label]['prefix_hit_rate']:.1%}", flush=True)
+                r = results[label] = measure(url, process.pid, model, args, xargs)
+                print(f"{label:>16}: {r['tokens_per_s']:8.1f} tok/s, prefix-cache hits {r['prefix_hit_rate']:.1%}, "
+                      f"CPU a request: API server {r['server_ms']:.2f} ms, engine {r['engine_ms']:.2f} ms", flush=True)
         finally:
             stop(process)
 
