@@ -302,13 +302,17 @@ def in_child_process(function: str, *args) -> object:
         _child_stderr = tempfile.TemporaryFile()
         _child = subprocess.Popen([sys.executable, "-c", _CHILD_LOOP, str(Path(__file__).parent)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_child_stderr)
-    pickle.dump((function, *(str(a) if isinstance(a, Path) else a for a in args)), _child.stdin)
-    _child.stdin.flush()
     try:
+        pickle.dump((function, *(str(a) if isinstance(a, Path) else a for a in args)), _child.stdin)
+        _child.stdin.flush()
         ok, answer = pickle.load(_child.stdout)
-    except EOFError:
+    except (EOFError, BrokenPipeError):
         _child_stderr.seek(0)
         raise AssertionError(_child_stderr.read().decode()[-3000:]) from None
+    except BaseException:  # cut short (a test's timeout): its answer must not become the next call's
+        _child.kill()
+        _child.wait()
+        raise
     assert ok, answer
     return answer
 
