@@ -26,8 +26,8 @@ import pytest  # noqa: E402
 
 class _InspectModelClassesInProcess(importlib.abc.MetaPathFinder):
     """vLLM inspects each architecture's model class in a fresh Python (about 7 s here: it imports vLLM)
-    unless its cache under VLLM_CACHE_ROOT has it, and this run's cache starts empty: some 20
-    architectures would cost minutes. The in-process engines import those classes in this process
+    unless its cache under VLLM_CACHE_ROOT has it, and this run's cache starts empty: minutes over the
+    architectures the tests boot. The in-process engines import those classes in this process
     anyway, so vLLM's registry, once imported, inspects them here (what it finds is cached for the
     run's servers and commands too)."""
 
