@@ -17,7 +17,38 @@ from inspector.engine.environment import prepare_environment  # noqa: E402
 
 prepare_environment()
 
+import importlib.abc  # noqa: E402
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+class _InspectModelClassesInProcess(importlib.abc.MetaPathFinder):
+    """vLLM inspects each architecture's model class in a fresh Python (about 7 s here: it imports vLLM)
+    unless its cache under VLLM_CACHE_ROOT has it, and this run's cache starts empty: minutes over the
+    architectures the tests boot. The in-process engines import those classes in this process
+    anyway, so vLLM's registry, once imported, inspects them here (what it finds is cached for the
+    run's servers and commands too)."""
+
+    registry = "vllm.model_executor.models.registry"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.registry:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def execute_then_inspect_here(module):
+            execute(module)
+            module._run_in_subprocess = lambda inspect: inspect()
+
+        spec.loader.exec_module = execute_then_inspect_here
+        return spec
+
+
+sys.meta_path.insert(0, _InspectModelClassesInProcess())
 
 
 @pytest.fixture(scope="session")

@@ -266,22 +266,55 @@ def logits(model_dir, token_ids: list[int]) -> np.ndarray:
     return load(str(model_dir))(torch.tensor([token_ids])).logits[0].numpy()
 
 
+_CHILD_LOOP = """
+import os, pickle, sys, traceback
+sys.path.insert(0, sys.argv[1])
+answers = os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)  # whatever else prints goes to stderr, not into the answers
+import hf_reference
+while True:
+    try:
+        function, *args = pickle.load(sys.stdin.buffer)
+    except EOFError:
+        break
+    try:
+        answer = (True, getattr(hf_reference, function)(*args))
+    except Exception:
+        answer = (False, traceback.format_exc())
+    pickle.dump(answer, answers)
+    answers.flush()
+"""
+_child = _child_stderr = None
+
+
 def in_child_process(function: str, *args) -> object:
-    """``function(*args)`` of this module in a fresh Python: vLLM's Transformers backend decorates
-    transformers' model classes in the process that booted it, so they cannot be loaded plainly there."""
+    """``function(*args)`` of this module in another Python: vLLM's Transformers backend decorates
+    transformers' model classes in the process that booted it, so they cannot be loaded plainly there.
+    One child serves the whole run (its ``load`` keeps the models it read), not a Python each call."""
     import pickle
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
-    script = ("import pickle, sys; sys.path.insert(0, sys.argv[1]); import hf_reference; "
-              "args = pickle.loads(sys.stdin.buffer.read()); "
-              "sys.stdout.buffer.write(pickle.dumps(getattr(hf_reference, args[0])(*args[1:])))")
-    result = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True,
-                            input=pickle.dumps((function, *(str(a) if isinstance(a, Path) else a for a in args))),
-                            timeout=300)
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
-    return pickle.loads(result.stdout)
+    global _child, _child_stderr
+    if _child is None or _child.poll() is not None:
+        _child_stderr = tempfile.TemporaryFile()
+        _child = subprocess.Popen([sys.executable, "-c", _CHILD_LOOP, str(Path(__file__).parent)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_child_stderr)
+    try:
+        pickle.dump((function, *(str(a) if isinstance(a, Path) else a for a in args)), _child.stdin)
+        _child.stdin.flush()
+        ok, answer = pickle.load(_child.stdout)
+    except (EOFError, BrokenPipeError):
+        _child_stderr.seek(0)
+        raise AssertionError(_child_stderr.read().decode()[-3000:]) from None
+    except BaseException:  # cut short (a test's timeout): its answer must not become the next call's
+        _child.kill()
+        _child.wait()
+        raise
+    assert ok, answer
+    return answer
 
 
 @torch.no_grad()
