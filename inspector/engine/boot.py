@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from inspector.core.interventions import DEFAULT_MAX_SLOTS
+from inspector.core.models import model_config
 from inspector.core.protocol import MODES
 
 from .environment import engine_precision, parallel_ranks, prepare_environment, worker_environment
@@ -66,7 +66,7 @@ def layer_overrides(model: Path, kept: int) -> dict:
     blocks: the layer count, and every per-layer list of its config (layer types, sliding windows...)
     cut to match; for a model whose text config is nested (``text_config``), there. ``{}`` when the
     model has no more blocks than that. ValueError where the config names no layer count."""
-    config = json.loads((model / "config.json").read_text())
+    config = model_config(model)
     nested = isinstance(config.get("text_config"), dict) and any(k in config["text_config"] for k in LAYER_COUNT_KEYS)
     text = config["text_config"] if nested else config
     key = next((k for k in LAYER_COUNT_KEYS if isinstance(text.get(k), int)), None)

@@ -4,13 +4,12 @@ that says what went wrong and what to do; ``Session`` itself starts from an engi
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 from inspector.core.hooks import HookPoint, check_patterns
-from inspector.core.models import resolve_model
+from inspector.core.models import model_config, resolve_model
 from inspector.core.protocol import MODES, BootProgress, SessionError, SessionOptions
 from inspector.core.ranks import merge_descriptions
 from inspector.core.windows import windows_from_patterns
@@ -61,7 +60,7 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 def context_limit(path: Path) -> int | None:
     """The longest context the config of the model at ``path`` names, or None where it names none."""
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = model_config(path)
     except (OSError, ValueError):
         return None
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
