@@ -9,9 +9,10 @@ vectors (requests cycle through them), the same four sent inline, a distinct inl
 (each salts its own prefix-cache blocks, so it gives up the shared prompt's hits), and unsteered again. Every
 request shares one system prompt (a prefix-cache hit for all but the first; ``--no-shared-prefix``: none)
 and adds a line of its own.
-Printed: completion tokens/s of each load, the prefix-cache hit rate over it, the CPU time a request
-took in the API server's process and in the engine's processes (where a load's cost lies), and the
-ratios the issue targets: plugin idle / stock (>= 0.98), steered / plugin idle (>= 0.95).
+Printed: completion tokens/s of each load (``--rounds N``: the inspector's loads N times in turn,
+medians compared), the prefix-cache hit rate over it, the CPU time a request took in the API server's
+process and in the engine's processes (where a load's cost lies), and the ratios the issue targets:
+plugin idle / stock (>= 0.98), steered / plugin idle (>= 0.95).
 """
 
 from __future__ import annotations
@@ -134,14 +135,16 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return times.user + times.system, engine
 
 
-def measure(url: str, pid: int, model: str, args, xargs) -> dict:
+def measure(url: str, pid: int, model: str, args, xargs, first: int = 0) -> dict:
+    """One load; request i carries ``xargs(first + i)`` (each round its own distinct vectors)."""
     prompt = (word_prompts if args.preset != "cpu" else text_prompts)(args.shared_prefix)
     # warm: compile sizes, the shared prefix; edits of requests past the measured ones (a distinct edit's
     # blocks stay unread)
-    asyncio.run(load(url, model, args.concurrency, args.concurrency, 4, lambda i: xargs(args.requests + i), prompt))
+    asyncio.run(load(url, model, args.concurrency, args.concurrency, 4, lambda i: xargs(first + args.requests + i), prompt))
     hits, queries = prefix_counters(url)
     cpu = cpu_seconds(pid)
-    rate = asyncio.run(load(url, model, args.requests, args.concurrency, args.max_tokens, xargs, prompt))
+    rate = asyncio.run(load(url, model, args.requests, args.concurrency, args.max_tokens,
+                            lambda i: xargs(first + i), prompt))
     cpu2 = cpu_seconds(pid)
     hits2, queries2 = prefix_counters(url)
     return {"tokens_per_s": rate, "prefix_hit_rate": (hits2 - hits) / max(queries2 - queries, 1),
@@ -160,6 +163,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--engine-args", default="{}", help="more vLLM arguments, as JSON (both servers)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="serve each load this many times in turn on the same server (the median is compared)")
     parser.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
                         help="no system prompt: each request's prompt is its own line (what steering costs, without "
                              "the prefix-cache hits a distinct edit gives up)")
@@ -179,7 +184,10 @@ def main() -> int:
     for k, vector in enumerate(named):
         np.save(home / f"v{k}.npy", vector)
     named_inline = [f"{HOOK}:{encode_vector(vector)}" for vector in named]
-    inline = [f"{HOOK}:{encode_vector(rng.normal(size=width).astype(np.float32))}" for _ in range(args.requests + args.concurrency)]
+
+    def distinct(i: int) -> str:
+        return f"{HOOK}:{encode_vector(np.random.default_rng(1 + i).normal(size=width).astype(np.float32))}"
+
     common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     stock = [sys.executable, "-m", OPENAI_SERVER_MODULE, "--model", model, *common,
@@ -187,13 +195,15 @@ def main() -> int:
     ours = [sys.executable, "-m", "inspector.cli", "serve", "--openai", "--model", model, *common,
             "--hooks", "blocks.*.hook_resid_post", "--engine-args", json.dumps(engine_args),
             "--vectors", *(f"v{k}={home / f'v{k}.npy'}@{HOOK}" for k in range(4))]
-    results: dict[str, dict] = {}
+    results: dict[str, list[dict]] = {}
 
     def served(name: str, command: list[str], env: dict, loads: dict) -> None:
         process, url = start(command, env, home / f"{name}.log")
         try:
-            for label, xargs in loads.items():
-                r = results[label] = measure(url, process.pid, model, args, xargs)
+            stride = 4 * (args.requests + args.concurrency)  # keeps i % 4, and no distinct vector comes again
+            for first, (label, xargs) in [(k * stride, item) for k in range(args.rounds) for item in loads.items()]:
+                r = measure(url, process.pid, model, args, xargs, first)
+                results.setdefault(label, []).append(r)
                 print(f"{label:>16}: {r['tokens_per_s']:8.1f} tok/s, prefix-cache hits {r['prefix_hit_rate']:.1%}, "
                       f"CPU a request: API server {r['server_ms']:.2f} ms, engine {r['engine_ms']:.2f} ms", flush=True)
         finally:
@@ -206,11 +216,11 @@ def main() -> int:
         "plugin idle": lambda i: None,
         "4 named vectors": lambda i: {"inspector_steer": f"v{i % 4}"},
         "4 inline vectors": lambda i: {"inspector_vector": named_inline[i % 4]},
-        "inline vectors": lambda i: {"inspector_vector": inline[i]},
+        "inline vectors": lambda i: {"inspector_vector": distinct(i)},
         "plugin idle 2": lambda i: None,
     })
     served("stock-b", stock, {"VLLM_PLUGINS": ""}, {"stock B": lambda i: None})
-    rate = {label: r["tokens_per_s"] for label, r in results.items()}
+    rate = {label: float(np.median([r["tokens_per_s"] for r in runs])) for label, runs in results.items()}
     stock_rate = (rate["stock A"] + rate["stock B"]) / 2
     idle = (rate["plugin idle"] + rate["plugin idle 2"]) / 2
     print(f"A/A stock B / stock A: {rate['stock B'] / rate['stock A']:.3f}; "
