@@ -3,16 +3,17 @@
     python3 bench/openai_bench.py                          # CPU: the demo model
     python3 bench/openai_bench.py --preset llama3-8b --requests 512 --max-tokens 128   # GPU: 8B shape, dummy bf16
 
-Stock vLLM is served twice (first and last: the A/A pair that says how noisy the machine is), and between
-them ``inspector serve --openai`` once, under five loads in turn: unsteered (the plugin idle), four named
-vectors (requests cycle through them), the same four sent inline, a distinct inline vector per request
-(each salts its own prefix-cache blocks, so it gives up the shared prompt's hits), and unsteered again. Every
-request shares one system prompt (a prefix-cache hit for all but the first; ``--no-shared-prefix``: none)
-and adds a line of its own.
-Printed: completion tokens/s of each load (``--rounds N``: the inspector's loads N times in turn,
-medians compared), the prefix-cache hit rate over it, the CPU time a request took in the API server's
-process and in the engine's processes (where a load's cost lies), and the ratios the issue targets:
-plugin idle / stock (>= 0.98), steered / plugin idle (>= 0.95).
+Stock vLLM and ``inspector serve --openai`` are served side by side (on a GPU each takes 0.42 of its
+memory unless ``--engine-args`` says otherwise), so that a drift of the machine's speed falls on both,
+and each round loads them in turn: stock (A), then ours unsteered (the plugin idle), four named vectors
+(requests cycle through them), the same four sent inline, a distinct inline vector per request (each
+salts its own prefix-cache blocks, so it gives up the shared prompt's hits), unsteered again, and stock
+again (B: with A, the pair that says how noisy the machine is). Every request shares one system prompt
+(a prefix-cache hit for all but the first; ``--no-shared-prefix``: none) and adds a line of its own.
+Printed: completion tokens/s of each load (``--rounds N``: N rounds, medians compared), the prefix-cache
+hit rate over it, the CPU time a request took in the API server's process and in the engine's processes
+(where a load's cost lies), and the ratios the issue targets: plugin idle / stock (>= 0.98), steered /
+plugin idle (>= 0.95).
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def main() -> int:
         engine_args = json.loads(args.engine_args)
     else:
         model, _ = model_dir(args.preset)  # the word-level tokenizer is kept: the server tokenises prompts
-        engine_args = {"load_format": "dummy", **json.loads(args.engine_args)}
+        engine_args = {"load_format": "dummy", "gpu_memory_utilization": 0.42, **json.loads(args.engine_args)}
         args.dtype, args.max_num_batched_tokens = PRESETS[args.preset][1:3]
     home = Path(tempfile.mkdtemp(prefix="openai-bench-"))
     width = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
@@ -196,30 +197,29 @@ def main() -> int:
             "--hooks", "blocks.*.hook_resid_post", "--engine-args", json.dumps(engine_args),
             "--vectors", *(f"v{k}={home / f'v{k}.npy'}@{HOOK}" for k in range(4))]
     results: dict[str, list[dict]] = {}
-
-    def served(name: str, command: list[str], env: dict, loads: dict) -> None:
-        process, url = start(command, env, home / f"{name}.log")
-        try:
-            stride = 4 * (args.requests + args.concurrency)  # keeps i % 4, and no distinct vector comes again
-            for first, (label, xargs) in [(k * stride, item) for k in range(args.rounds) for item in loads.items()]:
-                r = measure(url, process.pid, model, args, xargs, first)
-                results.setdefault(label, []).append(r)
-                print(f"{label:>16}: {r['tokens_per_s']:8.1f} tok/s, prefix-cache hits {r['prefix_hit_rate']:.1%}, "
-                      f"CPU a request: API server {r['server_ms']:.2f} ms, engine {r['engine_ms']:.2f} ms", flush=True)
-        finally:
-            stop(process)
-
+    loads = [("stock", "stock A", lambda i: None),
+             ("ours", "plugin idle", lambda i: None),
+             ("ours", "4 named vectors", lambda i: {"inspector_steer": f"v{i % 4}"}),
+             ("ours", "4 inline vectors", lambda i: {"inspector_vector": named_inline[i % 4]}),
+             ("ours", "inline vectors", lambda i: {"inspector_vector": distinct(i)}),
+             ("ours", "plugin idle 2", lambda i: None),
+             ("stock", "stock B", lambda i: None)]
+    stride = 4 * (args.requests + args.concurrency)  # keeps i % 4, and no distinct vector comes again
     print(f"{args.requests} requests, {args.concurrency} at a time, {args.max_tokens} tokens each; model {model}")
     print(f"logs in {home}")
-    served("stock-a", stock, {"VLLM_PLUGINS": ""}, {"stock A": lambda i: None})
-    served("inspector", ours, {}, {
-        "plugin idle": lambda i: None,
-        "4 named vectors": lambda i: {"inspector_steer": f"v{i % 4}"},
-        "4 inline vectors": lambda i: {"inspector_vector": named_inline[i % 4]},
-        "inline vectors": lambda i: {"inspector_vector": distinct(i)},
-        "plugin idle 2": lambda i: None,
-    })
-    served("stock-b", stock, {"VLLM_PLUGINS": ""}, {"stock B": lambda i: None})
+    servers = {}
+    try:
+        servers["stock"] = start(stock, {"VLLM_PLUGINS": ""}, home / "stock.log")
+        servers["ours"] = start(ours, {}, home / "inspector.log")
+        for first, (server, label, xargs) in [(k * stride, load) for k in range(args.rounds) for load in loads]:
+            process, url = servers[server]
+            r = measure(url, process.pid, model, args, xargs, first)
+            results.setdefault(label, []).append(r)
+            print(f"{label:>16}: {r['tokens_per_s']:8.1f} tok/s, prefix-cache hits {r['prefix_hit_rate']:.1%}, "
+                  f"CPU a request: API server {r['server_ms']:.2f} ms, engine {r['engine_ms']:.2f} ms", flush=True)
+    finally:
+        for process, _ in servers.values():
+            stop(process)
     rate = {label: float(np.median([r["tokens_per_s"] for r in runs])) for label, runs in results.items()}
     stock_rate = (rate["stock A"] + rate["stock B"]) / 2
     idle = (rate["plugin idle"] + rate["plugin idle 2"]) / 2
