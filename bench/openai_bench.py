@@ -164,6 +164,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--engine-args", default="{}", help="more vLLM arguments, as JSON (both servers)")
+    parser.add_argument("--hooks", nargs="+", default=["blocks.*.hook_resid_post"],
+                        help=f"the hooks our server compiles (the vectors steer {HOOK})")
     parser.add_argument("--rounds", type=int, default=1,
                         help="serve each load this many times in turn on the same server (the median is compared)")
     parser.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
@@ -194,7 +196,7 @@ def main() -> int:
     stock = [sys.executable, "-m", OPENAI_SERVER_MODULE, "--model", model, *common,
              *vllm_flags(engine_args)]
     ours = [sys.executable, "-m", "inspector.cli", "serve", "--openai", "--model", model, *common,
-            "--hooks", "blocks.*.hook_resid_post", "--engine-args", json.dumps(engine_args),
+            "--hooks", *args.hooks, "--engine-args", json.dumps(engine_args),
             "--vectors", *(f"v{k}={home / f'v{k}.npy'}@{HOOK}" for k in range(4))]
     results: dict[str, list[dict]] = {}
     loads = [("stock", "stock A", lambda i: None),
