@@ -167,7 +167,7 @@ def main() -> int:
     parser.add_argument("--hooks", nargs="+", default=["blocks.*.hook_resid_post"],
                         help=f"the hooks our server compiles (the vectors steer {HOOK})")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="serve each load this many times in turn on the same server (the median is compared)")
+                        help="rounds of every load, stock and ours in turn (each load's median is compared)")
     parser.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
                         help="no system prompt: each request's prompt is its own line (what steering costs, without "
                              "the prefix-cache hits a distinct edit gives up)")
