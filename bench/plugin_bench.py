@@ -16,7 +16,8 @@ each send a slice of a hook).
 "clamps" has room to clamp 4 SAE features at every hook; "generated" captures with the "generated"
 capture window (the last prompt position and every generated token; the prompt's other rows never
 leave the device); "vanilla-again" is a second vanilla engine, the control that shows how far two
-identical engines differ on this machine; "vanilla-ieee" is vanilla
+identical engines differ on this machine; "idle" compiles the hooks and keeps no
+row of any request, as an OpenAI server serves requests that neither steer nor capture; "vanilla-ieee" is vanilla
 vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
 "vanilla", Triton's TF32 default: the cost of that precision, with ``--dtype float32`` on a GPU).
 
@@ -54,6 +55,7 @@ class Config(NamedTuple):
     plugin: dict = {}  # more boot_llm arguments
     env: dict = {}  # set in the engine's process before it boots
     window: str = "all"  # every request's capture window at every hook (inspector.core.windows)
+    capture: bool = True  # False: the hooks run and no row leaves the device (an OpenAI server's plain traffic)
 
 
 CONFIGS = {"vanilla": Config("compiled"), "vanilla-again": Config("compiled"),
@@ -61,7 +63,8 @@ CONFIGS = {"vanilla": Config("compiled"), "vanilla-again": Config("compiled"),
            "sharded": Config("compiled", (*RESIDUAL, "blocks.*.mlp.hook_post"), True),
            "clamps": Config("compiled", RESIDUAL, plugin={"feature_clamps": 4}),
            "vanilla-ieee": Config("compiled", env={"TRITON_F32_DEFAULT": "ieee"}),
-           "generated": Config("compiled", RESIDUAL, window="generated")}
+           "generated": Config("compiled", RESIDUAL, window="generated"),
+           "idle": Config("compiled", RESIDUAL, capture=False)}
 PRESETS = {
     # name: (model, dtype, max_num_batched_tokens, prompt tokens, runs as (batch, new tokens))
     "cpu": (dict(arch="llama", hidden=512, heads=8, kv_heads=8, layers=8, intermediate=1536, vocab=512),
@@ -161,7 +164,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
 
     installed = llm.collective_rpc("inspector_describe")[0]["installed"] if hooks else {}
 
-    def add(rids: list[str], params, capture: bool = True) -> None:
+    def add(rids: list[str], params, capture: bool = config.capture) -> None:
         if not capture:  # the hooks run, no row leaves the device
             llm.collective_rpc("inspector_request_options", kwargs={"forget": [], "options": {
                 rid: {"capture": False} for rid in rids}})
@@ -184,6 +187,9 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             seconds = time.perf_counter() - t0
             drain(finishing=True)
             conn.send(seconds)
+            continue
+        if msg[0] == "kernels":
+            conn.send(profile_decode(*msg[1:], f"{run_no}", add, engine, drain))
             continue
         if msg[0] == "profile":
             conn.send(profile_prefills(msg[1], msg[2], f"{run_no}", add, engine, drain, plugin_s, cuda))
@@ -277,6 +283,38 @@ def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, pl
     return out
 
 
+def profile_decode(batch: int, steps: int, tag: str, add, engine, drain) -> dict:
+    """``steps`` decode steps of ``batch`` requests under torch's profiler: the device's time a step, and
+    each kernel's count and time a step (kernels a CUDA graph replays included; on a CPU, each operator's
+    own time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    add([f"{tag}-k{i}" for i in range(batch)], SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # the prefills and a few decode steps first
+        engine.step()
+        drain(finishing=False)
+    sync()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            engine.step()
+            drain(finishing=False)
+        sync()
+    wall = time.perf_counter() - t
+    while engine.has_unfinished_requests():
+        engine.step()
+        drain(finishing=not engine.has_unfinished_requests())
+    kernels = [(e.key, e.count / steps, (e.self_device_time_total if cuda else e.self_cpu_time_total) / steps)
+               for e in prof.key_averages()]
+    kernels = [k for k in kernels if k[2] > 0]
+    return {"wall_ms": 1000 * wall / steps, "device_ms": sum(k[2] for k in kernels) / 1000,
+            "kernels": sum(k[1] for k in kernels), "top": sorted(kernels, key=lambda k: -k[2])}
+
+
 def use_caches(root: str) -> None:
     """Compiler caches under ``root``: a fresh one per configuration, so that no boot profits from
     another's compiled kernels."""
@@ -308,6 +346,9 @@ def main() -> None:
     parser.add_argument("--profile-prefills", type=int, default=0,
                         help="after the reps: this many single-request prefills timed, and as many under torch's "
                              "profiler, per configuration (capture on and off for the hooked ones)")
+    parser.add_argument("--decode-kernels", type=int, default=0, metavar="STEPS",
+                        help="after the reps, this many decode steps of the last run's batch under torch's profiler per "
+                             "configuration: device time and kernels a step (operators on a CPU), and those that differ")
     args = parser.parse_args()
 
     path, extra = model_dir(args.preset)
@@ -362,6 +403,10 @@ def main() -> None:
         for capture in (True, False) if CONFIGS[name].hooks else (True,):
             conn.send(("profile", args.profile_prefills, capture))
             profiles[name if capture else f"{name}, capture off"] = receive(conn, proc)
+    kernels = {}
+    for name, (proc, conn) in workers.items() if args.decode_kernels else ():
+        conn.send(("kernels", runs[-1][0], args.decode_kernels))
+        kernels[name] = receive(conn, proc)
     for proc, conn in workers.values():
         conn.send(("stop",))
         proc.join(timeout=120)
@@ -373,6 +418,9 @@ def main() -> None:
             print(f"  {name:22s} host {got['host_ms_per_step']:.2f} ms a step ({plugin or 'no plugin'}); GPU "
                   f"{got['gpu_ms_per_forward']:.2f} ms a forward; a step launches {got.get('kernels', 0):.0f} kernels, "
                   f"{got.get('graphs', 0):.1f} graphs, {got.get('copies', 0):.0f} copies")
+
+    if kernels:
+        print_kernels(kernels, runs[-1][0])
 
     def med(name, run, key):
         return statistics.median(r[key] for r in results[(name, run)])
@@ -439,6 +487,25 @@ def main() -> None:
         over = extra_mib - buffers - tables
         print(f"compiled above vanilla: {extra_mib:.1f} MiB = buffers and tables + {over:.1f} MiB "
               f"({over / (buffers + tables):.1%} of buffers and tables, {over / base_mib:.1%} of vanilla)")
+
+
+def print_kernels(kernels: dict[str, dict], batch: int) -> None:
+    """Each configuration's decode step on the device, and the kernels whose time a step differs from the
+    first configuration's by more than a microsecond (new ones, gone ones, slower or faster ones)."""
+    print(f"\ndecode steps of {batch} requests under torch's profiler, per configuration:")
+    for name, got in kernels.items():
+        print(f"  {name:15s} wall {got['wall_ms']:.2f} ms a step; device {got['device_ms']:.2f} ms in "
+              f"{got['kernels']:.0f} kernels a step")
+    first, base = next(iter(kernels.items()))
+    before = {key: (count, us) for key, count, us in base["top"]}
+    for name, got in list(kernels.items())[1:]:
+        after = {key: (count, us) for key, count, us in got["top"]}
+        changed = sorted(((key, *before.get(key, (0, 0)), *after.get(key, (0, 0))) for key in before.keys() | after.keys()),
+                         key=lambda k: -abs(k[4] - k[2]))
+        print(f"  {name} against {first}: kernel, count and us a step in each")
+        for key, count0, us0, count1, us1 in changed[:25]:
+            if abs(us1 - us0) >= 1:
+                print(f"    {us1 - us0:+8.1f} us  {count0:5.1f} {us0:8.1f}  {count1:5.1f} {us1:8.1f}  {key[:110]}")
 
 
 def single_ratio(times: list[float], baseline: list[float]) -> str:
