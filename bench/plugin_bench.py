@@ -249,7 +249,8 @@ def time_plugin_hooks() -> dict[str, float]:
 
 def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, plugin_s: dict, cuda: bool) -> dict:
     """``count`` single-request prefills timed as they run (host time a step, the plugin's share of it),
-    then ``count`` more under torch's profiler (GPU time a forward, launches a step)."""
+    then ``count`` more under torch's profiler (GPU time a forward, launches a step), and as many under
+    Python's (``host_functions``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -280,7 +281,25 @@ def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, pl
     out["gpu_ms_per_forward"] = sum(e.self_device_time_total for e in averages) / 1000 / count
     for key, kind in LAUNCHES.items():
         out[kind] = out.get(kind, 0) + sum(e.count for e in averages if e.key == key) / steps
+    out["host_functions"] = host_functions(lambda: prefills("c"), count)
     return out
+
+
+def host_functions(work, count: int, top: int = 15) -> list[tuple[str, float, float]]:
+    """Where the host's time goes while ``work`` runs ``count`` prefills (Python's profiler, which slows
+    what it watches alike in every configuration): the functions with the most time of their own, then
+    the inspector's with the most time with what they call, as (function, ms of its own a prefill, ms
+    with what it calls a prefill)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(work)
+    stats = pstats.Stats(profiler).stats
+    rows = [(file, f"{Path(file).name}:{line} {name}", own / count * 1000, total / count * 1000)
+            for (file, line, name), (_, _, own, total, _) in stats.items()]
+    ours = sorted((r for r in rows if "/inspector/" in r[0]), key=lambda r: -r[3])[:top]
+    return [r[1:] for r in sorted(rows, key=lambda r: -r[2])[:top] + ours]
 
 
 def profile_decode(batch: int, steps: int, tag: str, add, engine, drain) -> dict:
@@ -418,6 +437,9 @@ def main() -> None:
             print(f"  {name:22s} host {got['host_ms_per_step']:.2f} ms a step ({plugin or 'no plugin'}); GPU "
                   f"{got['gpu_ms_per_forward']:.2f} ms a forward; a step launches {got.get('kernels', 0):.0f} kernels, "
                   f"{got.get('graphs', 0):.1f} graphs, {got.get('copies', 0):.0f} copies")
+            print("    under Python's profiler, ms a prefill of its own and with what it calls:")
+            for function, own, total in got["host_functions"]:
+                print(f"      {own:7.3f} {total:7.3f}  {function}")
 
     if kernels:
         print_kernels(kernels, runs[-1][0])
