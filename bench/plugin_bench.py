@@ -189,7 +189,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             conn.send(seconds)
             continue
         if msg[0] == "kernels":
-            conn.send(profile_decode(*msg[1:], f"{run_no}", add, engine, drain))
+            conn.send(profile_steps(*msg[1:], f"{run_no}", add, engine, drain))
             continue
         if msg[0] == "profile":
             conn.send(profile_prefills(msg[1], msg[2], f"{run_no}", add, engine, drain, plugin_s, cuda))
@@ -302,36 +302,54 @@ def host_functions(work, count: int, top: int = 15) -> list[tuple[str, float, fl
     return [r[1:] for r in sorted(rows, key=lambda r: -r[2])[:top] + ours]
 
 
-def profile_decode(batch: int, steps: int, tag: str, add, engine, drain) -> dict:
-    """``steps`` decode steps of ``batch`` requests under torch's profiler: the device's time a step, and
-    each kernel's count and time a step (kernels a CUDA graph replays included; on a CPU, each operator's
-    own time)."""
+def profile_steps(batch: int, steps: int, tag: str, add, engine, drain) -> dict:
+    """``batch`` requests under torch's profiler: their prefill (the steps to every request's first token),
+    then ``steps`` decode steps. For each: the device's time a step, and each kernel's count and time a
+    step (kernels a CUDA graph replays included; on a CPU, each operator's own time)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    add([f"{tag}-k{i}" for i in range(batch)], SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
-    for _ in range(4):  # the prefills and a few decode steps first
-        engine.step()
-        drain(finishing=False)
-    sync()
-    t = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(steps):
-            engine.step()
-            drain(finishing=False)
+
+    def profiled(step) -> dict:
+        """``step()`` takes a step and says whether it was the last to profile."""
         sync()
-    wall = time.perf_counter() - t
+        t, count, last = time.perf_counter(), 0, False
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            while not last:
+                last, count = step(), count + 1
+                drain(finishing=False)
+            sync()
+        wall = time.perf_counter() - t
+        kernels = [(e.key, e.count / count, (e.self_device_time_total if cuda else e.self_cpu_time_total) / count)
+                   for e in prof.key_averages()]
+        kernels = [k for k in kernels if k[2] > 0]
+        return {"wall_ms": 1000 * wall / count, "device_ms": sum(k[2] for k in kernels) / 1000,
+                "kernels": sum(k[1] for k in kernels), "top": sorted(kernels, key=lambda k: -k[2])}
+
+    add([f"{tag}-k{i}" for i in range(batch)], SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    first: set[str] = set()
+
+    def prefilled() -> bool:
+        first.update(out.request_id for out in engine.step())
+        return len(first) == batch
+
+    left = iter(range(steps - 1, -1, -1))  # decode steps to take after this one
+
+    def decoded() -> bool:
+        engine.step()
+        return next(left) == 0
+
+    found = {"prefill": profiled(prefilled)}
+    for _ in range(2):
+        engine.step()
+    found["decode"] = profiled(decoded)
     while engine.has_unfinished_requests():
         engine.step()
         drain(finishing=not engine.has_unfinished_requests())
-    kernels = [(e.key, e.count / steps, (e.self_device_time_total if cuda else e.self_cpu_time_total) / steps)
-               for e in prof.key_averages()]
-    kernels = [k for k in kernels if k[2] > 0]
-    return {"wall_ms": 1000 * wall / steps, "device_ms": sum(k[2] for k in kernels) / 1000,
-            "kernels": sum(k[1] for k in kernels), "top": sorted(kernels, key=lambda k: -k[2])}
+    return found
 
 
 def use_caches(root: str) -> None:
@@ -365,9 +383,10 @@ def main() -> None:
     parser.add_argument("--profile-prefills", type=int, default=0,
                         help="after the reps: this many single-request prefills timed, and as many under torch's "
                              "profiler, per configuration (capture on and off for the hooked ones)")
-    parser.add_argument("--decode-kernels", type=int, default=0, metavar="STEPS",
-                        help="after the reps, this many decode steps of the last run's batch under torch's profiler per "
-                             "configuration: device time and kernels a step (operators on a CPU), and those that differ")
+    parser.add_argument("--kernels", type=int, default=0, metavar="STEPS",
+                        help="after the reps, the last run's batch under torch's profiler per configuration, its "
+                             "prefill and then STEPS decode steps: device time and kernels a step (operators on a "
+                             "CPU), and those that differ")
     args = parser.parse_args()
 
     path, extra = model_dir(args.preset)
@@ -423,8 +442,8 @@ def main() -> None:
             conn.send(("profile", args.profile_prefills, capture))
             profiles[name if capture else f"{name}, capture off"] = receive(conn, proc)
     kernels = {}
-    for name, (proc, conn) in workers.items() if args.decode_kernels else ():
-        conn.send(("kernels", runs[-1][0], args.decode_kernels))
+    for name, (proc, conn) in workers.items() if args.kernels else ():
+        conn.send(("kernels", runs[-1][0], args.kernels))
         kernels[name] = receive(conn, proc)
     for proc, conn in workers.values():
         conn.send(("stop",))
@@ -442,7 +461,8 @@ def main() -> None:
                 print(f"      {own:7.3f} {total:7.3f}  {function}")
 
     if kernels:
-        print_kernels(kernels, runs[-1][0])
+        for phase in ("prefill", "decode"):
+            print_kernels(phase, {name: found[phase] for name, found in kernels.items()}, runs[-1][0])
 
     def med(name, run, key):
         return statistics.median(r[key] for r in results[(name, run)])
@@ -511,10 +531,10 @@ def main() -> None:
               f"({over / (buffers + tables):.1%} of buffers and tables, {over / base_mib:.1%} of vanilla)")
 
 
-def print_kernels(kernels: dict[str, dict], batch: int) -> None:
-    """Each configuration's decode step on the device, and the kernels whose time a step differs from the
-    first configuration's by more than a microsecond (new ones, gone ones, slower or faster ones)."""
-    print(f"\ndecode steps of {batch} requests under torch's profiler, per configuration:")
+def print_kernels(phase: str, kernels: dict[str, dict], batch: int) -> None:
+    """Each configuration's steps of one phase on the device, and the kernels whose time a step differs
+    from the first configuration's by more than a microsecond (new ones, gone ones, slower or faster ones)."""
+    print(f"\n{phase} steps of {batch} requests under torch's profiler, per configuration:")
     for name, got in kernels.items():
         print(f"  {name:15s} wall {got['wall_ms']:.2f} ms a step; device {got['device_ms']:.2f} ms in "
               f"{got['kernels']:.0f} kernels a step")
