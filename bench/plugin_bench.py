@@ -285,21 +285,32 @@ def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, pl
     return out
 
 
-def host_functions(work, count: int, top: int = 15) -> list[tuple[str, float, float]]:
-    """Where the host's time goes while ``work`` runs ``count`` prefills (Python's profiler, which slows
-    what it watches alike in every configuration): the functions with the most time of their own, then
-    the inspector's with the most time with what they call, as (function, ms of its own a prefill, ms
-    with what it calls a prefill)."""
+def host_functions(work, count: int) -> dict[str, tuple[float, float, float]]:
+    """Where the host's time goes while ``work`` runs ``count`` prefills, under Python's profiler (which
+    slows what it watches alike in every configuration): function -> (calls, ms of its own, ms with what
+    it calls), each a prefill."""
     import cProfile
     import pstats
 
     profiler = cProfile.Profile()
     profiler.runcall(work)
-    stats = pstats.Stats(profiler).stats
-    rows = [(file, f"{Path(file).name}:{line} {name}", own / count * 1000, total / count * 1000)
-            for (file, line, name), (_, _, own, total, _) in stats.items()]
-    ours = sorted((r for r in rows if "/inspector/" in r[0]), key=lambda r: -r[3])[:top]
-    return [r[1:] for r in sorted(rows, key=lambda r: -r[2])[:top] + ours]
+    return {f"{Path(file).parent.name}/{Path(file).name}:{line} {name}": (calls / count, own / count * 1000,
+                                                                         total / count * 1000)
+            for (file, line, name), (_, calls, own, total, _) in pstats.Stats(profiler).stats.items()}
+
+
+def print_host_functions(profiles: dict[str, dict], top: int = 20) -> None:
+    """The functions whose own time a prefill differs most from the first configuration's."""
+    first, base = next(iter(profiles.items()))
+    for name, got in list(profiles.items())[1:]:
+        before, after = base["host_functions"], got["host_functions"]
+        print(f"  {name} against {first}, under Python's profiler: own ms a prefill (calls) in each, with callees")
+        rows = sorted(before.keys() | after.keys(),
+                      key=lambda f: -abs(after.get(f, (0, 0, 0))[1] - before.get(f, (0, 0, 0))[1]))
+        for function in rows[:top]:
+            (c0, own0, total0), (c1, own1, total1) = before.get(function, (0, 0, 0)), after.get(function, (0, 0, 0))
+            print(f"    {own1 - own0:+7.3f}  {own0:7.3f} ({c0:6.1f}) {own1:7.3f} ({c1:6.1f})  "
+                  f"[{total0:7.2f} {total1:7.2f}]  {function[:100]}")
 
 
 def profile_steps(batch: int, steps: int, tag: str, add, engine, drain) -> dict:
@@ -456,9 +467,7 @@ def main() -> None:
             print(f"  {name:22s} host {got['host_ms_per_step']:.2f} ms a step ({plugin or 'no plugin'}); GPU "
                   f"{got['gpu_ms_per_forward']:.2f} ms a forward; a step launches {got.get('kernels', 0):.0f} kernels, "
                   f"{got.get('graphs', 0):.1f} graphs, {got.get('copies', 0):.0f} copies")
-            print("    under Python's profiler, ms a prefill of its own and with what it calls:")
-            for function, own, total in got["host_functions"]:
-                print(f"      {own:7.3f} {total:7.3f}  {function}")
+        print_host_functions(profiles)
 
     if kernels:
         for phase in ("prefill", "decode"):
