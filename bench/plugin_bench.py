@@ -16,9 +16,8 @@ each send a slice of a hook).
 "clamps" has room to clamp 4 SAE features at every hook; "generated" captures with the "generated"
 capture window (the last prompt position and every generated token; the prompt's other rows never
 leave the device); "vanilla-again" is a second vanilla engine, the control that shows how far two
-identical engines differ on this machine; "idle" compiles the hooks and keeps no
-row of any request, as an OpenAI server serves requests that neither steer nor capture; "vanilla-ieee" is vanilla
-vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
+identical engines differ on this machine; "idle" compiles the hooks and keeps no row of any request, as
+an OpenAI server serves requests that neither steer nor capture; "vanilla-ieee" is vanilla vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
 "vanilla", Triton's TF32 default: the cost of that precision, with ``--dtype float32`` on a GPU).
 
 Single-request prefills (``--prefills`` a rep) are taken one configuration after another, and a hooked
@@ -26,6 +25,12 @@ engine also prefills each time with capture off for that request: capture on aga
 engine and moment is what capturing costs. A batch-1 prefill on the H200 is host-bound (~9 ms), and
 its speed moved by up to 1.6x from one minute to the next in one process (docs/gpu-run-2026-12-02g.md),
 which engine-to-engine ratios cannot tell apart from the plugin's cost.
+
+Where a configuration's time goes, side by side with the first one's: ``--kernels STEPS`` profiles the
+last run's batch (its prefill, then STEPS decode steps) kernel by kernel, ``--profile-prefills N`` single
+prefills' host time, launches and host functions.
+
+    python3 bench/plugin_bench.py --preset llama3-8b --configs vanilla idle --kernels 16 --profile-prefills 8
 """
 
 from __future__ import annotations
