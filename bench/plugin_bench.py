@@ -28,7 +28,8 @@ which engine-to-engine ratios cannot tell apart from the plugin's cost.
 
 Where a configuration's time goes, side by side with the first one's: ``--kernels STEPS`` profiles the
 last run's batch (its prefill, then STEPS decode steps) kernel by kernel, ``--profile-prefills N`` single
-prefills' host time, launches and host functions.
+prefills' host time, the engine core's phases (scheduling, the forward's launch, the wait for the sampled
+tokens), launches and host functions.
 
     python3 bench/plugin_bench.py --preset llama3-8b --configs vanilla idle --kernels 16 --profile-prefills 8
 """
@@ -145,6 +146,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
         llm = LLM(model=path, enable_prefix_caching=False, enforce_eager=mode == "eager", **args)
     boot_s = time.perf_counter() - t0
     engine = llm.llm_engine
+    phase_s = time_engine_phases(engine)
     cache = engine.vllm_config.cache_config
     from torch._dynamo.utils import counters
 
@@ -197,7 +199,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             conn.send(profile_steps(*msg[1:], f"{run_no}", add, engine, drain))
             continue
         if msg[0] == "profile":
-            conn.send(profile_prefills(msg[1], msg[2], f"{run_no}", add, engine, drain, plugin_s, cuda))
+            conn.send(profile_prefills(msg[1], msg[2], f"{run_no}", add, engine, drain, plugin_s, phase_s, cuda))
             continue
         if msg[0] != "run":
             break
@@ -252,8 +254,40 @@ def time_plugin_hooks() -> dict[str, float]:
     return spent
 
 
-def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, plugin_s: dict, cuda: bool) -> dict:
-    """``count`` single-request prefills timed as they run (host time a step, the plugin's share of it),
+ENGINE_PHASES = (("scheduler", "schedule"), ("model_executor", "execute_model"), ("model_executor", "sample_tokens"),
+                 ("scheduler", "update_from_output"))
+
+
+def time_engine_phases(engine) -> dict[str, float]:
+    """Seconds spent in the phases of the engine core's steps (it runs in this process): scheduling,
+    the forward's launch (inputs prepared, graphs launched), the sampling's launch, the wait for the
+    sampled tokens, and reading them into the scheduler. A step's time beyond these is the rest of
+    vLLM's host work (the outputs' processing)."""
+    core = engine.engine_core.engine_core
+    spent: dict[str, float] = {}
+
+    def timed(original, name: str):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+            if name == "sample_tokens" and hasattr(result, "result"):  # the future the engine core waits on
+                result.result = timed(result.result, "wait for the sampled tokens")
+            return result
+        return call
+
+    for owner, name in ENGINE_PHASES:
+        target = getattr(core, owner)
+        setattr(target, name, timed(getattr(target, name), name))
+    return spent
+
+
+def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, plugin_s: dict, phase_s: dict,
+                     cuda: bool) -> dict:
+    """``count`` single-request prefills timed as they run (host time a step, the plugin's share of it, the
+    engine core's phases),
     then ``count`` more under torch's profiler (GPU time a forward, launches a step), and as many under
     Python's (``host_functions``)."""
     import torch
@@ -275,9 +309,11 @@ def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, pl
         return seconds, steps
 
     plugin_s.clear()
+    phase_s.clear()
     seconds, steps = prefills("t")
     out = {"host_ms_per_step": 1000 * seconds / steps,
-           "plugin_ms_per_step": {k: 1000 * v / steps for k, v in plugin_s.items()}}
+           "plugin_ms_per_step": {k: 1000 * v / steps for k, v in plugin_s.items()},
+           "phase_ms_per_step": {k: 1000 * v / steps for k, v in phase_s.items()}}
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         _, steps = prefills("p")
         if cuda:
@@ -472,6 +508,7 @@ def main() -> None:
             print(f"  {name:22s} host {got['host_ms_per_step']:.2f} ms a step ({plugin or 'no plugin'}); GPU "
                   f"{got['gpu_ms_per_forward']:.2f} ms a forward; a step launches {got.get('kernels', 0):.0f} kernels, "
                   f"{got.get('graphs', 0):.1f} graphs, {got.get('copies', 0):.0f} copies")
+            print("    engine core, ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in got["phase_ms_per_step"].items()))
         print_host_functions(profiles)
 
     if kernels:
