@@ -235,6 +235,17 @@ LAUNCHES = {"cudaLaunchKernel": "kernels", "cudaLaunchKernelExC": "kernels", "cu
             "cuLaunchKernelEx": "kernels", "cudaGraphLaunch": "graphs", "cudaMemcpyAsync": "copies"}
 
 
+def timed(original, name: str, spent: dict[str, float]):
+    """``original`` that adds the seconds each call takes to ``spent[name]``."""
+    def call(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+    return call
+
+
 def time_plugin_hooks() -> dict[str, float]:
     """Seconds spent in the plugin's host work around each forward, by method (the engine runs in this
     process: its runtime's class is patched here)."""
@@ -242,15 +253,7 @@ def time_plugin_hooks() -> dict[str, float]:
 
     spent: dict[str, float] = {}
     for name in ("before_forward", "after_forward", "on_logits"):
-        original = getattr(InspectorRuntime, name)
-
-        def timed(self, *args, _original=original, _name=name, **kwargs):
-            t = time.perf_counter()
-            try:
-                return _original(self, *args, **kwargs)
-            finally:
-                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
-        setattr(InspectorRuntime, name, timed)
+        setattr(InspectorRuntime, name, timed(getattr(InspectorRuntime, name), name, spent))
     return spent
 
 
@@ -266,30 +269,39 @@ def time_engine_phases(engine) -> dict[str, float]:
     core = engine.engine_core.engine_core
     spent: dict[str, float] = {}
 
-    def timed(original, name: str):
-        def call(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                result = original(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
-            if name == "sample_tokens" and hasattr(result, "result"):  # the future the engine core waits on
-                result.result = timed(result.result, "wait for the sampled tokens")
-            return result
-        return call
+    launch = timed(core.model_executor.sample_tokens, "sample_tokens", spent)
+
+    def sampling(*args, **kwargs):
+        result = launch(*args, **kwargs)
+        if hasattr(result, "result"):  # the future the engine core waits on
+            result.result = timed(result.result, "wait for the sampled tokens", spent)
+        return result
 
     for owner, name in ENGINE_PHASES:
         target = getattr(core, owner)
-        setattr(target, name, timed(getattr(target, name), name))
+        setattr(target, name, sampling if name == "sample_tokens" else timed(getattr(target, name), name, spent))
     return spent
+
+
+def kernels_of(averages, cuda: bool, steps: int) -> list[tuple[str, float, float]]:
+    """(kernel, count a step, microseconds a step) of a profile's averages: on a GPU the device's own
+    events only (an operator launched outside a CUDA graph carries its kernels' time too, which would
+    count them twice), on a CPU each operator's own time."""
+    from torch.autograd import DeviceType
+
+    if cuda:
+        found = [(e.key, e.count / steps, e.self_device_time_total / steps) for e in averages
+                 if e.device_type == DeviceType.CUDA]
+    else:
+        found = [(e.key, e.count / steps, e.self_cpu_time_total / steps) for e in averages]
+    return [k for k in found if k[2] > 0]
 
 
 def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, plugin_s: dict, phase_s: dict,
                      cuda: bool) -> dict:
     """``count`` single-request prefills timed as they run (host time a step, the plugin's share of it, the
-    engine core's phases),
-    then ``count`` more under torch's profiler (GPU time a forward, launches a step), and as many under
-    Python's (``host_functions``)."""
+    engine core's phases), then ``count`` more under torch's profiler (GPU time a forward, launches a
+    step), and as many under Python's (``host_functions``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -319,7 +331,7 @@ def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, pl
         if cuda:
             torch.cuda.synchronize()
     averages = prof.key_averages()
-    out["gpu_ms_per_forward"] = sum(e.self_device_time_total for e in averages) / 1000 / count
+    out["gpu_ms_per_forward"] = sum(us for _, _, us in kernels_of(averages, cuda, count)) / 1000 if cuda else 0.0
     for key, kind in LAUNCHES.items():
         out[kind] = out.get(kind, 0) + sum(e.count for e in averages if e.key == key) / steps
     out["host_functions"] = host_functions(lambda: prefills("c"), count)
@@ -340,18 +352,27 @@ def host_functions(work, count: int) -> dict[str, tuple[float, float, float]]:
             for (file, line, name), (_, calls, own, total, _) in pstats.Stats(profiler).stats.items()}
 
 
-def print_host_functions(profiles: dict[str, dict], top: int = 20) -> None:
+def print_host_functions(profiles: dict[str, dict]) -> None:
     """The functions whose own time a prefill differs most from the first configuration's."""
     first, base = next(iter(profiles.items()))
     for name, got in list(profiles.items())[1:]:
-        before, after = base["host_functions"], got["host_functions"]
         print(f"  {name} against {first}, under Python's profiler: own ms a prefill (calls) in each, with callees")
-        rows = sorted(before.keys() | after.keys(),
-                      key=lambda f: -abs(after.get(f, (0, 0, 0))[1] - before.get(f, (0, 0, 0))[1]))
-        for function in rows[:top]:
-            (c0, own0, total0), (c1, own1, total1) = before.get(function, (0, 0, 0)), after.get(function, (0, 0, 0))
+        for function, (c0, own0, total0), (c1, own1, total1) in most_changed(base["host_functions"],
+                                                                            got["host_functions"], 1, 20):
             print(f"    {own1 - own0:+7.3f}  {own0:7.3f} ({c0:6.1f}) {own1:7.3f} ({c1:6.1f})  "
                   f"[{total0:7.2f} {total1:7.2f}]  {function[:100]}")
+
+
+def most_changed(before: dict[str, tuple], after: dict[str, tuple], index: int, top: int) -> list[tuple]:
+    """(key, its figures before, after) of the ``top`` keys whose figure at ``index`` changed most; a key
+    on one side only has zeros on the other."""
+    width = len(next(iter({**before, **after}.values()), ()))
+
+    def of(side: dict, key: str) -> tuple:
+        return side.get(key, (0,) * width)
+
+    keys = sorted(before.keys() | after.keys(), key=lambda k: -abs(of(after, k)[index] - of(before, k)[index]))
+    return [(k, of(before, k), of(after, k)) for k in keys[:top]]
 
 
 def profile_steps(batch: int, steps: int, tag: str, add, engine, drain) -> dict:
@@ -375,9 +396,7 @@ def profile_steps(batch: int, steps: int, tag: str, add, engine, drain) -> dict:
                 drain(finishing=False)
             sync()
         wall = time.perf_counter() - t
-        kernels = [(e.key, e.count / count, (e.self_device_time_total if cuda else e.self_cpu_time_total) / count)
-                   for e in prof.key_averages()]
-        kernels = [k for k in kernels if k[2] > 0]
+        kernels = kernels_of(prof.key_averages(), cuda, count)
         return {"wall_ms": 1000 * wall / count, "device_ms": sum(k[2] for k in kernels) / 1000,
                 "kernels": sum(k[1] for k in kernels), "top": sorted(kernels, key=lambda k: -k[2])}
 
@@ -593,10 +612,8 @@ def print_kernels(phase: str, kernels: dict[str, dict], batch: int) -> None:
     before = {key: (count, us) for key, count, us in base["top"]}
     for name, got in list(kernels.items())[1:]:
         after = {key: (count, us) for key, count, us in got["top"]}
-        changed = sorted(((key, *before.get(key, (0, 0)), *after.get(key, (0, 0))) for key in before.keys() | after.keys()),
-                         key=lambda k: -abs(k[4] - k[2]))
         print(f"  {name} against {first}: kernel, count and us a step in each")
-        for key, count0, us0, count1, us1 in changed[:25]:
+        for key, (count0, us0), (count1, us1) in most_changed(before, after, 1, 25):
             if abs(us1 - us0) >= 1:
                 print(f"    {us1 - us0:+8.1f} us  {count0:5.1f} {us0:8.1f}  {count1:5.1f} {us1:8.1f}  {key[:110]}")
 
