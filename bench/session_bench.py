@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from capture_file_bench import disk_mb_s  # noqa: E402
-from plugin_bench import PRESETS, model_dir, receive  # noqa: E402
+from plugin_bench import PRESETS, model_dir, receive, timed  # noqa: E402
 
 HOOKS = ("blocks.*.hook_resid_post",)
 
@@ -72,15 +72,7 @@ PARTS: dict[str, float] = {}  # seconds a run spent in the parts counted (--time
 
 def count_seconds(owner, name: str, part: str) -> None:
     """Add the seconds spent in ``owner.name`` to ``PARTS[part]``."""
-    original = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            PARTS[part] = PARTS.get(part, 0.0) + time.perf_counter() - t0
-    setattr(owner, name, wrapper)
+    setattr(owner, name, timed(getattr(owner, name), part, PARTS))
 
 
 def report_parts(what: str, batch: int, new_tokens: int, seconds: float) -> None:
