@@ -17,7 +17,8 @@ each send a slice of a hook).
 capture window (the last prompt position and every generated token; the prompt's other rows never
 leave the device); "vanilla-again" is a second vanilla engine, the control that shows how far two
 identical engines differ on this machine; "idle" compiles the hooks and keeps no row of any request, as
-an OpenAI server serves requests that neither steer nor capture; "vanilla-ieee" is vanilla vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
+an OpenAI server serves requests that neither steer nor capture ("idle-one-hook": the same with one hook,
+to tell a cost that grows with the hooks from one of the plugin's presence); "vanilla-ieee" is vanilla vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
 "vanilla", Triton's TF32 default: the cost of that precision, with ``--dtype float32`` on a GPU).
 
 Single-request prefills (``--prefills`` a rep) are taken one configuration after another, and a hooked
@@ -29,7 +30,10 @@ which engine-to-engine ratios cannot tell apart from the plugin's cost.
 Where a configuration's time goes, side by side with the first one's: ``--kernels STEPS`` profiles the
 last run's batch (its prefill, then STEPS decode steps) kernel by kernel, ``--profile-prefills N`` single
 prefills' host time, the engine core's phases (scheduling, the forward's launch, the wait for the sampled
-tokens), launches and host functions.
+tokens), launches, host functions, each thread's time on a CPU, waiting for one, blocked and preempted,
+and the interpreter's state (trace and profile functions, sys.monitoring, Dynamo's frame callback,
+torch function modes, the garbage collector) between steps and inside a forward; ``--trace-dir`` saves
+the profiled prefills' timelines with their Python calls.
 
     python3 bench/plugin_bench.py --preset llama3-8b --configs vanilla idle --kernels 16 --profile-prefills 8
 """
@@ -37,6 +41,8 @@ tokens), launches and host functions.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -70,7 +76,8 @@ CONFIGS = {"vanilla": Config("compiled"), "vanilla-again": Config("compiled"),
            "clamps": Config("compiled", RESIDUAL, plugin={"feature_clamps": 4}),
            "vanilla-ieee": Config("compiled", env={"TRITON_F32_DEFAULT": "ieee"}),
            "generated": Config("compiled", RESIDUAL, window="generated"),
-           "idle": Config("compiled", RESIDUAL, capture=False)}
+           "idle": Config("compiled", RESIDUAL, capture=False),
+           "idle-one-hook": Config("compiled", ("blocks.0.hook_resid_post",), capture=False)}
 PRESETS = {
     # name: (model, dtype, max_num_batched_tokens, prompt tokens, runs as (batch, new tokens))
     "cpu": (dict(arch="llama", hidden=512, heads=8, kv_heads=8, layers=8, intermediate=1536, vocab=512),
@@ -199,7 +206,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             conn.send(profile_steps(*msg[1:], f"{run_no}", add, engine, drain))
             continue
         if msg[0] == "profile":
-            conn.send(profile_prefills(msg[1], msg[2], f"{run_no}", add, engine, drain, plugin_s, phase_s, cuda))
+            conn.send(profile_prefills(*msg[1:3], f"{run_no}", add, engine, drain, plugin_s, phase_s, cuda, *msg[3:]))
             continue
         if msg[0] != "run":
             break
@@ -298,10 +305,11 @@ def kernels_of(averages, cuda: bool, steps: int) -> list[tuple[str, float, float
 
 
 def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, plugin_s: dict, phase_s: dict,
-                     cuda: bool) -> dict:
+                     cuda: bool, trace: str | None = None) -> dict:
     """``count`` single-request prefills timed as they run (host time a step, the plugin's share of it, the
     engine core's phases), then ``count`` more under torch's profiler (GPU time a forward, launches a
-    step), and as many under Python's (``host_functions``)."""
+    step; its timeline saved to ``trace`` when given, Python calls included), and as many under Python's
+    (``host_functions``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -320,22 +328,118 @@ def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, pl
             drain(finishing=True)
         return seconds, steps
 
+    gc.collect()  # what this bench left (an earlier profile's results) is not collected on the engine's time
     plugin_s.clear()
     phase_s.clear()
-    seconds, steps = prefills("t")
-    out = {"host_ms_per_step": 1000 * seconds / steps,
+    threads = thread_times()
+    with collections_timed() as collected:
+        seconds, steps = prefills("t")
+    threads = {name: tuple(a - b for a, b in zip(now, threads.get(name, (0,) * 4)))
+               for name, now in thread_times().items()}
+    out = {"host_ms_per_step": 1000 * seconds / steps, "steps_per_prefill": steps / count,
            "plugin_ms_per_step": {k: 1000 * v / steps for k, v in plugin_s.items()},
-           "phase_ms_per_step": {k: 1000 * v / steps for k, v in phase_s.items()}}
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+           "phase_ms_per_step": {k: 1000 * v / steps for k, v in phase_s.items()},
+           "threads_per_step": {k: [v / steps for v in got] for k, got in threads.items() if got[0] > 0},
+           "collections_per_step": {g: (n / steps, 1000 * t / steps) for g, (n, t) in collected.items()},
+           "interpreter": interpreter_state(), "interpreter in a forward": state_in_forward(lambda: prefills("s"))}
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 with_stack=bool(trace)) as prof:  # a timeline shows the Python between operators too
         _, steps = prefills("p")
         if cuda:
             torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     averages = prof.key_averages()
     out["gpu_ms_per_forward"] = sum(us for _, _, us in kernels_of(averages, cuda, count)) / 1000 if cuda else 0.0
     for key, kind in LAUNCHES.items():
         out[kind] = out.get(kind, 0) + sum(e.count for e in averages if e.key == key) / steps
     out["host_functions"] = host_functions(lambda: prefills("c"), count)
     return out
+
+
+@contextlib.contextmanager
+def collections_timed():
+    """The garbage collector's runs while the block runs: generation -> [runs, seconds]."""
+    found: dict[int, list] = {}
+    started: list[float] = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            runs = found.setdefault(info["generation"], [0, 0.0])
+            runs[0], runs[1] = runs[0] + 1, runs[1] + time.perf_counter() - started.pop()
+
+    gc.callbacks.append(note)
+    try:
+        yield found
+    finally:
+        gc.callbacks.remove(note)
+
+
+def thread_times() -> dict[str, tuple[float, ...]]:
+    """Per thread of this process, by "name/id" (Linux): ms on a CPU, ms waiting for one, and its
+    voluntary (it blocked) and involuntary (it was preempted) context switches."""
+    found = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                on_cpu, waiting, _ = f.read().split()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                switches = dict(line.split(":\t") for line in f.read().splitlines() if "ctxt_switches" in line)
+        except (OSError, ValueError):  # the thread ended
+            continue
+        found[f"{name}/{tid}"] = (int(on_cpu) / 1e6, int(waiting) / 1e6, int(switches["voluntary_ctxt_switches"]),
+                                  int(switches["nonvoluntary_ctxt_switches"]))
+    return found
+
+
+def interpreter_state() -> dict[str, str]:
+    """What can make every Python line or call of this process slower: trace and profile functions,
+    sys.monitoring tools and the events they watch, Dynamo's frame callback, torch function modes,
+    the garbage collector's state, Python threads."""
+    import threading
+
+    import torch
+
+    state = {"trace": repr(sys.gettrace()), "profile": repr(sys.getprofile()),
+             "dynamo frame callback": repr(torch._C._dynamo.eval_frame.get_eval_frame_callback()),
+             "torch function modes": str(torch._C._len_torch_function_stack()),
+             "gc": f"enabled {gc.isenabled()}, thresholds {gc.get_threshold()}, counts {gc.get_count()}, "
+                   f"tracked {len(gc.get_objects())}, frozen {gc.get_freeze_count()}",
+             "python threads": ", ".join(t.name for t in threading.enumerate()),
+             "CPUs": f"{len(os.sched_getaffinity(0))} allowed, torch threads {torch.get_num_threads()}, "
+                     f"OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS')}"}
+    monitoring = getattr(sys, "monitoring", None)
+    if monitoring is not None:
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+        code = CUDAGraphWrapper.__call__.__code__
+        state["sys.monitoring"] = "; ".join(
+            f"{i} {monitoring.get_tool(i)}: events {monitoring.get_events(i)}, on CUDAGraphWrapper.__call__ "
+            f"{monitoring.get_local_events(i, code)}" for i in range(6) if monitoring.get_tool(i))
+    return state
+
+
+def state_in_forward(work) -> dict[str, str]:
+    """``interpreter_state`` as the first CUDA graph of a forward of ``work`` is replayed."""
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    seen, original = [], CUDAGraphWrapper.__call__
+
+    def call(self, *args, **kwargs):
+        if not seen:
+            seen.append(interpreter_state())
+        return original(self, *args, **kwargs)
+
+    CUDAGraphWrapper.__call__ = call
+    try:
+        work()
+    finally:
+        CUDAGraphWrapper.__call__ = original
+    return seen[0] if seen else {"state": "no CUDA graph was replayed"}
 
 
 def host_functions(work, count: int) -> dict[str, tuple[float, float, float]]:
@@ -454,6 +558,8 @@ def main() -> None:
     parser.add_argument("--profile-prefills", type=int, default=0,
                         help="after the reps: this many single-request prefills timed, and as many under torch's "
                              "profiler, per configuration (capture on and off for the hooked ones)")
+    parser.add_argument("--trace-dir", help="with --profile-prefills: save each configuration's profiled prefills "
+                                            "there as a timeline with its Python calls (Chrome trace JSON)")
     parser.add_argument("--kernels", type=int, default=0, metavar="STEPS",
                         help="after the reps, the last run's batch under torch's profiler per configuration, its "
                              "prefill and then STEPS decode steps: device time and kernels a step (operators on a "
@@ -510,7 +616,9 @@ def main() -> None:
     profiles = {}
     for name, (proc, conn) in workers.items() if args.profile_prefills else ():
         for capture in (True, False) if CONFIGS[name].hooks else (True,):
-            conn.send(("profile", args.profile_prefills, capture))
+            trace = (os.path.join(args.trace_dir, f"{name}{'' if capture else '-capture-off'}.json")
+                     if args.trace_dir else None)
+            conn.send(("profile", args.profile_prefills, capture, trace))
             profiles[name if capture else f"{name}, capture off"] = receive(conn, proc)
     kernels = {}
     for name, (proc, conn) in workers.items() if args.kernels else ():
@@ -524,10 +632,18 @@ def main() -> None:
               f"{args.profile_prefills} under torch's profiler, per configuration:")
         for name, got in profiles.items():
             plugin = ", ".join(f"{k} {v:.3f}" for k, v in got["plugin_ms_per_step"].items())
-            print(f"  {name:22s} host {got['host_ms_per_step']:.2f} ms a step ({plugin or 'no plugin'}); GPU "
+            print(f"  {name:22s} {got['steps_per_prefill']:.1f} steps a prefill, host {got['host_ms_per_step']:.2f} ms a step ({plugin or 'no plugin'}); GPU "
                   f"{got['gpu_ms_per_forward']:.2f} ms a forward; a step launches {got.get('kernels', 0):.0f} kernels, "
                   f"{got.get('graphs', 0):.1f} graphs, {got.get('copies', 0):.0f} copies")
             print("    engine core, ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in got["phase_ms_per_step"].items()))
+            print("    busiest threads, a step: " + "; ".join(
+                f"{k} on a CPU {cpu:.2f} ms, waiting {wait:.2f} ms, blocked {blocked:.1f}x, preempted {preempted:.1f}x"
+                for k, (cpu, wait, blocked, preempted) in sorted(got["threads_per_step"].items(), key=lambda t: -t[1][0])[:4]))
+            print("    garbage collections, a step: " + (", ".join(
+                f"generation {g} {n:.2f}x {ms:.3f} ms" for g, (n, ms) in sorted(got["collections_per_step"].items()))
+                or "none"))
+            for where in ("interpreter", "interpreter in a forward"):
+                print(f"    {where}: " + "; ".join(f"{k}: {v}" for k, v in got[where].items()))
         print_host_functions(profiles)
 
     if kernels:
@@ -563,7 +679,8 @@ def main() -> None:
             print(f"{name}/vanilla: " + ", ".join(
                 f"{b}x{n} prefill {med(name, (b, n), 'prefill_tok_s') / med('vanilla', (b, n), 'prefill_tok_s'):.3f} "
                 f"decode {med(name, (b, n), 'decode_tok_s') / med('vanilla', (b, n), 'decode_tok_s'):.3f}"
-                for b, n in runs) + f"; single-request prefills {single_ratio(singles[name], singles['vanilla'])}")
+                for b, n in runs) + f"; single-request prefills {single_ratio(singles[name], singles['vanilla'])}"
+                + (f", with capture off {single_ratio(uncaptured[name], singles['vanilla'])}" if uncaptured[name] else ""))
         if boot["vanilla"]["cuda"]:
             print("GPU memory in use per device (all engines of this benchmark together): " + ", ".join(
                 f"{g:.1f}" for g in med_list(results[(args.configs[-1], runs[-1])], "gpu_used_gib")) + " GiB")
