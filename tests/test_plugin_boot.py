@@ -138,8 +138,16 @@ def test_cpu_tensor_parallelism_gives_each_rank_its_cores(cores, ranks, groups):
     from inspector.engine.environment import cpu_groups
 
     assert cpu_groups(cores, ranks) == groups
-    with pytest.raises(ValueError, match="needs at least 4 CPU cores"):
-        cpu_groups(cores[:3], 4)
+
+
+def test_cpu_ranks_share_cores_where_there_are_fewer_cores_than_ranks(caplog):
+    """TP=2 × PP=2 on two cores: a core each, in turn, and a warning that it runs slower."""
+    from inspector.engine.environment import cpu_groups
+
+    with caplog.at_level("WARNING", logger="inspector.engine.environment"):
+        assert cpu_groups([0, 1], 4) == ["0", "1", "0", "1"]
+        assert cpu_groups([0, 2, 5], 4) == ["0", "2", "5", "0"]
+    assert "4 ranks on 2 CPU cores: ranks share cores" in caplog.text
 
 
 def test_a_float32_engine_computes_in_float32_and_a_users_setting_wins(monkeypatch):

