@@ -33,9 +33,12 @@ prefills' host time, the engine core's phases (scheduling, the forward's launch,
 tokens), launches, host functions, each thread's time on a CPU, waiting for one, blocked and preempted,
 and the interpreter's state (trace and profile functions, sys.monitoring, Dynamo's frame callback,
 torch function modes, the garbage collector) between steps and inside a forward; ``--trace-dir`` saves
-the profiled prefills' timelines with their Python calls.
+the profiled prefills' timelines with their Python calls. A batch-1 prefill's host time differs from one
+boot to the next; ``--boots N`` boots each configuration N times instead, one engine at a time, and
+times single prefills in each boot, so that spread shows beside the configurations' difference.
 
     python3 bench/plugin_bench.py --preset llama3-8b --configs vanilla idle --kernels 16 --profile-prefills 8
+    python3 bench/plugin_bench.py --preset llama3-8b --configs vanilla idle --boots 3 --prefills 16
 """
 
 from __future__ import annotations
@@ -558,6 +561,11 @@ def main() -> None:
     parser.add_argument("--profile-prefills", type=int, default=0,
                         help="after the reps: this many single-request prefills timed, and as many under torch's "
                              "profiler, per configuration (capture on and off for the hooked ones)")
+    parser.add_argument("--boots", type=int, default=0, metavar="N",
+                        help="instead of the runs: boot each configuration N times, one engine at a time and the "
+                             "configurations in turn, and time --prefills single prefills in each boot (capture as "
+                             "the configuration has it): how far boots of one configuration differ, against how "
+                             "far the configurations do")
     parser.add_argument("--trace-dir", help="with --profile-prefills: save each configuration's profiled prefills "
                                             "there as a timeline with its Python calls (Chrome trace JSON)")
     parser.add_argument("--kernels", type=int, default=0, metavar="STEPS",
@@ -578,6 +586,7 @@ def main() -> None:
     roots = {name: tempfile.mkdtemp(prefix=f"bench-cache-{name}-") for name in args.configs}
 
     def start(name: str, cache_root: str, boot_only: bool = False):
+        warm = any(Path(cache_root).iterdir())  # an earlier boot of this configuration filled it
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=serve, args=(name, child, args.preset, path, extra, args.gpu_memory_utilization,
                                                cache_root, boot_only), daemon=True)
@@ -586,8 +595,12 @@ def main() -> None:
         hits, misses = info["fx_cache"]
         label = f"{name} again" if boot_only else name
         print(f"booted {label:15s} in {info['boot_s']:6.1f} s (torch.compile {info['compile_s']:.1f} s, Inductor "
-              f"graph cache {hits} hits / {misses} misses; {'its' if boot_only else 'cold'} caches)", flush=True)
+              f"graph cache {hits} hits / {misses} misses; {'warm' if warm else 'cold'} caches)", flush=True)
         return proc, parent, info
+
+    if args.boots:
+        boot_spread(args.configs, args.boots, args.prefills, start, roots, prompt_len)
+        return
 
     for name in args.configs:  # boot one at a time: boots compete for the same cores
         proc, conn, boot[name] = start(name, roots[name])
@@ -716,6 +729,33 @@ def main() -> None:
         over = extra_mib - buffers - tables
         print(f"compiled above vanilla: {extra_mib:.1f} MiB = buffers and tables + {over:.1f} MiB "
               f"({over / (buffers + tables):.1%} of buffers and tables, {over / base_mib:.1%} of vanilla)")
+
+
+def boot_spread(configs: list[str], boots: int, prefills: int, start, roots: dict, prompt_len: int) -> None:
+    """Each configuration booted ``boots`` times, one engine at a time and the configurations in turn:
+    the median of ``prefills`` single prefills in each boot (after two not counted: a boot's first
+    drains are slower), so that the spread between boots of one configuration shows beside the
+    difference between configurations."""
+    medians: dict[str, list[float]] = {name: [] for name in configs}
+    for boot in range(boots):
+        for name in configs:
+            proc, conn, _ = start(name, roots[name])
+            seconds = []
+            for k in range(2 + prefills):
+                conn.send(("prefill", CONFIGS[name].capture))
+                seconds.append(receive(conn, proc))
+            conn.send(("stop",))
+            proc.join(timeout=120)
+            medians[name].append(statistics.median(seconds[2:]))
+            print(f"boot {boot + 1}/{boots} {name}: single prefills {prompt_len / medians[name][-1]:,.0f} tok/s "
+                  f"(median of {prefills})", flush=True)
+    first = configs[0]
+    print(f"\nsingle prefills of {prompt_len} tokens, tok/s by boot (median of {prefills} each):")
+    for name in configs:
+        rates = [prompt_len / s for s in medians[name]]
+        print(f"  {name:15s} " + " ".join(f"{r:8,.0f}" for r in rates) + f"   spread {max(rates) / min(rates):.2f}x"
+              + ("" if name == first else f"; median against {first} "
+                 f"{statistics.median(medians[first]) / statistics.median(medians[name]):.3f}"))
 
 
 def print_kernels(phase: str, kernels: dict[str, dict], batch: int) -> None:
