@@ -18,7 +18,8 @@ capture window (the last prompt position and every generated token; the prompt's
 leave the device); "vanilla-again" is a second vanilla engine, the control that shows how far two
 identical engines differ on this machine; "idle" compiles the hooks and keeps no row of any request, as
 an OpenAI server serves requests that neither steer nor capture ("idle-one-hook": the same with one hook,
-to tell a cost that grows with the hooks from one of the plugin's presence); "vanilla-ieee" is vanilla vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
+to tell a cost that grows with the hooks from one of the plugin's presence); "vanilla-ieee" is vanilla
+vLLM with Triton's float32 dots in IEEE float32, as the inspector boots float32 engines (against
 "vanilla", Triton's TF32 default: the cost of that precision, with ``--dtype float32`` on a GPU).
 
 Single-request prefills (``--prefills`` a rep) are taken one configuration after another, and a hooked
@@ -156,7 +157,7 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
         llm = LLM(model=path, enable_prefix_caching=False, enforce_eager=mode == "eager", **args)
     boot_s = time.perf_counter() - t0
     engine = llm.llm_engine
-    phase_s = time_engine_phases(engine)
+    phase_s: dict[str, float] | None = None  # the engine core's phase timers, installed by the first profile
     cache = engine.vllm_config.cache_config
     from torch._dynamo.utils import counters
 
@@ -209,6 +210,8 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
             conn.send(profile_steps(*msg[1:], f"{run_no}", add, engine, drain))
             continue
         if msg[0] == "profile":
+            if phase_s is None:  # the runs before took their steps without these wrappers
+                phase_s = time_engine_phases(engine)
             conn.send(profile_prefills(*msg[1:3], f"{run_no}", add, engine, drain, plugin_s, phase_s, cuda, *msg[3:]))
             continue
         if msg[0] != "run":
@@ -293,6 +296,13 @@ def time_engine_phases(engine) -> dict[str, float]:
     return spent
 
 
+def profiler(cuda: bool, **options):
+    """torch's profiler of the host's operators and, on a GPU, the device's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), **options)
+
+
 def kernels_of(averages, cuda: bool, steps: int) -> list[tuple[str, float, float]]:
     """(kernel, count a step, microseconds a step) of a profile's averages: on a GPU the device's own
     events only (an operator launched outside a CUDA graph carries its kernels' time too, which would
@@ -314,7 +324,6 @@ def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, pl
     step; its timeline saved to ``trace`` when given, Python calls included), and as many under Python's
     (``host_functions``)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -345,8 +354,7 @@ def profile_prefills(count: int, capture: bool, tag: str, add, engine, drain, pl
            "threads_per_step": {k: [v / steps for v in got] for k, got in threads.items() if got[0] > 0},
            "collections_per_step": {g: (n / steps, 1000 * t / steps) for g, (n, t) in collected.items()},
            "interpreter": interpreter_state(), "interpreter in a forward": state_in_forward(lambda: prefills("s"))}
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
-                 with_stack=bool(trace)) as prof:  # a timeline shows the Python between operators too
+    with profiler(cuda, with_stack=bool(trace)) as prof:  # a timeline shows the Python between operators too
         _, steps = prefills("p")
         if cuda:
             torch.cuda.synchronize()
@@ -487,7 +495,6 @@ def profile_steps(batch: int, steps: int, tag: str, add, engine, drain) -> dict:
     then ``steps`` decode steps. For each: the device's time a step, and each kernel's count and time a
     step (kernels a CUDA graph replays included; on a CPU, each operator's own time)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
     cuda = torch.cuda.is_available()
@@ -497,7 +504,7 @@ def profile_steps(batch: int, steps: int, tag: str, add, engine, drain) -> dict:
         """``step()`` takes a step and says whether it was the last to profile."""
         sync()
         t, count, last = time.perf_counter(), 0, False
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with profiler(cuda) as prof:
             while not last:
                 last, count = step(), count + 1
                 drain(finishing=False)
@@ -645,13 +652,16 @@ def main() -> None:
               f"{args.profile_prefills} under torch's profiler, per configuration:")
         for name, got in profiles.items():
             plugin = ", ".join(f"{k} {v:.3f}" for k, v in got["plugin_ms_per_step"].items())
-            print(f"  {name:22s} {got['steps_per_prefill']:.1f} steps a prefill, host {got['host_ms_per_step']:.2f} ms a step ({plugin or 'no plugin'}); GPU "
+            print(f"  {name:22s} {got['steps_per_prefill']:.1f} steps a prefill, host {got['host_ms_per_step']:.2f} ms "
+                  f"a step ({plugin or 'no plugin'}); GPU "
                   f"{got['gpu_ms_per_forward']:.2f} ms a forward; a step launches {got.get('kernels', 0):.0f} kernels, "
                   f"{got.get('graphs', 0):.1f} graphs, {got.get('copies', 0):.0f} copies")
-            print("    engine core, ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in got["phase_ms_per_step"].items()))
+            print("    engine core, ms a step: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in got["phase_ms_per_step"].items()))
+            busiest = sorted(got["threads_per_step"].items(), key=lambda t: -t[1][0])[:4]
             print("    busiest threads, a step: " + "; ".join(
                 f"{k} on a CPU {cpu:.2f} ms, waiting {wait:.2f} ms, blocked {blocked:.1f}x, preempted {preempted:.1f}x"
-                for k, (cpu, wait, blocked, preempted) in sorted(got["threads_per_step"].items(), key=lambda t: -t[1][0])[:4]))
+                for k, (cpu, wait, blocked, preempted) in busiest))
             print("    garbage collections, a step: " + (", ".join(
                 f"generation {g} {n:.2f}x {ms:.3f} ms" for g, (n, ms) in sorted(got["collections_per_step"].items()))
                 or "none"))
@@ -689,11 +699,11 @@ def main() -> None:
     if "vanilla" in args.configs:
         print()
         for name in args.configs[1:]:
+            off = f", with capture off {single_ratio(uncaptured[name], singles['vanilla'])}" if uncaptured[name] else ""
             print(f"{name}/vanilla: " + ", ".join(
                 f"{b}x{n} prefill {med(name, (b, n), 'prefill_tok_s') / med('vanilla', (b, n), 'prefill_tok_s'):.3f} "
                 f"decode {med(name, (b, n), 'decode_tok_s') / med('vanilla', (b, n), 'decode_tok_s'):.3f}"
-                for b, n in runs) + f"; single-request prefills {single_ratio(singles[name], singles['vanilla'])}"
-                + (f", with capture off {single_ratio(uncaptured[name], singles['vanilla'])}" if uncaptured[name] else ""))
+                for b, n in runs) + f"; single-request prefills {single_ratio(singles[name], singles['vanilla'])}{off}")
         if boot["vanilla"]["cuda"]:
             print("GPU memory in use per device (all engines of this benchmark together): " + ", ".join(
                 f"{g:.1f}" for g in med_list(results[(args.configs[-1], runs[-1])], "gpu_used_gib")) + " GiB")

@@ -72,7 +72,8 @@ if __name__ == "__main__":
                                 ("tp2-eager", "eager", {"tensor_parallel_size": 2}),
                                 ("pp2-compiled", "compiled", {"pipeline_parallel_size": 2}),
                                 ("pp2-eager", "eager", {"pipeline_parallel_size": 2}),
-                                ("tp2pp2-compiled", "compiled", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+                                ("tp2pp2-compiled", "compiled",
+                                 {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
                                 ("tp1", "compiled", {})):
         options = SessionOptions(model=model, mode=mode, hooks=("*",), max_model_len=256, max_num_batched_tokens=16,
                                  engine_args=parallel)
