@@ -24,6 +24,7 @@ from inspector.core.request_edits import SERVED_SECTION
 from inspector.core.routing import Routing
 
 _PATCHED_FLAG = "_inspector_patched"
+WORKER_STEPS = ("execute_model", "sample_tokens")  # the worker methods taking a step's forward and sampling
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import types
 from dataclasses import replace
 
 from inspector.core.drained import ROW_KEYS
+from inspector.core.frame_stack import run_methods_in_fresh_stack_chunks
 from inspector.core.interventions import Intervention
 from inspector.core.portable import to_portable
 from inspector.core.request_edits import CAPTURE_KEY, EDIT_KEY, decode_edit
@@ -96,6 +97,9 @@ def install_runtime(worker) -> None:
     if vllm_compat.tensor_parallel(worker).rank == 0:  # vLLM may gather the logits onto every rank: one reads them
         vllm_compat.watch_logits(worker, runtime.on_logits)
     vllm_compat.watch_scheduled_requests(worker, functools.partial(_read_requests, runtime))
+    # Outermost: each step's forward and sampling start a fresh frame-stack chunk, so that neither the hooks'
+    # locals (they deepen the compiled forward) nor the plugin's wrappers put a loop of calls across a chunk's end.
+    run_methods_in_fresh_stack_chunks(worker, vllm_compat.WORKER_STEPS)
     setattr(worker, _ATTR, runtime)
     _offer_extension(worker)
     for listener in on_hooks_installed:

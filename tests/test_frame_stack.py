@@ -1,0 +1,55 @@
+"""The forward's fresh frame-stack chunk: whatever the caller's depth, a loop of small calls under it
+never lands across a chunk's end (where CPython before gh-142183's fix maps and unmaps memory on
+every call). Counted in minor page faults of this thread, which a crossing call takes one of each."""
+
+import resource
+import sys
+import types
+
+import pytest
+
+from inspector.core.frame_stack import call_in_fresh_stack_chunk
+
+CALLS = 2_000
+CHUNK_SLOTS = 16 * 1024 // 8  # a standard chunk's slots
+
+
+def leaf():
+    return None
+
+
+def loop(calls: int) -> None:
+    for _ in range(calls):
+        leaf()
+
+
+def caller_reserving(slots: int):
+    """A function that calls ``fn(*args)`` from a frame ``slots`` larger than its own."""
+    def call(fn, *args):
+        return fn(*args)
+
+    return types.FunctionType(call.__code__.replace(co_stacksize=call.__code__.co_stacksize + slots), globals())
+
+
+def most_faults(run) -> int:
+    """The most minor page faults ``run(caller)`` took, over callers of every depth a chunk spans."""
+    worst = 0
+    for slots in range(0, CHUNK_SLOTS + 64, 2):
+        caller = caller_reserving(slots)
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        run(caller)
+        worst = max(worst, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    return worst
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 13), reason="CPython 3.13 and 3.14 releases keep a freed chunk (gh-142183)")
+def test_without_it_some_caller_depth_makes_every_call_map_memory():
+    assert most_faults(lambda caller: caller(loop, CALLS)) >= CALLS
+
+
+def test_under_it_no_caller_depth_does():
+    assert most_faults(lambda caller: caller(call_in_fresh_stack_chunk, loop, CALLS)) < CALLS // 20
+
+
+def test_it_passes_arguments_and_the_result_through():
+    assert call_in_fresh_stack_chunk(lambda a, fn=None: (a, fn), 1, fn=2) == (1, 2)
