@@ -221,3 +221,19 @@ def test_points_split_over_ranks_are_not_captured(admission):
     with pytest.raises(Refused, match="split over the tensor-parallel ranks"):
         admission.admit(body(inspector_capture="blocks.0.*"))
     assert admission.admit(body(inspector_capture="blocks.0.hook_resid_post")).key
+
+
+def test_serving_refuses_to_start_without_the_plugins_it_needs(monkeypatch):
+    """vLLM would log a plugin that fails to load and serve every steered request unsteered."""
+    from importlib.metadata import EntryPoint
+
+    from inspector.openai import cli
+
+    cli.require_plugins()  # the installed package's own entry points load
+    broken = EntryPoint(name=cli.PLUGIN, value='"inspector.plugin:register"', group="vllm.general_plugins")
+    monkeypatch.setattr(cli, "entry_points", lambda group: [broken] if group == broken.group else [])
+    with pytest.raises(RuntimeError, match="general_plugins entry point '\"inspector.plugin:register\"' does not"):
+        cli.require_plugins()
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    with pytest.raises(RuntimeError, match="vllm.general_plugins entry point is not installed"):
+        cli.require_plugins()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from inspector.core.interventions import DEFAULT_MAX_SLOTS
@@ -17,6 +18,7 @@ from inspector.engine.environment import parallel_ranks, worker_environment
 from .vectors import absolute_vector_spec, parse_vector_spec
 
 PLUGIN = "activation_inspector"  # the name of both entry points, ours in VLLM_PLUGINS
+PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.endpoint_plugins")
 NOT_WITH_OPENAI = {"listen": "tcp://127.0.0.1:5557", "keys": None, "window": None, "exit_when_idle": None,
                    "no_position_interventions": False, "kept_layers": 0}
 
@@ -74,8 +76,24 @@ def vllm_flags(engine_args: dict) -> list[str]:
     return flags
 
 
+def require_plugins() -> None:
+    """RuntimeError unless both of the inspector's entry points are installed and load: vLLM logs a
+    plugin that fails and serves on without it, which here would answer every steered request unsteered."""
+    for group in PLUGIN_GROUPS:
+        found = [point for point in entry_points(group=group) if point.name == PLUGIN]
+        if not found:
+            raise RuntimeError(f"the inspector's {group} entry point is not installed, so vLLM would serve "
+                               "without it; install the package (pip install -e .)")
+        try:
+            found[0].load()
+        except Exception as e:
+            raise RuntimeError(f"the inspector's {group} entry point {found[0].value!r} does not load "
+                               f"({type(e).__name__}: {e}); reinstall the package (pip install -e .)") from e
+
+
 def serve(args, engine_args: dict) -> int:
     argv = vllm_arguments(args, engine_args)
+    require_plugins()
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
     os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*plugins, PLUGIN]))
     print(f"inspector serve --openai: vllm serve {' '.join(argv)}", flush=True)
