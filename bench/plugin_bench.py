@@ -37,9 +37,13 @@ torch function modes, the garbage collector) between steps and inside a forward;
 the profiled prefills' timelines with their Python calls. A batch-1 prefill's host time differs from one
 boot to the next; ``--boots N`` boots each configuration N times instead, one engine at a time, and
 times single prefills in each boot, so that spread shows beside the configurations' difference.
+Much of that spread was where the forward sat on CPython's frame stack: ``--depths STEP`` times single
+prefills called from frames of every size a stack chunk spans, the worker's steps taken as vLLM takes
+them and then in a fresh chunk, as the plugin takes them (``inspector.core.frame_stack``).
 
     python3 bench/plugin_bench.py --preset llama3-8b --configs vanilla idle --kernels 16 --profile-prefills 8
     python3 bench/plugin_bench.py --preset llama3-8b --configs vanilla idle --boots 3 --prefills 16
+    python3 bench/plugin_bench.py --preset llama3-8b --configs vanilla idle --depths 16
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -192,19 +197,29 @@ def serve(name: str, conn, preset: str, path: str, extra: dict, gpu_util: float,
         for rid in rids:
             engine.add_request(rid, {"prompt_token_ids": rng.integers(10, vocab - 10, prompt_len).tolist()}, params)
 
+    serial = itertools.count()
+
+    def single_prefill(capture: bool) -> float:
+        """Seconds of one request to its first token (its rows may still be arriving)."""
+        t0 = time.perf_counter()
+        add([f"single-{next(serial)}"], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+            capture=capture)
+        while engine.has_unfinished_requests():
+            engine.step()
+            drain(finishing=False)
+        seconds = time.perf_counter() - t0
+        drain(finishing=True)
+        return seconds
+
     run_no = 0
     while True:
         msg = conn.recv()
         run_no += 1
-        if msg[0] == "prefill":  # one request to its first token (its rows may still be arriving)
-            t0 = time.perf_counter()
-            add([f"{run_no}"], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), capture=msg[1])
-            while engine.has_unfinished_requests():
-                engine.step()
-                drain(finishing=False)
-            seconds = time.perf_counter() - t0
-            drain(finishing=True)
-            conn.send(seconds)
+        if msg[0] == "prefill":
+            conn.send(single_prefill(msg[1]))
+            continue
+        if msg[0] == "depths":
+            conn.send(depth_sweep(*msg[1:], lambda: single_prefill(config.capture), llm, bool(hooks)))
             continue
         if msg[0] == "kernels":
             conn.send(profile_steps(*msg[1:], f"{run_no}", add, engine, drain))
@@ -294,6 +309,73 @@ def time_engine_phases(engine) -> dict[str, float]:
         target = getattr(core, owner)
         setattr(target, name, sampling if name == "sample_tokens" else timed(getattr(target, name), name, spent))
     return spent
+
+
+def depth_sweep(sizes: list[int], reps: int, prefill, llm, hooked: bool) -> dict[str, list[tuple[int, float, int]]]:
+    """Single prefills called from a frame that reserves each of ``sizes`` slots of CPython's frame
+    stack, the worker's steps taken as vLLM takes them ("plain") and then each in a fresh frame-stack
+    chunk, as the plugin takes them (``inspector.core.frame_stack``): where a chunk's end falls within
+    a loop of small calls, each call maps and unmaps memory. mode -> [(size, median seconds, median minor
+    page faults of this thread)] (the engine runs in this process)."""
+    import resource
+    import types
+
+    from inspector.core import frame_stack
+    from inspector.plugin.vllm_compat import WORKER_STEPS
+
+    if not hooked:  # vanilla's steps taken as the plugin takes them
+        llm.collective_rpc(frame_stack.run_methods_in_fresh_stack_chunks, args=(WORKER_STEPS,))
+
+    def plain(fn, /, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    def pad(fn):
+        return fn()
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+    fresh, found = frame_stack.call_in_fresh_stack_chunk, {}
+    for mode, call in (("plain", plain), ("fresh chunk", fresh)):
+        frame_stack.call_in_fresh_stack_chunk = call  # what the wrapped steps call
+        rows = []
+        for size in sizes:
+            padded = types.FunctionType(pad.__code__.replace(co_stacksize=pad.__code__.co_stacksize + size),
+                                        globals())
+            seconds, faulted = [], []
+            for _ in range(reps):
+                before = faults()
+                seconds.append(padded(prefill))
+                faulted.append(faults() - before)
+            rows.append((size, statistics.median(seconds), statistics.median(faulted)))
+        found[mode] = rows
+    frame_stack.call_in_fresh_stack_chunk = fresh
+    return found
+
+
+def print_depth_sweep(sweeps: dict[str, dict], step: int, reps: int) -> None:
+    top = max(size for rows in next(iter(sweeps.values())).values() for size, _, _ in rows)
+    print(f"\nsingle prefills called from a frame of 0-{top} slots (every {step}; {reps} prefills a size): ms "
+          f"a prefill over the sizes, the sizes slower than 1.2x the best, and minor page faults a prefill")
+    for name, modes in sweeps.items():
+        for mode, rows in modes.items():
+            ms = [1000 * seconds for _, seconds, _ in rows]
+            slow = [size for (size, _, _), m in zip(rows, ms) if m > 1.2 * min(ms)]
+            faults = [f for _, _, f in rows]
+            print(f"  {name:13s} {mode:11s} median {statistics.median(ms):6.2f}, best {min(ms):6.2f}, worst "
+                  f"{max(ms):6.2f}; {len(slow)} of {len(rows)} sizes slower ({spans(slow, step) or 'none'}); "
+                  f"faults median {statistics.median(faults):.0f}, most {max(faults):.0f}")
+
+
+def spans(sizes: list[int], step: int) -> str:
+    """"0-64, 512" for sizes 0, 32, 64, 512 taken every 32."""
+    runs: list[list[int]] = []
+    for size in sizes:
+        if runs and size - runs[-1][-1] == step:
+            runs[-1].append(size)
+        else:
+            runs.append([size])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 def profiler(cuda: bool, **options):
@@ -573,6 +655,10 @@ def main() -> None:
                              "configurations in turn, and time --prefills single prefills in each boot (capture as "
                              "the configuration has it): how far boots of one configuration differ, against how "
                              "far the configurations do")
+    parser.add_argument("--depths", type=int, default=0, metavar="STEP",
+                        help="after the reps: single prefills called from a frame of 0 to 2,304 slots of CPython's "
+                             "frame stack, every STEP, with the worker's steps taken plainly and then in a fresh "
+                             "frame-stack chunk (as the plugin takes them), 3 a size, per configuration")
     parser.add_argument("--trace-dir", help="with --profile-prefills: save each configuration's profiled prefills "
                                             "there as a timeline with its Python calls (Chrome trace JSON)")
     parser.add_argument("--kernels", type=int, default=0, metavar="STEPS",
@@ -633,6 +719,10 @@ def main() -> None:
                     conn.send(("prefill", capture))
                     (singles if capture else uncaptured)[name].append(receive(conn, proc))
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
+    sweeps = {}
+    for name, (proc, conn) in workers.items() if args.depths else ():
+        conn.send(("depths", list(range(0, 2305, args.depths)), 3))
+        sweeps[name] = receive(conn, proc)
     profiles = {}
     for name, (proc, conn) in workers.items() if args.profile_prefills else ():
         for capture in (True, False) if CONFIGS[name].hooks else (True,):
@@ -669,6 +759,8 @@ def main() -> None:
                 print(f"    {where}: " + "; ".join(f"{k}: {v}" for k, v in got[where].items()))
         print_host_functions(profiles)
 
+    if sweeps:
+        print_depth_sweep(sweeps, args.depths, 3)
     if kernels:
         for phase in ("prefill", "decode"):
             print_kernels(phase, {name: found[phase] for name, found in kernels.items()}, runs[-1][0])
