@@ -1,9 +1,12 @@
-"""The file object a capture is written through: write errors are latched, so HDF5 never sees one."""
+"""The file object a capture is written through: write errors are latched, so HDF5 never sees one, and
+writes are done behind HDF5's back on a thread of their own."""
 
 from __future__ import annotations
 
 import errno
 import os
+import queue
+import threading
 from pathlib import Path
 
 
@@ -15,7 +18,12 @@ class LatchingFile:
     (ENOSPC, EFBIG, EIO, ...) is stored in ``.error`` and the file switches to *discard* mode, where
     writes land in a small in-memory overlay (reads see them) and always succeed. HDF5 never sees a
     failure; CaptureWriter checks ``.error`` after every operation and removes the file. Plain
-    positioned reads/writes on one descriptor: as fast as HDF5's own POSIX driver (measured).
+    positioned reads/writes on one descriptor.
+
+    Writes are copied and handed to a ``WriteBehind`` thread, in order, so that the kernel's work on
+    them (most of a capture file's CPU: page-cache pages found, filled and marked dirty) overlaps
+    HDF5's and ours; reads, truncation and the end wait for them. An error met there is latched at
+    the next call.
     """
 
     OVERLAY_MAX_WRITE = 1 << 20   # in discard mode, bigger writes (raw chunks) are dropped, not kept
@@ -25,6 +33,8 @@ class LatchingFile:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
         self.fd: int | None = os.open(path, flags, 0o666)
         self.error: OSError | None = None
+        self._behind = WriteBehind(self.fd)
+        self._extent = 0      # the end of the furthest write, those still behind included
         self._discarding = False
         self._pos = 0
         self._size = 0        # logical size in discard mode
@@ -40,14 +50,23 @@ class LatchingFile:
         if not self._discarding and self.fd is not None:
             self._discarding = True
             try:
-                self._size = os.fstat(self.fd).st_size
+                self._size = max(os.fstat(self.fd).st_size, self._extent)
             except OSError:
-                self._size = 0
+                self._size = self._extent
 
     def _end(self) -> int:
         if self._discarding:
             return self._size
-        return os.fstat(self.fd).st_size
+        return max(os.fstat(self.fd).st_size, self._extent)
+
+    def _settle(self) -> None:
+        """Wait for the writes behind; latch what failed there."""
+        self._behind.settle()
+        self._latch_behind()
+
+    def _latch_behind(self) -> None:
+        if self._behind.error is not None and not self._discarding:
+            self._latch(self._behind.error)
 
     # -- the file-like interface h5py's fileobj driver uses
 
@@ -61,16 +80,10 @@ class LatchingFile:
     def write(self, data) -> int:
         mv = memoryview(data).cast("B")
         n, pos = len(mv), self._pos
+        self._latch_behind()
         if not self._discarding:
-            try:
-                done = 0
-                while done < n:
-                    wrote = os.pwrite(self.fd, mv[done:], pos + done)
-                    if wrote <= 0:
-                        raise OSError(errno.ENOSPC, "no space left on device (short write)")
-                    done += wrote
-            except OSError as exc:
-                self._latch(exc)
+            self._behind.write(bytes(mv), pos)  # a copy: HDF5 may reuse its buffer once this returns
+            self._extent = max(self._extent, pos + n)
         if self._discarding:
             if n <= self.OVERLAY_MAX_WRITE and self._overlay_bytes + n <= self.OVERLAY_MAX_TOTAL:
                 self._overlay.append((pos, bytes(mv)))
@@ -80,6 +93,7 @@ class LatchingFile:
         return n
 
     def readinto(self, buffer) -> int:
+        self._settle()
         mv = memoryview(buffer).cast("B")
         n, pos = len(mv), self._pos
         got = 0
@@ -109,9 +123,11 @@ class LatchingFile:
 
     def truncate(self, size: int | None = None) -> int:
         size = self._pos if size is None else size
+        self._settle()
         if not self._discarding:
             try:
                 os.ftruncate(self.fd, size)
+                self._extent = size
             except OSError as exc:
                 self._latch(exc)
         if self._discarding:
@@ -125,6 +141,7 @@ class LatchingFile:
 
     def finish(self, fsync: bool) -> None:
         """After HDF5 closed the file: fsync (errors raise) and close the descriptor."""
+        self._settle()
         if self.error is not None:
             raise self.error
         try:
@@ -137,9 +154,63 @@ class LatchingFile:
 
     def close(self) -> None:
         if self.fd is not None:
+            self._behind.stop()
             try:
                 os.close(self.fd)
             except OSError as exc:
                 if self.error is None and not self._discarding:
                     self.error = exc
             self.fd = None
+
+
+class WriteBehind:
+    """``pwrite`` on a thread of its own, in the order asked, while the caller goes on; at most
+    ``MAX_QUEUED`` bytes wait. The first error stops the writes after it and stays in ``error``."""
+
+    MAX_QUEUED = 64 << 20
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.error: OSError | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued = 0
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="capture-file-writes", daemon=True)
+        self._thread.start()
+
+    def write(self, blob: bytes, pos: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._queued < self.MAX_QUEUED)
+            self._queued += len(blob)
+        self._jobs.put((blob, pos))
+
+    def settle(self) -> None:
+        """Return once every write asked so far is done."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._queued)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            blob, pos = job
+            if self.error is None:
+                try:
+                    _pwrite_all(self.fd, memoryview(blob), pos)
+                except OSError as exc:
+                    self.error = exc
+            with self._changed:
+                self._queued -= len(blob)
+                self._changed.notify_all()
+
+
+def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+    done = 0
+    while done < len(data):
+        wrote = os.pwrite(fd, data[done:], pos + done)
+        if wrote <= 0:
+            raise OSError(errno.ENOSPC, "no space left on device (short write)")
+        done += wrote
