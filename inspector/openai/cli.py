@@ -19,6 +19,7 @@ from .vectors import absolute_vector_spec, parse_vector_spec
 
 PLUGIN = "activation_inspector"  # the name of both entry points, ours in VLLM_PLUGINS
 PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.endpoint_plugins")
+REINSTALL = "install the inspector again (packaging/dev setup, or pip install its wheel)"
 NOT_WITH_OPENAI = {"listen": "tcp://127.0.0.1:5557", "keys": None, "window": None, "exit_when_idle": None,
                    "no_position_interventions": False, "kept_layers": 0}
 
@@ -83,12 +84,12 @@ def require_plugins() -> None:
         found = [point for point in entry_points(group=group) if point.name == PLUGIN]
         if not found:
             raise RuntimeError(f"the inspector's {group} entry point is not installed, so vLLM would serve "
-                               "without it; install the package (pip install -e .)")
+                               f"without it; {REINSTALL}")
         try:
             found[0].load()
         except Exception as e:
             raise RuntimeError(f"the inspector's {group} entry point {found[0].value!r} does not load "
-                               f"({type(e).__name__}: {e}); reinstall the package (pip install -e .)") from e
+                               f"({type(e).__name__}: {e}); {REINSTALL}") from e
 
 
 def serve(args, engine_args: dict) -> int:
