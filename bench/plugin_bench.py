@@ -65,6 +65,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inspector.core.interventions import DEFAULT_MAX_SLOTS  # noqa: E402
+from inspector.core.labels import runs_text  # noqa: E402
 
 RESIDUAL = ("blocks.*.hook_resid_post",)
 
@@ -318,7 +319,6 @@ def depth_sweep(sizes: list[int], reps: int, prefill, llm, hooked: bool) -> dict
     a loop of small calls, each call maps and unmaps memory. mode -> [(size, median seconds, median minor
     page faults of this thread)] (the engine runs in this process)."""
     import resource
-    import types
 
     from inspector.core import frame_stack
     from inspector.plugin.vllm_compat import WORKER_STEPS
@@ -340,8 +340,7 @@ def depth_sweep(sizes: list[int], reps: int, prefill, llm, hooked: bool) -> dict
         frame_stack.call_in_fresh_stack_chunk = call  # what the wrapped steps call
         rows = []
         for size in sizes:
-            padded = types.FunctionType(pad.__code__.replace(co_stacksize=pad.__code__.co_stacksize + size),
-                                        globals())
+            padded = frame_stack.with_reserved_slots(pad, size)
             seconds, faulted = [], []
             for _ in range(reps):
                 before = faults()
@@ -363,19 +362,8 @@ def print_depth_sweep(sweeps: dict[str, dict], step: int, reps: int) -> None:
             slow = [size for (size, _, _), m in zip(rows, ms) if m > 1.2 * min(ms)]
             faults = [f for _, _, f in rows]
             print(f"  {name:13s} {mode:11s} median {statistics.median(ms):6.2f}, best {min(ms):6.2f}, worst "
-                  f"{max(ms):6.2f}; {len(slow)} of {len(rows)} sizes slower ({spans(slow, step) or 'none'}); "
+                  f"{max(ms):6.2f}; {len(slow)} of {len(rows)} sizes slower ({runs_text(slow, step) or 'none'}); "
                   f"faults median {statistics.median(faults):.0f}, most {max(faults):.0f}")
-
-
-def spans(sizes: list[int], step: int) -> str:
-    """"0-64, 512" for sizes 0, 32, 64, 512 taken every 32."""
-    runs: list[list[int]] = []
-    for size in sizes:
-        if runs and size - runs[-1][-1] == step:
-            runs[-1].append(size)
-        else:
-            runs.append([size])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 def profiler(cuda: bool, **options):

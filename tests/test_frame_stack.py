@@ -4,11 +4,10 @@ every call). Counted in minor page faults of this thread, which a crossing call 
 
 import resource
 import sys
-import types
 
 import pytest
 
-from inspector.core.frame_stack import call_in_fresh_stack_chunk
+from inspector.core.frame_stack import call_in_fresh_stack_chunk, with_reserved_slots
 
 CALLS = 2_000
 CHUNK_SLOTS = 16 * 1024 // 8  # a standard chunk's slots
@@ -23,12 +22,8 @@ def loop(calls: int) -> None:
         leaf()
 
 
-def caller_reserving(slots: int):
-    """A function that calls ``fn(*args)`` from a frame ``slots`` larger than its own."""
-    def call(fn, *args):
-        return fn(*args)
-
-    return types.FunctionType(call.__code__.replace(co_stacksize=call.__code__.co_stacksize + slots), globals())
+def call(fn, *args):
+    return fn(*args)
 
 
 def most_faults(run, depths=range(0, CHUNK_SLOTS + 64, 2)) -> int:
@@ -36,7 +31,7 @@ def most_faults(run, depths=range(0, CHUNK_SLOTS + 64, 2)) -> int:
     depth a chunk spans)."""
     worst = 0
     for slots in depths:
-        caller = caller_reserving(slots)
+        caller = with_reserved_slots(call, slots)
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         run(caller)
         worst = max(worst, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)

@@ -76,7 +76,9 @@ def attention_weights(q, q_positions, k, k_positions, geometry: AttentionGeometr
                          f"{geometry.k_width}] expected, got {q.shape} and {k.shape}")
     missing = missing_key_positions(q_positions, k_positions, geometry)
     if len(missing):
-        raise ValueError(f"the keys of positions {_ranges(missing)} were not captured, so the pattern "
+        from .labels import runs_text  # labels imports hooks, which imports this module
+
+        raise ValueError(f"the keys of positions {runs_text(missing)} were not captured, so the pattern "
                          "would be wrong there")
     heads = range(geometry.heads) if heads is None else heads
     out = np.zeros((len(heads), len(q), len(k)), np.float32)
@@ -129,10 +131,3 @@ def _softmax(scores, hidden, sink: float | None) -> np.ndarray:
         total += np.exp(np.float32(sink) - top)
     scores /= total
     return scores
-
-
-def _ranges(positions: np.ndarray) -> str:
-    """``0-3, 7`` for positions 0, 1, 2, 3, 7."""
-    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    parts = [f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in np.split(positions, breaks)]
-    return ", ".join(parts)

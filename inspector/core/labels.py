@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from .hooks import HookPoint
 
 _KIND_ORDER = {"embed": 0, "pos_embed": 1, "resid_pre": 2, "attn_out": 3, "resid_mid": 4, "router": 5, "mlp_post": 6,
@@ -38,3 +40,12 @@ def display_token(text: str) -> str:
     if out.strip(" ") == "":
         out = "␣" * len(out)
     return out
+
+
+def runs_text(values, step: int = 1) -> str:
+    """``0-3, 7`` for 0, 1, 2, 3, 7: runs of values ``step`` apart, ascending ("" for none)."""
+    values = np.asarray(values)
+    if not len(values):
+        return ""
+    breaks = np.flatnonzero(np.diff(values) != step) + 1
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in np.split(values, breaks))
