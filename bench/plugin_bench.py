@@ -1,7 +1,9 @@
 """Throughput, boot time and memory: vanilla vLLM vs compiled capture vs eager capture.
 
 Each configuration boots once in its own process and stays up; the runs then alternate
-(A B C A B C …) so that machine noise hits all three alike. Prints medians and ratios.
+(A B C A B C …) so that machine noise hits all three alike. Prints medians and ratios. Each engine's first
+run of a size comes before the reps and is printed apart: a hooked engine pins the host memory its rows
+land in then, and later runs reuse it.
 
     packaging/dev bench plugin_bench                     # CPU: a small Llama, float32
     python3 bench/plugin_bench.py --preset llama3-8b     # GPU: Llama-3-8B shape, dummy bf16 weights
@@ -691,6 +693,11 @@ def main() -> None:
             warm_proc.join(timeout=120)
 
     results = {(name, run): [] for name in args.configs for run in runs}
+    firsts = {}  # an engine's first run of a size pins the host memory its rows land in: timed apart
+    for run in runs:
+        for name, (proc, conn) in workers.items():
+            conn.send(("run", *run))
+            firsts[(name, run)] = receive(conn, proc)
     singles = {name: [] for name in args.configs}  # seconds of each single-request prefill, in turn
     uncaptured = {name: [] for name in args.configs}  # the same in a hooked engine, capture off for the request
     for rep in range(args.reps):
@@ -772,6 +779,9 @@ def main() -> None:
             f"{b}x{n} prefill tok/s " + " ".join(f"{r['prefill_tok_s']:.0f}" for r in results[(name, (b, n))])
             + " (its drains, ms: " + " ".join(f"{r['prefill_drain_ms']:.1f}" for r in results[(name, (b, n))]) + ")"
             for b, n in runs))
+    print("first run of each size, before the reps (not in the medians): " + "; ".join(
+        f"{name} " + " ".join(f"{b}x{n} prefill {firsts[(name, (b, n))]['prefill_tok_s']:.0f} tok/s" for b, n in runs)
+        for name in args.configs))
     for name in args.configs:
         per_rep = [statistics.median(singles[name][r * args.prefills:(r + 1) * args.prefills]) for r in range(args.reps)]
         print(f"{name}: {args.prefills} single-request prefills a rep, taken in turn with the other configurations; "
