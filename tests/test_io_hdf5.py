@@ -374,6 +374,38 @@ def test_update_request_last_call_wins(tmp_path):
         assert "finish_reason" not in f["requests/0"].attrs and "json_escaped_attrs" not in f["requests/0"].attrs
 
 
+def test_hooks_keeping_the_same_rows_share_one_index_that_a_later_row_of_one_hook_never_changes(tmp_path):
+    """A request's hooks with equal positions and token ids link to one pair of datasets (written once);
+    a row that comes to one of them after the request finished gives that hook an index of its own."""
+    hooks = {name: HookPoint(name, name, f"m.{name}", "resid", 2) for name in ("a", "b", "c")}
+    w = CaptureWriter(tmp_path / "r.h5", {}, hooks, fsync=False)
+    w.add_request(RequestCapture("r", "p", [7, 8], {}))
+    for name in ("a", "b"):
+        w.append_rows("r", name, [0, 1], [7, 8], np.ones((2, 2), np.float32))
+    w.append_rows("r", "c", [1], [8], np.ones((1, 2), np.float32))  # a window: other rows
+    w.release("r")
+    w.append_rows("r", "b", [2], [9], np.full((1, 2), 2, np.float32))
+    w.close()
+    with h5py.File(tmp_path / "r.h5") as f:
+        group = f["requests/0/hooks"]
+        objects = {name: {column: h5py.h5o.get_info(group[name][column].id).addr for column in ("positions", "token_ids")}
+                   for name in hooks}
+    assert objects["a"]["positions"] != objects["a"]["token_ids"]
+    assert objects["c"] != objects["a"] and objects["b"] != objects["a"]
+    got = read_run(tmp_path / "r.h5").requests["r"].hooks
+    assert got["a"].positions.tolist() == [0, 1] and got["a"].token_ids.tolist() == [7, 8]
+    assert got["b"].positions.tolist() == [0, 1, 2] and got["b"].token_ids.tolist() == [7, 8, 9]
+    assert got["c"].positions.tolist() == [1] and np.array_equal(got["b"].values, [[1, 1], [1, 1], [2, 2]])
+    w = CaptureWriter(tmp_path / "s.h5", {}, hooks, fsync=False)
+    w.add_request(RequestCapture("r", "p", [7, 8], {}))
+    for name in hooks:
+        w.append_rows("r", name, [0, 1], [7, 8], np.ones((2, 2), np.float32))
+    w.close()
+    with h5py.File(tmp_path / "s.h5") as f:
+        group = f["requests/0/hooks"]
+        assert len({h5py.h5o.get_info(group[name]["positions"].id).addr for name in hooks}) == 1
+
+
 # ------------------------------------------------------------------------------------------ other tools
 
 @pytest.fixture(scope="module")

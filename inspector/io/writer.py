@@ -33,7 +33,7 @@ class _HookBuffer:
     positions/token ids (16 bytes a row, kept in memory and written when the request finishes)."""
 
     __slots__ = ("name", "width", "dtype", "chunk_rows", "chunk_cols", "pending", "rows_written", "positions",
-                 "token_ids", "idx_written", "group", "d_values", "d_positions", "d_token_ids")
+                 "token_ids", "idx_written", "index_shared", "group", "d_values", "d_positions", "d_token_ids")
 
     def __init__(self, name: str, width: int, dtype: np.dtype):
         self.name, self.width, self.dtype = name, width, dtype
@@ -42,6 +42,7 @@ class _HookBuffer:
         self.rows_written = 0
         self.positions, self.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
         self.idx_written = 0
+        self.index_shared = False  # its positions/token ids datasets are another hook's too: never extended
         self.group = self.d_values = self.d_positions = self.d_token_ids = None  # the group: made with the values
 
     def new_pending(self) -> GrowableArray:
@@ -53,11 +54,12 @@ class _HookBuffer:
 
 
 class _Request:
-    __slots__ = ("index", "group", "snapshot", "buffers", "lens", "features")
+    __slots__ = ("index", "group", "snapshot", "buffers", "index_owners", "lens", "features")
 
     def __init__(self, index: int, group, snapshot: RequestSnapshot):
         self.index, self.group, self.snapshot = index, group, snapshot
         self.buffers: dict[str, _HookBuffer] = {}
+        self.index_owners: list[_HookBuffer] = []  # hooks whose positions/token ids others may link to
         self.lens: dict[str, LensRows] = {}  # small (k ids and logprobs a row): written with the request's data
         self.features: dict[str, FeatureRows] = {}  # small too (k ids and activations a row): likewise
 
@@ -347,7 +349,7 @@ class CaptureWriter(AtomicFile):
             buf.pending.clear()
         if final:
             buf.pending = buf.new_pending()  # frees the chunk's memory
-            self._write_index(buf)
+            self._write_index(req, buf)
             routing = self._hooks[buf.name].routing
             if routing is not None and not routing.unsupported:
                 write_expert_choice(buf.group, buf.d_values[:], routing)
@@ -391,17 +393,35 @@ class CaptureWriter(AtomicFile):
             d[a:b] = v
         buf.rows_written = b
 
-    def _write_index(self, buf: _HookBuffer) -> None:
-        """Write positions/token ids up to the rows appended so far (called when a request finishes)."""
+    def _write_index(self, req: _Request, buf: _HookBuffer) -> None:
+        """Write positions/token ids up to the rows appended so far (called when a request finishes). A
+        request's hooks mostly keep the same rows: a hook whose index equals one already written links
+        to its datasets (HDF5 hard links, the same to a reader) instead of writing its own, and a shared
+        index is never extended: a hook with more rows later gets one of its own."""
         n, have = len(buf.positions), buf.idx_written
+        if buf.index_shared and n > have:
+            for name in ("positions", "token_ids"):
+                del buf.group[name]
+            buf.d_positions = buf.d_token_ids = None
+            buf.index_shared = False
         if buf.d_positions is None:  # made with what there is
             g = buf.group
+            owner = next((o for o in req.index_owners if o.idx_written == n and o.d_positions is not None
+                          and np.array_equal(o.positions.view()[:n], buf.positions.view())
+                          and np.array_equal(o.token_ids.view()[:n], buf.token_ids.view())), None)
+            if owner is not None:
+                g["positions"], g["token_ids"] = owner.d_positions, owner.d_token_ids
+                buf.d_positions, buf.d_token_ids = owner.d_positions, owner.d_token_ids
+                buf.idx_written, buf.index_shared, owner.index_shared = n, True, True
+                return
             chunk = (max(1, min(n, INDEX_CHUNK)),)
             buf.d_positions, buf.d_token_ids = (extendable_dataset(g, name, "<i8", (n,), chunk, self._compression)
                                                 for name in ("positions", "token_ids"))
             for d, data in ((buf.d_positions, buf.positions.view()), (buf.d_token_ids, buf.token_ids.view())):
                 d.id.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
             buf.idx_written = have = n
+            if buf not in req.index_owners:
+                req.index_owners.append(buf)
         if n > have:
             for d, data in ((buf.d_positions, buf.positions.view()), (buf.d_token_ids, buf.token_ids.view())):
                 d.resize(n, axis=0)
