@@ -59,6 +59,35 @@ def test_a_patching_grid_needs_slots_per_hook_and_forward_only():
             assert [ivs[0].request_id for h, s, ivs in writes if h == hook and s == row[p]] == [rid]
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_every_row_gets_exactly_the_interventions_that_apply_to_it_in_their_order(seed):
+    """Random forwards (prefills and decodes, a request with no rows, positions out of order), random
+    scopes (global, per request, per position): each row's slot holds exactly the interventions whose
+    request and positions take that row, in the order given, checked row by row."""
+    rng = np.random.default_rng(seed)
+    ids = [f"r{i}" for i in range(int(rng.integers(1, 12)))]
+    ivs = []
+    for k in range(int(rng.integers(1, 14))):
+        positions = None if rng.random() < 0.5 else sorted(rng.choice(40, int(rng.integers(0, 6)), replace=False).tolist())
+        ivs.append(Intervention(f"h{rng.integers(2)}", float(k + 2), request_id=None if rng.random() < 0.2 else
+                                str(rng.choice(ids + ["gone"])), positions=positions))
+    planner = SlotPlanner(max_slots=64)
+    planner.set(ivs)
+    counts = rng.integers(0, 6, len(ids))
+    qsl = np.concatenate([[0], np.cumsum(counts)])
+    positions = np.concatenate([rng.permutation(np.arange(p, p + c)) if rng.random() < 0.3 else np.arange(p, p + c)
+                                for p, c in zip(rng.integers(0, 30, len(ids)), counts)]).astype(np.int64)
+    slots, writes = planner.plan(ids, qsl, positions)
+    held = {(hook, slot): [iv.scale for iv in got] for hook, slot, got in writes}
+    for hook in ("h0", "h1"):
+        for i, rid in enumerate(ids):
+            for row in range(qsl[i], qsl[i + 1]):
+                expected = [iv.scale for iv in ivs if iv.hook == hook and iv.request_id in (None, rid)
+                            and (iv.positions is None or positions[row] in iv.positions)]
+                slot = int(slots[hook][row]) if hook in slots else 0
+                assert held.get((hook, slot), []) == expected, (hook, rid, row)
+
+
 def test_too_many_combinations_is_a_clear_error():
     planner = SlotPlanner(max_slots=2)
     planner.set([iv(scale=2.0, request_id="a"), iv(scale=3.0, request_id="b")])

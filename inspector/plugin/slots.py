@@ -111,7 +111,9 @@ class SlotPlanner:
 
     def _applications(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray]:
-        """Every (row, intervention) pair of this forward where the intervention applies to the row."""
+        """Every (row, intervention) pair of this forward where the intervention applies to the row. The
+        requests' own interventions at every position (a decode step of 64 steered requests: 64 of them)
+        become rows in a few array operations, not a few per request: this runs before every forward."""
         rows, ks = [], []
 
         def add(found: np.ndarray, k: int) -> None:
@@ -119,28 +121,35 @@ class SlotPlanner:
                 rows.append(found)
                 ks.append(np.full(len(found), k, dtype=np.int64))
 
+        whole_at, whole_k = [], []  # (request's index in the forward, intervention) applying at every position
         for i, rid in enumerate(req_ids):
-            scoped = self._by_request.get(rid)
-            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            if not scoped or a == b:
-                continue
-            first = int(positions[a])
-            contiguous = int(positions[b - 1]) - first == b - 1 - a  # a request's rows: consecutive positions
-            for k in scoped:
-                wanted = self._position_sets[k]
-                if wanted is None:
-                    add(np.arange(a, b), k)
-                elif contiguous:
-                    inside = wanted[(wanted >= first) & (wanted < first + b - a)]
-                    add(a + inside - first, k)
+            for k in self._by_request.get(rid, ()):
+                if self._position_sets[k] is None:
+                    whole_at.append(i)
+                    whole_k.append(k)
                 else:
-                    add(a + np.flatnonzero(np.isin(positions[a:b], wanted)), k)
+                    add(self._at_positions(k, int(query_start_loc[i]), int(query_start_loc[i + 1]), positions), k)
+        if whole_at:
+            starts = query_start_loc[whole_at].astype(np.int64)
+            counts = query_start_loc[np.asarray(whole_at) + 1].astype(np.int64) - starts
+            rows.append(np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts),
+                                                                                 counts))
+            ks.append(np.repeat(np.asarray(whole_k, dtype=np.int64), counts))
         for k in self._global:
             wanted = self._position_sets[k]
             add(np.arange(len(positions)) if wanted is None else np.flatnonzero(np.isin(positions, wanted)), k)
         if not rows:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(rows), np.concatenate(ks)
+
+    def _at_positions(self, k: int, a: int, b: int, positions: np.ndarray) -> np.ndarray:
+        """Rows a..b (one request's) at the positions intervention ``k`` names."""
+        if a == b:
+            return np.zeros(0, np.int64)
+        wanted, first = self._position_sets[k], int(positions[a])
+        if int(positions[b - 1]) - first == b - 1 - a:  # a request's rows: consecutive positions
+            return a + wanted[(wanted >= first) & (wanted < first + b - a)] - first
+        return a + np.flatnonzero(np.isin(positions[a:b], wanted))
 
 
 def compose(interventions: list[Intervention], hook: str, width: int) -> tuple[np.ndarray, np.ndarray] | None:
