@@ -88,6 +88,27 @@ def test_every_row_gets_exactly_the_interventions_that_apply_to_it_in_their_orde
                 assert held.get((hook, slot), []) == expected, (hook, rid, row)
 
 
+def test_slots_outlive_a_change_of_the_set_for_the_effects_that_stay():
+    """Requests come and go on a busy server, changing the set nearly every step: a vector still in it
+    keeps its slot unwritten, a new one is written, a number gone is never given to another effect,
+    and a forgotten hook's slots are written again."""
+    planner = SlotPlanner(max_slots=4)
+    a, b, c = (iv(bias=float(k), request_id=rid) for k, rid in ((1, "a"), (2, "b"), (3, "c")))
+    planner.set([a])
+    slots, writes = planner.plan(["a"], np.array([0, 1]), np.array([5]))
+    assert [ivs for _, _, ivs in writes] == [[a]]
+    planner.set([a, b])
+    again, writes = planner.plan(["a", "b"], np.array([0, 1, 2]), np.array([6, 3]))
+    assert again["h"][0] == slots["h"][0] and [ivs for _, _, ivs in writes] == [[b]]
+    planner.set([b, c])
+    planner.set([b, c, iv(bias=1.0, request_id="a2")])  # a's effect left the set and came back: written anew
+    _, writes = planner.plan(["b", "c", "a2"], np.arange(4), np.array([4, 1, 2]))
+    assert sorted(ivs[0].request_id for _, _, ivs in writes) == ["a2", "c"]
+    planner.forget(["h"])
+    _, writes = planner.plan(["b", "c", "a2"], np.arange(4), np.array([5, 2, 3]))
+    assert sorted(ivs[0].request_id for _, _, ivs in writes) == ["a2", "b", "c"]
+
+
 def test_too_many_combinations_is_a_clear_error():
     planner = SlotPlanner(max_slots=2)
     planner.set([iv(scale=2.0, request_id="a"), iv(scale=3.0, request_id="b")])

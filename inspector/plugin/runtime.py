@@ -218,6 +218,7 @@ class InspectorRuntime:
                 clamps=(ClampTable.allocate(self.config.feature_clamps, self.config.max_slots, point.width, self.dtype,
                                             self.device) if self.config.feature_clamps and site.shards == 1 else None),
             )
+        self.planner.forget([name])  # its tables are new
         module = self.model.get_submodule(point.module_path)
         hook.attach(module)
         if hook.site.is_pre_hook:
@@ -494,14 +495,18 @@ class InspectorRuntime:
                                  "tensor-parallel ranks; clamp features of a replicated point")
 
     def _apply_interventions(self) -> None:
+        """The planner's new set. Slots keep what they hold (the planner rewrites a slot before a row
+        uses it), except at hooks whose clamped features change: their clamp tables start over."""
         interventions = [*self._driver_interventions, *self._edit_list()]
-        self.planner.set(interventions)
         with torch.inference_mode():
             for name, hook in self.active.items():
-                hook.scale[1:].fill_(1)
-                hook.bias[1:].zero_()
-                if hook.clamps is not None:
-                    hook.clamps.set_directions([iv.clamp for iv in interventions if iv.hook == name and iv.clamp])
+                if hook.clamps is None:
+                    continue
+                clamps = [iv.clamp for iv in interventions if iv.hook == name and iv.clamp]
+                if list(dict.fromkeys(c.direction for c in clamps)) != list(hook.clamps.directions):
+                    hook.clamps.set_directions(clamps)
+                    self.planner.forget([name])
+        self.planner.set(interventions)
         self._clamped = {self.active[iv.hook].point.name for iv in interventions if iv.clamp is not None}
         self._has_interventions = bool(interventions)
 

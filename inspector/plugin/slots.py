@@ -5,18 +5,21 @@ slot holds the composed affine of one combination of interventions on that hook.
 hook gathers its rows' slots from its own ``row_slot`` vector, so one mechanism covers every scope and
 a batch can mix clean and steered requests. Slots are numbered per hook and reused once no row of the
 current forward needs them: a patching sweep of 32 layers × 64 positions needs 64 slots per hook in a
-forward, not 2,048 in all. Only plain numpy here: this runs between forwards, outside the graph.
+forward, not 2,048 in all. A slot keeps its contents while its effects stay in the set: on a busy
+server the set changes as requests come and go, nearly every step, and rewriting every vector then
+cost more than the steering. Only plain numpy here: this runs between forwards, outside the graph.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 import numpy as np
 
 from inspector.core.interventions import Intervention
 
-Key = tuple[int, ...]  # the effects applied to a row at one hook, in order (an effect: scale and bias)
+Key = tuple[int, ...]  # the effects applied to a row at one hook, in order, by their numbers (never reused)
 
 
 class SlotTable:
@@ -56,14 +59,24 @@ class SlotPlanner:
 
     def __init__(self, max_slots: int):
         self.max_slots = max_slots
+        self._numbers = itertools.count()
+        self._effect_numbers: dict[tuple, int] = {}  # effect -> its number, for the effects of the set
+        self._tables: dict[str, SlotTable] = {}
         self.set([])
 
     def set(self, interventions: list[Intervention]) -> None:
+        """The interventions from now on. An effect keeps its number while it stays in the set, and a slot
+        holding a combination of them keeps it; a number gone is never given again."""
         self.interventions = list(interventions)
         self._position_sets = [None if iv.positions is None else np.asarray(sorted(set(iv.positions)))
                                for iv in interventions]
-        effects: dict[tuple, int] = {}  # effect -> its number
-        self._effect = [effects.setdefault(iv.effect, len(effects)) for iv in interventions]
+        numbers = {}
+        for iv in interventions:
+            if iv.effect not in numbers:
+                known = self._effect_numbers.get(iv.effect)
+                numbers[iv.effect] = next(self._numbers) if known is None else known
+        self._effect_numbers = numbers
+        self._effect = [numbers[iv.effect] for iv in interventions]
         self._first = {}  # effect number -> the first intervention with that effect
         for k, e in enumerate(self._effect):
             self._first.setdefault(e, k)
@@ -76,7 +89,11 @@ class SlotPlanner:
         for k, iv in enumerate(interventions):
             if iv.request_id is not None:
                 self._by_request.setdefault(iv.request_id, []).append(k)
-        self._tables: dict[str, SlotTable] = {}
+
+    def forget(self, hooks) -> None:
+        """What ``hooks``' slots hold is gone (their tables were made anew, or cleared): fill them again."""
+        for hook in hooks:
+            self._tables.pop(hook, None)
 
     def plan(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray
              ) -> tuple[dict[str, np.ndarray], list[tuple[str, int, list[Intervention]]]]:
