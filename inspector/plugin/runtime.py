@@ -498,16 +498,20 @@ class InspectorRuntime:
         """The planner's new set. Slots keep what they hold (the planner rewrites a slot before a row
         uses it), except at hooks whose clamped features change: their clamp tables start over."""
         interventions = [*self._driver_interventions, *self._edit_list()]
+        clamps_at: dict[str, list] = {}
+        for iv in interventions:
+            if iv.clamp is not None:
+                clamps_at.setdefault(iv.hook, []).append(iv.clamp)
         with torch.inference_mode():
             for name, hook in self.active.items():
                 if hook.clamps is None:
                     continue
-                clamps = [iv.clamp for iv in interventions if iv.hook == name and iv.clamp]
+                clamps = clamps_at.get(name, [])
                 if list(dict.fromkeys(c.direction for c in clamps)) != list(hook.clamps.directions):
                     hook.clamps.set_directions(clamps)
                     self.planner.forget([name])
         self.planner.set(interventions)
-        self._clamped = {self.active[iv.hook].point.name for iv in interventions if iv.clamp is not None}
+        self._clamped = {self.active[hook].point.name for hook in clamps_at}
         self._has_interventions = bool(interventions)
 
     def drain(self, wait: bool = True) -> dict[str, DrainedRequest]:
