@@ -237,3 +237,28 @@ def test_serving_refuses_to_start_without_the_plugins_it_needs(monkeypatch):
     monkeypatch.setattr(cli, "entry_points", lambda group: [])
     with pytest.raises(RuntimeError, match="vllm.general_plugins entry point is not installed"):
         cli.require_plugins()
+
+
+def test_a_worker_says_once_that_requests_bring_fields_no_middleware_read(caplog, monkeypatch):
+    """A server whose endpoint plugin did not load passes a client's fields straight to the engine:
+    the worker cannot refuse the request, so it logs why it runs unsteered (once, not per request)."""
+    from inspector.plugin import worker_extension
+
+    monkeypatch.setattr(worker_extension, "_unread_reported", False)
+    calls = []
+
+    class Runtime:  # the two calls the worker makes with what requests carry
+        config = served_config({}, "float32", 64, False)
+
+        def set_request_edits(self, edits, finished):
+            calls.append(edits)
+
+        def set_request_options(self, options, forget):
+            calls.append(options)
+
+    new = {"a": ({"inspector_steer": "happy", "top_k": 3}, 4), "b": ({"inspector_capture": "blocks.*"}, 4)}
+    with caplog.at_level("ERROR", logger=worker_extension.__name__):
+        worker_extension._read_requests(Runtime(), new, set())
+        worker_extension._read_requests(Runtime(), {"c": ({"inspector_scale": 2.0}, 4)}, set())
+    assert caplog.text.count("endpoint plugin") == 1 and "inspector_steer" in caplog.text
+    assert calls[:2] == [{}, {"a": {"capture": False}, "b": {"capture": False}}]  # unsteered, no rows kept

@@ -16,6 +16,7 @@ import numpy as np
 
 from .interventions import FeatureClamp, Intervention
 
+CLIENT_PREFIX = "inspector_"  # of the vllm_xargs fields a client sends: the server's middleware reads and removes them
 EDIT_KEY = "inspector_edit"  # the extra_args key the server writes and the workers read
 CAPTURE_KEY = "inspector_capture_window"  # the extra_args key of a request whose rows the server keeps: its window
 SERVED_SECTION = "inspector"  # the section of vLLM's --additional-config that configures a served engine

@@ -24,12 +24,11 @@ import numpy as np
 from inspector.core.hooks import HookPoint
 from inspector.core.interventions import FeatureClamp, Intervention, validate
 from inspector.core.positions import parse_positions
-from inspector.core.request_edits import CAPTURE_KEY, EDIT_KEY, decode_vector
+from inspector.core.request_edits import CAPTURE_KEY, CLIENT_PREFIX as PREFIX, EDIT_KEY, decode_vector
 from inspector.core.windows import CaptureWindow
 
 from .vectors import VectorRegistry
 
-PREFIX = "inspector_"
 STEER_FIELDS = ("inspector_steer", "inspector_vector", "inspector_scale", "inspector_ablate", "inspector_clamp",
                 "inspector_positions")
 ABLATION_FLOOR = -1e30  # an ablation is a clamp to 0 whose activation is never floored (finite in every dtype)

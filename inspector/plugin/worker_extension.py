@@ -17,7 +17,7 @@ from inspector.core.drained import ROW_KEYS
 from inspector.core.frame_stack import run_methods_in_fresh_stack_chunks
 from inspector.core.interventions import Intervention
 from inspector.core.portable import to_portable
-from inspector.core.request_edits import CAPTURE_KEY, EDIT_KEY, decode_edit
+from inspector.core.request_edits import CAPTURE_KEY, CLIENT_PREFIX, EDIT_KEY, decode_edit
 from inspector.core.sae import AttachedSae, SaeConfig
 
 from . import hookpoints, lens, probe, reader, vllm_compat
@@ -111,6 +111,9 @@ def _read_requests(runtime: InspectorRuntime, new: dict[str, tuple[dict, int]], 
     on a server that keeps no rows by default, whether and where to keep theirs."""
     edits, options = {}, {}
     for rid, (extra, prompt_tokens) in new.items():
+        unread = sorted(k for k in extra if k.startswith(CLIENT_PREFIX) and k not in (EDIT_KEY, CAPTURE_KEY))
+        if unread:
+            _report_unread_fields(rid, unread)
         if EDIT_KEY in extra:
             try:
                 edits[rid] = decode_edit(extra[EDIT_KEY], rid)
@@ -124,6 +127,23 @@ def _read_requests(runtime: InspectorRuntime, new: dict[str, tuple[dict, int]], 
     runtime.set_request_edits(edits, finished)
     if options or finished:
         runtime.set_request_options(options, list(finished))
+
+
+_unread_reported = False
+
+
+def _report_unread_fields(rid: str, fields: list[str]) -> None:
+    """A request came with a client's steering or capture fields, which the server's middleware turns
+    into what the workers read: the endpoint plugin is not in this server. The worker cannot refuse it
+    (an exception in a step stops the engine for everyone), so the log says it, loudly, once."""
+    global _unread_reported
+    if _unread_reported:
+        return
+    _unread_reported = True
+    logger.error("request %s carries %s, which only the inspector's endpoint plugin reads, and this server runs "
+                 "without it: such requests run unsteered and keep no rows. Start the server with `inspector serve "
+                 "--openai`, or let vLLM load both plugins (VLLM_PLUGINS must name activation_inspector if set)",
+                 rid, ", ".join(fields))
 
 
 def _offer_extension(worker) -> None:
