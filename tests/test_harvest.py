@@ -156,6 +156,9 @@ def test_the_mixing_buffer_delivers_every_row_once_shuffled_alike_across_hooks()
     assert len(seen) == 200 and sorted(seen.tolist()) == list(range(200))
     assert all(torch.equal(b["a"], -b["b"]) for b in batches)
     assert not torch.equal(seen, torch.arange(200.0))
+    joined = torch.cat([c["a"] for c in chunks[:4]])  # the first buffer: the rows joined, in the seed's order
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.cat([b["a"] for b in batches[:2]]), joined[order][:16])
     with pytest.raises(ValueError, match="at least one batch"):
         list(mixed_batches(iter(chunks), batch_size=64, buffer_rows=32))
 

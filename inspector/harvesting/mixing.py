@@ -45,8 +45,21 @@ def check_mixing(batch_size: int, buffer_rows: int, mix_fraction: float) -> None
 
 
 def _shuffled(chunks: list[dict[str, torch.Tensor]], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The chunks' rows in one random order, every hook alike. Each chunk's rows go straight to their
+    places in the shuffled buffer: one copy a row, where joining the chunks and then gathering took two
+    (four hooks of 4,096 bfloat16 columns: 0.2-0.5 -> 1.4 GB/s of rows on a 2-core CPU)."""
     import torch
 
-    joined = {hook: torch.cat([c[hook] for c in chunks]) for hook in chunks[0]}
-    order = torch.randperm(len(next(iter(joined.values()))), generator=generator)
-    return {hook: values[order] for hook, values in joined.items()}
+    rows = [len(next(iter(chunk.values()))) for chunk in chunks]
+    order = torch.randperm(sum(rows), generator=generator)  # shuffled[j] is joined row order[j]
+    place = torch.empty_like(order)
+    place[order] = torch.arange(len(order))  # so joined row i goes to shuffled row place[i]
+    first = chunks[0]
+    place = place.to(next(iter(first.values())).device)
+    shuffled = {hook: torch.empty((len(order), *v.shape[1:]), dtype=v.dtype, device=v.device) for hook, v in first.items()}
+    at = 0
+    for chunk, n in zip(chunks, rows):
+        for hook, values in chunk.items():
+            shuffled[hook].index_copy_(0, place[at:at + n], values)
+        at += n
+    return shuffled
