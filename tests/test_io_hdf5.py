@@ -215,14 +215,24 @@ def test_streaming_equals_one_shot(tmp_path):
     assert listing(tmp_path) == ["one.h5", "stream.h5", "tiny_buffer.h5"]
 
 
-def stream_in_bulk(run: Run, path: Path, seed: int, **options) -> None:
+class InProcessWriter(CaptureWriter):
+    """A CaptureWriter called as a BackgroundWriter is."""
+
+    def call(self, method: str, *args) -> None:
+        getattr(self, method)(*args)
+
+
+def stream_in_bulk(run: Run, path: Path, seed: int, in_process: bool = False, **options) -> None:
     """Feed a run as a session in bulk does, through a writer in a process of its own (a small ring of
-    shared memory, so its room is reused many times): each step one
+    shared memory, so its room is reused many times) or in this one (steps staged as deep as the
+    buffer lets them): each step one
     ``RowBlocks`` of the requests with rows left, of every hook that has them for all those requests;
     a hook with fewer rows gets its rows one (request, hook) at a time, between bulk steps."""
     rng = np.random.default_rng(seed)
     done = {rid: 0 for rid in run.requests}
-    with BackgroundWriter(path, run.metadata, run.hooks, backlog_bytes=1 << 16, **options) as file:
+    file = (InProcessWriter(path, run.metadata, run.hooks, **options) if in_process
+            else BackgroundWriter(path, run.metadata, run.hooks, backlog_bytes=1 << 16, **options))
+    with file:
         for req in run.requests.values():
             file.call("add_request", RequestCapture(req.request_id, req.prompt, list(req.prompt_token_ids),
                                                     req.sampling))
@@ -248,7 +258,7 @@ def stream_in_bulk(run: Run, path: Path, seed: int, **options) -> None:
                 done[rid] = w.stop
             for rid in taking:
                 if left[rid] == taking[rid] and rng.random() < 0.5:
-                    file.call("update_request", run.requests[rid])  # finishing: its rows are written now
+                    file.call("update_request", run.requests[rid])  # finishing, rows maybe still staged
         for name in run.hooks:  # a (request, hook) with no rows at all still gets its (empty) datasets
             for req in run.requests.values():
                 if not len(req.hooks[name]):
@@ -261,18 +271,21 @@ def stream_in_bulk(run: Run, path: Path, seed: int, **options) -> None:
                 file.call("append_lens", req.request_id, name, {c: lens.column(c) for c in LensRows.COLUMNS})
 
 
-@pytest.mark.parametrize("buffer_bytes", [128 << 20, 10_000], ids=["staged", "tiny buffer"])
-def test_steps_in_bulk_through_a_background_writer_equal_one_shot(tmp_path, buffer_bytes):
-    """``append_blocks`` (staged, written request by request) mixed with single (request, hook) rows,
-    in the writer's own process: the file holds the same run, bit for bit."""
-    run = make_run(seed=4, rows=(700, 2, 0))
+@pytest.mark.parametrize("in_process, buffer_bytes", [(False, 128 << 20), (False, 10_000), (True, 128 << 20),
+                                                    (True, 2 << 20)],
+                         ids=["staged", "tiny buffer", "in process, staged to the end", "in process, staged deep"])
+def test_steps_in_bulk_equal_one_shot(tmp_path, in_process, buffer_bytes):
+    """``append_blocks`` (staged, written a hook at a time) mixed with single (request, hook) rows, in
+    the writer's own process or in this one with many steps staged (requests finishing among them):
+    the file holds the same run, bit for bit."""
+    run = make_run(seed=4, rows=(700, 300, 650))  # requests finishing at different steps
     for req in run.requests.values():  # an engine's hooks see the same tokens at a position
         ids = max(req.hooks.values(), key=len).token_ids
         for name, rows in req.hooks.items():
             req.hooks[name] = HookRows(rows.width, dtype=rows.dtype)
             req.hooks[name].append(rows.positions, ids[:len(rows)], rows.values)
     write_run(run, tmp_path / "one.h5")
-    stream_in_bulk(run, tmp_path / "bulk.h5", seed=5, buffer_bytes=buffer_bytes)
+    stream_in_bulk(run, tmp_path / "bulk.h5", seed=5, in_process=in_process, buffer_bytes=buffer_bytes)
     assert_runs_equal(read_run(tmp_path / "one.h5"), read_run(tmp_path / "bulk.h5"))
 
 

@@ -82,7 +82,7 @@ class BackgroundWriter(FinishedOrDropped):
         self._take_news()
         self._raise_failure()
         if method == "append_blocks":
-            for piece in args[0].pieces(max(1, (self._ring.size // 4) // max(1, _row_bytes(args[0])))):
+            for piece in args[0].pieces(max(1, (self._ring.size // _PIECES) // max(1, _row_bytes(args[0])))):
                 self._send_blocks(piece)
         elif method in ("add_request", "update_request"):  # what a request says, not its rows
             self._conn.send(("call", method, (replace(args[0], hooks={}, lens={}, features={}, scores={}),)))
@@ -189,6 +189,12 @@ class BackgroundWriter(FinishedOrDropped):
 
 
 _STACKED = "@hooks"  # in the ring: every hook's rows as one [hooks, rows, width] array
+# A step travels in pieces of at most an eighth of the ring, and the child writes what it holds once
+# that reaches half of it: then the parent always finds a piece's room (at most half is held, so one
+# of the two free parts around it is a quarter), and the child stages several steps before writing
+# each (request, hook) (every write of one costs a few HDF5 and numpy calls, 256 x 32 of them a step
+# at 256 requests and 32 hooks).
+_PIECES, _HOLD = 8, 2
 
 
 def _row_bytes(blocks: RowBlocks) -> int:
@@ -202,8 +208,7 @@ def _aligned(n: int) -> int:
 def _serve(conn, ring: _Ring, path: str, metadata: dict, hooks: dict, options: dict) -> None:
     """The child: a CaptureWriter fed from the pipe. Rows are handed to it where they lie in the ring
     (no copy out): the regions are said to be free once the writer holds them no more, which it is
-    told to make so before a quarter of the ring is held (a piece is at most a quarter: the parent
-    always finds room then)."""
+    told to make so before half the ring is held (see ``_PIECES``)."""
     try:
         writer = CaptureWriter(path, metadata, hooks, **options)
     except BaseException as e:  # noqa: BLE001 - told to the parent
@@ -225,7 +230,7 @@ def _serve(conn, ring: _Ring, path: str, metadata: dict, hooks: dict, options: d
                     if _STACKED in arrays:
                         arrays = dict(zip(hooks, arrays[_STACKED]))
                     writer.append_blocks(RowBlocks(request_ids, bounds, positions, token_ids, arrays))
-                    if writer.holding_blocks and held_bytes >= ring.size // 4:
+                    if writer.holding_blocks and held_bytes >= ring.size // _HOLD:
                         writer.write_staged()
             elif kind == "call":
                 if not failed:

@@ -108,13 +108,14 @@ def storable(s: str) -> bool:
     return True
 
 
-def set_text(obj, key: str, value: str) -> None:
+def set_text(obj, key: str, value: str, new: bool = False) -> None:
     """A UTF-8 string attr; one HDF5 cannot hold (NUL, lone surrogates) is stored JSON-encoded and its
-    key listed in the ``json_escaped_attrs`` attr."""
+    key listed in the ``json_escaped_attrs`` attr. ``new``: ``obj`` has no attrs yet (nothing to
+    replace or unlist: a capture file's writer makes thousands of such objects)."""
     value = str(value)
     plain = storable(value)
-    _put_text_attr(obj.id, key.encode(), value if plain else json.dumps(value))  # JSON: ASCII, no NUL
-    if plain and _TEXT_ESCAPED not in obj.attrs:
+    _put_text_attr(obj.id, key.encode(), value if plain else json.dumps(value), new)  # JSON: ASCII, no NUL
+    if plain and (new or _TEXT_ESCAPED not in obj.attrs):
         return
     escaped = [k.decode() if isinstance(k, bytes) else str(k) for k in obj.attrs.get(_TEXT_ESCAPED, [])]
     escaped = [k for k in escaped if k != key] + ([] if plain else [key])
@@ -128,10 +129,10 @@ _TEXT_TYPE = h5py.h5t.py_create(h5py.string_dtype(), logical=True)  # variable-l
 _SCALAR = h5py.h5s.create(h5py.h5s.SCALAR)
 
 
-def _put_text_attr(oid, key: bytes, value: str) -> None:
+def _put_text_attr(oid, key: bytes, value: str, new: bool = False) -> None:
     """What ``obj.attrs[key] = value`` stores, through HDF5's own calls at half its cost: an export
     writes a few hundred of these (docs/performance-notes.md)."""
-    if h5py.h5a.exists(oid, key):
+    if not new and h5py.h5a.exists(oid, key):
         h5py.h5a.delete(oid, key)
     h5py.h5a.create(oid, key, _TEXT_TYPE, _SCALAR).write(np.array(value, dtype=_TEXT_TYPE.dtype))
 
@@ -189,6 +190,20 @@ def check_compression(compression) -> None:
     if not (compression in (None, "lzf", "gzip") or (isinstance(compression, tuple) and len(compression) == 2
                                                      and compression[0] == "gzip")):
         raise ValueError(f"compression must be None, 'lzf', 'gzip' or ('gzip', level), not {compression!r}")
+
+
+def create_group(parent: h5py.Group, link: str) -> h5py.Group:
+    """What ``parent.create_group(link)`` makes (a non-ASCII link named in UTF-8, as h5py names it),
+    through HDF5's own call at half the cost: a capture file's writer makes one per request and hook."""
+    try:
+        name, lcpl = link.encode("ascii"), None
+    except UnicodeEncodeError:
+        name, lcpl = link.encode(), _UTF8_LINK
+    return h5py.Group(h5py.h5g.create(parent.id, name, lcpl=lcpl))
+
+
+_UTF8_LINK = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+_UTF8_LINK.set_char_encoding(h5py.h5t.CSET_UTF8)
 
 
 def extendable_dataset(group: h5py.Group, name: str, dtype, shape: tuple[int, ...], chunks: tuple[int, ...],

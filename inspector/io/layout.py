@@ -14,7 +14,7 @@ from inspector.core.hooks import HookPoint
 from inspector.core.routing import Routing, route
 from inspector.core.run import FeatureRows, LensRows, RequestCapture, TopToken
 
-from .format import FORMAT_NAME, FORMAT_VERSION, escape_name, set_text, to_json, write_texts
+from .format import FORMAT_NAME, FORMAT_VERSION, create_group, escape_name, set_text, to_json, write_texts
 
 REQUEST_DATASETS = ("token_ids", "positions", "is_prompt", "token_texts", "logprobs", "top_logprob_ids",
                     "top_logprob_values", "top_logprob_texts", "top_logprob_counts")
@@ -175,9 +175,10 @@ def write_expert_choice(g, values, routing: Routing) -> None:
 
 
 def named_group(parent, name: str):
-    """A group for ``name`` (escaped as a link; the name itself then kept in its ``name`` attribute)."""
+    """A group for ``name`` (escaped as a link; the name itself then kept in its ``name`` attribute),
+    made quickly (a capture file's writer makes one per request and hook)."""
     link = escape_name(name)
-    group = parent.create_group(link)
+    group = create_group(parent, link)
     if link != name:
-        set_text(group, "name", name)
+        set_text(group, "name", name, new=True)
     return group
