@@ -3,11 +3,14 @@ writes are done behind HDF5's back on a thread of their own."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import queue
 import threading
 from pathlib import Path
+
+import numpy as np
 
 
 class LatchingFile:
@@ -23,8 +26,11 @@ class LatchingFile:
     Writes are copied and handed to a ``WriteBehind`` thread, in order, so that the kernel's work on
     them (most of a capture file's CPU: page-cache pages found, filled and marked dirty) overlaps
     HDF5's and ours; reads, truncation and the end wait for them. An error met there is latched at
-    the next call.
+    the next call. Raw chunks written from an array ``lending`` names are not copied (the copy was a
+    third of a capture writer's time): the array's owner leaves it as it is until ``wait_written``.
     """
+
+    LEND_FROM = 64 << 10  # smaller writes are copied all the same
 
     OVERLAY_MAX_WRITE = 1 << 20   # in discard mode, bigger writes (raw chunks) are dropped, not kept
     OVERLAY_MAX_TOTAL = 64 << 20
@@ -40,6 +46,7 @@ class LatchingFile:
         self._size = 0        # logical size in discard mode
         self._overlay: list[tuple[int, bytes]] = []
         self._overlay_bytes = 0
+        self._lent: tuple[int, np.ndarray] | None = None  # (address, its bytes) while ``lending``
 
     def _latch(self, exc: OSError) -> None:
         if self.error is None:
@@ -82,7 +89,8 @@ class LatchingFile:
         n, pos = len(mv), self._pos
         self._latch_behind()
         if not self._discarding:
-            self._behind.write(bytes(mv), pos)  # a copy: HDF5 may reuse its buffer once this returns
+            lent = self._lent_view(mv) if self._lent is not None and n >= self.LEND_FROM else None
+            self._behind.write(bytes(mv) if lent is None else lent, pos)  # a copy: HDF5 may reuse its buffer
             self._extent = max(self._extent, pos + n)
         if self._discarding:
             if n <= self.OVERLAY_MAX_WRITE and self._overlay_bytes + n <= self.OVERLAY_MAX_TOTAL:
@@ -139,6 +147,31 @@ class LatchingFile:
 
     # -- ours
 
+    @contextlib.contextmanager
+    def lending(self, array: np.ndarray):
+        """Within the block, writes of ``array``'s bytes are queued as views of it: the caller leaves it
+        as it is until ``wait_written(ticket)`` (``ticket`` read after the block) returns."""
+        array = np.ascontiguousarray(array)  # a copy already if it was not
+        raw = array.reshape(-1).view(np.uint8)
+        self._lent = (raw.__array_interface__["data"][0], raw)
+        try:
+            yield
+        finally:
+            self._lent = None
+
+    def _lent_view(self, mv: memoryview):
+        address, raw = self._lent
+        at = np.frombuffer(mv, np.uint8).__array_interface__["data"][0] - address
+        return raw[at: at + len(mv)] if 0 <= at and at + len(mv) <= len(raw) else None
+
+    @property
+    def ticket(self) -> int:
+        """Writes asked for so far: ``wait_written`` of it returns once they are done."""
+        return self._behind.submitted
+
+    def wait_written(self, ticket: int) -> None:
+        self._behind.wait_done(ticket)
+
     def finish(self, fsync: bool) -> None:
         """After HDF5 closed the file: fsync (errors raise) and close the descriptor."""
         self._settle()
@@ -174,6 +207,7 @@ class WriteBehind:
         self.error: OSError | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._queued = 0
+        self.submitted = self._done = 0  # writes asked for, and done (in that order)
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="capture-file-writes", daemon=True)
         self._thread.start()
@@ -182,7 +216,14 @@ class WriteBehind:
         with self._changed:
             self._changed.wait_for(lambda: self._queued < self.MAX_QUEUED)
             self._queued += len(blob)
+        self.submitted += 1
         self._jobs.put((blob, pos))
+
+    def wait_done(self, ticket: int) -> None:
+        """Return once the first ``ticket`` writes are done."""
+        if self._done < ticket:
+            with self._changed:
+                self._changed.wait_for(lambda: self._done >= ticket or not self._thread.is_alive())
 
     def settle(self) -> None:
         """Return once every write asked so far is done."""
@@ -204,6 +245,7 @@ class WriteBehind:
                     self.error = exc
             with self._changed:
                 self._queued -= len(blob)
+                self._done += 1
                 self._changed.notify_all()
 
 

@@ -5,6 +5,7 @@ module buffers the rows and writes them chunk by chunk; ``layout`` says where ev
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Callable
@@ -32,13 +33,15 @@ class _HookBuffer:
     """One (request, hook): values not yet written (< one chunk, written chunk-aligned) and all its
     positions/token ids (16 bytes a row, kept in memory and written when the request finishes)."""
 
-    __slots__ = ("name", "width", "dtype", "chunk_rows", "chunk_cols", "pending", "rows_written", "positions",
-                 "token_ids", "idx_written", "index_shared", "group", "d_values", "d_positions", "d_token_ids")
+    __slots__ = ("name", "width", "dtype", "chunk_rows", "chunk_cols", "pending", "lent_until", "rows_written",
+                 "positions", "token_ids", "idx_written", "index_shared", "group", "d_values", "d_positions",
+                 "d_token_ids")
 
     def __init__(self, name: str, width: int, dtype: np.dtype):
         self.name, self.width, self.dtype = name, width, dtype
         self.chunk_rows, self.chunk_cols = chunk_rows_for(width, dtype.itemsize), chunk_cols_for(width, dtype.itemsize)
         self.pending = self.new_pending()
+        self.lent_until = 0  # the file's write that must be done before ``pending`` is written into again
         self.rows_written = 0
         self.positions, self.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
         self.idx_written = 0
@@ -88,6 +91,7 @@ class CaptureWriter(AtomicFile):
         self._staged_bytes = 0
         self._finished: set[str] = set()  # finished requests whose rows are still staged
         self._scratch: np.ndarray | None = None  # a hook's staged rows, gathered (_gathered)
+        self._scratch_lent_until = 0  # as _HookBuffer.lent_until
         self._vocabulary: dict[int, str] = {}  # small (a text per token id the lens names): written at the end
         header = header_texts(metadata)
         self._create_temp()
@@ -215,10 +219,12 @@ class CaptureWriter(AtomicFile):
             spans, positions, token_ids, places = orders[having]
             rows = self._gathered([staged[k].values[hook] for k in having], places)
             for rid, where in spans:
-                self._append_rows(rid, hook, positions[where], token_ids[where], [rows[where]])
+                self._append_rows(rid, hook, positions[where], token_ids[where], [rows[where]], lend=True)
+            self._scratch_lent_until = self._io.ticket
         for rid in [rid for rid in self._finished if rid in self._requests]:
             self._flush_request(self._requests[rid], final=True)
         self._finished.clear()
+        self._io.wait_written(self._io.ticket)  # the staged arrays were lent: the caller may reuse them now
 
     def _gathered(self, arrays: list[np.ndarray], places: list[np.ndarray] | None) -> np.ndarray:
         """``arrays``' rows at ``places`` (None: the one array as it is) in a scratch array reused from
@@ -226,6 +232,7 @@ class CaptureWriter(AtomicFile):
         if places is None:
             return arrays[0]
         n, first = sum(len(a) for a in arrays), arrays[0]
+        self._io.wait_written(self._scratch_lent_until)
         scratch = self._scratch
         if scratch is None or scratch.dtype != first.dtype or scratch.shape[1:] != first.shape[1:] or len(scratch) < n:
             scratch = self._scratch = np.empty((n, *first.shape[1:]), first.dtype)
@@ -234,8 +241,9 @@ class CaptureWriter(AtomicFile):
             out[where] = a
         return out
 
-    def _append_rows(self, request_id: str, hook: str, positions, token_ids, parts: list) -> None:
-        """``parts``: the rows' values in pieces, appended in order (never joined first)."""
+    def _append_rows(self, request_id: str, hook: str, positions, token_ids, parts: list, lend: bool = False) -> None:
+        """``parts``: the rows' values in pieces, appended in order (never joined first). ``lend``: the
+        file may write from them until its writes are done (``LatchingFile.lending``)."""
         req = self._requests.get(request_id)
         if req is None:
             req = self._request(request_id)
@@ -256,11 +264,12 @@ class CaptureWriter(AtomicFile):
             buf.positions.append(positions)
             buf.token_ids.append(token_ids)
             if n and len(buf.pending) + n < buf.gap():  # the common decode step: just buffer it
+                self._io.wait_written(buf.lent_until)
                 buf.pending.extend(parts)
                 self._buffered += n * buf.width * buf.dtype.itemsize
             elif n:
                 for v in parts:
-                    self._push(req, buf, v)
+                    self._push(req, buf, v, lend)
             if self._buffered > self._budget:
                 for r in self._requests.values():
                     self._flush_request(r, final=False)
@@ -352,16 +361,17 @@ class CaptureWriter(AtomicFile):
 
     # -- rows
 
-    def _push(self, req: _Request, buf: _HookBuffer, v: np.ndarray) -> None:
+    def _push(self, req: _Request, buf: _HookBuffer, v: np.ndarray, lend: bool) -> None:
         n, i = len(v), 0
         while i < n:
             gap = buf.gap()
             if not len(buf.pending) and n - i >= gap:  # chunk-aligned: write straight from the caller's array
                 k = gap + ((n - i - gap) // buf.chunk_rows) * buf.chunk_rows
-                self._write_values(req, buf, v[i: i + k], exact=False)
+                self._write_values(req, buf, v[i: i + k], exact=False, lend=lend)
                 i += k
                 continue
             take = min(gap - len(buf.pending), n - i)
+            self._io.wait_written(buf.lent_until)
             buf.pending.append(v[i: i + take])
             self._buffered += take * buf.width * buf.dtype.itemsize
             i += take
@@ -371,7 +381,8 @@ class CaptureWriter(AtomicFile):
     def _flush(self, req: _Request, buf: _HookBuffer, final: bool) -> None:
         c = len(buf.pending)
         if c or (final and buf.d_values is None):
-            self._write_values(req, buf, buf.pending.view(), exact=final and buf.d_values is None)
+            self._write_values(req, buf, buf.pending.view(), exact=final and buf.d_values is None, lend=True)
+            buf.lent_until = self._io.ticket
             self._buffered -= c * buf.width * buf.dtype.itemsize
             buf.pending.clear()
         if final:
@@ -385,7 +396,9 @@ class CaptureWriter(AtomicFile):
         for buf in req.buffers.values():
             self._flush(req, buf, final)
 
-    def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool) -> None:
+    def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool, lend: bool) -> None:
+        """``v`` appended to the hook's values; ``lend``: written from where it lies (its owner waits
+        for ``lent_until``-style tickets before writing into it again)."""
         if buf.d_values is None:
             if exact:  # everything this hook will get: chunks fit the data, no padding on disk
                 buf.chunk_rows = max(1, len(v))
@@ -400,22 +413,13 @@ class CaptureWriter(AtomicFile):
         n = len(v)
         if n == 0:
             return
-        a, b, rows, cols, width = buf.rows_written, buf.rows_written + n, buf.chunk_rows, buf.chunk_cols, buf.width
+        a, b = buf.rows_written, buf.rows_written + n
         d = buf.d_values
-        d.id.set_extent((b, width))
-        if not self._compression and a % rows == 0 and n % rows == 0:
+        d.id.set_extent((b, buf.width))
+        if not self._compression and a % buf.chunk_rows == 0 and n % buf.chunk_rows == 0:
             # whole chunks: hand HDF5 the chunk bytes directly (no selection, no gather copy)
-            for r0 in range(0, n, rows):
-                block = v[r0: r0 + rows]
-                for c0 in range(0, width, cols):
-                    if c0 == 0 and cols == width:
-                        data = block if block.flags.c_contiguous else np.ascontiguousarray(block)
-                    elif c0 + cols <= width:
-                        data = np.ascontiguousarray(block[:, c0: c0 + cols])
-                    else:  # the last column chunk sticks out: pad it like HDF5 would
-                        data = np.zeros((rows, cols), v.dtype)
-                        data[:, : width - c0] = block[:, c0:]
-                    d.id.write_direct_chunk((a + r0, c0), data)
+            with self._io.lending(v) if lend and v.flags.c_contiguous else contextlib.nullcontext():
+                _write_chunks(d, v, a, buf.chunk_rows, buf.chunk_cols)
         else:
             d[a:b] = v
         buf.rows_written = b
@@ -462,6 +466,22 @@ class CaptureWriter(AtomicFile):
 
 
 _MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _write_chunks(d, v: np.ndarray, a: int, rows: int, cols: int) -> None:
+    """``v``'s whole chunks (``rows`` x ``cols``) into ``d`` from row ``a`` on, each as it lies where it can."""
+    width = v.shape[1]
+    for r0 in range(0, len(v), rows):
+        block = v[r0: r0 + rows]
+        for c0 in range(0, width, cols):
+            if c0 == 0 and cols == width:
+                data = block if block.flags.c_contiguous else np.ascontiguousarray(block)
+            elif c0 + cols <= width:
+                data = np.ascontiguousarray(block[:, c0: c0 + cols])
+            else:  # the last column chunk sticks out: pad it like HDF5 would
+                data = np.zeros((rows, cols), v.dtype)
+                data[:, : width - c0] = block[:, c0:]
+            d.id.write_direct_chunk((a + r0, c0), data)
 
 
 def _request_order(staged: list[RowBlocks]) -> tuple:
