@@ -303,22 +303,24 @@ def test_steps_in_bulk_equal_one_shot(tmp_path, in_process, buffer_bytes):
 @pytest.mark.parametrize("streamed", ["in bulk", "a (request, hook) at a time"])
 def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_has_them(tmp_path, monkeypatch,
                                                                                        streamed):
-    """Whole chunks go to the file's write-behind thread as views of the writer's buffers (a request
-    and hook's chunk buffer, the scratch two hooks of one width take turns in, the staged steps), not
-    copies: with that thread slowed down and chunks of a few rows, every buffer must still wait for
-    its writes before it is filled again (the file equals the one-shot write, bit for bit)."""
+    """Whole chunks go to the file's write-behind thread as views of the writer's buffers (the scratch
+    arrays hooks of one width take turns in, the staged steps), not copies: with that thread slowed
+    down and chunks of a few rows, every buffer must still wait for its writes before it is filled
+    again (the file equals the one-shot write, bit for bit)."""
     import inspector.io.latching_file as latching_file
     import inspector.io.writer as writer_module
 
     run = engine_like_run(seed=6)
-    wide, twin = "model.layers.1.mlp.down_proj", "model.layers.1.mlp.down_proj.twin"
-    run.hooks = {name: info for base, info in run.hooks.items()
-                 for name in ((base, twin) if base == wide else (base,))}
-    run.hooks[twin] = dataclasses.replace(run.hooks[wide], name=twin)
-    for req in run.requests.values():
-        rows = req.hooks[wide]
-        req.hooks[twin] = HookRows(rows.width, dtype=rows.dtype)
-        req.hooks[twin].append(rows.positions, rows.token_ids, -rows.values)
+    wide = "model.layers.1.mlp.down_proj"
+    twins = {f"{wide}.twin{k}": k for k in (1, 2)}  # three hooks of one width in a row
+    run.hooks = {name: run.hooks[wide] if name in twins else info for base, info in run.hooks.items()
+                 for name in ((base, *twins) if base == wide else (base,))}
+    for name, k in twins.items():
+        run.hooks[name] = dataclasses.replace(run.hooks[wide], name=name)
+        for req in run.requests.values():
+            rows = req.hooks[wide]
+            req.hooks[name] = HookRows(rows.width, dtype=rows.dtype)
+            req.hooks[name].append(rows.positions, rows.token_ids, np.roll(rows.values, k, axis=1))
     write_run(run, tmp_path / "one.h5")
 
     pwrite = latching_file._pwrite_all

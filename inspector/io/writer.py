@@ -33,15 +33,13 @@ class _HookBuffer:
     """One (request, hook): values not yet written (< one chunk, written chunk-aligned) and all its
     positions/token ids (16 bytes a row, kept in memory and written when the request finishes)."""
 
-    __slots__ = ("name", "width", "dtype", "chunk_rows", "chunk_cols", "pending", "lent_until", "rows_written",
-                 "positions", "token_ids", "idx_written", "index_shared", "group", "d_values", "d_positions",
-                 "d_token_ids")
+    __slots__ = ("name", "width", "dtype", "chunk_rows", "chunk_cols", "pending", "rows_written", "positions",
+                 "token_ids", "idx_written", "index_shared", "group", "d_values", "d_positions", "d_token_ids")
 
     def __init__(self, name: str, width: int, dtype: np.dtype):
         self.name, self.width, self.dtype = name, width, dtype
         self.chunk_rows, self.chunk_cols = chunk_rows_for(width, dtype.itemsize), chunk_cols_for(width, dtype.itemsize)
         self.pending = self.new_pending()
-        self.lent_until = 0  # the file's write that must be done before ``pending`` is written into again
         self.rows_written = 0
         self.positions, self.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
         self.idx_written = 0
@@ -90,8 +88,9 @@ class CaptureWriter(AtomicFile):
         self._staged: list[RowBlocks] = []  # bulk steps not written yet (append_blocks)
         self._staged_bytes = 0
         self._finished: set[str] = set()  # finished requests whose rows are still staged
-        self._scratch: np.ndarray | None = None  # a hook's staged rows, gathered (_gathered)
-        self._scratch_lent_until = 0  # as _HookBuffer.lent_until
+        # a hook's staged rows, gathered (_gathered), in two arrays that hooks take turns in: each is
+        # written from where it lies, and waits for those writes before it is filled again
+        self._scratch: list[tuple[np.ndarray | None, int]] = [(None, 0), (None, 0)]  # (array, its last write)
         self._vocabulary: dict[int, str] = {}  # small (a text per token id the lens names): written at the end
         header = header_texts(metadata)
         self._create_temp()
@@ -220,22 +219,24 @@ class CaptureWriter(AtomicFile):
             rows = self._gathered([staged[k].values[hook] for k in having], places)
             for rid, where in spans:
                 self._append_rows(rid, hook, positions[where], token_ids[where], [rows[where]], lend=True)
-            self._scratch_lent_until = self._io.ticket
+            if places is not None:
+                self._scratch = [self._scratch[1], (self._scratch[0][0], self._io.ticket)]
         for rid in [rid for rid in self._finished if rid in self._requests]:
             self._flush_request(self._requests[rid], final=True)
         self._finished.clear()
         self._io.wait_written(self._io.ticket)  # the staged arrays were lent: the caller may reuse them now
 
     def _gathered(self, arrays: list[np.ndarray], places: list[np.ndarray] | None) -> np.ndarray:
-        """``arrays``' rows at ``places`` (None: the one array as it is) in a scratch array reused from
-        hook to hook (what is handed on is copied or written before the next hook's turn)."""
+        """``arrays``' rows at ``places`` (None: the one array as it is) in the scratch array whose turn
+        it is (``_write_staged`` hands the turn on)."""
         if places is None:
             return arrays[0]
         n, first = sum(len(a) for a in arrays), arrays[0]
-        self._io.wait_written(self._scratch_lent_until)
-        scratch = self._scratch
+        scratch, written_at = self._scratch[0]
+        self._io.wait_written(written_at)
         if scratch is None or scratch.dtype != first.dtype or scratch.shape[1:] != first.shape[1:] or len(scratch) < n:
-            scratch = self._scratch = np.empty((n, *first.shape[1:]), first.dtype)
+            scratch = np.empty((n, *first.shape[1:]), first.dtype)
+            self._scratch[0] = (scratch, 0)
         out = scratch[:n]
         for a, where in zip(arrays, places):
             out[where] = a
@@ -264,7 +265,6 @@ class CaptureWriter(AtomicFile):
             buf.positions.append(positions)
             buf.token_ids.append(token_ids)
             if n and len(buf.pending) + n < buf.gap():  # the common decode step: just buffer it
-                self._io.wait_written(buf.lent_until)
                 buf.pending.extend(parts)
                 self._buffered += n * buf.width * buf.dtype.itemsize
             elif n:
@@ -371,7 +371,6 @@ class CaptureWriter(AtomicFile):
                 i += k
                 continue
             take = min(gap - len(buf.pending), n - i)
-            self._io.wait_written(buf.lent_until)
             buf.pending.append(v[i: i + take])
             self._buffered += take * buf.width * buf.dtype.itemsize
             i += take
@@ -381,8 +380,8 @@ class CaptureWriter(AtomicFile):
     def _flush(self, req: _Request, buf: _HookBuffer, final: bool) -> None:
         c = len(buf.pending)
         if c or (final and buf.d_values is None):
-            self._write_values(req, buf, buf.pending.view(), exact=final and buf.d_values is None, lend=True)
-            buf.lent_until = self._io.ticket
+            # copied by the file, not lent: its chunk is filled again at once
+            self._write_values(req, buf, buf.pending.view(), exact=final and buf.d_values is None, lend=False)
             self._buffered -= c * buf.width * buf.dtype.itemsize
             buf.pending.clear()
         if final:
@@ -397,8 +396,8 @@ class CaptureWriter(AtomicFile):
             self._flush(req, buf, final)
 
     def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool, lend: bool) -> None:
-        """``v`` appended to the hook's values; ``lend``: written from where it lies (its owner waits
-        for ``lent_until``-style tickets before writing into it again)."""
+        """``v`` appended to the hook's values; ``lend``: its whole chunks written from where they lie
+        (its owner waits for them before writing into it again)."""
         if buf.d_values is None:
             if exact:  # everything this hook will get: chunks fit the data, no padding on disk
                 buf.chunk_rows = max(1, len(v))
