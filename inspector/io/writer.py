@@ -210,27 +210,31 @@ class CaptureWriter(AtomicFile):
         hook) costs a call for all the staged steps, not one a step (at 256 requests and 32 hooks a
         step, those calls had set the writer's pace). Requests that finished meanwhile are released."""
         staged, self._staged, self._staged_bytes = self._staged, [], 0
-        orders: dict[tuple, tuple] = {}  # the staged steps a hook has -> their rows' order, and each request's
+        orders: dict[tuple, tuple] = {}  # the staged steps a hook has -> where each request's rows lie
         for hook in dict.fromkeys(h for blocks in staged for h in blocks.values):
             having = tuple(k for k, blocks in enumerate(staged) if hook in blocks.values)
             if having not in orders:
                 orders[having] = _request_order([staged[k] for k in having])
-            spans, positions, token_ids, places = orders[having]
-            rows = self._gathered([staged[k].values[hook] for k in having], places)
-            for rid, where in spans:
-                self._append_rows(rid, hook, positions[where], token_ids[where], [rows[where]], lend=True)
-            if places is not None:
+            spans, gathered = orders[having]
+            arrays = [staged[k].values[hook] for k in having]
+            rows = None if gathered is None else self._gathered(arrays, gathered[2])
+            for rid, k, where in spans:
+                if k is None:
+                    positions, token_ids, values = gathered[0][where], gathered[1][where], rows[where]
+                else:
+                    blocks = staged[having[k]]
+                    positions, token_ids, values = blocks.positions[where], blocks.token_ids[where], arrays[k][where]
+                self._append_rows(rid, hook, positions, token_ids, [values], lend=True)
+            if gathered is not None:
                 self._scratch = [self._scratch[1], (self._scratch[0][0], self._io.ticket)]
         for rid in [rid for rid in self._finished if rid in self._requests]:
             self._flush_request(self._requests[rid], final=True)
         self._finished.clear()
         self._io.wait_written(self._io.ticket)  # the staged arrays were lent: the caller may reuse them now
 
-    def _gathered(self, arrays: list[np.ndarray], places: list[np.ndarray] | None) -> np.ndarray:
-        """``arrays``' rows at ``places`` (None: the one array as it is) in the scratch array whose turn
-        it is (``_write_staged`` hands the turn on)."""
-        if places is None:
-            return arrays[0]
+    def _gathered(self, arrays: list[np.ndarray], places: list[np.ndarray]) -> np.ndarray:
+        """``arrays``' rows at ``places`` in the scratch array whose turn it is (``_write_staged`` hands
+        the turn on)."""
         n, first = sum(len(a) for a in arrays), arrays[0]
         scratch, written_at = self._scratch[0]
         self._io.wait_written(written_at)
@@ -484,19 +488,17 @@ def _write_chunks(d, v: np.ndarray, a: int, rows: int, cols: int) -> None:
 
 
 def _request_order(staged: list[RowBlocks]) -> tuple:
-    """Rows of ``staged`` steps laid request after request: (each request's id and slice of that
-    order; positions; token ids; where each step's rows go in it, or None for one step, whose rows lie
-    request after request already)."""
-    if len(staged) == 1:
-        blocks = staged[0]
-        bounds = blocks.bounds.tolist()
-        spans = [(rid, slice(a, b)) for rid, a, b in zip(blocks.request_ids, bounds, bounds[1:])]
-        return spans, blocks.positions, blocks.token_ids, None
+    """Where each request's rows of ``staged`` steps lie: (spans, None) with spans (request id, step,
+    slice of its rows) where each request's lie within one step (one step, or a prefill sent in
+    pieces: handed on from there), else (spans, (positions, token ids, places)) with spans (request
+    id, None, slice), for the rows laid request after request (each step's going to its ``places``)."""
     runs: dict[str, list[tuple[int, int, int]]] = {}
     for k, blocks in enumerate(staged):
         bounds = blocks.bounds.tolist()
         for rid, a, b in zip(blocks.request_ids, bounds, bounds[1:]):
             runs.setdefault(rid, []).append((k, a, b))
+    if all(len(pieces) == 1 for pieces in runs.values()):
+        return [(rid, k, slice(a, b)) for rid, ((k, a, b),) in runs.items()], None
     spans, at = [], 0
     places = [np.empty(blocks.rows, np.int64) for blocks in staged]
     for rid, pieces in runs.items():
@@ -504,11 +506,11 @@ def _request_order(staged: list[RowBlocks]) -> tuple:
         for k, a, b in pieces:
             places[k][a:b] = np.arange(at, at + b - a)
             at += b - a
-        spans.append((rid, slice(start, at)))
+        spans.append((rid, None, slice(start, at)))
     positions, token_ids = np.empty(at, np.int64), np.empty(at, np.int64)
     for blocks, where in zip(staged, places):
         positions[where], token_ids[where] = blocks.positions, blocks.token_ids
-    return spans, positions, token_ids, places
+    return spans, (positions, token_ids, places)
 
 
 def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,
