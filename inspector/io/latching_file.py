@@ -4,6 +4,7 @@ writes are done behind HDF5's back on a thread of their own."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import queue
@@ -201,6 +202,7 @@ class WriteBehind:
     ``MAX_QUEUED`` bytes wait. The first error stops the writes after it and stays in ``error``."""
 
     MAX_QUEUED = 64 << 20
+    WRITEBACK_EVERY = 32 << 20  # bytes written between asking the kernel to start writing them out
 
     def __init__(self, fd: int):
         self.fd = fd
@@ -236,6 +238,7 @@ class WriteBehind:
             self._thread.join()
 
     def _run(self) -> None:
+        unsent = 0  # bytes written since the kernel was last asked to write the file out
         while (job := self._jobs.get()) is not None:
             blob, pos = job
             if self.error is None:
@@ -243,6 +246,10 @@ class WriteBehind:
                     _pwrite_all(self.fd, memoryview(blob), pos)
                 except OSError as exc:
                     self.error = exc
+                unsent += len(blob)
+                if unsent >= self.WRITEBACK_EVERY and _start_writeback is not None:
+                    _start_writeback(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+                    unsent = 0
             with self._changed:
                 self._queued -= len(blob)
                 self._done += 1
@@ -256,3 +263,20 @@ def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
         if wrote <= 0:
             raise OSError(errno.ENOSPC, "no space left on device (short write)")
         done += wrote
+
+
+def _libc_sync_file_range():
+    """libc's ``sync_file_range`` (Linux), else None. Asked to write a file's dirty pages out, the kernel
+    starts at once and does not wait for them: otherwise it starts only past a share of the memory (a
+    tenth of 128 GiB on a GPU host), and the file's closing ``fsync`` waited for all of it (0.8 of the
+    2.8 s a 2 GB capture took)."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return call
+
+
+_start_writeback = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
