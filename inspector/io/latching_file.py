@@ -91,7 +91,7 @@ class LatchingFile:
         self._latch_behind()
         if not self._discarding:
             lent = self._lent_view(mv) if self._lent is not None and n >= self.LEND_FROM else None
-            self._behind.write(bytes(mv) if lent is None else lent, pos)  # a copy: HDF5 may reuse its buffer
+            self._behind.write(bytes(mv) if lent is None else lent, pos)  # else a copy: HDF5 may reuse its buffer
             self._extent = max(self._extent, pos + n)
         if self._discarding:
             if n <= self.OVERLAY_MAX_WRITE and self._overlay_bytes + n <= self.OVERLAY_MAX_TOTAL:
@@ -151,8 +151,8 @@ class LatchingFile:
     @contextlib.contextmanager
     def lending(self, array: np.ndarray):
         """Within the block, writes of ``array``'s bytes are queued as views of it: the caller leaves it
-        as it is until ``wait_written(ticket)`` (``ticket`` read after the block) returns."""
-        array = np.ascontiguousarray(array)  # a copy already if it was not
+        as it is until ``wait_written(ticket)`` (``ticket`` read after the block) returns. ``array`` is
+        C-contiguous."""
         raw = array.reshape(-1).view(np.uint8)
         self._lent = (raw.__array_interface__["data"][0], raw)
         try:
@@ -214,7 +214,8 @@ class WriteBehind:
         self._thread = threading.Thread(target=self._run, name="capture-file-writes", daemon=True)
         self._thread.start()
 
-    def write(self, blob: bytes, pos: int) -> None:
+    def write(self, blob, pos: int) -> None:
+        """Queue ``blob`` (bytes, or a lent array's bytes) for ``pos``."""
         with self._changed:
             self._changed.wait_for(lambda: self._queued < self.MAX_QUEUED)
             self._queued += len(blob)
@@ -269,7 +270,7 @@ def _libc_sync_file_range():
     """libc's ``sync_file_range`` (Linux), else None. Asked to write a file's dirty pages out, the kernel
     starts at once and does not wait for them: otherwise it starts only past a share of the memory (a
     tenth of 128 GiB on a GPU host), and the file's closing ``fsync`` waited for all of it (0.8 of the
-    2.8 s a 2 GB capture took)."""
+    2.7 s a 2 GB capture took)."""
     try:
         call = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):

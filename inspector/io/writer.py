@@ -225,7 +225,7 @@ class CaptureWriter(AtomicFile):
                     blocks = staged[having[k]]
                     positions, token_ids, values = blocks.positions[where], blocks.token_ids[where], arrays[k][where]
                 self._append_rows(rid, hook, positions, token_ids, [values], lend=True)
-            if gathered is not None:
+            if gathered is not None:  # the other scratch array's turn; this one waits for its writes
                 self._scratch = [self._scratch[1], (self._scratch[0][0], self._io.ticket)]
         for rid in [rid for rid in self._finished if rid in self._requests]:
             self._flush_request(self._requests[rid], final=True)
