@@ -233,12 +233,22 @@ def stream_in_bulk(run: Run, path: Path, seed: int, in_process: bool = False, **
     done = {rid: 0 for rid in run.requests}
     file = (InProcessWriter(path, run.metadata, run.hooks, **options) if in_process
             else BackgroundWriter(path, run.metadata, run.hooks, backlog_bytes=1 << 16, **options))
+    late = list(run.requests)[-1]  # starts once another has finished: it may take the place that one had
+
+    def start(req):
+        file.call("add_request", RequestCapture(req.request_id, req.prompt, list(req.prompt_token_ids), req.sampling))
+        started.append(req.request_id)
+
     with file:
+        started = []
         for req in run.requests.values():
-            file.call("add_request", RequestCapture(req.request_id, req.prompt, list(req.prompt_token_ids),
-                                                    req.sampling))
+            if req.request_id != late:
+                start(req)
         while True:
-            left = {rid: max(len(rows) for rows in req.hooks.values()) - done[rid] for rid, req in run.requests.items()}
+            left = {rid: max(len(rows) for rows in run.requests[rid].hooks.values()) - done[rid] for rid in started}
+            if late not in started and any(n == 0 for n in left.values()):
+                start(run.requests[late])
+                left[late] = max(len(rows) for rows in run.requests[late].hooks.values())
             taking = {rid: min(n, int(rng.choice([1, 1, 2, 50]))) for rid, n in left.items() if n > 0}
             if not taking:
                 break
@@ -261,7 +271,7 @@ def stream_in_bulk(run: Run, path: Path, seed: int, in_process: bool = False, **
                         file.call("append_rows", rid, name, rows.positions[w], rows.token_ids[w], rows.values[w])
                 done[rid] = w.stop
             for rid in taking:
-                if left[rid] == taking[rid] and rng.random() < 0.5:
+                if left[rid] == taking[rid] and (late not in started or rng.random() < 0.5):
                     file.call("update_request", run.requests[rid])  # finishing, rows maybe still staged
         for name in run.hooks:  # a (request, hook) with no rows at all still gets its (empty) datasets
             for req in run.requests.values():
@@ -298,6 +308,65 @@ def test_steps_in_bulk_equal_one_shot(tmp_path, in_process, buffer_bytes):
     write_run(run, tmp_path / "one.h5")
     stream_in_bulk(run, tmp_path / "bulk.h5", seed=5, in_process=in_process, buffer_bytes=buffer_bytes)
     assert_runs_equal(read_run(tmp_path / "one.h5"), read_run(tmp_path / "bulk.h5"))
+
+
+@pytest.mark.timeout(120)  # a buffer filled past its chunk boundary has made the writer loop
+@pytest.mark.parametrize("memory", ["ample", "tight"])
+def test_bulk_steps_of_requests_coming_and_going_and_hooks_skipping_rows(tmp_path, monkeypatch, memory):
+    """Bulk steps as a busy engine makes them: requests start while others finish (and take the places
+    they had), rows come one or several a request, a hook sits out some steps and comes back; chunks
+    of a few rows, and with tight memory partial chunks written early. Every (request, hook) reads
+    back exactly its rows, positions and token ids."""
+    import inspector.io.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "chunk_rows_for", lambda *args, **kwargs: 4)
+    if memory == "tight":
+        monkeypatch.setattr(writer_module, "_MEMORY_BYTES", 1 << 15)  # written out every few steps
+    rng = np.random.default_rng(11)
+    hooks = {name: HookPoint(name, name, f"model.{name}", "resid", width, k, "bfloat16")
+             for k, (name, width) in enumerate([("a", 64), ("b", 64), ("c", 24)])}
+    expected: dict[tuple[str, str], list] = {}
+    next_position: dict[str, int] = {}
+    active: list[str] = []
+    peak = 0
+    with CaptureWriter(tmp_path / "f.h5", {}, hooks, buffer_bytes=1 << 10) as writer:
+        for step in range(300):
+            if len(next_position) < 40 and (not active or rng.random() < 0.5):
+                rid = f"r{len(next_position)}"
+                writer.add_request(RequestCapture(rid, "p", [1, 2], {}))
+                next_position[rid] = 0
+                active.append(rid)
+            peak = max(peak, len(active))
+            taking = {rid: int(rng.choice([1, 1, 1, 1, 1, 3, 9])) for rid in active if rng.random() < 0.9}
+            if not taking:
+                continue
+            present = [h for h in hooks if rng.random() < 0.97] or ["a"]
+            positions = np.concatenate([np.arange(next_position[rid], next_position[rid] + n) for rid, n in taking.items()])
+            token_ids = rng.integers(0, 1000, len(positions))
+            values = {h: rng.standard_normal((len(positions), hooks[h].width), dtype=np.float32).astype(BFLOAT16)
+                      for h in present}
+            writer.append_blocks(RowBlocks(list(taking), np.concatenate([[0], np.cumsum(list(taking.values()))]),
+                                           positions, token_ids, values))
+            at = 0
+            for rid, n in taking.items():
+                next_position[rid] += n
+                for h in present:
+                    expected.setdefault((rid, h), []).append((positions[at:at + n], token_ids[at:at + n],
+                                                              values[h][at:at + n]))
+                at += n
+            for rid in list(active):
+                if rng.random() < 0.02:
+                    active.remove(rid)
+                    writer.update_request(RequestCapture(rid, "p", [1, 2], {}, finish_reason="length"))
+    assert writer._slots.made <= peak + 2  # the slabs' memory follows the requests in flight, not all requests
+    run = read_run(tmp_path / "f.h5")
+    assert len(run.requests) == len(next_position) > peak + 2
+    for (rid, h), parts in expected.items():
+        got = run.requests[rid].hooks[h]
+        want = [np.concatenate(column) for column in zip(*parts)]
+        np.testing.assert_array_equal(got.positions, want[0])
+        np.testing.assert_array_equal(got.token_ids, want[1])
+        np.testing.assert_array_equal(np.asarray(got.values).view(np.uint16), want[2].view(np.uint16))
 
 
 @pytest.mark.parametrize("streamed", ["in bulk", "a (request, hook) at a time"])

@@ -281,3 +281,19 @@ def replaced_whole(path: Path, format_name: str, version: int):
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_whole_chunks(d, v: np.ndarray, a: int, rows: int, cols: int) -> None:
+    """``v``'s whole chunks (``rows`` x ``cols``) into ``d`` from row ``a`` on, each as it lies where it can."""
+    width = v.shape[1]
+    for r0 in range(0, len(v), rows):
+        block = v[r0: r0 + rows]
+        for c0 in range(0, width, cols):
+            if c0 == 0 and cols == width:
+                data = block if block.flags.c_contiguous else np.ascontiguousarray(block)
+            elif c0 + cols <= width:
+                data = np.ascontiguousarray(block[:, c0: c0 + cols])
+            else:  # the last column chunk sticks out: pad it like HDF5 would
+                data = np.zeros((rows, cols), v.dtype)
+                data[:, : width - c0] = block[:, c0:]
+            d.id.write_direct_chunk((a + r0, c0), data)

@@ -21,7 +21,8 @@ from inspector.core.run import FeatureRows, LensRows, RequestCapture, Run
 
 from .atomic_file import AtomicFile
 from .format import (EXPORT_CHUNK_BYTES, check_compression, chunk_cols_for, chunk_rows_for, extendable_dataset,
-                     set_text, write_texts)
+                     set_text, write_texts, write_whole_chunks)
+from .pending import ChunkSlab, Slots, SlotRows
 from .layout import (RequestSnapshot, add_request_group, check_hook, header_texts, named_group, write_expert_choice,
                      write_header, write_hook, write_request_data)
 
@@ -30,8 +31,10 @@ WRITE_PIECE_BYTES = 32 << 20  # write_run hands arrays over in pieces of about t
 
 
 class _HookBuffer:
-    """One (request, hook): values not yet written (< one chunk, written chunk-aligned) and all its
-    positions/token ids (16 bytes a row, kept in memory and written when the request finishes)."""
+    """One (request, hook): values not yet written (``pending``: < one chunk, written chunk-aligned; None
+    once the request's rows were written out) and its positions/token ids (16 bytes a row, kept in
+    memory and written when the request finishes): its request's (``_Request.positions``) while it
+    has the same rows as those, else its own."""
 
     __slots__ = ("name", "width", "dtype", "chunk_rows", "chunk_cols", "pending", "rows_written", "positions",
                  "token_ids", "idx_written", "index_shared", "group", "d_values", "d_positions", "d_token_ids")
@@ -39,23 +42,24 @@ class _HookBuffer:
     def __init__(self, name: str, width: int, dtype: np.dtype):
         self.name, self.width, self.dtype = name, width, dtype
         self.chunk_rows, self.chunk_cols = chunk_rows_for(width, dtype.itemsize), chunk_cols_for(width, dtype.itemsize)
-        self.pending = self.new_pending()
+        self.pending: GrowableArray | SlotRows | None = None
         self.rows_written = 0
-        self.positions, self.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
+        self.positions = self.token_ids = None  # its own, once they differ from its request's
         self.idx_written = 0
         self.index_shared = False  # its positions/token ids datasets are another hook's too: never extended
         self.group = self.d_values = self.d_positions = self.d_token_ids = None  # the group: made with the values
-
-    def new_pending(self) -> GrowableArray:
-        return GrowableArray(self.dtype, (self.width,), capacity=self.chunk_rows, max_capacity=self.chunk_rows)
 
     def gap(self) -> int:
         """Rows from what is written to the next chunk boundary, in 1..chunk_rows."""
         return self.chunk_rows - self.rows_written % self.chunk_rows
 
+    def rows(self) -> int:
+        return self.rows_written + (len(self.pending) if self.pending is not None else 0)
+
 
 class _Request:
-    __slots__ = ("index", "group", "hooks_group", "snapshot", "buffers", "index_owners", "lens", "features")
+    __slots__ = ("index", "group", "hooks_group", "snapshot", "buffers", "index_owners", "lens", "features",
+                 "positions", "token_ids", "slot", "in_step")
 
     def __init__(self, index: int, group, snapshot: RequestSnapshot):
         self.index, self.group, self.snapshot = index, group, snapshot
@@ -64,6 +68,11 @@ class _Request:
         self.index_owners: list[_HookBuffer] = []  # hooks whose positions/token ids others may link to
         self.lens: dict[str, LensRows] = {}  # small (k ids and logprobs a row): written with the request's data
         self.features: dict[str, FeatureRows] = {}  # small too (k ids and activations a row): likewise
+        self.positions, self.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)  # its hooks' rows
+        self.slot: int | None = None  # its hooks' chunk buffers' place in their slabs
+        # hooks whose rows of a bulk step it takes with one scatter a hook (_in_step; None: not known
+        # since its buffers last changed)
+        self.in_step: frozenset | None = None
 
 
 class CaptureWriter(AtomicFile):
@@ -88,9 +97,8 @@ class CaptureWriter(AtomicFile):
         self._staged: list[RowBlocks] = []  # bulk steps not written yet (append_blocks)
         self._staged_bytes = 0
         self._finished: set[str] = set()  # finished requests whose rows are still staged
-        # a hook's staged rows, gathered (_gathered), in two arrays that hooks take turns in: each is
-        # written from where it lies, and waits for those writes before it is filled again
-        self._scratch: list[tuple[np.ndarray | None, int]] = [(None, 0), (None, 0)]  # (array, its last write)
+        self._slots = Slots()  # a request's place in every hook's slab
+        self._slabs: dict[str, ChunkSlab] = {}  # a hook's chunk buffers: of the dtype and chunk rows it began with
         self._vocabulary: dict[int, str] = {}  # small (a text per token id the lens names): written at the end
         header = header_texts(metadata)
         self._create_temp()
@@ -205,46 +213,73 @@ class CaptureWriter(AtomicFile):
                 self._write_staged()
 
     def _write_staged(self) -> None:
-        """The staged bulk steps, a hook at a time: the hook's rows of every staged step gathered
-        request after request in one copy, then each request's handed on in one piece. So a (request,
-        hook) costs a call for all the staged steps, not one a step (at 256 requests and 32 hooks a
-        step, those calls had set the writer's pace). Requests that finished meanwhile are released."""
+        """The staged bulk steps in order; requests that finished meanwhile are released."""
         staged, self._staged, self._staged_bytes = self._staged, [], 0
-        orders: dict[tuple, tuple] = {}  # the staged steps a hook has -> where each request's rows lie
-        for hook in dict.fromkeys(h for blocks in staged for h in blocks.values):
-            having = tuple(k for k, blocks in enumerate(staged) if hook in blocks.values)
-            if having not in orders:
-                orders[having] = _request_order([staged[k] for k in having])
-            spans, gathered = orders[having]
-            arrays = [staged[k].values[hook] for k in having]
-            rows = None if gathered is None else self._gathered(arrays, gathered[2])
-            for rid, k, where in spans:
-                if k is None:
-                    positions, token_ids, values = gathered[0][where], gathered[1][where], rows[where]
-                else:
-                    blocks = staged[having[k]]
-                    positions, token_ids, values = blocks.positions[where], blocks.token_ids[where], arrays[k][where]
-                self._append_rows(rid, hook, positions, token_ids, [values], lend=True)
-            if gathered is not None:  # the other scratch array's turn; this one waits for its writes
-                self._scratch = [self._scratch[1], (self._scratch[0][0], self._io.ticket)]
+        for blocks in staged:
+            self._write_step(blocks)
         for rid in [rid for rid in self._finished if rid in self._requests]:
             self._flush_request(self._requests[rid], final=True)
         self._finished.clear()
         self._io.wait_written(self._io.ticket)  # the staged arrays were lent: the caller may reuse them now
 
-    def _gathered(self, arrays: list[np.ndarray], places: list[np.ndarray]) -> np.ndarray:
-        """``arrays``' rows at ``places`` in the scratch array whose turn it is (``_write_staged`` hands
-        the turn on)."""
-        n, first = sum(len(a) for a in arrays), arrays[0]
-        scratch, written_at = self._scratch[0]
-        self._io.wait_written(written_at)
-        if scratch is None or scratch.dtype != first.dtype or scratch.shape[1:] != first.shape[1:] or len(scratch) < n:
-            scratch = np.empty((n, *first.shape[1:]), first.dtype)
-            self._scratch[0] = (scratch, 0)
-        out = scratch[:n]
-        for a, where in zip(arrays, places):
-            out[where] = a
-        return out
+    def _write_step(self, blocks: RowBlocks) -> None:
+        """A bulk step. A request whose buffers are all in slabs, hold its rows so far and are this
+        step's hooks takes its rows a hook at a time, with the step's other such requests (a decode
+        step: a row each); any other request's go a (request, hook) at a time."""
+        hooks = frozenset(blocks.values)
+        bounds = blocks.bounds.tolist()
+        together: list[tuple[_Request, int, int]] = []
+        for rid, a, b in zip(blocks.request_ids, bounds, bounds[1:]):
+            if a == b:
+                continue
+            req = self._requests[rid]
+            if req.in_step is None:
+                req.in_step = self._in_step(req)
+            if hooks <= req.in_step:
+                req.positions.append(blocks.positions[a:b])
+                req.token_ids.append(blocks.token_ids[a:b])
+                together.append((req, a, b - a))
+                if hooks != req.in_step:
+                    req.in_step = hooks  # the others fall behind its positions
+            else:
+                for hook, values in blocks.values.items():
+                    self._append_rows(rid, hook, blocks.positions[a:b], blocks.token_ids[a:b], [values[a:b]], lend=True)
+        if together:
+            self._scatter_step(blocks, together)
+            if self._buffered > self._budget:
+                for r in self._requests.values():
+                    self._flush_request(r, final=False)
+
+    @staticmethod
+    def _in_step(req: _Request) -> frozenset:
+        """The hooks whose rows of a step ``req`` may take with one scatter a hook: their buffers are in
+        slabs and have all the request's positions."""
+        if req.slot is None:
+            return frozenset()
+        n = len(req.positions)
+        return frozenset(hook for hook, buf in req.buffers.items()
+                         if type(buf.pending) is SlotRows and buf.positions is None and buf.rows() == n)
+
+    def _scatter_step(self, blocks: RowBlocks, together: list) -> None:
+        """``together``'s rows of ``blocks`` (request, first row, rows) to their slots, a hook at a time;
+        a (request, hook) whose rows would pass its slot's room (a chunk boundary) goes on its own."""
+        slots = np.fromiter((req.slot for req, _, _ in together), np.int64, len(together))
+        starts = np.fromiter((a for _, a, _ in together), np.int64, len(together))
+        counts = np.fromiter((n for _, _, n in together), np.int64, len(together))
+        for hook, values in blocks.values.items():
+            slab = self._slabs[hook]
+            if values.dtype != slab.dtype:
+                values = values.astype(slab.dtype)
+            fits = slab.fill[slots] + counts <= slab.room[slots]
+            chosen = None if fits.all() else np.flatnonzero(fits)
+            for i in np.flatnonzero(~fits):
+                req, a, n = together[i]
+                self._push(req, req.buffers[hook], values[a: a + n], lend=True)
+            s, c, a = (slots, counts, starts) if chosen is None else (slots[chosen], counts[chosen], starts[chosen])
+            if not len(s):
+                continue
+            slab.scatter(s, c, a, values)  # a slot filled to its room is written with its next rows (_push)
+            self._buffered += int(c.sum()) * values.shape[1] * values.dtype.itemsize
 
     def _append_rows(self, request_id: str, hook: str, positions, token_ids, parts: list, lend: bool = False) -> None:
         """``parts``: the rows' values in pieces, appended in order (never joined first). ``lend``: the
@@ -253,6 +288,8 @@ class CaptureWriter(AtomicFile):
         if req is None:
             req = self._request(request_id)
         buf = req.buffers.get(hook) or self._new_buffer(req, hook, np.asarray(parts[0]).dtype)
+        if buf.pending is None:
+            buf.pending = self._new_pending(req, buf)
         parts = [v if type(v) is np.ndarray and v.dtype == buf.dtype else np.asarray(v).astype(buf.dtype, copy=False)
                  for v in parts]
         if type(positions) is not np.ndarray or positions.dtype != np.int64 or positions.ndim != 1:
@@ -266,8 +303,7 @@ class CaptureWriter(AtomicFile):
         if not len(positions) == len(token_ids) == n:
             raise ValueError(f"{n} rows but {len(positions)} positions and {len(token_ids)} token ids")
         try:
-            buf.positions.append(positions)
-            buf.token_ids.append(token_ids)
+            self._index_rows(req, buf, positions, token_ids)
             if n and len(buf.pending) + n < buf.gap():  # the common decode step: just buffer it
                 buf.pending.extend(parts)
                 self._buffered += n * buf.width * buf.dtype.itemsize
@@ -282,15 +318,57 @@ class CaptureWriter(AtomicFile):
         if self._io.error is not None:
             self._fail(self._io.error, f"appending rows of hook {hook!r}")
 
+    @staticmethod
+    def _index_rows(req: _Request, buf: _HookBuffer, positions: np.ndarray, token_ids: np.ndarray) -> None:
+        """Positions/token ids of rows appended to ``buf``: its request's while they agree."""
+        if buf.positions is None:
+            have, n = buf.rows(), len(positions)
+            if have == len(req.positions):
+                req.positions.append(positions)
+                req.token_ids.append(token_ids)
+                req.in_step = None
+                return
+            if (have + n <= len(req.positions) and np.array_equal(req.positions.view()[have:have + n], positions)
+                    and np.array_equal(req.token_ids.view()[have:have + n], token_ids)):
+                return
+            buf.positions, buf.token_ids = GrowableArray(np.int64), GrowableArray(np.int64)
+            buf.positions.append(req.positions.view()[:have])
+            buf.token_ids.append(req.token_ids.view()[:have])
+            req.in_step = None
+        buf.positions.append(positions)
+        buf.token_ids.append(token_ids)
+
+    @staticmethod
+    def _index(req: _Request, buf: _HookBuffer) -> tuple[np.ndarray, np.ndarray]:
+        """``buf``'s positions and token ids so far."""
+        if buf.positions is not None:
+            return buf.positions.view(), buf.token_ids.view()
+        n = buf.rows()
+        return req.positions.view()[:n], req.token_ids.view()[:n]
+
     def _new_buffer(self, req: _Request, hook: str, dtype: np.dtype) -> _HookBuffer:
         info = self._hooks.get(hook)
         if info is None:
             raise ValueError(f"unknown hook {hook!r}; this writer was opened with {list(self._hooks)[:8]}")
         buf = req.buffers[hook] = _HookBuffer(hook, int(info.width),
                                               dtype if dtype in ROW_DTYPES.values() else np.dtype(np.float32))
+        req.in_step = None
         self._chunk_room += buf.chunk_rows * buf.width * buf.dtype.itemsize
         self._budget = max(self._given_budget, min(self._chunk_room, _MEMORY_BYTES // 4))
         return buf
+
+    def _new_pending(self, req: _Request, buf: _HookBuffer) -> GrowableArray | SlotRows:
+        """A chunk buffer: the request's slot of its hook's slab where the slab's dtype and chunk rows
+        are the buffer's, else one of its own."""
+        slab = self._slabs.get(buf.name)
+        if slab is None:
+            slab = self._slabs[buf.name] = ChunkSlab(buf.width, buf.dtype, buf.chunk_rows)
+        if slab.dtype != buf.dtype or slab.chunk_rows != buf.chunk_rows:
+            return GrowableArray(buf.dtype, (buf.width,), capacity=buf.chunk_rows, max_capacity=buf.chunk_rows)
+        if req.slot is None:
+            req.slot = self._slots.take()
+        req.in_step = None
+        return SlotRows(slab, req.slot, buf.gap())
 
     def _fit_chunks(self, request_id: str, hook: str, rows: int, dtype: np.dtype) -> int:
         """Size the chunks of a (request, hook) that will get exactly ``rows`` rows (write_run knows):
@@ -298,10 +376,10 @@ class CaptureWriter(AtomicFile):
         all of one size so that the padding stays under one row per chunk. Returns a chunk's rows."""
         req = self._request(request_id)
         buf = req.buffers.get(hook) or self._new_buffer(req, hook, dtype)
-        if self._compression is None and buf.rows_written == 0 and not len(buf.pending):
+        if self._compression is None and buf.rows() == 0:
             pieces = max(1, -(-rows // chunk_rows_for(buf.width, buf.dtype.itemsize, EXPORT_CHUNK_BYTES)))
             buf.chunk_rows = max(1, -(-rows // pieces))
-            buf.pending = buf.new_pending()
+            buf.pending = req.in_step = None  # made for these chunks with the first rows
         return buf.chunk_rows
 
     def append_lens(self, request_id: str, hook: str, columns: dict) -> None:
@@ -353,7 +431,7 @@ class CaptureWriter(AtomicFile):
             with self._guard(f"reading back rows of hook {hook!r}"):
                 part = buf.d_values[a:min(b, buf.rows_written), columns]
             parts.append(part.view(BFLOAT16) if buf.dtype == BFLOAT16 else part)
-        if b > buf.rows_written:
+        if b > buf.rows_written and buf.pending is not None:
             parts.append(buf.pending.view()[max(a, buf.rows_written) - buf.rows_written:b - buf.rows_written, columns])
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -382,14 +460,16 @@ class CaptureWriter(AtomicFile):
                 self._flush(req, buf, final=False)
 
     def _flush(self, req: _Request, buf: _HookBuffer, final: bool) -> None:
-        c = len(buf.pending)
+        pending = buf.pending
+        c = 0 if pending is None else len(pending)
         if c or (final and buf.d_values is None):
             # copied by the file, not lent: its chunk is filled again at once
-            self._write_values(req, buf, buf.pending.view(), exact=final and buf.d_values is None, lend=False)
+            rows = pending.view() if c else np.empty((0, buf.width), buf.dtype)
+            self._write_values(req, buf, rows, exact=final and buf.d_values is None, lend=False)
             self._buffered -= c * buf.width * buf.dtype.itemsize
-            buf.pending.clear()
+            pending.clear() if c else None
         if final:
-            buf.pending = buf.new_pending()  # frees the chunk's memory
+            buf.pending = None
             self._write_index(req, buf)
             routing = self._hooks[buf.name].routing
             if routing is not None and not routing.unsupported:
@@ -398,6 +478,9 @@ class CaptureWriter(AtomicFile):
     def _flush_request(self, req: _Request, final: bool) -> None:
         for buf in req.buffers.values():
             self._flush(req, buf, final)
+        if final and req.slot is not None:
+            self._slots.give_back(req.slot)
+            req.slot = req.in_step = None
 
     def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool, lend: bool) -> None:
         """``v`` appended to the hook's values; ``lend``: its whole chunks written from where they lie
@@ -422,17 +505,20 @@ class CaptureWriter(AtomicFile):
         if not self._compression and a % buf.chunk_rows == 0 and n % buf.chunk_rows == 0:
             # whole chunks: hand HDF5 the chunk bytes directly (no selection, no gather copy)
             with self._io.lending(v) if lend and v.flags.c_contiguous else contextlib.nullcontext():
-                _write_chunks(d, v, a, buf.chunk_rows, buf.chunk_cols)
+                write_whole_chunks(d, v, a, buf.chunk_rows, buf.chunk_cols)
         else:
             d[a:b] = v
         buf.rows_written = b
+        if type(buf.pending) is SlotRows:
+            buf.pending.set_room(buf.gap())
 
     def _write_index(self, req: _Request, buf: _HookBuffer) -> None:
         """Write positions/token ids up to the rows appended so far (called when a request finishes). A
         request's hooks mostly keep the same rows: a hook whose index equals one already written links
         to its datasets (HDF5 hard links, the same to a reader) instead of writing its own, and a shared
         index is never extended: a hook with more rows later gets one of its own."""
-        n, have = len(buf.positions), buf.idx_written
+        positions, token_ids = self._index(req, buf)
+        n, have = len(positions), buf.idx_written
         if buf.index_shared and n > have:
             for name in ("positions", "token_ids"):
                 del buf.group[name]
@@ -441,8 +527,7 @@ class CaptureWriter(AtomicFile):
         if buf.d_positions is None:  # made with what there is
             g = buf.group
             owner = next((o for o in req.index_owners if o.idx_written == n and o.d_positions is not None
-                          and np.array_equal(o.positions.view()[:n], buf.positions.view())
-                          and np.array_equal(o.token_ids.view()[:n], buf.token_ids.view())), None)
+                          and all(map(np.array_equal, self._index(req, o), (positions, token_ids)))), None)
             if owner is not None:
                 for name in (b"positions", b"token_ids"):
                     g.id.links.create_hard(name, owner.group.id, name)
@@ -452,13 +537,13 @@ class CaptureWriter(AtomicFile):
             chunk = (max(1, min(n, INDEX_CHUNK)),)
             buf.d_positions, buf.d_token_ids = (extendable_dataset(g, name, "<i8", (n,), chunk, self._compression)
                                                 for name in ("positions", "token_ids"))
-            for d, data in ((buf.d_positions, buf.positions.view()), (buf.d_token_ids, buf.token_ids.view())):
+            for d, data in ((buf.d_positions, positions), (buf.d_token_ids, token_ids)):
                 d.id.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
             buf.idx_written = have = n
             if buf not in req.index_owners:
                 req.index_owners.append(buf)
         if n > have:
-            for d, data in ((buf.d_positions, buf.positions.view()), (buf.d_token_ids, buf.token_ids.view())):
+            for d, data in ((buf.d_positions, positions), (buf.d_token_ids, token_ids)):
                 d.resize(n, axis=0)
                 d[have:n] = data[have:n]
             buf.idx_written = n
@@ -469,48 +554,6 @@ class CaptureWriter(AtomicFile):
 
 
 _MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _write_chunks(d, v: np.ndarray, a: int, rows: int, cols: int) -> None:
-    """``v``'s whole chunks (``rows`` x ``cols``) into ``d`` from row ``a`` on, each as it lies where it can."""
-    width = v.shape[1]
-    for r0 in range(0, len(v), rows):
-        block = v[r0: r0 + rows]
-        for c0 in range(0, width, cols):
-            if c0 == 0 and cols == width:
-                data = block if block.flags.c_contiguous else np.ascontiguousarray(block)
-            elif c0 + cols <= width:
-                data = np.ascontiguousarray(block[:, c0: c0 + cols])
-            else:  # the last column chunk sticks out: pad it like HDF5 would
-                data = np.zeros((rows, cols), v.dtype)
-                data[:, : width - c0] = block[:, c0:]
-            d.id.write_direct_chunk((a + r0, c0), data)
-
-
-def _request_order(staged: list[RowBlocks]) -> tuple:
-    """Where each request's rows of ``staged`` steps lie: (spans, None) with spans (request id, step,
-    slice of its rows) where each request's lie within one step (one step, or a prefill sent in
-    pieces: handed on from there), else (spans, (positions, token ids, places)) with spans (request
-    id, None, slice), for the rows laid request after request (each step's going to its ``places``)."""
-    runs: dict[str, list[tuple[int, int, int]]] = {}
-    for k, blocks in enumerate(staged):
-        bounds = blocks.bounds.tolist()
-        for rid, a, b in zip(blocks.request_ids, bounds, bounds[1:]):
-            runs.setdefault(rid, []).append((k, a, b))
-    if all(len(pieces) == 1 for pieces in runs.values()):
-        return [(rid, k, slice(a, b)) for rid, ((k, a, b),) in runs.items()], None
-    spans, at = [], 0
-    places = [np.empty(blocks.rows, np.int64) for blocks in staged]
-    for rid, pieces in runs.items():
-        start = at
-        for k, a, b in pieces:
-            places[k][a:b] = np.arange(at, at + b - a)
-            at += b - a
-        spans.append((rid, None, slice(start, at)))
-    positions, token_ids = np.empty(at, np.int64), np.empty(at, np.int64)
-    for blocks, where in zip(staged, places):
-        positions[where], token_ids[where] = blocks.positions, blocks.token_ids
-    return spans, (positions, token_ids, places)
 
 
 def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,

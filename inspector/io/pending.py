@@ -1,0 +1,112 @@
+"""Where a capture file's writer keeps each (request, hook)'s rows until they fill a chunk.
+
+A batch-256 decode step of 32 hooks brings one row to each of 8,192 (request, hook)s: a call for
+each to put its row away set the writer's pace. So a hook's chunk buffers are one array, a slot a
+request (``ChunkSlab``), and a step's rows of every request land in it with one scatter a hook.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+
+class Slots:
+    """Slot numbers for the requests that have rows buffered: the lowest free first, so that the slabs'
+    memory stays where it was touched."""
+
+    def __init__(self):
+        self._free: list[int] = []
+        self.made = 0
+
+    def take(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        self.made += 1
+        return self.made - 1
+
+    def give_back(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+
+class ChunkSlab:
+    """A hook's chunk buffers (``chunk_rows`` rows of ``width`` each), slot after slot. ``fill``: rows a
+    slot holds; ``room``: rows its (request, hook) takes before a chunk boundary (a whole chunk unless
+    a partial chunk was written early)."""
+
+    def __init__(self, width: int, dtype: np.dtype, chunk_rows: int):
+        self.chunk_rows = chunk_rows
+        self.array = np.empty((0, width), dtype)
+        self.fill = np.zeros(0, np.int64)
+        self.room = np.zeros(0, np.int64)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def reach(self, slots: int) -> None:
+        """Room for slot numbers below ``slots``; grows by half again at least (the memory beyond the
+        slots in use is never touched)."""
+        have = len(self.fill)
+        if slots <= have:
+            return
+        slots = max(slots, have + have // 2, 16)
+        grown = np.empty((slots * self.chunk_rows, self.array.shape[1]), self.array.dtype)
+        held = np.flatnonzero(self.fill)  # copied alone: the rest of the memory stays untouched
+        shape = (self.chunk_rows, self.array.shape[1])
+        grown.reshape(slots, *shape)[held] = self.array.reshape(have, *shape)[held]
+        self.array = grown
+        self.fill, self.room = (np.concatenate([a, np.zeros(slots - have, np.int64)]) for a in (self.fill, self.room))
+
+    def scatter(self, slots: np.ndarray, counts: np.ndarray, starts: np.ndarray, values: np.ndarray) -> None:
+        """Rows ``starts[i]:starts[i] + counts[i]`` of ``values`` after what slot ``slots[i]`` holds (the
+        spans ascending and apart; no slot may pass its room)."""
+        fill = self.fill[slots]
+        first = slots * self.chunk_rows + fill
+        total = int(counts.sum())
+        if total == len(counts):  # a row each (a decode step)
+            dest, source = first, starts
+        else:
+            within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+            dest, source = np.repeat(first, counts) + within, np.repeat(starts, counts) + within
+        self.array[dest] = values if total == len(values) else values[source]  # all its rows: in order
+        self.fill[slots] = fill + counts
+
+
+class SlotRows:
+    """A (request, hook)'s chunk buffer in its hook's slab, with ``GrowableArray``'s calls."""
+
+    __slots__ = ("slab", "slot")
+
+    def __init__(self, slab: ChunkSlab, slot: int, room: int):
+        slab.reach(slot + 1)
+        self.slab, self.slot = slab, slot
+        slab.fill[slot], slab.room[slot] = 0, room
+
+    def __len__(self) -> int:
+        return int(self.slab.fill[self.slot])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.slab.dtype
+
+    def set_room(self, rows: int) -> None:
+        self.slab.room[self.slot] = rows
+
+    def view(self) -> np.ndarray:
+        start = self.slot * self.slab.chunk_rows
+        return self.slab.array[start: start + len(self)]
+
+    def extend(self, parts: list) -> None:
+        at = self.slot * self.slab.chunk_rows + len(self)
+        for part in parts:
+            self.slab.array[at: at + len(part)] = part
+            at += len(part)
+        self.slab.fill[self.slot] = at - self.slot * self.slab.chunk_rows
+
+    def append(self, rows) -> None:
+        self.extend([rows])
+
+    def clear(self) -> None:
+        self.slab.fill[self.slot] = 0
