@@ -223,9 +223,9 @@ class CaptureWriter(AtomicFile):
         self._io.wait_written(self._io.ticket)  # the staged arrays were lent: the caller may reuse them now
 
     def _write_step(self, blocks: RowBlocks) -> None:
-        """A bulk step. A request whose buffers are all in slabs, hold its rows so far and are this
-        step's hooks takes its rows a hook at a time, with the step's other such requests (a decode
-        step: a row each); any other request's go a (request, hook) at a time."""
+        """A bulk step. A request whose buffers of this step's hooks are in slabs and hold all its
+        positions so far takes its rows with the step's other such requests, one scatter a hook (a
+        decode step: a row each); any other request's go a (request, hook) at a time."""
         hooks = frozenset(blocks.values)
         bounds = blocks.bounds.tolist()
         together: list[tuple[_Request, int, int]] = []
