@@ -35,11 +35,13 @@ class ChunkSlab:
     slot holds; ``room``: rows its (request, hook) takes before a chunk boundary (a whole chunk unless
     a partial chunk was written early)."""
 
-    def __init__(self, width: int, dtype: np.dtype, chunk_rows: int):
+    def __init__(self, width: int, dtype: np.dtype, chunk_rows: int, slots: int = 0):
+        """``slots``: room made at once (growing copies what the slots hold)."""
         self.chunk_rows = chunk_rows
         self.array = np.empty((0, width), dtype)
         self.fill = np.zeros(0, np.int64)
         self.room = np.zeros(0, np.int64)
+        self.reach(slots)
 
     @property
     def dtype(self) -> np.dtype:

@@ -362,7 +362,8 @@ class CaptureWriter(AtomicFile):
         are the buffer's, else one of its own."""
         slab = self._slabs.get(buf.name)
         if slab is None:
-            slab = self._slabs[buf.name] = ChunkSlab(buf.width, buf.dtype, buf.chunk_rows)
+            slab = self._slabs[buf.name] = ChunkSlab(buf.width, buf.dtype, buf.chunk_rows,
+                                                     slots=min(len(self._requests), _SLAB_SLOTS))
         if slab.dtype != buf.dtype or slab.chunk_rows != buf.chunk_rows:
             return GrowableArray(buf.dtype, (buf.width,), capacity=buf.chunk_rows, max_capacity=buf.chunk_rows)
         if req.slot is None:
@@ -554,6 +555,7 @@ class CaptureWriter(AtomicFile):
 
 
 _MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+_SLAB_SLOTS = 256  # at most a slot for each request known when a hook's slab is made (memory is touched as used)
 
 
 def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,
