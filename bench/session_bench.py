@@ -9,7 +9,8 @@ this process, whose ``Session`` delivers the rows of every block's residual stre
 
 - memory: the session's run keeps every row;
 - file: every row written to an HDF5 capture file as ``inspector capture`` writes it (``cli.record``,
-  closed and synced before the clock stops);
+  closed and synced before the clock stops; its writer's process started ahead, as the command starts
+  it while its engine boots, except in the first run);
 
 and a server of its own (``start_local_server``) whose client in this process keeps every row. The
 file's bound is the disk: its write speed is measured here too (a file of ``--disk-gib``, synced), and
@@ -189,6 +190,7 @@ def main(argv=None) -> int:
 
     from inspector.core.protocol import SessionOptions
     from inspector.cli.capture import record
+    from inspector.io.background import prepare
     from inspector.engine.environment import prepare_environment
 
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle engines must not spin on the shared cores
@@ -243,6 +245,7 @@ def main(argv=None) -> int:
             return written[-1]
         rate = tokens_per_s(session, texts, new, args.logprobs, consume, "file")
         target.unlink()
+        prepare()  # the next file's writer process, started ahead as ``inspector capture`` starts it
         return rate
 
     def dropped(texts, new):

@@ -436,6 +436,30 @@ def test_a_file_the_writers_process_cannot_open_is_raised_by_a_later_call_and_no
     assert listing(tmp_path) == ["taken"]
 
 
+def test_the_next_files_writer_process_is_started_ahead_and_taken_if_its_ring_fits(tmp_path, monkeypatch):
+    """``prepare`` starts the next file's process ahead (``inspector capture`` does while its engine
+    boots): the next writer starts none of its own; one prepared with another ring size is stopped
+    and a fitting one started. Either way the file is the one-shot write, bit for bit."""
+    from inspector.io import background
+
+    run = engine_like_run(seed=8)
+    write_run(run, tmp_path / "one.h5")
+    start = background._start
+    started = []
+    monkeypatch.setattr(background, "_start", lambda size: started.append(size) or start(size))
+    for prepared_size, name in ((1 << 16, "fits.h5"), (1 << 20, "other.h5")):  # stream_in_bulk's ring: 1 << 16
+        background.prepare(prepared_size)
+        background.prepare(prepared_size)  # one is enough: a second call starts none
+        _, thread, made = background._spare[0]
+        thread.join()
+        process = made["worker"].process
+        stream_in_bulk(run, tmp_path / name, seed=9)
+        process.join(timeout=30)
+        assert process.exitcode == 0 and not background._spare
+        assert_runs_equal(read_run(tmp_path / "one.h5"), read_run(tmp_path / name))
+    assert started == [1 << 16, 1 << 20, 1 << 16]
+
+
 def test_a_whole_run_is_written_in_chunks_of_up_to_4_mib_that_split_its_rows_evenly(tmp_path):
     run = make_run(rows=(3 * 953 + 1, 953, 0))  # 953 rows of 1,100 float32: the most a 4 MiB chunk holds
     write_run(run, tmp_path / "whole.h5", fsync=False)

@@ -129,6 +129,9 @@ def run(args) -> int:
     sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                         logprobs=args.logprobs)
     check_request(prompts, sampling)  # before the engine boots
+    from inspector.io.background import prepare
+
+    prepare()  # the capture file's writer process starts while the engine boots
     session = open_session(args, progress.stage, retain_rows=False)
     try:
         session.set_windows(windows_from_patterns(windows, session.installed))

@@ -8,6 +8,10 @@ through shared memory (a ring, ``backlog_bytes``): the engine's thread copies ea
 (one copy a hook, the GIL let go while it runs) and sends where they lie; the child writes them from
 there and says the room is free again. The other calls travel pickled, in order. When the ring is full the
 caller waits for the disk: back-pressure, not unbounded memory.
+
+Starting that process (an interpreter, numpy, h5py) and touching its ring's memory take a few tenths
+of a second, a tenth of a short capture's time: ``prepare()`` does it ahead, in a thread, for the
+next file (``inspector capture`` while its engine boots).
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from __future__ import annotations
 import mmap
 import multiprocessing as mp
 import os
+import threading
 from collections import deque
 from dataclasses import replace
 from multiprocessing import reduction
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,6 +32,8 @@ from inspector.core.blocks import RowBlocks, consecutive
 
 from .atomic_file import FinishedOrDropped
 from .writer import CaptureWriter
+
+BACKLOG_BYTES = 512 << 20  # the ring's size
 
 
 class _Ring:
@@ -37,7 +45,8 @@ class _Ring:
         self.fd = os.memfd_create("inspector-capture-rows") if fd is None else fd
         if fd is None:
             os.ftruncate(self.fd, size)
-        self.memory = mmap.mmap(self.fd, size)
+        # its pages made now, not as the engine's thread first copies rows into them
+        self.memory = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.array = np.frombuffer(self.memory, dtype=np.uint8)
 
     def __reduce__(self):  # while spawning the child: the descriptor goes with it
@@ -63,14 +72,9 @@ class BackgroundWriter(FinishedOrDropped):
     (a full disk, an unknown request) is raised by the caller's next call or by ``close``, and the file
     is not left behind; ``abort`` drops everything."""
 
-    def __init__(self, path, metadata: dict, hooks: dict, backlog_bytes: int = 512 << 20, **options):
-        ctx = mp.get_context("spawn")
-        self._ring = _Ring(backlog_bytes)
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(child, self._ring, os.fspath(path), metadata, hooks, options),
-                                    name="capture-writer", daemon=True)
-        self._process.start()
-        child.close()
+    def __init__(self, path, metadata: dict, hooks: dict, backlog_bytes: int = BACKLOG_BYTES, **options):
+        self._ring, self._conn, self._process = _prepared(backlog_bytes) or _start(backlog_bytes)
+        self._conn.send(("open", os.fspath(path), metadata, hooks, options))
         self._used: deque[tuple[int, int]] = deque()  # regions of the ring in use, oldest first
         self._next = 0  # where the next region starts
         self._error: BaseException | None = None
@@ -205,10 +209,62 @@ def _aligned(n: int) -> int:
     return -(-n // 64) * 64
 
 
-def _serve(conn, ring: _Ring, path: str, metadata: dict, hooks: dict, options: dict) -> None:
-    """The child: a CaptureWriter fed from the pipe. Rows are handed to it where they lie in the ring
-    (no copy out): the regions are said to be free once the writer holds them no more, which it is
-    told to make so before half the ring is held (see ``_PIECES``)."""
+_spare: list = []  # at most one (ring size, the thread starting a worker, where it puts it) started ahead
+_spare_lock = threading.Lock()
+
+
+class _Worker(NamedTuple):
+    ring: "_Ring"
+    conn: object  # the parent's end of the pipe
+    process: object
+
+
+def prepare(backlog_bytes: int = BACKLOG_BYTES) -> None:
+    """Start the writer's process of the next ``BackgroundWriter`` now, in a thread, unless one is."""
+    with _spare_lock:
+        if _spare:
+            return
+        made: dict = {}
+        thread = threading.Thread(target=lambda: made.update(worker=_start(backlog_bytes)), daemon=True,
+                                  name="capture-writer-start")
+        _spare.append((backlog_bytes, thread, made))
+        thread.start()
+
+
+def _prepared(backlog_bytes: int) -> _Worker | None:
+    """The worker ``prepare`` started, if it has this ring size and is alive (else it is stopped)."""
+    with _spare_lock:
+        if not _spare:
+            return None
+        size, thread, made = _spare.pop()
+    thread.join()
+    worker = made.get("worker")  # none if its start failed: a start now says why
+    if worker is not None and (size != backlog_bytes or not worker.process.is_alive()):
+        worker.conn.close()  # the child ends on the pipe's end
+        worker.ring.close()
+        return None
+    return worker
+
+
+def _start(backlog_bytes: int) -> _Worker:
+    ctx = mp.get_context("spawn")
+    ring = _Ring(backlog_bytes)
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=_serve, args=(child, ring), name="capture-writer", daemon=True)
+    process.start()
+    child.close()
+    return _Worker(ring, conn, process)
+
+
+def _serve(conn, ring: _Ring) -> None:
+    """The child: told its file (or to end: the pipe closed), a CaptureWriter fed from the pipe. Rows
+    are handed to it where they lie in the ring (no copy out): the regions are said to be free once
+    the writer holds them no more, which it is told to make so before half the ring is held (see
+    ``_PIECES``)."""
+    try:
+        _, path, metadata, hooks, options = conn.recv()
+    except EOFError:  # a prepared process no file took
+        return
     try:
         writer = CaptureWriter(path, metadata, hooks, **options)
     except BaseException as e:  # noqa: BLE001 - told to the parent
