@@ -23,6 +23,8 @@ import threading
 from collections import deque
 from dataclasses import replace
 from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import NamedTuple
 
@@ -214,9 +216,9 @@ _spare_lock = threading.Lock()
 
 
 class _Worker(NamedTuple):
-    ring: "_Ring"
-    conn: object  # the parent's end of the pipe
-    process: object
+    ring: _Ring
+    conn: Connection  # the parent's end of the pipe
+    process: BaseProcess
 
 
 def prepare(backlog_bytes: int = BACKLOG_BYTES) -> None:
