@@ -446,7 +446,7 @@ def test_the_next_files_writer_process_is_started_ahead_and_taken_if_its_ring_fi
     write_run(run, tmp_path / "one.h5")
     start = background._start
     started = []
-    monkeypatch.setattr(background, "_start", lambda size: started.append(size) or start(size))
+    monkeypatch.setattr(background, "_start", lambda size, **options: started.append(size) or start(size, **options))
     for prepared_size, name in ((1 << 16, "fits.h5"), (1 << 20, "other.h5")):  # stream_in_bulk's ring: 1 << 16
         background.prepare(prepared_size)
         background.prepare(prepared_size)  # one is enough: a second call starts none
