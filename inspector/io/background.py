@@ -125,7 +125,7 @@ class BackgroundWriter(FinishedOrDropped):
             np.copyto(self._ring.view(at, a.dtype, a.shape), a)  # large copies let the GIL go
             where[key] = (at, a.dtype, a.shape)
             at += sizes[key]
-        self._conn.send(("blocks", size, blocks.request_ids, blocks.bounds, where, list(blocks.values)))
+        self._conn.send(("blocks", blocks.request_ids, blocks.bounds, where, list(blocks.values)))
 
     def _reserve(self, size: int) -> int:
         """A region of ``size`` bytes of the ring, once the child has let go of enough (regions are
@@ -196,12 +196,11 @@ class BackgroundWriter(FinishedOrDropped):
 
 
 _STACKED = "@hooks"  # in the ring: every hook's rows as one [hooks, rows, width] array
-# A step travels in pieces of at most an eighth of the ring, and the child writes what it holds once
-# that reaches half of it: then the parent always finds a piece's room (at most half is held, so one
-# of the two free parts around it is a quarter), and the child stages several steps before writing
-# each (request, hook) (every write of one costs a few HDF5 and numpy calls, 256 x 32 of them a step
-# at 256 requests and 32 hooks).
-_PIECES, _HOLD = 8, 2
+# A step travels in pieces of at most an eighth of the ring, and the child writes each as it comes
+# (a decode step's rows land in the chunk buffers with a scatter a hook, so holding steps saves
+# nothing): its room is free again once the file's writes from it are done, and a file's last rows
+# wait for nothing held back.
+_PIECES = 8
 
 
 def _row_bytes(blocks: RowBlocks) -> int:
@@ -261,9 +260,8 @@ def _start(backlog_bytes: int, populate: bool = False) -> _Worker:
 
 def _serve(conn, ring: _Ring) -> None:
     """The child: told its file (or to end: the pipe closed), a CaptureWriter fed from the pipe. Rows
-    are handed to it where they lie in the ring (no copy out): the regions are said to be free once
-    the writer holds them no more, which it is told to make so before half the ring is held (see
-    ``_PIECES``)."""
+    are handed to it where they lie in the ring (no copy out) and written at once: each region is
+    said to be free once the file's writes from it are done (see ``_PIECES``)."""
     try:
         _, path, metadata, hooks, options = conn.recv()
     except EOFError:  # a prepared process no file took
@@ -275,22 +273,19 @@ def _serve(conn, ring: _Ring) -> None:
         writer, failed = None, True
     else:
         failed = False
-    held_regions = held_bytes = 0  # of the ring, what the writer may still hold
     while True:
         message = conn.recv()
         kind = message[0]
         try:
             if kind == "blocks":
-                _, size, request_ids, bounds, where, hooks = message
-                held_regions, held_bytes = held_regions + 1, held_bytes + size
+                _, request_ids, bounds, where, hooks = message
                 if not failed:
                     arrays = {key: ring.view(at, dtype, shape) for key, (at, dtype, shape) in where.items()}
                     positions, token_ids = arrays.pop("positions"), arrays.pop("token_ids")
                     if _STACKED in arrays:
                         arrays = dict(zip(hooks, arrays[_STACKED]))
                     writer.append_blocks(RowBlocks(request_ids, bounds, positions, token_ids, arrays))
-                    if writer.holding_blocks and held_bytes >= ring.size // _HOLD:
-                        writer.write_staged()
+                    writer.write_staged()
             elif kind == "call":
                 if not failed:
                     getattr(writer, message[1])(*message[2])
@@ -305,9 +300,8 @@ def _serve(conn, ring: _Ring) -> None:
         except BaseException as e:  # noqa: BLE001 - told to the parent; what follows is dropped
             failed = True
             _tell(conn, ("error", e))
-        if held_regions and (failed or not writer.holding_blocks):
-            conn.send(("freed", held_regions))
-            held_regions = held_bytes = 0
+        if kind == "blocks":  # written, or dropped after a failure
+            conn.send(("freed", 1))
 
 
 def _tell(conn, message) -> None:

@@ -97,6 +97,7 @@ class CaptureWriter(AtomicFile):
         self._staged: list[RowBlocks] = []  # bulk steps not written yet (append_blocks)
         self._staged_bytes = 0
         self._finished: set[str] = set()  # finished requests whose rows are still staged
+        self._lent_ticket = 0  # the file's last write from a staged array (LatchingFile.lending)
         self._slots = Slots()  # a request's place in every hook's slab
         self._slabs: dict[str, ChunkSlab] = {}  # a hook's chunk buffers: of the dtype and chunk rows it began with
         self._vocabulary: dict[int, str] = {}  # small (a text per token id the lens names): written at the end
@@ -220,7 +221,7 @@ class CaptureWriter(AtomicFile):
         for rid in [rid for rid in self._finished if rid in self._requests]:
             self._flush_request(self._requests[rid], final=True)
         self._finished.clear()
-        self._io.wait_written(self._io.ticket)  # the staged arrays were lent: the caller may reuse them now
+        self._io.wait_written(self._lent_ticket)  # the staged arrays were lent: the caller may reuse them now
 
     def _write_step(self, blocks: RowBlocks) -> None:
         """A bulk step. A request whose buffers of this step's hooks are in slabs and hold all its
@@ -505,8 +506,11 @@ class CaptureWriter(AtomicFile):
         d.id.set_extent((b, buf.width))
         if not self._compression and a % buf.chunk_rows == 0 and n % buf.chunk_rows == 0:
             # whole chunks: hand HDF5 the chunk bytes directly (no selection, no gather copy)
-            with self._io.lending(v) if lend and v.flags.c_contiguous else contextlib.nullcontext():
+            lend = lend and v.flags.c_contiguous
+            with self._io.lending(v) if lend else contextlib.nullcontext():
                 write_whole_chunks(d, v, a, buf.chunk_rows, buf.chunk_cols)
+            if lend:
+                self._lent_ticket = self._io.ticket
         else:
             d[a:b] = v
         buf.rows_written = b
