@@ -224,9 +224,8 @@ class CaptureWriter(AtomicFile):
         self._io.wait_written(self._lent_ticket)  # the staged arrays were lent: the caller may reuse them now
 
     def _write_step(self, blocks: RowBlocks) -> None:
-        """A bulk step. A request whose buffers of this step's hooks are in slabs and hold all its
-        positions so far takes its rows with the step's other such requests, one scatter a hook (a
-        decode step: a row each); any other request's go a (request, hook) at a time."""
+        """A bulk step. The requests whose buffers of its hooks are in slabs and hold all their positions
+        take their rows together, one scatter a hook (a decode step); others a (request, hook) at a time."""
         hooks = frozenset(blocks.values)
         bounds = blocks.bounds.tolist()
         together: list[tuple[_Request, int, int]] = []
@@ -253,8 +252,7 @@ class CaptureWriter(AtomicFile):
 
     @staticmethod
     def _in_step(req: _Request) -> frozenset:
-        """The hooks whose rows of a step ``req`` may take with one scatter a hook: their buffers are in
-        slabs and have all the request's positions."""
+        """The hooks whose buffers are in slabs and hold all of ``req``'s positions (see ``_write_step``)."""
         if req.slot is None:
             return frozenset()
         n = len(req.positions)
