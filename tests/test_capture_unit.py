@@ -193,6 +193,19 @@ def test_bulk_blocks_select_requests_and_hooks_under_new_names_and_refuse_bad_sh
         RowBlocks(["r0"], [0, 3], np.arange(3), np.arange(3), {"a": np.zeros((2, 4))})
 
 
+def test_a_step_in_pieces_ends_each_piece_where_a_request_ends_if_one_does_within_it():
+    """What crosses to a capture file's writer in pieces: a request's rows are split only where they
+    cannot fit in one piece, so that its whole chunks are written from where they lie."""
+    blocks = _bulk_step(0, {"r0": 3, "r1": 2, "r2": 10, "r3": 1}, ["h"])
+    pieces = blocks.pieces(6)
+    assert [(p.request_ids, p.bounds.tolist()) for p in pieces] == [
+        (("r0", "r1"), [0, 3, 5]), (("r2",), [0, 6]), (("r2", "r3"), [0, 4, 5])]
+    for column in ("positions", "token_ids"):
+        assert np.concatenate([getattr(p, column) for p in pieces]).tolist() == getattr(blocks, column).tolist()
+    assert np.array_equal(np.concatenate([p.values["h"] for p in pieces]), blocks.values["h"])
+    assert blocks.pieces(16) == [blocks] and all(np.shares_memory(p.values["h"], blocks.values["h"]) for p in pieces)
+
+
 def test_kept_rows_read_from_another_thread_while_rows_are_added_arrive_whole_and_in_order():
     rows, width, n = HookRows(2, expected_rows=8), 2, 20000
     seen, wrong, done = [], [], threading.Event()

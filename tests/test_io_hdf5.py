@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -223,7 +225,8 @@ class InProcessWriter(CaptureWriter):
         getattr(self, method)(*args)
 
 
-def stream_in_bulk(run: Run, path: Path, seed: int, in_process: bool = False, **options) -> None:
+def stream_in_bulk(run: Run, path: Path, seed: int, in_process: bool = False, backlog_bytes: int = 1 << 16,
+                   **options) -> None:
     """Feed a run as a session in bulk does, through a writer in a process of its own (a small ring of
     shared memory, so its room is reused many times) or in this one (steps staged as deep as the
     buffer lets them): each step one
@@ -232,7 +235,7 @@ def stream_in_bulk(run: Run, path: Path, seed: int, in_process: bool = False, **
     rng = np.random.default_rng(seed)
     done = {rid: 0 for rid in run.requests}
     file = (InProcessWriter(path, run.metadata, run.hooks, **options) if in_process
-            else BackgroundWriter(path, run.metadata, run.hooks, backlog_bytes=1 << 16, **options))
+            else BackgroundWriter(path, run.metadata, run.hooks, backlog_bytes=backlog_bytes, **options))
     late = list(run.requests)[-1]  # starts once another has finished: it may take the place that one had
 
     def start(req):
@@ -369,13 +372,14 @@ def test_bulk_steps_of_requests_coming_and_going_and_hooks_skipping_rows(tmp_pat
         np.testing.assert_array_equal(np.asarray(got.values).view(np.uint16), want[2].view(np.uint16))
 
 
-@pytest.mark.parametrize("streamed", ["in bulk", "a (request, hook) at a time"])
+@pytest.mark.parametrize("streamed", ["in bulk", "a (request, hook) at a time", "through the ring"])
 def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_has_them(tmp_path, monkeypatch,
                                                                                        streamed):
-    """Whole chunks go to the file's write-behind thread as views of the writer's buffers (the scratch
-    arrays hooks of one width take turns in, the staged steps), not copies: with that thread slowed
-    down and chunks of a few rows, every buffer must still wait for its writes before it is filled
-    again (the file equals the one-shot write, bit for bit)."""
+    """Whole chunks go to the file's write-behind thread as views of where they lie (a slab's full
+    chunk, the staged steps, the writer process's ring), not copies: with that thread slowed down and
+    chunks of a few rows, every buffer must still wait for its writes before it is filled again (the
+    file equals the one-shot write, bit for bit). The writer's process runs here in a thread, so that
+    its writes are slowed too."""
     import inspector.io.latching_file as latching_file
     import inspector.io.writer as writer_module
 
@@ -404,6 +408,17 @@ def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_ha
     monkeypatch.setattr(writer_module, "chunk_rows_for", lambda *args, **kwargs: 8)
     if streamed == "in bulk":
         stream_in_bulk(run, tmp_path / "streamed.h5", seed=7, in_process=True, buffer_bytes=2 << 20)
+    elif streamed == "through the ring":
+        from inspector.io import background
+
+        def start_in_a_thread(size, populate=False):
+            ring, (ours, theirs) = background._Ring(size), multiprocessing.Pipe()
+            serving = threading.Thread(target=background._serve, args=(theirs, ring), daemon=True)
+            serving.start()
+            return background._Worker(ring, ours, serving)
+
+        monkeypatch.setattr(background, "_start", start_in_a_thread)
+        stream_in_bulk(run, tmp_path / "streamed.h5", seed=7, backlog_bytes=1 << 20)  # pieces of whole chunks
     else:
         stream(run, tmp_path / "streamed.h5", seed=7)
     assert_runs_equal(read_run(tmp_path / "one.h5"), read_run(tmp_path / "streamed.h5"))
@@ -921,9 +936,14 @@ def test_capture_windows_round_trip_with_their_positions(tmp_path):
         assert "window" not in f[f"requests/0/hooks/{HOOK_SPECS[1][0]}"].attrs  # all: no attribute
 
 
-def test_hooks_side_by_side_in_one_landed_copy_cross_to_the_writer_in_one_piece_and_read_back(tmp_path):
+def test_hooks_side_by_side_in_one_landed_copy_cross_to_the_writer_in_one_piece_and_read_back(tmp_path, monkeypatch):
     """A forward's hooks are slices of one [hooks, rows, width] copy: they go into the writer's shared
-    memory as one array and come back as each hook's rows, bit for bit."""
+    memory as one array (copied there by several threads, a piece each) and come back as each hook's
+    rows, bit for bit."""
+    from inspector.io import background
+
+    monkeypatch.setattr(background, "_COPIERS", 3)
+    monkeypatch.setattr(background, "_COPY_PIECE", 256)
     hooks = {f"h{k}": HookPoint(f"h{k}", f"h{k}", "", "resid", 64) for k in range(3)}
     stack = np.random.default_rng(0).standard_normal((3, 10, 64), dtype=np.float32).astype(BFLOAT16)
     with BackgroundWriter(tmp_path / "s.h5", {}, hooks, backlog_bytes=1 << 14) as file:  # pieces of a few rows
@@ -936,3 +956,4 @@ def test_hooks_side_by_side_in_one_landed_copy_cross_to_the_writer_in_one_piece_
         assert np.array_equal(bits(run.requests["a"].hooks[h].values), bits(stack[k, :4]))
         assert np.array_equal(bits(run.requests["b"].hooks[h].values), bits(stack[k, 4:]))
         assert run.requests["b"].hooks[h].token_ids.tolist() == list(range(9, 15))
+        assert run.requests["b"].hooks[h].positions.tolist() == list(range(4, 10))

@@ -77,17 +77,22 @@ class RowBlocks:
                          {h: v[where] for h, v in values.items()})
 
     def pieces(self, max_rows: int) -> "list[RowBlocks]":
-        """This step as blocks of at most ``max_rows`` rows, in order (views; a request's rows may
-        continue in the next piece)."""
+        """This step as blocks of at most ``max_rows`` rows, in order (views), each ending where a request's
+        rows do if one does within it: a request's rows continue in the next piece only where they
+        cannot fit in one (a capture file writes a request's whole chunks from where they lie)."""
         if self.rows <= max_rows:
             return [self]
-        out = []
-        for a in range(0, self.rows, max_rows):
+        out, a = [], 0
+        ends = self.bounds[1:]
+        while a < self.rows:
             b = min(a + max_rows, self.rows)
+            within = ends[(ends > a) & (ends <= b)]
+            b = int(within[-1]) if len(within) else b
             bounds = np.clip(self.bounds, a, b) - a
             keep = [k for k in range(len(self.request_ids)) if bounds[k + 1] > bounds[k]]
             out.append(RowBlocks([self.request_ids[k] for k in keep], np.concatenate([[0], bounds[[k + 1 for k in keep]]]),
                                  self.positions[a:b], self.token_ids[a:b], {h: v[a:b] for h, v in self.values.items()}))
+            a = b
         return out
 
     def copied(self) -> "RowBlocks":

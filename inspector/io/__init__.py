@@ -56,7 +56,8 @@ as ``TopToken``s and ``intervention_log`` entries as tuples, as typed in ``Reque
 
 from .format import FORMAT_NAME, FORMAT_VERSION, CaptureFileError
 from .reader import H5Array, LazyHookRows, RunFile, open_run, read_run
-from .writer import CaptureWriter, write_run
+from .whole_run import write_run
+from .writer import CaptureWriter
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "CaptureFileError", "CaptureWriter", "H5Array", "LazyHookRows",
            "RunFile", "open_run", "read_run", "write_run"]

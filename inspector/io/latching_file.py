@@ -91,7 +91,8 @@ class LatchingFile:
         self._latch_behind()
         if not self._discarding:
             lent = self._lent_view(mv) if self._lent is not None and n >= self.LEND_FROM else None
-            self._behind.write(bytes(mv) if lent is None else lent, pos)  # else a copy: HDF5 may reuse its buffer
+            # else a copy: HDF5 may reuse its buffer
+            self._behind.write(bytes(mv) if lent is None else lent, pos, lent=lent is not None)
             self._extent = max(self._extent, pos + n)
         if self._discarding:
             if n <= self.OVERLAY_MAX_WRITE and self._overlay_bytes + n <= self.OVERLAY_MAX_TOTAL:
@@ -170,6 +171,11 @@ class LatchingFile:
         """Writes asked for so far: ``wait_written`` of it returns once they are done."""
         return self._behind.submitted
 
+    @property
+    def written(self) -> int:
+        """Writes done so far (in the order asked): a ticket up to this is done."""
+        return self._behind.done
+
     def wait_written(self, ticket: int) -> None:
         self._behind.wait_done(ticket)
 
@@ -198,8 +204,10 @@ class LatchingFile:
 
 
 class WriteBehind:
-    """``pwrite`` on a thread of its own, in the order asked, while the caller goes on; at most
-    ``MAX_QUEUED`` bytes wait. The first error stops the writes after it and stays in ``error``."""
+    """``pwrite`` on a thread of its own, in the order asked, while the caller goes on. At most
+    ``MAX_QUEUED`` bytes of copies wait (their memory is the queue's); lent bytes are bounded by their
+    owners, who wait for them before writing there again. The first error stops the writes after it
+    and stays in ``error``."""
 
     MAX_QUEUED = 64 << 20
     WRITEBACK_EVERY = 32 << 20  # bytes written between asking the kernel to start writing them out
@@ -208,30 +216,30 @@ class WriteBehind:
         self.fd = fd
         self.error: OSError | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._queued = 0
-        self.submitted = self._done = 0  # writes asked for, and done (in that order)
+        self._queued = 0  # bytes of copies waiting
+        self.submitted = self.done = 0  # writes asked for, and done (in that order)
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="capture-file-writes", daemon=True)
         self._thread.start()
 
-    def write(self, blob, pos: int) -> None:
+    def write(self, blob, pos: int, lent: bool = False) -> None:
         """Queue ``blob`` (bytes, or a lent array's bytes) for ``pos``."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._queued < self.MAX_QUEUED)
-            self._queued += len(blob)
+        if not lent:
+            with self._changed:
+                self._changed.wait_for(lambda: self._queued < self.MAX_QUEUED)
+                self._queued += len(blob)
         self.submitted += 1
-        self._jobs.put((blob, pos))
+        self._jobs.put((blob, pos, lent))
 
     def wait_done(self, ticket: int) -> None:
         """Return once the first ``ticket`` writes are done."""
-        if self._done < ticket:
+        if self.done < ticket:
             with self._changed:
-                self._changed.wait_for(lambda: self._done >= ticket or not self._thread.is_alive())
+                self._changed.wait_for(lambda: self.done >= ticket or not self._thread.is_alive())
 
     def settle(self) -> None:
         """Return once every write asked so far is done."""
-        with self._changed:
-            self._changed.wait_for(lambda: not self._queued)
+        self.wait_done(self.submitted)
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -241,7 +249,8 @@ class WriteBehind:
     def _run(self) -> None:
         unsent = 0  # bytes written since the kernel was last asked to write the file out
         while (job := self._jobs.get()) is not None:
-            blob, pos = job
+            blob, pos, lent = job
+            copied = 0 if lent else len(blob)
             if self.error is None:
                 try:
                     _pwrite_all(self.fd, memoryview(blob), pos)
@@ -251,9 +260,10 @@ class WriteBehind:
                 if unsent >= self.WRITEBACK_EVERY and _start_writeback is not None:
                     _start_writeback(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
                     unsent = 0
+            del job, blob  # a lent array's view goes before its owner hears it is written
             with self._changed:
-                self._queued -= len(blob)
-                self._done += 1
+                self._queued -= copied
+                self.done += 1
                 self._changed.notify_all()
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Callable
 
 import h5py
 import numpy as np
@@ -17,7 +16,7 @@ from inspector.core.arrays import GrowableArray
 from inspector.core.blocks import RowBlocks
 from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.core.hooks import HookPoint
-from inspector.core.run import FeatureRows, LensRows, RequestCapture, Run
+from inspector.core.run import FeatureRows, LensRows, RequestCapture
 
 from .atomic_file import AtomicFile
 from .format import (EXPORT_CHUNK_BYTES, check_compression, chunk_cols_for, chunk_rows_for, extendable_dataset,
@@ -27,7 +26,6 @@ from .layout import (RequestSnapshot, add_request_group, check_hook, header_text
                      write_header, write_hook, write_request_data)
 
 INDEX_CHUNK = 4096  # chunk length of the 1-D positions/token_ids datasets
-WRITE_PIECE_BYTES = 32 << 20  # write_run hands arrays over in pieces of about this size (progress)
 
 
 class _HookBuffer:
@@ -183,11 +181,12 @@ class CaptureWriter(AtomicFile):
         self.write_staged()  # checks the file is open
         self._append_rows(request_id, hook, positions, token_ids, [values])
 
-    def append_blocks(self, blocks: RowBlocks) -> None:
+    def append_blocks(self, blocks: RowBlocks, at_once: bool = False) -> int:
         """A step's rows of all its requests and hooks at once (``StepEvent.blocks``), handed over (the
         caller writes its arrays no more): held as they are, and written a hook at a time once half the
         buffer budget has gathered or the file closes. So a step costs a few calls, not one per
-        (request, hook), and each (request, hook) is written in pieces of many steps."""
+        (request, hook). ``at_once``: written now, not waited for: its arrays may be reused once the
+        file's writes up to the ticket returned are done (``wait_written``)."""
         self._check_open()
         for rid in blocks.request_ids:
             self._request(rid)
@@ -196,9 +195,10 @@ class CaptureWriter(AtomicFile):
             raise ValueError(f"unknown hook {unknown[0]!r}; this writer was opened with {list(self._hooks)[:8]}")
         self._staged.append(blocks)
         self._staged_bytes += blocks.nbytes
-        if self._staged_bytes >= self._budget // 2:
+        if at_once or self._staged_bytes >= self._budget // 2:
             with self._guard("writing rows"):
-                self._write_staged()
+                self._write_staged(wait=not at_once)
+        return self._lent_ticket
 
     @property
     def holding_blocks(self) -> bool:
@@ -213,7 +213,13 @@ class CaptureWriter(AtomicFile):
             with self._guard("writing rows"):
                 self._write_staged()
 
-    def _write_staged(self) -> None:
+    def wait_written(self, ticket: int) -> None:
+        """(Any thread.) Once the file's writes up to ``ticket`` are done, or the file is closed."""
+        io = self._io
+        if io is not None:
+            io.wait_written(ticket)
+
+    def _write_staged(self, wait: bool = True) -> None:
         """The staged bulk steps in order; requests that finished meanwhile are released."""
         staged, self._staged, self._staged_bytes = self._staged, [], 0
         for blocks in staged:
@@ -221,7 +227,8 @@ class CaptureWriter(AtomicFile):
         for rid in [rid for rid in self._finished if rid in self._requests]:
             self._flush_request(self._requests[rid], final=True)
         self._finished.clear()
-        self._io.wait_written(self._lent_ticket)  # the staged arrays were lent: the caller may reuse them now
+        if wait:  # the staged arrays were lent: the caller may reuse them now
+            self._io.wait_written(self._lent_ticket)
 
     def _write_step(self, blocks: RowBlocks) -> None:
         """A bulk step. The requests whose buffers of its hooks are in slabs and hold all their positions
@@ -361,7 +368,7 @@ class CaptureWriter(AtomicFile):
         are the buffer's, else one of its own."""
         slab = self._slabs.get(buf.name)
         if slab is None:
-            slab = self._slabs[buf.name] = ChunkSlab(buf.width, buf.dtype, buf.chunk_rows,
+            slab = self._slabs[buf.name] = ChunkSlab(buf.width, buf.dtype, buf.chunk_rows, self._io,
                                                      slots=min(len(self._requests), _SLAB_SLOTS))
         if slab.dtype != buf.dtype or slab.chunk_rows != buf.chunk_rows:
             return GrowableArray(buf.dtype, (buf.width,), capacity=buf.chunk_rows, max_capacity=buf.chunk_rows)
@@ -370,7 +377,7 @@ class CaptureWriter(AtomicFile):
         req.in_step = None
         return SlotRows(slab, req.slot, buf.gap())
 
-    def _fit_chunks(self, request_id: str, hook: str, rows: int, dtype: np.dtype) -> int:
+    def fit_chunks(self, request_id: str, hook: str, rows: int, dtype: np.dtype) -> int:
         """Size the chunks of a (request, hook) that will get exactly ``rows`` rows (write_run knows):
         uncompressed, about 4 MiB each rather than 256 KiB (a chunk is an HDF5 call and an index entry),
         all of one size so that the padding stays under one row per chunk. Returns a chunk's rows."""
@@ -449,7 +456,8 @@ class CaptureWriter(AtomicFile):
             gap = buf.gap()
             if not len(buf.pending) and n - i >= gap:  # chunk-aligned: write straight from the caller's array
                 k = gap + ((n - i - gap) // buf.chunk_rows) * buf.chunk_rows
-                self._write_values(req, buf, v[i: i + k], exact=False, lend=lend)
+                ticket = self._write_values(req, buf, v[i: i + k], exact=False, lend=lend)
+                self._lent_ticket = ticket or self._lent_ticket
                 i += k
                 continue
             take = min(gap - len(buf.pending), n - i)
@@ -463,11 +471,16 @@ class CaptureWriter(AtomicFile):
         pending = buf.pending
         c = 0 if pending is None else len(pending)
         if c or (final and buf.d_values is None):
-            # copied by the file, not lent: its chunk is filled again at once
+            # a slot's whole chunk is lent, the slot filling a spare meanwhile; others are copied by the
+            # file, as their buffer is filled again at once
             rows = pending.view() if c else np.empty((0, buf.width), buf.dtype)
-            self._write_values(req, buf, rows, exact=final and buf.d_values is None, lend=False)
+            slot = type(pending) is SlotRows
+            ticket = self._write_values(req, buf, rows, exact=final and buf.d_values is None, lend=slot)
             self._buffered -= c * buf.width * buf.dtype.itemsize
-            pending.clear() if c else None
+            if ticket is not None:
+                pending.lend(ticket)
+            elif c:
+                pending.clear()
         if final:
             buf.pending = None
             self._write_index(req, buf)
@@ -482,9 +495,9 @@ class CaptureWriter(AtomicFile):
             self._slots.give_back(req.slot)
             req.slot = req.in_step = None
 
-    def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool, lend: bool) -> None:
-        """``v`` appended to the hook's values; ``lend``: its whole chunks written from where they lie
-        (its owner waits for them before writing into it again)."""
+    def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool, lend: bool) -> int | None:
+        """``v`` appended to the hook's values; ``lend``: its whole chunks written from where they lie.
+        Returns the ticket its owner waits for before writing there again, None if nothing was lent."""
         if buf.d_values is None:
             if exact:  # everything this hook will get: chunks fit the data, no padding on disk
                 buf.chunk_rows = max(1, len(v))
@@ -496,9 +509,9 @@ class CaptureWriter(AtomicFile):
                 set_text(buf.d_values, "dtype", "bfloat16", new=True)
         if v.dtype == BFLOAT16:
             v = v.view(np.uint16)
-        n = len(v)
+        n, ticket = len(v), None
         if n == 0:
-            return
+            return None
         a, b = buf.rows_written, buf.rows_written + n
         d = buf.d_values
         d.id.set_extent((b, buf.width))
@@ -507,13 +520,13 @@ class CaptureWriter(AtomicFile):
             lend = lend and v.flags.c_contiguous
             with self._io.lending(v) if lend else contextlib.nullcontext():
                 write_whole_chunks(d, v, a, buf.chunk_rows, buf.chunk_cols)
-            if lend:
-                self._lent_ticket = self._io.ticket
+            ticket = self._io.ticket if lend else None
         else:
             d[a:b] = v
         buf.rows_written = b
         if type(buf.pending) is SlotRows:
             buf.pending.set_room(buf.gap())
+        return ticket
 
     def _write_index(self, req: _Request, buf: _HookBuffer) -> None:
         """Write positions/token ids up to the rows appended so far (called when a request finishes). A
@@ -558,43 +571,3 @@ class CaptureWriter(AtomicFile):
 
 _MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 _SLAB_SLOTS = 256  # at most a slot for each request known when a hook's slab is made (memory is touched as used)
-
-
-def write_run(run: Run, path: str | os.PathLike, progress: Callable[[float], None] | None = None,
-              **writer_options) -> Path:
-    """Write a whole Run (in memory or lazily opened) to ``path``; returns the final path."""
-    def row_bytes(rows) -> int:
-        return rows.width * rows.values.dtype.itemsize + 16
-
-    total = sum(len(rows) * row_bytes(rows) for req in run.requests.values() for rows in req.hooks.values())
-    done = 0
-    if progress:
-        progress(0.0)
-    with CaptureWriter(path, run.metadata, run.hooks, **writer_options) as writer:
-        writer.add_vocabulary(run.vocabulary)
-        for req in run.requests.values():
-            writer.add_request(req)
-            for name, rows in req.hooks.items():
-                n = len(rows)
-                positions, token_ids, values = rows.positions, rows.token_ids, rows.values
-                chunk = writer._fit_chunks(req.request_id, name, n, rows.values.dtype)
-                step = max(chunk, (WRITE_PIECE_BYTES // row_bytes(rows)) // chunk * chunk)
-                if n == 0:
-                    writer.append_rows(req.request_id, name, positions, token_ids,
-                                       np.zeros((0, rows.width), rows.values.dtype))
-                for a in range(0, n, step):
-                    b = min(n, a + step)
-                    writer.append_rows(req.request_id, name, positions[a:b], token_ids[a:b], np.asarray(values[a:b]))
-                    done += (b - a) * row_bytes(rows)
-                    if progress and total:
-                        progress(min(1.0, done / total))
-            for name, lens in req.lens.items():
-                writer.append_lens(req.request_id, name, {c: lens.column(c) for c in LensRows.COLUMNS})
-            for name, features in req.features.items():
-                writer.append_features(req.request_id, name, features.positions, features.ids, features.activations)
-            writer.update_request(req)
-            if req.finish_reason is None:  # update_request wrote a finished one's rows already
-                writer.release(req.request_id)
-    if progress:
-        progress(1.0)
-    return Path(writer.path)
