@@ -9,8 +9,8 @@ this process, whose ``Session`` delivers the rows of every block's residual stre
 
 - memory: the session's run keeps every row;
 - file: every row written to an HDF5 capture file as ``inspector capture`` writes it (``cli.record``,
-  closed and synced before the clock stops; its writer's process started ahead, as the command starts
-  it while its engine boots, except in the first run);
+  closed and synced before the clock stops; its writer's process started, and its ring's memory
+  made, before the clock starts, as the command has them while its engine boots);
 
 and a server of its own (``start_local_server``) whose client in this process keeps every row. The
 file's bound is the disk: its write speed is measured here too (a file of ``--disk-gib``, synced), and
@@ -243,9 +243,10 @@ def main(argv=None) -> int:
         def consume(events):
             record(session, events, target, progress=written.append)
             return written[-1]
+        # the file's writer process started ahead (as ``inspector capture`` starts it while its engine boots)
+        prepare(wait=True)
         rate = tokens_per_s(session, texts, new, args.logprobs, consume, "file")
         target.unlink()
-        prepare()  # the next file's writer process, started ahead as ``inspector capture`` starts it
         return rate
 
     def dropped(texts, new):

@@ -370,6 +370,15 @@ def test_bulk_steps_of_requests_coming_and_going_and_hooks_skipping_rows(tmp_pat
         np.testing.assert_array_equal(got.positions, want[0])
         np.testing.assert_array_equal(got.token_ids, want[1])
         np.testing.assert_array_equal(np.asarray(got.values).view(np.uint16), want[2].view(np.uint16))
+    with h5py.File(tmp_path / "f.h5") as f:  # a last chunk's rows past the data are zero, not another's rows
+        for request in f["requests"].values():
+            for hook in request["hooks"].values():
+                values = hook["values"]
+                rows, chunk = len(values), values.chunks[0]
+                if rows % chunk and not values.compression:
+                    _, raw = values.id.read_direct_chunk((rows - rows % chunk, 0))
+                    tail = np.frombuffer(raw, np.uint16).reshape(chunk, -1)[rows % chunk:]
+                    assert not tail.any()
 
 
 @pytest.mark.parametrize("streamed", ["in bulk", "a (request, hook) at a time", "through the ring"])
@@ -453,8 +462,9 @@ def test_a_file_the_writers_process_cannot_open_is_raised_by_a_later_call_and_no
 
 def test_the_next_files_writer_process_is_started_ahead_and_taken_if_its_ring_fits(tmp_path, monkeypatch):
     """``prepare`` starts the next file's process ahead (``inspector capture`` does while its engine
-    boots): the next writer starts none of its own; one prepared with another ring size is stopped
-    and a fitting one started. Either way the file is the one-shot write, bit for bit."""
+    boots; a caller may wait until it has started): the next writer starts none of its own; one
+    prepared with another ring size is stopped and a fitting one started. Either way the file is the
+    one-shot write, bit for bit."""
     from inspector.io import background
 
     run = engine_like_run(seed=8)
@@ -464,9 +474,10 @@ def test_the_next_files_writer_process_is_started_ahead_and_taken_if_its_ring_fi
     monkeypatch.setattr(background, "_start", lambda size, **options: started.append(size) or start(size, **options))
     for prepared_size, name in ((1 << 16, "fits.h5"), (1 << 20, "other.h5")):  # stream_in_bulk's ring: 1 << 16
         background.prepare(prepared_size)
-        background.prepare(prepared_size)  # one is enough: a second call starts none
+        background.prepare(prepared_size, wait=True)  # one is enough: a second call starts none, and waits for it
         _, thread, made = background._spare[0]
-        thread.join()
+        assert made["ready"] and not thread.is_alive()
+        background.prepare(prepared_size, wait=True)  # started: at once
         process = made["worker"].process
         stream_in_bulk(run, tmp_path / name, seed=9)
         process.join(timeout=30)

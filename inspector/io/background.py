@@ -16,6 +16,7 @@ next file (``inspector capture`` while its engine boots).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import multiprocessing as mp
 import os
@@ -173,7 +174,7 @@ class BackgroundWriter(FinishedOrDropped):
             if message[0] in (wanted, "error"):
                 return message
 
-    def _news(self, message) -> None:
+    def _news(self, message) -> None:  # "ready" (the child has started) says nothing here
         if message[0] == "freed":
             for _ in range(message[1]):
                 self._used.popleft()
@@ -244,16 +245,23 @@ class _Worker(NamedTuple):
     process: BaseProcess
 
 
-def prepare(backlog_bytes: int = BACKLOG_BYTES) -> None:
-    """Start the writer's process of the next ``BackgroundWriter`` now, in a thread, unless one is."""
+def prepare(backlog_bytes: int = BACKLOG_BYTES, wait: bool = False) -> None:
+    """Start the writer's process of the next ``BackgroundWriter`` now, in a thread, unless one is.
+    ``wait``: until it has started (its modules loaded, its ring mapped)."""
     with _spare_lock:
-        if _spare:
-            return
-        made: dict = {}
-        thread = threading.Thread(target=lambda: made.update(worker=_start(backlog_bytes, populate=True)),
-                                  daemon=True, name="capture-writer-start")
-        _spare.append((backlog_bytes, thread, made))
-        thread.start()
+        if not _spare:
+            made: dict = {}
+            thread = threading.Thread(target=lambda: made.update(worker=_start(backlog_bytes, populate=True)),
+                                      daemon=True, name="capture-writer-start")
+            _spare.append((backlog_bytes, thread, made))
+            thread.start()
+        _, thread, made = _spare[0]
+    if wait:
+        thread.join()
+        worker = made.get("worker")
+        with contextlib.suppress(EOFError, OSError):
+            while worker is not None and not made.get("ready"):
+                made["ready"] = worker.conn.recv()[0] == "ready"
 
 
 def _prepared(backlog_bytes: int) -> _Worker | None:
@@ -287,8 +295,9 @@ def _serve(conn, ring: _Ring) -> None:
     region is free once the file's writes from it are done (see ``_PIECES``), so that this one never
     waits for the disk while the ring has rows."""
     try:
+        conn.send(("ready",))
         _, path, metadata, hooks, options = conn.recv()
-    except EOFError:  # a prepared process no file took
+    except (EOFError, BrokenPipeError):  # a prepared process no file took
         return
     sending = threading.Lock()
     try:

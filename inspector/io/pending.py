@@ -140,6 +140,13 @@ class SlotRows:
     def append(self, rows) -> None:
         self.extend([rows])
 
+    def padded(self) -> np.ndarray:
+        """Its whole chunk: the rows it holds, then zeros."""
+        start = int(self.slab.home[self.slot]) * self.slab.chunk_rows
+        chunk = self.slab.array[start: start + self.slab.chunk_rows]
+        chunk[len(self):] = 0
+        return chunk
+
     def clear(self) -> None:
         self.slab.fill[self.slot] = 0
 

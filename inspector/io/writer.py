@@ -473,9 +473,12 @@ class CaptureWriter(AtomicFile):
         if c or (final and buf.d_values is None):
             # a slot's whole chunk is lent, the slot filling a spare meanwhile; others are copied by the
             # file, as their buffer is filled again at once
-            rows = pending.view() if c else np.empty((0, buf.width), buf.dtype)
             slot = type(pending) is SlotRows
-            ticket = self._write_values(req, buf, rows, exact=final and buf.d_values is None, lend=slot)
+            # a request's last rows from the start of a chunk: written as the whole chunk, its rows past
+            # them zero (as HDF5 pads an edge chunk), not through a selection
+            edge = slot and final and c and buf.d_values is not None and buf.rows_written % buf.chunk_rows == 0
+            rows = pending.padded() if edge else pending.view() if c else np.empty((0, buf.width), buf.dtype)
+            ticket = self._write_values(req, buf, rows, exact=final and buf.d_values is None, lend=slot, rows=c)
             self._buffered -= c * buf.width * buf.dtype.itemsize
             if ticket is not None:
                 pending.lend(ticket)
@@ -495,9 +498,11 @@ class CaptureWriter(AtomicFile):
             self._slots.give_back(req.slot)
             req.slot = req.in_step = None
 
-    def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool, lend: bool) -> int | None:
-        """``v`` appended to the hook's values; ``lend``: its whole chunks written from where they lie.
-        Returns the ticket its owner waits for before writing there again, None if nothing was lent."""
+    def _write_values(self, req: _Request, buf: _HookBuffer, v: np.ndarray, exact: bool, lend: bool,
+                      rows: int | None = None) -> int | None:
+        """``v`` (its first ``rows``, the rest padding to a chunk) appended to the hook's values; ``lend``:
+        its whole chunks written from where they lie. Returns the ticket its owner waits for before
+        writing there again, None if nothing was lent."""
         if buf.d_values is None:
             if exact:  # everything this hook will get: chunks fit the data, no padding on disk
                 buf.chunk_rows = max(1, len(v))
@@ -509,20 +514,20 @@ class CaptureWriter(AtomicFile):
                 set_text(buf.d_values, "dtype", "bfloat16", new=True)
         if v.dtype == BFLOAT16:
             v = v.view(np.uint16)
-        n, ticket = len(v), None
+        n, ticket = len(v) if rows is None else rows, None
         if n == 0:
             return None
         a, b = buf.rows_written, buf.rows_written + n
         d = buf.d_values
         d.id.set_extent((b, buf.width))
-        if not self._compression and a % buf.chunk_rows == 0 and n % buf.chunk_rows == 0:
+        if not self._compression and a % buf.chunk_rows == 0 and len(v) % buf.chunk_rows == 0:
             # whole chunks: hand HDF5 the chunk bytes directly (no selection, no gather copy)
             lend = lend and v.flags.c_contiguous
             with self._io.lending(v) if lend else contextlib.nullcontext():
                 write_whole_chunks(d, v, a, buf.chunk_rows, buf.chunk_cols)
             ticket = self._io.ticket if lend else None
         else:
-            d[a:b] = v
+            d[a:b] = v[:n]
         buf.rows_written = b
         if type(buf.pending) is SlotRows:
             buf.pending.set_room(buf.gap())
