@@ -214,7 +214,7 @@ def test_streaming_equals_one_shot(tmp_path):
         assert_runs_equal(one, read_run(tmp_path / name))
     with h5py.File(tmp_path / "stream.h5", "r") as streamed, h5py.File(tmp_path / "one.h5", "r") as whole:
         values = "requests/0/hooks/model.layers.1.mlp.down_proj/values"
-        assert streamed[values].chunks == (64, 1100) and whole[values].chunks == (700, 1100)  # >= 64 rows; all of it
+        assert streamed[values].chunks == (59, 1100) and whole[values].chunks == (700, 1100)  # 256 KiB of rows; all
     assert listing(tmp_path) == ["one.h5", "stream.h5", "tiny_buffer.h5"]
 
 
@@ -495,7 +495,7 @@ def test_a_whole_run_is_written_in_chunks_of_up_to_4_mib_that_split_its_rows_eve
         values = "hooks/model.layers.1.mlp.down_proj/values"
         assert f[f"requests/0/{values}"].chunks == (715, 1100)  # 4 chunk rows for 2,860 rows: no padding
         assert f[f"requests/1/{values}"].chunks == (953, 1100)
-        assert compressed[f"requests/0/{values}"].chunks == (64, 1100)  # a compressed chunk is read whole: small
+        assert compressed[f"requests/0/{values}"].chunks == (59, 1100)  # a compressed chunk is read whole: small
 
 
 @pytest.mark.parametrize("compression, filters", [("lzf", {"shuffle", "lzf"}), (("gzip", 4), {"shuffle", "gzip"})])
@@ -850,7 +850,7 @@ def test_chunk_shapes():
     assert [chunk_cols_for(w) for w in (1, 64, 1100, 4096, 14336, 16384, 16385)] == [1, 64, 1100, 4096, 14336,
                                                                                         16384, 8193]
     assert chunk_cols_for(128256, 2) == 32064 and chunk_cols_for(128256, 4) == 16032
-    assert chunk_rows_for(4096) == 64 and chunk_rows_for(1024) == 64
+    assert chunk_rows_for(4096) == 32 and chunk_rows_for(4096, 2) == 32 and chunk_rows_for(1024) == 64
     assert chunk_rows_for(64) == 1024 and chunk_rows_for(1) == 4096
     assert chunk_rows_for(1100, 4, EXPORT_CHUNK_BYTES) == 953 and chunk_rows_for(4096, 2, EXPORT_CHUNK_BYTES) == 512
 
@@ -861,11 +861,11 @@ def test_a_hook_too_wide_for_whole_row_chunks_streams_and_reads_back_bit_for_bit
     values = np.random.default_rng(0).standard_normal((70, 16_385), dtype=np.float32)
     with CaptureWriter(tmp_path / "wide.h5", {}, {"logits": hook}, fsync=False) as writer:
         writer.add_request(RequestCapture("a", "p", [1], {}))
-        for start in (0, 1, 65):  # a row, a chunk's worth, the rest
+        for start in (0, 1, 65):  # a row, two chunks' worth, the rest
             stop = {0: 1, 1: 65, 65: 70}[start]
             writer.append_rows("a", "logits", np.arange(start, stop), np.arange(start, stop), values[start:stop])
     with h5py.File(tmp_path / "wide.h5", "r") as f:
-        assert f["requests/0/hooks/logits/values"].chunks == (64, 8193)
+        assert f["requests/0/hooks/logits/values"].chunks == (32, 8193)
     assert np.array_equal(bits(read_run(tmp_path / "wide.h5").requests["a"].hooks["logits"].values), bits(values))
 
 

@@ -24,15 +24,17 @@ FORMAT_VERSION = 2  # 2: values in the engine's dtype (bfloat16 as its bits); 1:
 # Chunks of ~256 KiB when rows stream in: [rows, cols] with cols = the whole width (rows are written as they
 # lie, no gather: a capture of 4096-wide rows went 1.2-1.3x faster than with 1024-column chunks) unless 64
 # rows of it pass 4 MiB (a logits-wide hook), then equal parts that do not; rows = 256 KiB / (itemsize *
-# cols), within [64, 4096]. HDF5 stores a partly filled chunk at full size
-# (we do not compress), so small chunks bound the padding: <= 1 chunk row per (request, hook); none for
+# cols), within [32, 4096] (a (request, hook)'s last chunk is written once the request ends: after a
+# batch's last step, every request's last chunk waits for the disk). HDF5 stores a partly filled chunk at
+# full size (we do not compress), so small chunks bound the padding: <= 1 chunk row per (request, hook); none for
 # requests that end up with fewer rows than a chunk (those get a chunk of exactly their size). A whole run
 # written at once (write_run), uncompressed, has chunks of up to ~4 MiB that split each (request, hook)'s rows
 # evenly: each chunk is an HDF5 call and an index entry (docs/performance-notes.md). Compressed chunks are
 # read whole, so those stay small.
 CHUNK_TARGET_BYTES = 1 << 18
 EXPORT_CHUNK_BYTES = 1 << 22
-MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 64, 4096
+MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 32, 4096
+SPLIT_ROWS = 64  # a hook wider than 4 MiB in this many rows has its width split
 
 _TEXT_ESCAPED = "json_escaped_attrs"  # attr listing attrs stored JSON-encoded (strings HDF5 cannot hold)
 
@@ -175,9 +177,9 @@ def to_json(value: Any, what: str) -> str:
 
 
 def chunk_cols_for(width: int, itemsize: int = 4) -> int:
-    """The whole width, or equal parts of it where a chunk of MIN_CHUNK_ROWS rows would pass
+    """The whole width, or equal parts of it where a chunk of SPLIT_ROWS rows would pass
     EXPORT_CHUNK_BYTES (edge chunks are stored full size)."""
-    parts = -(-width * itemsize * MIN_CHUNK_ROWS // EXPORT_CHUNK_BYTES)
+    parts = -(-width * itemsize * SPLIT_ROWS // EXPORT_CHUNK_BYTES)
     return -(-width // parts)
 
 
