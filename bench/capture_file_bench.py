@@ -6,8 +6,9 @@ writer or by the engine beside it?
 
 No engine, no GPU: steps shaped as ``Session.generate`` makes them (one prefill block of every request,
 then a block a decode step, every hook in each) go to a capture file as ``inspector capture`` writes
-it, through the writer's process (``BackgroundWriter``) and, for comparison, a ``CaptureWriter`` in
-this process; each timed until the file is closed and synced. The disk's speed is measured as
+it, through the writer's process (``BackgroundWriter``, started before the clock starts, as ``inspector
+capture`` starts it while its engine boots) and, for comparison, a ``CaptureWriter`` in this process;
+each timed until the file is closed and synced. The disk's speed is measured as
 ``session_bench`` measures it (64 MiB writes, synced). Prints MB/s, the tokens/s each allows for
 these rows, and the share of the disk.
 """
@@ -31,7 +32,7 @@ from inspector.core.dtypes import ROW_DTYPES  # noqa: E402
 from inspector.core.hooks import HookPoint  # noqa: E402
 from inspector.core.run import RequestCapture  # noqa: E402
 from inspector.io import CaptureWriter  # noqa: E402
-from inspector.io.background import BackgroundWriter  # noqa: E402
+from inspector.io.background import BackgroundWriter, prepare  # noqa: E402
 
 
 def disk_mb_s(directory: Path, gib: float) -> float:
@@ -64,6 +65,8 @@ def session_steps(batch: int, prompt: int, new: int, hooks: dict, pool: np.ndarr
 
 
 def write(kind: str, path: Path, ids, steps, hooks, prompt: int) -> float:
+    if kind == "writer process":
+        prepare(wait=True)  # started, its ring's pages made, as ``inspector capture`` has it after its boot
     t0 = time.perf_counter()
     if kind == "writer process":
         with BackgroundWriter(path, {}, hooks) as file:
