@@ -730,28 +730,36 @@ DISK_FULL = textwrap.dedent("""
     import json, os, resource, signal, sys
     import numpy as np
     sys.path.insert(0, sys.argv[2])
-    from tests.test_io_hdf5 import make_run
+    from tests.test_io_hdf5 import engine_like_run, make_run, stream_in_bulk
     from inspector.io import CaptureFileError, write_run
-    run = make_run(rows=(1500, 1500, 1))           # about 7 MB of rows
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing us
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    try:
-        write_run(run, os.path.join(sys.argv[1], "run.h5"))
-        print(json.dumps({"error": None}))
-    except CaptureFileError as e:
-        print(json.dumps({"error": str(e), "reason": e.reason, "files": os.listdir(sys.argv[1])}))
+    if __name__ == "__main__":  # the writer's process is spawned: it imports this as a module
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # the writer's process inherits it
+        path = os.path.join(sys.argv[1], "run.h5")
+        try:
+            if sys.argv[3] == "whole":
+                write_run(make_run(rows=(1500, 1500, 1)), path)  # about 7 MB of rows
+            else:
+                stream_in_bulk(engine_like_run(seed=3), path, seed=5, backlog_bytes=1 << 20)
+            print(json.dumps({"error": None}))
+        except CaptureFileError as e:
+            print(json.dumps({"error": str(e), "reason": e.reason, "files": os.listdir(sys.argv[1])}))
 """)
 
 
-def test_disk_full_leaves_no_file(tmp_path):
-    out = subprocess.run([sys.executable, "-c", DISK_FULL, str(tmp_path), str(REPO)], capture_output=True,
-                         text=True, timeout=60)
+@pytest.mark.parametrize("how", ["whole", "streamed through the writer's process"])
+def test_disk_full_leaves_no_file(tmp_path, how):
+    script = tmp_path / "disk_full.py"
+    script.write_text(DISK_FULL)
+    (tmp_path / "out").mkdir()
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), str(REPO), how.split()[0]],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["error"] is not None
-    assert "file too large" in result["error"] and str(tmp_path / "run.h5") in result["error"], result
+    assert "file too large" in result["error"] and str(tmp_path / "out" / "run.h5") in result["error"], result
     assert "nothing was saved" in result["error"]
-    assert result["files"] == [] and listing(tmp_path) == []
+    assert result["files"] == [] and listing(tmp_path / "out") == []
 
 
 def test_exception_inside_with_leaves_no_file(tmp_path):
