@@ -957,12 +957,14 @@ def test_capture_windows_round_trip_with_their_positions(tmp_path):
 
 def test_hooks_side_by_side_in_one_landed_copy_cross_to_the_writer_in_one_piece_and_read_back(tmp_path, monkeypatch):
     """A forward's hooks are slices of one [hooks, rows, width] copy: they go into the writer's shared
-    memory as one array (copied there by several threads, a piece each) and come back as each hook's
-    rows, bit for bit."""
+    memory as one array (copied there by several threads, a piece each, slowly: the writer's process
+    is told where they lie only once they are there) and come back as each hook's rows, bit for bit."""
     from inspector.io import background
 
     monkeypatch.setattr(background, "_COPIERS", 3)
     monkeypatch.setattr(background, "_COPY_PIECE", 256)
+    copy = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda *args: time.sleep(0.05) or copy(*args))
     hooks = {f"h{k}": HookPoint(f"h{k}", f"h{k}", "", "resid", 64) for k in range(3)}
     stack = np.random.default_rng(0).standard_normal((3, 10, 64), dtype=np.float32).astype(BFLOAT16)
     with BackgroundWriter(tmp_path / "s.h5", {}, hooks, backlog_bytes=1 << 14) as file:  # pieces of a few rows
@@ -970,9 +972,13 @@ def test_hooks_side_by_side_in_one_landed_copy_cross_to_the_writer_in_one_piece_
             file.call("add_request", RequestCapture(rid, "p", [1], {}))
         file.call("append_blocks", RowBlocks(["a", "b"], [0, 4, 10], np.arange(10), np.arange(10) + 5,
                                              {h: stack[k] for k, h in enumerate(hooks)}))
+        file.call("append_rows", "a", "h0", [4], [9], stack[1, :1])  # after the step, also in the file
     run = read_run(tmp_path / "s.h5")
+    a_h0 = np.concatenate([stack[0, :4], stack[1, :1]])
+    assert np.array_equal(bits(run.requests["a"].hooks["h0"].values), bits(a_h0))
     for k, h in enumerate(hooks):
-        assert np.array_equal(bits(run.requests["a"].hooks[h].values), bits(stack[k, :4]))
+        if h != "h0":
+            assert np.array_equal(bits(run.requests["a"].hooks[h].values), bits(stack[k, :4]))
         assert np.array_equal(bits(run.requests["b"].hooks[h].values), bits(stack[k, 4:]))
         assert run.requests["b"].hooks[h].token_ids.tolist() == list(range(9, 15))
         assert run.requests["b"].hooks[h].positions.tolist() == list(range(4, 10))
