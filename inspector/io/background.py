@@ -4,11 +4,10 @@ A writer thread in the engine's process shares its GIL: every numpy copy and HDF
 go and must wait to get it back from the engine's busy Python. On the H200 a capture file then took
 a sixth of the disk's speed, and beside a thread spinning in Python the writer here all but stopped
 (docs/performance-notes.md). So the file is written in a child process. A step's rows travel
-through shared memory (a ring, ``backlog_bytes``): the engine's thread takes room there and goes on,
-while threads copy the step's rows in (a copy lets the GIL go) and one more says where they lie once
-they are; the child writes them from there and says the room is free again. The other calls travel
-pickled, in order. When the ring is full the caller waits for the disk: back-pressure, not unbounded
-memory.
+through shared memory (a ring, ``backlog_bytes``): the engine's thread has a step's rows copied into
+it (by several threads where they are large: a copy lets the GIL go) and sends where they lie; the
+child writes them from there and says the room is free again. The other calls travel pickled, in
+order. When the ring is full the caller waits for the disk: back-pressure, not unbounded memory.
 
 Starting that process (an interpreter, numpy, h5py) and touching its ring's memory take a few tenths
 of a second, a tenth of a short capture's time: ``prepare()`` does it ahead, in a thread, for the
@@ -85,10 +84,6 @@ class BackgroundWriter(FinishedOrDropped):
         self._ring, self._conn, self._process = _prepared(backlog_bytes) or _start(backlog_bytes)
         self._conn.send(("open", os.fspath(path), metadata, hooks, options))
         self._copiers = ThreadPoolExecutor(_COPIERS, thread_name_prefix="capture-rows-copy")
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, its rows' copies), in order
-        self._unsent = False  # a send failed: the child is gone
-        self._sender = threading.Thread(target=self._send_in_order, name="capture-rows-send", daemon=True)
-        self._sender.start()
         self._used: deque[tuple[int, int]] = deque()  # regions of the ring in use, oldest first
         self._next = 0  # where the next region starts
         self._error: BaseException | None = None
@@ -103,9 +98,9 @@ class BackgroundWriter(FinishedOrDropped):
             for piece in args[0].pieces(max(1, (self._ring.size // _PIECES) // max(1, _row_bytes(args[0])))):
                 self._send_blocks(piece)
         elif method in ("add_request", "update_request"):  # what a request says, not its rows
-            self._outbox.put((("call", method, (replace(args[0], hooks={}, lens={}, features={}, scores={}),)), ()))
+            self._conn.send(("call", method, (replace(args[0], hooks={}, lens={}, features={}, scores={}),)))
         else:
-            self._outbox.put((("call", method, args), ()))
+            self._conn.send(("call", method, args))
 
     def close(self) -> Path:
         """Wait for every call, then finish the file (renamed onto its path, synced)."""
@@ -120,8 +115,7 @@ class BackgroundWriter(FinishedOrDropped):
 
     def _send_blocks(self, blocks: RowBlocks) -> None:
         """Into the ring: positions, token ids, and the hooks' rows, in one copy where they lie side by
-        side in the landed copy, on the copiers' threads (a copy lets the GIL go), while the caller goes
-        on; the sender's thread says where they lie once they are there."""
+        side in the landed copy (each copy lets the GIL go and waits to get it back)."""
         arrays = {"positions": np.ascontiguousarray(blocks.positions, np.int64),
                   "token_ids": np.ascontiguousarray(blocks.token_ids, np.int64)}
         values = list(blocks.values.values())
@@ -137,20 +131,12 @@ class BackgroundWriter(FinishedOrDropped):
             copies += _split_copies(self._ring.view(at, a.dtype, a.shape), a)
             where[key] = (at, a.dtype, a.shape)
             at += sizes[key]
-        self._outbox.put((("blocks", blocks.request_ids, blocks.bounds, where, list(blocks.values)),
-                          [self._copiers.submit(np.copyto, *copy) for copy in copies]))
-
-    def _send_in_order(self) -> None:
-        """The sender's thread: each message once its rows are in the ring, in the order posted."""
-        while (posted := self._outbox.get()) is not None:
-            message, copies = posted
-            try:
-                for copy in copies:
-                    copy.result()
-                if not self._unsent:
-                    self._conn.send(message)
-            except OSError:  # the child is gone: its error, if it sent one, is read by the caller
-                self._unsent = True
+        if len(copies) == 1:
+            np.copyto(*copies[0])
+        else:  # side by side: a large copy lets the GIL go
+            for done in [self._copiers.submit(np.copyto, *copy) for copy in copies]:
+                done.result()
+        self._conn.send(("blocks", blocks.request_ids, blocks.bounds, where, list(blocks.values)))
 
     def _reserve(self, size: int) -> int:
         """A region of ``size`` bytes of the ring, once the child has let go of enough (regions are
@@ -199,10 +185,11 @@ class BackgroundWriter(FinishedOrDropped):
         if self._closed:
             return None
         self._closed = True
-        self._outbox.put(((how,), ()))
-        self._outbox.put(None)
-        self._sender.join()
-        message = ("done", None) if self._unsent else None  # the child is gone; its error, if it sent one, is kept
+        message = None
+        try:
+            self._conn.send((how,))
+        except OSError:  # the child is gone; its error, if it sent one, is kept
+            message = ("done", None)
         while message is None or message[0] == "error":
             message = self._answer("done")
             if message is None:  # the child is gone
