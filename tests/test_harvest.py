@@ -201,8 +201,9 @@ def test_a_killed_harvest_resumes_to_rows_that_match_transformers(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, "-m", "inspector.cli", "harvest", "--model", str(DEMO_DIR), "--corpus", str(corpus),
                "--hooks", "blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "--context-size", "32",
-               "--tokens", "2400", "--out", str(out), "--shard-mb", "0"]
-    # --shard-mb 0: a shard a context, so that there are shards to stop the harvest after
+               "--tokens", "2400", "--out", str(out), "--shard-mb", "0", "--max-num-batched-tokens", "64"]
+    # --shard-mb 0: a shard a context, so that there are shards to stop the harvest after; two contexts a
+    # step, so that it is still running when stopped (in one step its shards came faster than we look)
     interrupted = signalled(command, out, 2, signal.SIGINT)  # Ctrl-C: the shard under way is dropped
     assert interrupted.returncode == 130, interrupted.stderr.read()[-2000:]
     stopped = json.loads((out / "harvest.json").read_text())
