@@ -964,7 +964,8 @@ def test_hooks_side_by_side_in_one_landed_copy_cross_to_the_writer_in_one_piece_
     monkeypatch.setattr(background, "_COPIERS", 3)
     monkeypatch.setattr(background, "_COPY_PIECE", 256)
     copy = np.copyto
-    monkeypatch.setattr(np, "copyto", lambda *args: time.sleep(0.05) or copy(*args))
+    slow = lambda dest, source: (source.nbytes >= 256 and time.sleep(0.05)) or copy(dest, source)  # noqa: E731
+    monkeypatch.setattr(np, "copyto", slow)  # the copiers' pieces: slow
     hooks = {f"h{k}": HookPoint(f"h{k}", f"h{k}", "", "resid", 64) for k in range(3)}
     stack = np.random.default_rng(0).standard_normal((3, 10, 64), dtype=np.float32).astype(BFLOAT16)
     with BackgroundWriter(tmp_path / "s.h5", {}, hooks, backlog_bytes=1 << 14) as file:  # pieces of a few rows

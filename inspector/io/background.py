@@ -131,11 +131,13 @@ class BackgroundWriter(FinishedOrDropped):
             copies += _split_copies(self._ring.view(at, a.dtype, a.shape), a)
             where[key] = (at, a.dtype, a.shape)
             at += sizes[key]
-        if len(copies) == 1:
-            np.copyto(*copies[0])
-        else:  # side by side: a large copy lets the GIL go
-            for done in [self._copiers.submit(np.copyto, *copy) for copy in copies]:
-                done.result()
+        # copies of _COPY_PIECE and more side by side (a large copy lets the GIL go), smaller ones here
+        split = [self._copiers.submit(np.copyto, *copy) for copy in copies if copy[1].nbytes >= _COPY_PIECE]
+        for copy in copies:
+            if copy[1].nbytes < _COPY_PIECE:
+                np.copyto(*copy)
+        for done in split:
+            done.result()
         self._conn.send(("blocks", blocks.request_ids, blocks.bounds, where, list(blocks.values)))
 
     def _reserve(self, size: int) -> int:
@@ -176,8 +178,7 @@ class BackgroundWriter(FinishedOrDropped):
 
     def _news(self, message) -> None:  # "ready" (the child has started) says nothing here
         if message[0] == "freed":
-            for _ in range(message[1]):
-                self._used.popleft()
+            self._used.popleft()
         elif message[0] == "error" and self._error is None:
             self._error = message[1]
 
@@ -352,7 +353,7 @@ def _free_when_written(conn, sending: threading.Lock, regions: queue.SimpleQueue
     while (ticket := regions.get()) is not None:
         if writer is not None:
             writer.wait_written(ticket)
-        _tell(conn, sending, ("freed", 1))
+        _tell(conn, sending, ("freed",))
 
 
 def _tell(conn, sending: threading.Lock, message) -> None:

@@ -26,8 +26,8 @@ FORMAT_VERSION = 2  # 2: values in the engine's dtype (bfloat16 as its bits); 1:
 # rows of it pass 4 MiB (a logits-wide hook), then equal parts that do not; rows = 256 KiB / (itemsize *
 # cols), within [32, 4096] (a (request, hook)'s last chunk is written once the request ends: after a
 # batch's last step, every request's last chunk waits for the disk). HDF5 stores a partly filled chunk at
-# full size (we do not compress), so small chunks bound the padding: <= 1 chunk row per (request, hook); none for
-# requests that end up with fewer rows than a chunk (those get a chunk of exactly their size). A whole run
+# full size (we do not compress), so small chunks bound the padding: <= 1 chunk row per (request, hook);
+# none for requests that end up with fewer rows than a chunk (those get a chunk of exactly their size). A whole run
 # written at once (write_run), uncompressed, has chunks of up to ~4 MiB that split each (request, hook)'s rows
 # evenly: each chunk is an HDF5 call and an index entry (docs/performance-notes.md). Compressed chunks are
 # read whole, so those stay small.
