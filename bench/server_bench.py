@@ -8,7 +8,8 @@
    residual stream after every block, rows kept by the client. Target: server >= 0.95x in-process.
 2. Wire: step events of rows (hooks x rows x width, float32) sent by the server's socket thread and
    decoded by a client, against a plain pyzmq send/receive of the same arrays, over loopback TCP and
-   ipc://. Target: >= 0.8x.
+   ipc://. Target: >= 0.8x. And the same rows in bulk step events through the shared memory a client
+   on the server's machine offers (what the app's own server uses), against ours over ipc://.
 """
 
 from __future__ import annotations
@@ -125,9 +126,80 @@ def wire_bench(reps: int, hooks: int = 32, n_rows: int = 64, width: int = 4096, 
             out += [(f"rows over {transport}, {name}", f"{med[name]:.2f} GB/s", "", None) for name in speeds]
             ratio = med["ours"] / med["plain pyzmq"]
             out.append((f"rows over {transport}, ours / plain pyzmq", f"{ratio:.2f}", ">= 0.8", ratio >= 0.8))
+        shared = statistics.median(shared_memory_gb_s(f"ipc://{home / 's.sock'}", rows, events, reps + 1)[1:])
+        out.append(("rows through shared memory (a client on this machine)", f"{shared:.2f} GB/s", "", None))
+        out.append(("rows through shared memory / over ipc, ours", f"{shared / med['ours']:.2f}", "", None))
     finally:
         shutil.rmtree(home, ignore_errors=True)
     return out
+
+
+def shared_memory_gb_s(url: str, rows: dict, events: int, rounds: int) -> list[float]:
+    """The same rows as bulk step events from a server's socket thread to a client that offered shared
+    memory (``inspector.server.shared_rows``): each event's rows copied into the client's ring piece by
+    piece, and out of it by the client. GB/s of each round of ``events`` on one connection (the first
+    makes the ring's pages)."""
+    import queue
+
+    import zmq
+
+    from inspector.client.connection import Connection
+    from inspector.client.rows_ahead import RowsAhead
+    from inspector.core.blocks import RowBlocks
+    from inspector.core.protocol import RequestStep, StepEvent
+    from inspector.core.shared_ring import Copiers, SharedRing
+    from inspector.net.endpoint import Endpoint
+    from inspector.net.wire import Message, decode, encode, event_from_body, event_to_body
+    from inspector.server.shared_rows import SharedRows
+
+    positions, tokens, _ = next(iter(rows.values()))
+    values = {hook: v for hook, (_, _, v) in rows.items()}
+    event = StepEvent(0, (RequestStep("req0"),), blocks=(RowBlocks(["req0"], [0, len(positions)], positions, tokens,
+                                                                    values),))
+    payload = sum(v.nbytes for v in values.values()) * events
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    server.bind(url)
+    calls: queue.SimpleQueue = queue.SimpleQueue()
+    shared: list = []
+
+    def received(frames):
+        message = decode(frames[1:])
+        if message.type == "rows_read":
+            shared[0].read(message.body["message"])
+        elif message.type == "go":
+            calls.put((frames[0].bytes, message.id))
+
+    endpoint = Endpoint(server, received, lambda: None, routed=True).start()
+    client = Connection(url, rows_ahead=RowsAhead())
+    call = client.start("go")
+    peer, call_id = calls.get()
+    copiers = Copiers("bench-rows-copy")
+    shared.append(SharedRows(SharedRing.opened(client.rows_ahead.offer()), lambda m: endpoint.send(encode(m), peer),
+                             copiers))
+
+    def send():
+        for _ in range(events):
+            endpoint.send(encode(Message("event", shared[0].send_ahead(event_to_body(event)), call_id)), peer)
+
+    speeds = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        sender = threading.Thread(target=send)
+        sender.start()
+        for _ in range(events):
+            got = event_from_body(call.next(timeout_s=60).body)
+        speeds.append(payload / (time.perf_counter() - t0) / 1e9)
+        sender.join()
+    assert got.blocks[0].values["h0"].shape == values["h0"].shape
+    assert client.rows_ahead.bytes_shared == payload * rounds
+    call.close()
+    client.close(say_bye=False)
+    shared[0].close()
+    copiers.shutdown()
+    endpoint.stop()
+    context.term()
+    return speeds
 
 
 def main(argv=None) -> int:

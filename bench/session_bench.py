@@ -3,17 +3,18 @@
     packaging/dev bench session_bench                        # CPU: the plugin bench's small Llama
     python3 bench/session_bench.py --preset llama3-8b        # GPU: Llama-3-8B shape, dummy bf16 weights
 
-Three engines of the same model stay up at once (booted one after another), and the runs alternate
+Up to three engines of the same model stay up at once (booted one after another), and the runs alternate
 between them (noise hits all alike): vanilla vLLM in a process of its own (``LLM.generate``, its defaults); a hooked engine in
-this process, whose ``Session`` delivers the rows of every block's residual stream to
+this process (booted where one of its consumers is measured), whose ``Session`` delivers the rows of every block's residual stream to
 
 - memory: the session's run keeps every row;
 - file: every row written to an HDF5 capture file as ``inspector capture`` writes it (``cli.record``,
   closed and synced before the clock stops; its writer's process started, and its ring's memory
   made, before the clock starts, as the command has them while its engine boots);
 
-and a server of its own (``start_local_server``) whose client in this process keeps every row. The
-file's bound is the disk: its write speed is measured here too (a file of ``--disk-gib``, synced), and
+and a server of its own (``start_local_server``) whose client in this process keeps every row: through
+the shared memory it offers (server), or, a second client of the same server, through the socket
+(socket). The file's bound is the disk: its write speed is measured here too (a file of ``--disk-gib``, synced), and
 the target is 0.9x the lesser of vanilla and what that speed allows for the rows (a request's prompt
 rows as well as its generated ones: about two rows a generated token with the default lengths).
 Prompts are ``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``, with
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--logprobs", type=int, default=0,
                    help="top logprobs a token, vanilla's and the session's alike (the session's own default is 5)")
     p.add_argument("--consumers", nargs="+", default=["memory", "file", "server"],
-                   choices=["memory", "file", "server", "dropped", "uncaptured"],
+                   choices=["memory", "file", "server", "socket", "dropped", "uncaptured"],
                    help="also, to tell the costs apart: dropped (rows reach the host, and each step's are let "
                         "go), uncaptured (the same session, no row leaving the device)")
     p.add_argument("--out-dir", default=None, help="where the capture files go (default: a temporary folder)")
@@ -217,18 +218,21 @@ def main(argv=None) -> int:
     options = SessionOptions(model=path, hooks=HOOKS, dtype=dtype, max_model_len=1024, max_num_batched_tokens=max_batched,
                              engine_args={k: v for k, v in engine_args.items()
                                           if k not in ("dtype", "max_num_batched_tokens", "max_model_len")})
+    from inspector.client import connect
     from inspector.client.local import start_local_server
     from inspector.engine.session import Session
 
     receive(parent, proc)  # one boot at a time: vLLM sizes its KV cache from the memory free meanwhile
-    session = Session.open(replace(options, retain_rows=True))
-    if args.time_parts:
+    in_process = set(args.consumers) - {"server", "socket"}  # an engine in this process only for these
+    session = Session.open(replace(options, retain_rows=True)) if in_process else None
+    if args.time_parts and session is not None:
         time_parts(session)
-    server = start_local_server(options) if "server" in args.consumers else None
-    bytes_per_token = sum(h.width for h in session.installed.values()) * torch.finfo(
-        getattr(torch, dtype)).bits // 8
+    server = start_local_server(options) if {"server", "socket"} & set(args.consumers) else None
+    by_socket = connect(server._conn.url, shared_rows=False) if "socket" in args.consumers else None
+    installed = (session or server).installed
+    bytes_per_token = sum(h.width for h in installed.values()) * torch.finfo(getattr(torch, dtype)).bits // 8
     disk = disk_mb_s(out_dir, args.disk_gib)
-    print(f"engines up; {len(session.installed)} hooks, {bytes_per_token / 1024:.0f} KiB of rows a token; "
+    print(f"engines up; {len(installed)} hooks, {bytes_per_token / 1024:.0f} KiB of rows a token; "
           f"disk {disk:,.0f} MB/s", flush=True)
 
     def in_memory(texts, new):
@@ -260,11 +264,14 @@ def main(argv=None) -> int:
     def via_server(texts, new):
         return tokens_per_s(server, texts, new, args.logprobs)
 
+    def via_socket(texts, new):
+        return tokens_per_s(by_socket, texts, new, args.logprobs)
+
     def vanilla_run(texts, new):
         parent.send(("run", len(texts), args.prompt_tokens, new))
         return receive(parent, proc)
 
-    runners = {"vanilla": vanilla_run, "memory": in_memory, "file": to_file, "server": via_server,
+    runners = {"vanilla": vanilla_run, "memory": in_memory, "file": to_file, "server": via_server, "socket": via_socket,
                "dropped": dropped, "uncaptured": uncaptured}
     chosen = ["vanilla", *args.consumers]
     rates = {(name, b): [] for name in chosen for b in batches}
@@ -290,7 +297,10 @@ def main(argv=None) -> int:
                                  args.profile, f"{name}-b{b}")
     finally:
         parent.send(("stop",))
-        session.close()
+        if session is not None:
+            session.close()
+        if by_socket is not None:
+            by_socket.close()
         if server is not None:
             server.close()
         if args.out_dir is None:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from inspector.core.blocks import RowBlocks
+from inspector.core.shared_ring import SharedRing
 from inspector.core.hooks import HookPoint
 from inspector.core.run import HookRows, LensRows, RequestCapture, Run, TopToken
 from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
@@ -421,7 +422,7 @@ def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_ha
         from inspector.io import background
 
         def start_in_a_thread(size, populate=False):
-            ring, (ours, theirs) = background._Ring(size), multiprocessing.Pipe()
+            ring, (ours, theirs) = SharedRing(size), multiprocessing.Pipe()
             serving = threading.Thread(target=background._serve, args=(theirs, ring), daemon=True)
             serving.start()
             return background._Worker(ring, ours, serving)
@@ -959,10 +960,10 @@ def test_hooks_side_by_side_in_one_landed_copy_cross_to_the_writer_in_one_piece_
     """A forward's hooks are slices of one [hooks, rows, width] copy: they go into the writer's shared
     memory as one array (copied there by several threads, a piece each, slowly: the writer's process
     is told where they lie only once they are there) and come back as each hook's rows, bit for bit."""
-    from inspector.io import background
+    from inspector.core import shared_ring
 
-    monkeypatch.setattr(background, "_COPIERS", 3)
-    monkeypatch.setattr(background, "_COPY_PIECE", 256)
+    monkeypatch.setattr(shared_ring, "COPIERS", 3)
+    monkeypatch.setattr(shared_ring, "COPY_PIECE", 256)
     copy = np.copyto
     slow = lambda dest, source: (source.nbytes >= 256 and time.sleep(0.05)) or copy(dest, source)  # noqa: E731
     monkeypatch.setattr(np, "copyto", slow)  # the copiers' pieces: slow

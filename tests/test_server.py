@@ -5,6 +5,7 @@ processes of their own."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -351,3 +352,76 @@ def test_sigterm_ends_what_runs_says_goodbye_and_exits_zero(tiny_models):
         final = {s.request_id: s.finish_reason for s in events[-1].requests if s.finished}
         assert final == {rid: "stopped" for rid in session.run.requests}
         assert "[serve] stopped" in process.log_path.read_text()
+
+
+def _rows_of(requests):
+    return [(r.generated_token_ids, {h: (rows.positions.tolist(), rows.values) for h, rows in r.hooks.items()})
+            for r in requests]
+
+
+def assert_bit_for_bit(got, expected):
+    for (tokens, hooks), (want_tokens, want_hooks) in zip(_rows_of(got), _rows_of(expected), strict=True):
+        assert tokens == want_tokens and hooks.keys() == want_hooks.keys()
+        for hook, (positions, values) in hooks.items():
+            assert positions == want_hooks[hook][0] and np.array_equal(values, want_hooks[hook][1]), hook
+
+
+LONG_PROMPTS = [p * 4 for p in PROMPTS] * 2  # a prefill step's rows: past what a message holds inline
+
+
+def test_a_client_on_this_machine_gets_its_rows_through_shared_memory_bit_for_bit(compiled_server, monkeypatch):
+    """A client offers shared memory; the server copies large rows into it, piece by piece, and the
+    client the same rows as through the socket, even through a ring a third of a step's size (the
+    server waits for room it gives back mid-step)."""
+    from inspector.client import rows_ahead
+
+    url, _ = compiled_server
+    with connect(url, shared_rows=False) as by_socket:
+        assert not by_socket.shared_rows
+        expected = run(by_socket, LONG_PROMPTS)
+    for ring in (rows_ahead.RING_BYTES, 32 << 10):
+        monkeypatch.setattr(rows_ahead, "RING_BYTES", ring)
+        with connect(url) as shared:
+            assert shared.shared_rows
+            got = run(shared, LONG_PROMPTS)
+            through_ring, by_socket = shared._conn.rows_ahead.bytes_shared, shared._conn.rows_ahead.bytes_by_socket
+        assert through_ring > 64 << 10 and by_socket == 0, f"ring of {ring} bytes"
+        assert_bit_for_bit(got, expected)
+
+
+def test_shared_memory_the_server_cannot_map_leaves_rows_to_the_socket(compiled_server, monkeypatch):
+    """An offer of another process's descriptor (another PID namespace): the server checks the inode,
+    declines, and the rows come through the socket."""
+    from inspector.client import rows_ahead
+
+    offer = rows_ahead.RowsAhead.offer
+    monkeypatch.setattr(rows_ahead.RowsAhead, "offer", lambda self: {**offer(self), "inode": offer(self)["inode"] + 1})
+    url, _ = compiled_server
+    with connect(url, shared_rows=False) as by_socket:
+        expected = run(by_socket, LONG_PROMPTS)
+    with connect(url) as declined:
+        assert not declined.shared_rows and declined._conn.rows_ahead is None
+        assert_bit_for_bit(run(declined, LONG_PROMPTS), expected)
+
+
+def test_a_client_too_busy_to_give_room_back_loses_nothing(compiled_server, monkeypatch):
+    """The server waits ``ROOM_WAIT_S`` for room in a client's shared memory, then sends the rest
+    through the socket; the client gets every row in order from both."""
+    from inspector.client import rows_ahead
+
+    monkeypatch.setattr(rows_ahead, "RING_BYTES", 32 << 10)
+    take, calls = rows_ahead.RowsAhead.take, itertools.count()
+
+    def busy_once(self, body):
+        if next(calls) == 1:
+            time.sleep(3)  # past the server's wait for room
+        return take(self, body)
+
+    monkeypatch.setattr(rows_ahead.RowsAhead, "take", busy_once)
+    url, _ = compiled_server
+    with connect(url, shared_rows=False) as by_socket:
+        expected = run(by_socket, LONG_PROMPTS)
+    with connect(url) as busy:
+        got = run(busy, LONG_PROMPTS)
+        assert busy._conn.rows_ahead.bytes_shared > 0 and busy._conn.rows_ahead.bytes_by_socket > 0
+    assert_bit_for_bit(got, expected)

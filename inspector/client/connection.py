@@ -21,6 +21,8 @@ from inspector.net.endpoint import Endpoint
 from inspector.net.keys import ClientKeys
 from inspector.net.wire import Message, WireError, decode, encode
 
+from .rows_ahead import RowsAhead
+
 PING_EVERY_S = 0.25
 DEAD_AFTER_S = 15.0
 
@@ -30,9 +32,12 @@ class ServerGone(ConnectionError):
 
 
 class Connection:
-    def __init__(self, url: str, keys: ClientKeys | None = None, on_message: Callable[[Message], None] = None):
-        """``on_message``: messages that answer no call (boot progress)."""
+    def __init__(self, url: str, keys: ClientKeys | None = None, on_message: Callable[[Message], None] = None,
+                 rows_ahead: RowsAhead | None = None):
+        """``on_message``: messages that answer no call (boot progress); ``rows_ahead``: shared memory
+        offered to the server for rows (``offer_rows_ahead``)."""
         self.url = url
+        self.rows_ahead = rows_ahead
         self._context = zmq.Context()
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
@@ -77,12 +82,27 @@ class Connection:
         self._lose("the connection was closed")
         self._endpoint.stop(linger_s=0.2)
         self._context.term()
+        self.drop_rows_ahead()
+
+    def drop_rows_ahead(self) -> None:
+        """The server does not use the shared memory (or the connection is closed): let it go."""
+        if self.rows_ahead is not None:
+            self.rows_ahead.close()
+            self.rows_ahead = None
 
     # ------------------------------------------------------------------ the socket's thread
     def _received(self, frames: list) -> None:
         self._last_heard = time.monotonic()
+        ahead = self.rows_ahead
         try:
-            message = decode(frames, limited=False)
+            message = decode(frames, limited=False, ahead=None if ahead is None else ahead.arrays)
+            if message.type == "rows":
+                if ahead is None:
+                    raise WireError("bad-message", "rows sent ahead to a client that offered no shared memory")
+                read = ahead.take(message.body)
+                if read is not None:
+                    self.send(Message("rows_read", {"message": read}))
+                return
         except WireError as e:  # a lost message would leave a stream with a hole: stop here, and say why
             self._lose(f"the server at {self.url} sent a message this client cannot read ({e})")
             return

@@ -17,15 +17,11 @@ next file (``inspector capture`` while its engine boots).
 from __future__ import annotations
 
 import contextlib
-import mmap
 import multiprocessing as mp
 import os
 import queue
 import threading
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -34,44 +30,14 @@ from typing import NamedTuple
 import numpy as np
 
 from inspector.core.blocks import RowBlocks, consecutive
+from inspector.core.shared_ring import Copiers, Regions, SharedRing, aligned, ring_bytes
 
 from .atomic_file import FinishedOrDropped
 from .writer import CaptureWriter
 
 # The ring's size: a sixteenth of the memory, from 512 MiB to 2 GiB. A batch-32 prefill of an 8B model's
 # 32 residual points is 1 GiB; while the ring is full, the engine waits for the disk before it decodes.
-BACKLOG_BYTES = min(2 << 30, max(512 << 20, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 16))
-
-
-class _Ring:
-    """Shared memory for rows on their way: a memfd (not /dev/shm, which containers keep small),
-    handed to the child process as a file descriptor."""
-
-    def __init__(self, size: int, fd: int | None = None, populate: bool = False):
-        """``populate``: its pages made now (a ring made ahead of its file), not as the engine's thread
-        first copies rows into them (0.3 s of 512 MiB on the project's CPU: a small capture's time)."""
-        self.size, self.populate = size, populate
-        self.fd = os.memfd_create("inspector-capture-rows") if fd is None else fd
-        if fd is None:
-            os.ftruncate(self.fd, size)
-        self.memory = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0))
-        self.array = np.frombuffer(self.memory, dtype=np.uint8)
-
-    def __reduce__(self):  # while spawning the child: the descriptor goes with it
-        return _Ring._attach, (self.size, reduction.DupFd(self.fd), self.populate)
-
-    @staticmethod
-    def _attach(size: int, fd, populate: bool) -> "_Ring":
-        return _Ring(size, fd.detach(), populate)
-
-    def view(self, offset: int, dtype, shape) -> np.ndarray:
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return self.array[offset:offset + n].view(dtype).reshape(shape)
-
-    def close(self) -> None:
-        self.array = None
-        self.memory.close()
-        os.close(self.fd)
+BACKLOG_BYTES = ring_bytes(16)
 
 
 class BackgroundWriter(FinishedOrDropped):
@@ -83,9 +49,8 @@ class BackgroundWriter(FinishedOrDropped):
     def __init__(self, path, metadata: dict, hooks: dict, backlog_bytes: int = BACKLOG_BYTES, **options):
         self._ring, self._conn, self._process = _prepared(backlog_bytes) or _start(backlog_bytes)
         self._conn.send(("open", os.fspath(path), metadata, hooks, options))
-        self._copiers = ThreadPoolExecutor(_COPIERS, thread_name_prefix="capture-rows-copy")
-        self._used: deque[tuple[int, int]] = deque()  # regions of the ring in use, oldest first
-        self._next = 0  # where the next region starts
+        self._copiers = Copiers("capture-rows-copy")
+        self._regions = Regions(self._ring.size)
         self._error: BaseException | None = None
         self._closed = False  # the child starts meanwhile: a file it cannot open is raised by a later call
 
@@ -123,41 +88,24 @@ class BackgroundWriter(FinishedOrDropped):
             arrays[_STACKED] = np.lib.stride_tricks.as_strided(values[0], shape=(len(values), *values[0].shape))
         else:
             arrays.update(blocks.values)
-        sizes = {key: _aligned(a.nbytes) for key, a in arrays.items()}
+        sizes = {key: aligned(a.nbytes) for key, a in arrays.items()}
         size = sum(sizes.values())
         start = self._reserve(size)
         where, at, copies = {}, start, []
         for key, a in arrays.items():
-            copies += _split_copies(self._ring.view(at, a.dtype, a.shape), a)
+            copies.append((self._ring.view(at, a.dtype, a.shape), a))
             where[key] = (at, a.dtype, a.shape)
             at += sizes[key]
-        # copies of _COPY_PIECE and more side by side (a large copy lets the GIL go), smaller ones here
-        split = [self._copiers.submit(np.copyto, *copy) for copy in copies if copy[1].nbytes >= _COPY_PIECE]
-        for copy in copies:
-            if copy[1].nbytes < _COPY_PIECE:
-                np.copyto(*copy)
-        for done in split:
-            done.result()
+        self._copiers.copy(copies)
         self._conn.send(("blocks", blocks.request_ids, blocks.bounds, where, list(blocks.values)))
 
     def _reserve(self, size: int) -> int:
         """A region of ``size`` bytes of the ring, once the child has let go of enough (regions are
         taken and let go of in order)."""
-        while True:
-            if not self._used:
-                start, fits = 0, True
-            elif self._used[0][0] < self._next:  # in use: from the oldest region to the newest's end
-                start = self._next if self._next + size <= self._ring.size else 0
-                fits = start == self._next or size <= self._used[0][0]
-            else:  # wrapped: in use from the oldest to the ring's end, and from its start to the newest's end
-                start = self._next
-                fits = start + size <= self._used[0][0]
-            if fits:
-                self._used.append((start, size))
-                self._next = start + size
-                return start
+        while (start := self._regions.take(size)) is None:
             self._answer("freed")
             self._raise_failure()
+        return start
 
     def _take_news(self) -> None:
         while self._conn.poll():
@@ -178,7 +126,7 @@ class BackgroundWriter(FinishedOrDropped):
 
     def _news(self, message) -> None:  # "ready" (the child has started) says nothing here
         if message[0] == "freed":
-            self._used.popleft()
+            self._regions.release_oldest()
         elif message[0] == "error" and self._error is None:
             self._error = message[1]
 
@@ -217,23 +165,8 @@ _STACKED = "@hooks"  # in the ring: every hook's rows as one [hooks, rows, width
 _PIECES = 8
 
 
-_COPIERS = min(4, os.cpu_count() or 1)  # threads a step's rows are copied into the ring by
-_COPY_PIECE = 4 << 20  # bytes a copier takes at least
-
-
-def _split_copies(dest: np.ndarray, source: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(destination, source) pieces of one copy along its first axis, a piece a copier at most: one
-    thread copied 6.6 GB/s on an H100's host, four 16 GB/s."""
-    k = max(1, min(_COPIERS, len(source), source.nbytes // _COPY_PIECE))
-    return list(zip(np.array_split(dest, k), np.array_split(source, k)))
-
-
 def _row_bytes(blocks: RowBlocks) -> int:
     return 16 + sum(v.nbytes // max(1, len(v)) for v in blocks.values.values())
-
-
-def _aligned(n: int) -> int:
-    return -(-n // 64) * 64
 
 
 _spare: list = []  # at most one (ring size, the thread starting a worker, where it puts it) started ahead
@@ -241,7 +174,7 @@ _spare_lock = threading.Lock()
 
 
 class _Worker(NamedTuple):
-    ring: _Ring
+    ring: SharedRing
     conn: Connection  # the parent's end of the pipe
     process: BaseProcess
 
@@ -282,7 +215,7 @@ def _prepared(backlog_bytes: int) -> _Worker | None:
 
 def _start(backlog_bytes: int, populate: bool = False) -> _Worker:
     ctx = mp.get_context("spawn")
-    ring = _Ring(backlog_bytes, populate=populate)
+    ring = SharedRing(backlog_bytes, populate=populate)
     conn, child = ctx.Pipe()
     process = ctx.Process(target=_serve, args=(child, ring), name="capture-writer", daemon=True)
     process.start()
@@ -290,7 +223,7 @@ def _start(backlog_bytes: int, populate: bool = False) -> _Worker:
     return _Worker(ring, conn, process)
 
 
-def _serve(conn, ring: _Ring) -> None:
+def _serve(conn, ring: SharedRing) -> None:
     """The child: told its file (or to end: the pipe closed), a CaptureWriter fed from the pipe. Rows
     are handed to it where they lie in the ring (no copy out) and written at once; a thread says each
     region is free once the file's writes from it are done (see ``_PIECES``), so that this one never

@@ -37,6 +37,7 @@ JOIN_VIEW_BYTES = INLINE_BYTES  # a join smaller than this is copied (into the h
 ARRAY_DTYPES = {**{name: np.dtype(name) for name in ("<f4", "<f8", "<f2", "<i8", "<i4", "|u1", "|b1")},
                 "bfloat16": BFLOAT16}
 _ND = "__nd__"
+AHEAD = "__ahead__"  # an array sent ahead of its message, in pieces (``rows`` messages: docs/protocol.md)
 _SCALARS = {int, float, str, bool, type(None), bytes}
 
 
@@ -84,11 +85,11 @@ def _encode(message: Message, inline: bool) -> list:
             if inline:
                 if array.nbytes >= INLINE_BYTES:
                     raise _LargeArray
-                return {_ND: [memoryview(raw).cast("B"), _dtype_name(array.dtype), list(array.shape)]}
+                return {_ND: [memoryview(raw).cast("B"), dtype_name(array.dtype), list(array.shape)]}
             if id(value) not in index:
                 frames.append(raw)
                 index[id(value)] = len(frames)
-            return {_ND: [index[id(value)], _dtype_name(array.dtype), list(array.shape)]}
+            return {_ND: [index[id(value)], dtype_name(array.dtype), list(array.shape)]}
         if isinstance(value, np.generic):
             return value.item()
         if isinstance(value, str):  # a str subclass (version objects)
@@ -101,9 +102,10 @@ def _encode(message: Message, inline: bool) -> list:
     return [msgspec.msgpack.Encoder(enc_hook=other).encode(header), *frames]
 
 
-def decode(frames: list, limited: bool = True) -> Message:
+def decode(frames: list, limited: bool = True, ahead: dict[int, np.ndarray] | None = None) -> Message:
     """Frames (bytes, or zmq.Frame with a ``buffer``) back into a message; WireError if they are not one.
-    ``limited``: refuse messages beyond the client-to-server limits."""
+    ``limited``: refuse messages beyond the client-to-server limits; ``ahead``: the arrays that came
+    ahead of their messages, by number (taken from it as the message names them)."""
     if not frames:
         raise WireError("bad-message", "an empty message")
     if limited and len(frames) > MAX_FRAMES:
@@ -128,16 +130,18 @@ def decode(frames: list, limited: bool = True) -> Message:
     if not isinstance(kind, str) or not isinstance(call, int) or isinstance(call, bool) or not isinstance(body, dict):
         raise WireError("bad-message", "'t' must be a string, 'id' an integer and 'body' a map")
 
-    return Message(kind, _arrays_in(body, (frames, sizes)), call)
+    return Message(kind, _arrays_in(body, (frames, sizes, ahead)), call)
 
 
-def _arrays_in(value, frames_and_sizes: tuple[list, list[int]]):
+def _arrays_in(value, frames_and_sizes: tuple[list, list[int], dict | None]):
     """``value`` with its array references made arrays. A function of its own, not a closure that calls
     itself: such a closure is a reference cycle, and it held every message's frames until the garbage
     collector ran (at 1 MiB a frame, the first GB/s over TCP halved)."""
     if isinstance(value, dict):
         if _ND in value:
-            return _array(value[_ND], *frames_and_sizes)
+            return _array(value[_ND], *frames_and_sizes[:2])
+        if AHEAD in value:
+            return _array_ahead(value[AHEAD], frames_and_sizes[2])
         return {k: v if type(v) in _SCALARS else _arrays_in(v, frames_and_sizes) for k, v in value.items()}
     if isinstance(value, list):
         return [v if type(v) in _SCALARS else _arrays_in(v, frames_and_sizes) for v in value]
@@ -153,8 +157,7 @@ def _array(ref, frames: list, sizes: list[int]) -> np.ndarray:
     data, dtype, shape = ref
     if isinstance(data, int) and not 1 <= data < len(frames):
         raise WireError("bad-message", f"an array refers to frame {data}, which the message does not have")
-    if dtype not in ARRAY_DTYPES:
-        raise WireError("bad-message", f"arrays of dtype {dtype!r} are not accepted")
+    array_dtype(dtype)
     buffer, nbytes = (data, len(data)) if isinstance(data, bytes) else (frames[data], sizes[data])
     where = "its bytes" if isinstance(data, bytes) else f"frame {data}"
     if math.prod(shape) * ARRAY_DTYPES[dtype].itemsize != nbytes:
@@ -162,7 +165,21 @@ def _array(ref, frames: list, sizes: list[int]) -> np.ndarray:
     return np.frombuffer(buffer, dtype=ARRAY_DTYPES[dtype]).reshape(shape)
 
 
-def _dtype_name(dtype: np.dtype) -> str:
+def _array_ahead(number, ahead: dict | None) -> np.ndarray:
+    try:
+        return ahead.pop(number)
+    except (AttributeError, KeyError, TypeError):
+        raise WireError("bad-message", f"a message names array {number!r:.50} sent ahead, which did not come") from None
+
+
+def array_dtype(name) -> np.dtype:
+    """The dtype a peer named; WireError if it is not one the wire carries."""
+    if not isinstance(name, str) or name not in ARRAY_DTYPES:
+        raise WireError("bad-message", f"arrays of dtype {name!r:.50} are not accepted")
+    return ARRAY_DTYPES[name]
+
+
+def dtype_name(dtype: np.dtype) -> str:
     return "bfloat16" if dtype == BFLOAT16 else dtype.str
 
 

@@ -23,8 +23,11 @@ from inspector.core.hooks import HookPoint, check_patterns, installed_name
 from inspector.core.interventions import Intervention
 from inspector.core.protocol import RequestStep, Sampling, SessionError, StepEvent, checked_interventions
 from inspector.core.sae import read_sae
+from inspector.core.shared_ring import Copiers, SharedRing
 from inspector.core.windows import CaptureWindow, checked_windows
 from inspector.net.wire import Message, WireError, convert, event_to_body, to_builtins
+
+from .shared_rows import SharedRows
 
 SEPARATOR = "/"
 logger = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ class Client:
     owner: dict[str, int] = field(default_factory=dict)  # its open request -> the call it belongs to
     saes: set[str] = field(default_factory=set)  # the engine's SAEs whose features it gets (it attached them)
     windows: dict[str, CaptureWindow] = field(default_factory=dict)  # its capture windows, by installed hook
+    shared: SharedRows | None = None  # its rows go through the shared memory it offered
 
     def internal(self, rid: str) -> str:
         return f"{self.tag}{SEPARATOR}{rid}"
@@ -77,6 +81,7 @@ class Hub:
         self._scoped_all: set[Intervention] = set()  # engine interventions that scope a client's "all requests"
         self._prefill: Prefill | None = None
         self._held: list[tuple[bytes, Message]] = []  # generate and prefill messages that came during a prefill
+        self._copiers = Copiers("server-rows-copy")  # into the clients' shared memory
 
     @property
     def busy(self) -> bool:
@@ -121,6 +126,8 @@ class Hub:
         if ids:
             self._route(self.session.cancel(ids))  # its last events, and done, in case it still listens
         del self.clients[key]
+        if client.shared is not None:
+            client.shared.close()
         for name in client.saes:
             self._release_sae(name)
         if client.interventions:
@@ -158,14 +165,27 @@ class Hub:
             client = Client(key, f"c{next(self._tags)}", set(self.session.installed) if eager else None,
                             windows=dict(self.session.windows))  # the server's default (--window)
             self.clients[key] = client
+        offer = message.body.get("shared_rows")
+        if offer is not None and client.shared is None:
+            try:
+                client.shared = SharedRows(SharedRing.opened(offer), lambda m: self.send(key, m), self._copiers)
+            except (OSError, ValueError) as e:  # another machine, user or namespace: rows go through the socket
+                logger.info("a client's shared memory cannot be mapped here (%s): its rows go through the socket", e)
         self.send(key, Message("welcome", self.describe(client), message.id))
+
+    def rows_read(self, key: bytes, message: Message) -> None:
+        """A client gave back room in its shared memory (the socket's thread calls this: the engine's
+        may be waiting for that room)."""
+        client, read = self.clients.get(key), message.body.get("message")
+        if client is not None and client.shared is not None and isinstance(read, int):
+            client.shared.read(read)
 
     def describe(self, client: Client) -> dict:
         s = self.session
         options = dataclasses.replace(s.options, engine_args={}, retain_rows=True)
         return {"options": to_builtins(options), "catalogue": to_builtins(s.catalogue),
                 "installed": to_builtins(self.installed_for(client)), "metadata": s.run.metadata,
-                "clients": len(self.clients), "windows": {name: str(w) for name, w in client.windows.items()},
+                "clients": len(self.clients), "shared_rows": client.shared is not None, "windows": {name: str(w) for name, w in client.windows.items()},
                 "saes": [s.saes[name].as_dict() for name in sorted(client.saes) if name in s.saes]}
 
     def installed_for(self, client: Client) -> dict[str, HookPoint]:
@@ -434,8 +454,10 @@ class Hub:
             call = client.calls[call_id]
             blocks = None if event.blocks is None else tuple(
                 b for b in (b.selected(names, client.hooks) for b in event.blocks) if b is not None)
-            self.send(key, Message("event", event_to_body(StepEvent(call.steps, tuple(steps), tuple(started),
-                                                                    blocks=blocks)), call_id))
+            body = event_to_body(StepEvent(call.steps, tuple(steps), tuple(started), blocks=blocks))
+            if client.shared is not None:
+                body = client.shared.send_ahead(body)
+            self.send(key, Message("event", body, call_id))
             call.steps += 1
             call.tokens += sum(len(s.new_token_ids) for s in steps)
             for s in steps:

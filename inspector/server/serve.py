@@ -114,6 +114,7 @@ def serve(options: SessionOptions, listen: str, keys_dir: str | None = None, exi
     if session is None:  # stopped while booting
         return _close(transport, context, auth, 0)
     hub = Hub(session, transport.send)
+    transport.on_rows_read = hub.rows_read
     code = _run(hub, transport, inbox, stopping, exit_when_idle_s, log)
     for key in list(hub.clients):
         hub.client_gone(key)  # their last events go out before the goodbye

@@ -28,6 +28,7 @@ class ServerTransport:
     def __init__(self, socket: zmq.Socket, inbox: queue.Queue, backlog_limit: int = 256 << 20,
                  log: Callable[[str], None] = lambda text: None):
         self.inbox, self._log = inbox, log
+        self.on_rows_read: Callable[[bytes, Message], None] = lambda key, message: None  # the hub's, once it is up
         self._seen: dict[bytes, float] = {}  # client -> when it last sent anything
         self._fd: dict[bytes, int] = {}  # client -> its connection's file descriptor
         self._greeted: set[bytes] = set()  # clients that said hello: they hear boot progress
@@ -78,6 +79,9 @@ class ServerTransport:
             return
         if message.type == "ping":
             self.send(key, Message("pong", {}, message.id))
+            return
+        if message.type == "rows_read":  # here: the engine's thread may be waiting for that room
+            self.on_rows_read(key, message)
             return
         if message.type == "hello":
             with self._lock:

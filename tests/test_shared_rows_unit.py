@@ -1,0 +1,158 @@
+"""Rows through a client's shared memory (no engine): a real server socket thread copies a step's rows
+into the ring a client offered, piece by piece, and a real client connection copies them out; the
+ring's regions, and what a client does with rows messages it cannot take."""
+
+import queue
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from inspector.client.connection import Connection, ServerGone
+from inspector.client.rows_ahead import RowsAhead
+from inspector.core.blocks import RowBlocks
+from inspector.core.dtypes import BFLOAT16
+from inspector.core.protocol import RequestStep, StepEvent
+from inspector.core.shared_ring import Copiers, Regions, SharedRing
+from inspector.net.endpoint import Endpoint
+from inspector.net.wire import Message, decode, encode, event_from_body, event_to_body
+from inspector.server import shared_rows
+from inspector.server.shared_rows import SharedRows
+
+
+def test_regions_are_taken_in_order_and_wrap_once_the_oldest_are_let_go():
+    regions = Regions(100)
+    assert [regions.take(40), regions.take(40)] == [0, 40]
+    assert regions.take(30) is None  # 20 left at the end, and the start is the oldest's
+    regions.release_oldest()
+    assert regions.take(30) == 0  # wrapped
+    assert regions.take(20) is None  # 10 left before the oldest (40:80)
+    regions.release_oldest()
+    assert regions.take(60) == 30 and len(regions) == 2
+
+
+class Server:
+    """A ROUTER socket on its endpoint's thread, a client's offer mapped, rows sent ahead of events."""
+
+    def __init__(self, url: str, client: Connection):
+        self.context = zmq.Context()
+        socket = self.context.socket(zmq.ROUTER)
+        socket.bind(url)
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.shared: SharedRows | None = None
+        self.endpoint = Endpoint(socket, self._received, lambda: None, routed=True).start()
+        self.client = client
+
+    def _received(self, frames):
+        message = decode(frames[1:])
+        if message.type == "rows_read":
+            self.shared.read(message.body["message"])
+        elif message.type == "generate":
+            self.calls.put((frames[0].bytes, message.id))
+
+    def accept(self) -> tuple[bytes, int]:
+        peer, call = self.calls.get(timeout=10)
+        self.copiers = Copiers("test-rows-copy")
+        offer = self.client.rows_ahead.offer()
+        self.shared = SharedRows(SharedRing.opened(offer), lambda m: self.endpoint.send(encode(m), peer), self.copiers)
+        return peer, call
+
+    def close(self):
+        self.shared.close()
+        self.copiers.shutdown()
+        self.endpoint.stop()
+        self.context.term()
+
+
+@pytest.fixture
+def client_and_server(tmp_path, request):
+    url = f"ipc://{tmp_path / 's.sock'}"
+    client = Connection(url, rows_ahead=RowsAhead(request.param))
+    server = Server(url, client)
+    yield client, server
+    client.close(say_bye=False)
+    server.close()
+
+
+def bulk_event(rng, widths=(4096, 4096, 1000), rows=37) -> tuple[StepEvent, dict]:
+    values = {f"h{k}": rng.standard_normal((rows, w), dtype=np.float32).astype(BFLOAT16) for k, w in enumerate(widths)}
+    blocks = RowBlocks(["r0", "r1"], [0, 5, rows], np.arange(rows), np.arange(rows) + 100, values)
+    return StepEvent(0, (RequestStep("r0"), RequestStep("r1")), blocks=(blocks,)), values
+
+
+@pytest.mark.parametrize("client_and_server", [64 << 10], indirect=True)
+def test_steps_many_times_the_rings_size_cross_it_in_pieces_bit_for_bit(client_and_server):
+    """Five steps of 700 KiB through a 64 KiB ring: the server waits for each piece's room to come back
+    (none goes through the socket), and the client's arrays hold every row as sent, in bfloat16."""
+    client, server = client_and_server
+    call = client.start("generate", {})
+    peer, call_id = server.accept()
+    rng = np.random.default_rng(0)
+    sent = []
+    for _ in range(5):
+        event, values = bulk_event(rng)
+        sent.append(values)
+        server.endpoint.send(encode(Message("event", server.shared.send_ahead(event_to_body(event)), call_id)), peer)
+    for values in sent:
+        got = event_from_body(call.next(timeout_s=30).body)
+        for hook, v in values.items():
+            back = got.blocks[0].values[hook]
+            assert back.dtype == BFLOAT16 and np.array_equal(back.view(np.uint16), v.view(np.uint16))
+    total = sum(v.nbytes for values in sent for v in values.values())
+    assert client.rows_ahead.bytes_shared == total and client.rows_ahead.bytes_by_socket == 0
+    assert total > 10 * client.rows_ahead.ring.size and not client.rows_ahead.arrays  # every array taken
+
+
+@pytest.mark.parametrize("client_and_server", [64 << 10], indirect=True)
+def test_a_server_that_finds_no_room_in_time_sends_the_rest_through_the_socket(client_and_server, monkeypatch):
+    client, server = client_and_server
+    monkeypatch.setattr(shared_rows, "ROOM_WAIT_S", 0.2)
+    call = client.start("generate", {})
+    peer, call_id = server.accept()
+    server.shared.read = lambda message: None  # room never comes back
+    event, values = bulk_event(np.random.default_rng(1))
+    t0 = time.monotonic()
+    body = server.shared.send_ahead(event_to_body(event))
+    assert time.monotonic() - t0 < 2  # it waited once, then no more
+    server.endpoint.send(encode(Message("event", body, call_id)), peer)
+    got = event_from_body(call.next(timeout_s=30).body)
+    for hook, v in values.items():
+        assert np.array_equal(got.blocks[0].values[hook].view(np.uint16), v.view(np.uint16))
+    assert 0 < client.rows_ahead.bytes_shared <= client.rows_ahead.ring.size
+    assert client.rows_ahead.bytes_by_socket > 0
+
+
+@pytest.mark.parametrize("client_and_server", [64 << 10], indirect=True)
+@pytest.mark.parametrize("rows", [{"message": 1, "arrays": {1: ["bfloat16", [4, 8]]}, "slices": [[1, 0, 4, 1 << 20]]},
+                                  {"arrays": {1: ["<f4", [4, 8]]}, "slices": [[1, 2, 9, 0]]},
+                                  {"arrays": {1: ["object", [4]]}, "slices": []},
+                                  {"slices": [[7, 0, 1, 0]]}])
+def test_a_rows_message_that_does_not_fit_ends_the_connection_with_the_reason(client_and_server, rows):
+    client, server = client_and_server
+    call = client.start("generate", {})
+    peer, call_id = server.accept()
+    server.endpoint.send(encode(Message("rows", rows)), peer)
+    with pytest.raises(ServerGone, match="cannot read"):
+        call.next(timeout_s=10)
+
+
+def test_rows_sent_ahead_to_a_client_that_offered_no_shared_memory_end_its_connection(tmp_path):
+    url = f"ipc://{tmp_path / 'n.sock'}"
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.bind(url)
+    client = Connection(url)
+    try:
+        call = client.start("generate", {})
+        while True:
+            peer, *frames = socket.recv_multipart()
+            if decode(frames).type == "generate":
+                break
+        socket.send_multipart([peer, *encode(Message("rows", {"arrays": {}, "slices": []}))])
+        with pytest.raises(ServerGone, match="offered no shared memory"):
+            call.next(timeout_s=10)
+    finally:
+        client.close(say_bye=False)
+        socket.close(0)
+        context.term()
