@@ -104,6 +104,18 @@ def test_steps_many_times_the_rings_size_cross_it_in_pieces_bit_for_bit(client_a
     assert total > 10 * client.rows_ahead.ring.size and not client.rows_ahead.arrays  # every array taken
 
 
+@pytest.mark.parametrize("client_and_server", [4096], indirect=True)
+def test_rows_wider_than_a_tiny_ring_go_through_the_socket(client_and_server):
+    client, server = client_and_server
+    call = client.start("generate", {})
+    peer, call_id = server.accept()
+    event, values = bulk_event(np.random.default_rng(2), widths=(4096,), rows=40)  # 8 KiB rows
+    server.endpoint.send(encode(Message("event", server.shared.send_ahead(event_to_body(event)), call_id)), peer)
+    got = event_from_body(call.next(timeout_s=30).body)
+    assert np.array_equal(got.blocks[0].values["h0"].view(np.uint16), values["h0"].view(np.uint16))
+    assert client.rows_ahead.bytes_shared == 0 and client.rows_ahead.bytes_by_socket == values["h0"].nbytes
+
+
 @pytest.mark.parametrize("client_and_server", [64 << 10], indirect=True)
 def test_a_server_that_finds_no_room_in_time_sends_the_rest_through_the_socket(client_and_server, monkeypatch):
     client, server = client_and_server

@@ -11,6 +11,7 @@ generations asked for while it runs start once it ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -456,7 +457,13 @@ class Hub:
                 b for b in (b.selected(names, client.hooks) for b in event.blocks) if b is not None)
             body = event_to_body(StepEvent(call.steps, tuple(steps), tuple(started), blocks=blocks))
             if client.shared is not None:
-                body = client.shared.send_ahead(body)
+                try:
+                    body = client.shared.send_ahead(body)
+                except (OSError, ValueError):  # its memory is not what it offered: the socket from now on
+                    logger.exception("a client's shared memory failed; its rows go through the socket")
+                    with contextlib.suppress(OSError, ValueError, BufferError):
+                        client.shared.close()
+                    client.shared = None
             self.send(key, Message("event", body, call_id))
             call.steps += 1
             call.tokens += sum(len(s.new_token_ids) for s in steps)

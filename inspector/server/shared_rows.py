@@ -83,7 +83,7 @@ class SharedRows:
     def _send_piece(self, piece: list, declared: dict[int, list]) -> None:
         new = {number: declared.pop(number) for number, *_ in piece if number in declared}
         size = sum(aligned(rows.nbytes) for *_, rows in piece)
-        taken = self._take(size)
+        taken = self._take(size) if size <= self._ring.size else None  # (a row larger than a tiny ring)
         if taken is None:  # no room came: through the socket
             self._send(Message("rows", {"arrays": new, "slices": [[n, a, b, rows] for n, a, b, rows in piece]}))
             return
