@@ -168,3 +168,30 @@ def test_rows_sent_ahead_to_a_client_that_offered_no_shared_memory_end_its_conne
         client.close(say_bye=False)
         socket.close(0)
         context.term()
+
+
+@pytest.mark.parametrize("client_and_server", [1 << 20], indirect=True)
+def test_messages_posted_after_a_step_being_copied_wait_for_it_and_the_engine_is_told_to(client_and_server,
+                                                                                        monkeypatch):
+    """The engine's thread posts a step and goes on; the sender copies it into the ring (slowly here).
+    What the engine posts meanwhile (small steps, ``done``) reaches the client after it, in order, and
+    while more rows than the ring holds wait, the server is ``behind``."""
+    client, server = client_and_server
+    call = client.start("generate", {})
+    peer, call_id = server.accept()
+    copy = server.copiers.copy
+    monkeypatch.setattr(server.copiers, "copy", lambda pairs: time.sleep(0.01) or copy(pairs))
+    rng = np.random.default_rng(3)
+    events = [bulk_event(rng, rows=200) for _ in range(4)]  # 1.8 MiB each
+    small = StepEvent(9, (RequestStep("r0", new_token_ids=(5,)),))
+    for event, _ in events:
+        server.shared.post(Message("event", event_to_body(event), call_id))
+    assert server.shared.behind
+    server.shared.post(Message("event", event_to_body(small), call_id))
+    server.shared.post(Message("done", {"steps": 5}, call_id))
+    for _, values in events:
+        got = event_from_body(call.next(timeout_s=30).body)
+        assert all(np.array_equal(got.blocks[0].values[h].view(np.uint16), v.view(np.uint16)) for h, v in values.items())
+    assert event_from_body(call.next(timeout_s=30).body).step == 9
+    assert call.next(timeout_s=30).type == "done" and not server.shared.behind
+    assert client.rows_ahead.bytes_shared == sum(v.nbytes for _, values in events for v in values.values())

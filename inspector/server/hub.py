@@ -11,7 +11,6 @@ generations asked for while it runs start once it ends.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -76,7 +75,7 @@ class Prefill:
 class Hub:
     def __init__(self, session, send: Callable[[bytes, Message], None]):
         self.session = session
-        self.send = send
+        self._send_out = send
         self.clients: dict[bytes, Client] = {}
         self._tags = itertools.count()
         self._scoped_all: set[Intervention] = set()  # engine interventions that scope a client's "all requests"
@@ -87,6 +86,19 @@ class Hub:
     @property
     def busy(self) -> bool:
         return bool(self.session.open_requests) or self._prefill is not None
+
+    @property
+    def behind(self) -> bool:
+        """A client's rows wait to be copied into its shared memory: the engine should wait for them."""
+        return any(c.shared.behind for c in list(self.clients.values()) if c.shared is not None)
+
+    def send(self, key: bytes, message: Message) -> None:
+        """To a client, in order: through its shared memory's sender where it has one."""
+        client = self.clients.get(key)
+        if client is not None and client.shared is not None:
+            client.shared.post(message)
+        else:
+            self._send_out(key, message)
 
     # ------------------------------------------------------------------ messages
     def handle(self, key: bytes, message: Message) -> None:
@@ -156,6 +168,8 @@ class Hub:
             for call in [*client.calls, *([] if prefill is None else [prefill.call])]:
                 self.send(key, Message("error", {"kind": "engine-failed", "message": reason}, call))
             self.send(key, Message("goodbye", {"reason": reason}))
+            if client.shared is not None:
+                client.shared.close()
         self.clients.clear()
 
     # ------------------------------------------------------------------ handlers
@@ -169,7 +183,7 @@ class Hub:
         offer = message.body.get("shared_rows")
         if offer is not None and client.shared is None:
             try:
-                client.shared = SharedRows(SharedRing.opened(offer), lambda m: self.send(key, m), self._copiers)
+                client.shared = SharedRows(SharedRing.opened(offer), lambda m: self._send_out(key, m), self._copiers)
             except (OSError, ValueError) as e:  # another machine, user or namespace: rows go through the socket
                 logger.info("a client's shared memory cannot be mapped here (%s): its rows go through the socket", e)
         self.send(key, Message("welcome", self.describe(client), message.id))
@@ -455,16 +469,8 @@ class Hub:
             call = client.calls[call_id]
             blocks = None if event.blocks is None else tuple(
                 b for b in (b.selected(names, client.hooks) for b in event.blocks) if b is not None)
-            body = event_to_body(StepEvent(call.steps, tuple(steps), tuple(started), blocks=blocks))
-            if client.shared is not None:
-                try:
-                    body = client.shared.send_ahead(body)
-                except (OSError, ValueError):  # its memory is not what it offered: the socket from now on
-                    logger.exception("a client's shared memory failed; its rows go through the socket")
-                    with contextlib.suppress(OSError, ValueError, BufferError):
-                        client.shared.close()
-                    client.shared = None
-            self.send(key, Message("event", body, call_id))
+            self.send(key, Message("event", event_to_body(StepEvent(call.steps, tuple(steps), tuple(started),
+                                                                    blocks=blocks)), call_id))
             call.steps += 1
             call.tokens += sum(len(s.new_token_ids) for s in steps)
             for s in steps:

@@ -153,7 +153,7 @@ def _run(hub: Hub, transport: ServerTransport, inbox: queue.Queue, stopping: thr
                 key, message = inbox.get_nowait()
         except queue.Empty:
             pass
-        if hub.busy and transport.behind:  # a client reads slower than the engine makes rows: wait for it
+        if hub.busy and (transport.behind or hub.behind):  # a client reads slower than the engine makes rows
             time.sleep(BEHIND_WAIT_S)
         elif hub.busy:
             try:

@@ -8,11 +8,18 @@ the client copies them out at once and gives each region back (``rows_read``), s
 the ring passes through it piece by piece. When the client does not give room back for
 ``ROOM_WAIT_S``, the rest travels through the socket as frames, where the transport's back-pressure
 and its stall limit take over.
+
+The copies into the ring are made on a thread of the client's own, not on the engine's: at batch 256
+an 8B model's step has 64 MiB of rows, 4 ms of copying in a 19 ms step. Every message to the client
+goes through that thread, in order, once one waits there (small ones go at once while none does);
+the engine waits while more rows than the ring holds wait to be copied (``behind``).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -23,6 +30,7 @@ import numpy as np
 from inspector.core.shared_ring import Copiers, Regions, SharedRing, aligned
 from inspector.net.wire import AHEAD, INLINE_BYTES, Message, dtype_name
 
+logger = logging.getLogger(__name__)
 ROOM_WAIT_S = 2.0
 PIECES = 8  # a rows message's region is at most this share of the ring
 
@@ -37,10 +45,53 @@ class SharedRows:
         self._arrays = itertools.count(1)
         self._closed = False
         self._starved = False  # a wait for room ran out: no more waits until the client reads again
+        self._broken = False  # the ring failed: the rest goes through the socket
         self.piece_bytes = ring.size // PIECES
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, its rows' bytes), for the sender
+        self._waiting = 0  # messages posted and not yet sent
+        self._waiting_bytes = 0  # their rows
+        self._counts = threading.Lock()
+        self._sender: threading.Thread | None = None
+
+    def post(self, message: Message) -> None:
+        """Send ``message`` to the client after those posted before it (the engine's thread posts)."""
+        blocks = message.body.get("blocks") if message.type == "event" else None
+        rows = sum(v.nbytes for b in blocks for v in b["values"].values()) if blocks else 0
+        with self._counts:
+            direct = not self._waiting and rows < INLINE_BYTES
+            if not direct:
+                self._waiting += 1
+                self._waiting_bytes += rows
+        if direct:
+            self._send(message)
+            return
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._run, name="client-rows-sender", daemon=True)
+            self._sender.start()
+        self._outbox.put((message, rows))
+
+    @property
+    def behind(self) -> bool:
+        """More rows wait to be copied than the ring holds: the engine should wait (any thread)."""
+        return self._waiting_bytes > self._ring.size
+
+    def _run(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            message, rows = item
+            if rows >= INLINE_BYTES and not self._broken:
+                try:
+                    message = Message(message.type, self.send_ahead(message.body), message.id)
+                except (OSError, ValueError, BufferError):  # not the memory it offered: the socket from now on
+                    logger.exception("a client's shared memory failed; its rows go through the socket")
+                    self._broken = True
+            self._send(message)
+            with self._counts:
+                self._waiting -= 1
+                self._waiting_bytes -= rows
 
     def send_ahead(self, body: dict) -> dict:
-        """An event's body, its blocks' rows sent ahead (unless they are small: the header holds them)."""
+        """An event's body, its blocks' rows sent ahead (unless they are small: the header holds them);
+        on the sender's thread."""
         blocks = body.get("blocks")
         if not blocks or sum(v.nbytes for b in blocks for v in b["values"].values()) < INLINE_BYTES:
             return body
@@ -75,9 +126,13 @@ class SharedRows:
             self._room.notify_all()
 
     def close(self) -> None:
+        """What waits is sent, through the socket (the client is going), then the ring let go of."""
         with self._room:
             self._closed = True
             self._room.notify_all()
+        if self._sender is not None:
+            self._outbox.put(None)
+            self._sender.join()
         self._ring.close()
 
     def _send_piece(self, piece: list, declared: dict[int, list]) -> None:
