@@ -173,10 +173,11 @@ def test_rows_sent_ahead_to_a_client_that_offered_no_shared_memory_end_its_conne
 @pytest.mark.parametrize("client_and_server", [1 << 20], indirect=True)
 def test_messages_posted_after_a_step_being_copied_wait_for_it_and_the_engine_is_told_to(client_and_server,
                                                                                         monkeypatch):
-    """The engine's thread posts a step and goes on; the sender copies it into the ring (slowly here).
-    What the engine posts meanwhile (small steps, ``done``) reaches the client after it, in order, and
-    while more rows than the ring holds wait, the server is ``behind``."""
+    """The engine's thread posts a large step and goes on; the sender copies it into the ring (slowly
+    here). What the engine posts meanwhile (small steps, ``done``) reaches the client after it, in
+    order, and while more rows than the ring holds wait, the server is ``behind``."""
     client, server = client_and_server
+    monkeypatch.setattr(shared_rows, "SENDER_BYTES", 1 << 20)  # a step of 1.8 MiB is large here
     call = client.start("generate", {})
     peer, call_id = server.accept()
     copy = server.copiers.copy
