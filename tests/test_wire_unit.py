@@ -183,3 +183,20 @@ def test_a_step_in_bulk_crosses_the_wire_as_its_blocks_and_each_request_gets_its
     body["blocks"][0]["bounds"] = [0, 2, 5]
     with pytest.raises(WireError, match="malformed"):
         event_from_body(body)
+
+
+def test_an_events_arrays_come_back_wherever_the_protocol_puts_them():
+    """Blocks, a request's scores, features and the vectors in its intervention log: a client looks
+    for arrays only there, and finds each."""
+    vector = np.arange(4096, dtype=np.float32)  # large: it travels as a frame
+    rows = {"h": np.ones((2, 8), np.float32)}
+    blocks = RowBlocks(["r0"], [0, 2], np.arange(2), np.arange(2), rows)
+    step = RequestStep("r0", new_token_ids=(3,), rows=RequestRowsView((blocks,), "r0"),
+                       intervention_log=((1, ({"hook": "h", "bias": vector},)),),
+                       scores=(np.array([1]), np.array([[-0.5]], np.float32)),
+                       features={"sae": (np.array([1]), np.array([[7]], np.int32), np.array([[2.5]], np.float32))})
+    body = event_to_body(StepEvent(0, (step,), owns_rows=True, blocks=(blocks,)))
+    got = event_from_body(decode(encode(Message("event", body, 1)), limited=False).body).requests[0]
+    assert np.array_equal(got.intervention_log[0][1][0]["bias"], vector)
+    assert got.scores[1].tolist() == [[-0.5]] and got.features["sae"][1].tolist() == [[7]]
+    assert np.array_equal(got.rows["h"][2], rows["h"])
