@@ -35,7 +35,7 @@ class Connection:
     def __init__(self, url: str, keys: ClientKeys | None = None, on_message: Callable[[Message], None] = None,
                  rows_ahead: RowsAhead | None = None):
         """``on_message``: messages that answer no call (boot progress); ``rows_ahead``: shared memory
-        offered to the server for rows (``offer_rows_ahead``)."""
+        offered to the server for rows (its offer goes in the hello: ``inspector.client.remote``)."""
         self.url = url
         self.rows_ahead = rows_ahead
         self._context = zmq.Context()

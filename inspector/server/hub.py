@@ -200,7 +200,8 @@ class Hub:
         options = dataclasses.replace(s.options, engine_args={}, retain_rows=True)
         return {"options": to_builtins(options), "catalogue": to_builtins(s.catalogue),
                 "installed": to_builtins(self.installed_for(client)), "metadata": s.run.metadata,
-                "clients": len(self.clients), "shared_rows": client.shared is not None, "windows": {name: str(w) for name, w in client.windows.items()},
+                "clients": len(self.clients), "shared_rows": client.shared is not None,
+                "windows": {name: str(w) for name, w in client.windows.items()},
                 "saes": [s.saes[name].as_dict() for name in sorted(client.saes) if name in s.saes]}
 
     def installed_for(self, client: Client) -> dict[str, HookPoint]:
