@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from inspector.core.reused_memory import ReusedMemory
 from inspector.core.shared_ring import Copiers, SharedRing, aligned, ring_bytes
 from inspector.net.wire import WireError, array_dtype
 
@@ -21,6 +22,7 @@ class RowsAhead:
         """OSError where shared memory cannot be made (no memfd on this system)."""
         self.ring = SharedRing(size or RING_BYTES, name="inspector-client-rows")
         self._copiers = Copiers("client-rows-copy")
+        self.memory = ReusedMemory()  # a dropped run's memory, for the next run's rows
         self.arrays: dict[int, np.ndarray] = {}  # by number, until their event takes them
         self.bytes_shared = 0  # rows that came through the ring
         self.bytes_by_socket = 0  # and as frames, where the server found no room in time
@@ -32,7 +34,7 @@ class RowsAhead:
         """A ``rows`` message's pieces copied into their arrays; the message's number, to give its room
         back (None where its pieces came as frames). WireError if it is malformed."""
         try:
-            self.arrays.update(_in_one_block(body["arrays"]))
+            self.arrays.update(_in_one_block(body["arrays"], self.memory))
             copies, shared, framed = [], 0, 0
             for number, a, b, data in body["slices"]:
                 dest = self.arrays[number][a:b]
@@ -57,12 +59,13 @@ class RowsAhead:
 
     def close(self) -> None:
         self.arrays.clear()
+        self.memory.clear()
         self._copiers.shutdown()
         self.ring.close()
 
 
-def _in_one_block(declared: dict) -> dict[int, np.ndarray]:
-    """Empty arrays of the (dtype, shape) declared, by number: views of one allocation (a fresh one for
+def _in_one_block(declared: dict, memory: ReusedMemory) -> dict[int, np.ndarray]:
+    """Empty arrays of the (dtype, shape) declared, by number: views of one block (a fresh allocation for
     each array of a MiB took four times as long as the copy into it)."""
     layout, at = {}, 0
     for number, (dtype, shape) in declared.items():
@@ -73,5 +76,5 @@ def _in_one_block(declared: dict) -> dict[int, np.ndarray]:
         at += aligned(nbytes)
     if at > 1 << 40:
         raise ValueError("arrays of more than a TiB")
-    block = np.empty(at, np.uint8)
+    block = memory.empty(at)
     return {number: block[a:a + n].view(dtype).reshape(shape) for number, (a, dtype, shape, n) in layout.items()}
