@@ -32,6 +32,27 @@ def test_regions_are_taken_in_order_and_wrap_once_the_oldest_are_let_go():
     assert regions.take(60) == 30 and len(regions) == 2
 
 
+def test_copies_land_whole_in_groups_or_pair_by_pair():
+    """Pairs of every kind (large ones split, small ones grouped, bfloat16, a read-only or strided
+    source, a cast) land whole."""
+    copiers = Copiers("test-copy")
+    rng = np.random.default_rng(0)
+    sources = [rng.standard_normal((n, 64)).astype(np.float32) for n in (1, 3000, 50_000, 7)]
+    sources.append(rng.integers(0, 1 << 16, (20_000, 64), dtype=np.uint16).view(BFLOAT16))
+    read_only = sources[2].copy()
+    read_only.flags.writeable = False
+    odd = [(np.empty_like(read_only), read_only), (np.empty((500, 64), np.float32), sources[2][::100]),
+           (np.empty((7, 64), np.float64), sources[3])]
+    try:
+        for pairs in ([(np.empty_like(a), a) for a in sources], odd):
+            copiers.copy(pairs)
+            for dest, source in pairs:  # as bytes where the types agree (random bfloat16 holds NaNs)
+                same = dest.dtype == source.dtype
+                np.testing.assert_array_equal(*((dest.view(np.uint8), source.view(np.uint8)) if same else (dest, source)))
+    finally:
+        copiers.shutdown()
+
+
 class Server:
     """A ROUTER socket on its endpoint's thread, a client's offer mapped, rows sent ahead of events."""
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import reduction
@@ -126,35 +125,23 @@ class Regions:
 
 
 class Copiers:
-    """Copies run side by side, a group of ``COPY_PIECE`` bytes or more a thread (a large copy lets the
-    GIL go, and handing a smaller one over would cost more than the copy).
-
-    Every copy call lets the GIL go and takes it back, and beside a thread busy in Python (the engine's)
-    taking it back waits up to the interpreter's switch interval, 5 ms: 32 arrays of 2 MiB copied
-    one by one moved 0.36 GB/s on the project's CPU beside such a thread. So the pairs are split into as
-    few groups as there are copiers, and a group is copied in one call where torch is loaded (its
-    ``_foreach_copy_`` lets the GIL go once: 2.2 GB/s there); a process without torch (a client) copies
-    with numpy, a call a pair, rather than load it."""
+    """Copies run side by side, in pieces of ``COPY_PIECE`` bytes at least (a large copy lets the GIL go,
+    and handing a smaller one over would cost more than the copy)."""
 
     def __init__(self, name: str):
         self._pool = ThreadPoolExecutor(COPIERS, thread_name_prefix=name)
 
     def copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Each (destination, source) pair copied; returns once all are. Large copies are split and
-        small ones grouped into at most ``COPIERS`` groups of ``COPY_PIECE`` bytes or more; the last is
-        copied here."""
-        pieces = [p for pair in pairs for p in split_copies(*pair)]
-        total = sum(source.nbytes for _, source in pieces)
-        share = max(COPY_PIECE, -(-total // COPIERS))
+        """Each (destination, source) pair copied; returns once all are. Large copies are split, small
+        ones grouped, into pieces of ``COPY_PIECE`` bytes or more (the last group, if smaller, is copied
+        here)."""
         groups, group, size = [], [], 0
-        for piece in pieces:
+        for piece in (p for pair in pairs for p in split_copies(*pair)):
             group.append(piece)
             size += piece[1].nbytes
-            if size >= share:
+            if size >= COPY_PIECE:
                 groups.append(group)
                 group, size = [], 0
-        if not group and groups:
-            group = groups.pop()
         running = [self._pool.submit(_copy_all, g) for g in groups]
         _copy_all(group)
         for done in running:
@@ -165,25 +152,8 @@ class Copiers:
 
 
 def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    torch = sys.modules.get("torch")
-    copy_all = getattr(torch, "_foreach_copy_", None)
-    if copy_all is not None and len(pairs) > 1 and all(map(_as_bytes_alike, *zip(*pairs))):
-        copy_all([torch.from_numpy(_bytes(dest)) for dest, _ in pairs],
-                 [torch.from_numpy(_bytes(source)) for _, source in pairs])
-        return
     for dest, source in pairs:
         np.copyto(dest, source)
-
-
-def _as_bytes_alike(dest: np.ndarray, source: np.ndarray) -> bool:
-    """A pair torch may copy as bytes: the same layout, contiguous, and a source it may take (writable)."""
-    return (dest.dtype == source.dtype and dest.shape == source.shape and dest.flags.c_contiguous
-            and source.flags.c_contiguous and source.flags.writeable)
-
-
-def _bytes(array: np.ndarray) -> np.ndarray:
-    """A contiguous array's bytes (a dtype torch does not know, bfloat16, copied as what it is)."""
-    return array.reshape(-1).view(np.uint8)
 
 
 def split_copies(dest: np.ndarray, source: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -20,7 +20,6 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.auth.thread
 
-from inspector.core.gil import prompt_thread_switches
 from inspector.core.protocol import BootProgress, BootTimes, SessionError, SessionOptions
 from inspector.net.keys import ServerKeys, server_keys
 from inspector.net.wire import Message
@@ -90,7 +89,6 @@ def serve(options: SessionOptions, listen: str, keys_dir: str | None = None, exi
     """Boot the engine and serve it; the exit code."""
     keys = server_keys(keys_dir) if keys_dir else None
     check_listen(listen, keys)
-    prompt_thread_switches()  # the socket's thread and the rows' copiers take the GIL back beside the engine's
     context = zmq.Context()
     socket, auth = bind(context, listen, keys)
     inbox: queue.Queue = queue.Queue()

@@ -14,7 +14,6 @@ import os
 import sys
 import traceback
 
-from inspector.core.gil import prompt_thread_switches
 from inspector.core.protocol import SessionFactory
 from inspector.core.resources import icon_path
 
@@ -69,7 +68,9 @@ def gui_environment() -> None:
     to the GUI (figures: docs/performance-notes.md)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores - 1)))
-    prompt_thread_switches()  # a repaint takes the GIL back many times beside an in-process engine
+    # The in-process engine thread runs Python between forwards; a thread waiting for the GIL waits up
+    # to the switch interval (5 ms by default) each time, and a repaint needs the GIL many times.
+    sys.setswitchinterval(float(os.environ.get("INSPECTOR_SWITCH_INTERVAL", "0.001")))
 
 
 def create_app(argv: list[str] | None = None):
