@@ -50,5 +50,7 @@ def test_the_least_recently_let_go_are_dropped_beyond_what_is_kept():
     assert memory.free_bytes == (16 + 4) << 20
     kept = [memory.empty(8 << 20), memory.empty(16 << 20)]
     assert (memory.made, memory.reused, len(kept)) == (4, 1, 2)
-    memory.clear()
+    memory.close()
+    assert memory.free_bytes == 0
+    kept.clear()  # given back after the close: let go of
     assert memory.free_bytes == 0

@@ -59,7 +59,7 @@ class RowsAhead:
 
     def close(self) -> None:
         self.arrays.clear()
-        self.memory.clear()
+        self.memory.close()
         self._copiers.shutdown()
         self.ring.close()
 

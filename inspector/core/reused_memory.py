@@ -66,8 +66,10 @@ class ReusedMemory:
     def free_bytes(self) -> int:
         return self._free_bytes
 
-    def clear(self) -> None:
+    def close(self) -> None:
+        """What waits is let go of, and so is every block given back from now on."""
         with self._lock:
+            self.keep_bytes = 0
             self._free.clear()
             self._free_bytes = 0
 
