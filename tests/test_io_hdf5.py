@@ -325,7 +325,7 @@ def test_bulk_steps_of_requests_coming_and_going_and_hooks_skipping_rows(tmp_pat
 
     monkeypatch.setattr(writer_module, "chunk_rows_for", lambda *args, **kwargs: 4)
     if memory == "tight":
-        monkeypatch.setattr(writer_module, "_MEMORY_BYTES", 1 << 15)  # written out every few steps
+        monkeypatch.setattr(writer_module, "MEMORY_BYTES", 1 << 15)  # written out every few steps
     rng = np.random.default_rng(11)
     hooks = {name: HookPoint(name, name, f"model.{name}", "resid", width, k, "bfloat16")
              for k, (name, width) in enumerate([("a", 64), ("b", 64), ("c", 24)])}

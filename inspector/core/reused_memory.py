@@ -14,12 +14,13 @@ nothing uses the memory any more.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 import weakref
 from collections import OrderedDict
 
 import numpy as np
+
+from inspector.core.shared_ring import MEMORY_BYTES
 
 SMALLEST = 2 << 20  # blocks under a huge page come from numpy's allocator as before
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
@@ -35,7 +36,7 @@ def size_class(nbytes: int) -> int:
 class ReusedMemory:
     def __init__(self, keep_bytes: int | None = None):
         """``keep_bytes``: the most memory kept for reuse (a quarter of the machine's by default)."""
-        self.keep_bytes = keep_bytes if keep_bytes is not None else _physical_bytes() // 4
+        self.keep_bytes = keep_bytes if keep_bytes is not None else MEMORY_BYTES // 4
         self._free: OrderedDict[int, list[mmap.mmap]] = OrderedDict()  # by size class, least recent first
         self._free_bytes = 0
         self._lock = threading.RLock()  # a block let go of by a collection inside the lock comes back here
@@ -96,10 +97,3 @@ def _advise(memory: mmap.mmap, what: str) -> None:
             memory.madvise(advice)
         except OSError:  # a kernel without it: the memory works the same, faults cost more
             pass
-
-
-def _physical_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30

@@ -22,9 +22,12 @@ COPIERS = min(4, os.cpu_count() or 1)  # threads that copy rows in or out
 COPY_PIECE = 4 << 20  # bytes a copier takes at least: one thread copied 6.6 GB/s on an H100's host, four 16 GB/s
 
 
+MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the machine's memory
+
+
 def ring_bytes(share: int) -> int:
     """A ``share``-th of the machine's memory, from 512 MiB to 2 GiB."""
-    return min(2 << 30, max(512 << 20, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // share))
+    return min(2 << 30, max(512 << 20, MEMORY_BYTES // share))
 
 
 def aligned(n: int) -> int:

@@ -17,6 +17,7 @@ from inspector.core.blocks import RowBlocks
 from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
 from inspector.core.hooks import HookPoint
 from inspector.core.run import FeatureRows, LensRows, RequestCapture
+from inspector.core.shared_ring import MEMORY_BYTES
 
 from .atomic_file import AtomicFile
 from .format import (EXPORT_CHUNK_BYTES, check_compression, chunk_cols_for, chunk_rows_for, extendable_dataset,
@@ -360,7 +361,7 @@ class CaptureWriter(AtomicFile):
                                               dtype if dtype in ROW_DTYPES.values() else np.dtype(np.float32))
         req.in_step = None
         self._chunk_room += buf.chunk_rows * buf.width * buf.dtype.itemsize
-        self._budget = max(self._given_budget, min(self._chunk_room, _MEMORY_BYTES // 4))
+        self._budget = max(self._given_budget, min(self._chunk_room, MEMORY_BYTES // 4))
         return buf
 
     def _new_pending(self, req: _Request, buf: _HookBuffer) -> GrowableArray | SlotRows:
@@ -574,5 +575,4 @@ class CaptureWriter(AtomicFile):
                                                      if buf.d_values is not None}, req.lens, req.features)
 
 
-_MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 _SLAB_SLOTS = 256  # at most a slot for each request known when a hook's slab is made (memory is touched as used)
