@@ -83,8 +83,8 @@ def wire_bench(reps: int, hooks: int = 32, n_rows: int = 64, width: int = 4096, 
 
     rng = np.random.default_rng(0)
     positions, tokens = np.arange(n_rows, dtype=np.int64), np.zeros(n_rows, dtype=np.int64)
-    rows = {f"h{k}": (positions, tokens, rng.standard_normal((n_rows, width), dtype=np.float32))
-            for k in range(hooks)}
+    stack = rng.standard_normal((hooks, n_rows, width), dtype=np.float32)  # as a forward's host copy holds them
+    rows = {f"h{k}": (positions, tokens, stack[k]) for k in range(hooks)}
     event = StepEvent(0, (RequestStep("req0", rows=rows),))
     payload = sum(v.nbytes + p.nbytes + t.nbytes for p, t, v in rows.values()) * events
     home = Path(tempfile.mkdtemp(prefix="wire-bench-"))
@@ -129,16 +129,19 @@ def wire_bench(reps: int, hooks: int = 32, n_rows: int = 64, width: int = 4096, 
         shared = statistics.median(shared_memory_gb_s(f"ipc://{home / 's.sock'}", rows, events, reps + 1)[1:])
         out.append(("rows through shared memory (a client on this machine)", f"{shared:.2f} GB/s", "", None))
         out.append(("rows through shared memory / over ipc, ours", f"{shared / med['ours']:.2f}", "", None))
+        busy = statistics.median(shared_memory_gb_s(f"ipc://{home / 'b.sock'}", rows, events, reps + 1, True)[1:])
+        out.append(("the same beside a thread running Python (an engine's)", f"{busy:.2f} GB/s", "", None))
     finally:
         shutil.rmtree(home, ignore_errors=True)
     return out
 
 
-def shared_memory_gb_s(url: str, rows: dict, events: int, rounds: int) -> list[float]:
+def shared_memory_gb_s(url: str, rows: dict, events: int, rounds: int, busy: bool = False) -> list[float]:
     """The same rows as bulk step events from a server's socket thread to a client that offered shared
     memory (``inspector.server.shared_rows``): each event's rows copied into the client's ring piece by
     piece, and out of it by the client. GB/s of each round of ``events`` on one connection (the first
-    makes the ring's pages)."""
+    makes the ring's pages). ``busy``: beside a thread that runs Python all along, as a server's engine
+    thread does, which each copy waits for when it takes the GIL back."""
     import queue
 
     import zmq
@@ -182,6 +185,9 @@ def shared_memory_gb_s(url: str, rows: dict, events: int, rounds: int) -> list[f
         for _ in range(events):
             endpoint.send(encode(Message("event", shared[0].send_ahead(event_to_body(event)), call_id)), peer)
 
+    stop = threading.Event()
+    if busy:
+        threading.Thread(target=_run_python, args=(stop,), daemon=True).start()
     speeds = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -191,6 +197,7 @@ def shared_memory_gb_s(url: str, rows: dict, events: int, rounds: int) -> list[f
             got = event_from_body(call.next(timeout_s=60).body)
         speeds.append(payload / (time.perf_counter() - t0) / 1e9)
         sender.join()
+    stop.set()
     assert got.blocks[0].values["h0"].shape == values["h0"].shape
     assert client.rows_ahead.bytes_shared == payload * rounds
     call.close()
@@ -200,6 +207,12 @@ def shared_memory_gb_s(url: str, rows: dict, events: int, rounds: int) -> list[f
     endpoint.stop()
     context.term()
     return speeds
+
+
+def _run_python(stop: threading.Event) -> None:
+    n = 0
+    while not stop.is_set():
+        n += 1
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ from inspector.client.rows_ahead import RowsAhead
 from inspector.core.blocks import RowBlocks
 from inspector.core.dtypes import BFLOAT16
 from inspector.core.protocol import RequestStep, StepEvent
-from inspector.core.shared_ring import Copiers, Regions, SharedRing
+from inspector.core.shared_ring import Copiers, Regions, SharedRing, joined
 from inspector.net.endpoint import Endpoint
 from inspector.net.wire import Message, decode, encode, event_from_body, event_to_body
 from inspector.server import shared_rows
@@ -52,6 +52,33 @@ def test_copies_land_whole_in_groups_or_pair_by_pair():
     finally:
         copiers.shutdown()
 
+
+
+def test_a_stacks_hooks_into_neighbouring_regions_are_one_copy_and_only_exact_neighbours_join():
+    """A forward's stack [hooks, rows, width] sent hook by hook into regions laid end to end is one copy
+    (each copy takes the GIL back as it ends); a gap on either side, a cast or a strided source keeps
+    pairs apart; every byte lands, and none past them."""
+    rng = np.random.default_rng(1)
+    stack = rng.standard_normal((4, 300, 64)).astype(np.float32)
+    size = stack[0].nbytes
+    ring = np.zeros(6 * size, np.uint8)
+    region = [ring[k * size:(k + 1) * size].view(np.float32).reshape(300, 64) for k in range(4)]
+    apart = [ring[k * (size + 64):k * (size + 64) + size].view(np.float32).reshape(300, 64) for k in range(4)]
+    assert [p[0].nbytes for p in joined(list(zip(region, stack)))] == [4 * size]
+    assert len(joined(list(zip(apart, stack)))) == 4  # destinations 64 bytes apart
+    assert len(joined(list(zip(region, [stack[0], stack[2], stack[1], stack[3]])))) == 4  # sources out of order
+    assert len(joined([(region[0], stack[0]), (region[1].view(np.int32), stack[1].view(np.int32)),
+                       (region[2], stack[2][::-1])])) == 2  # bytes as they are join; a strided source does not
+    assert len(joined([(region[0], stack[0]), (region[1], stack[1]), (np.empty((300, 64)), stack[2])])) == 2
+    copiers = Copiers("test-copy")
+    try:
+        pairs = list(zip(region[:3], stack[:3])) + [(np.empty((300, 64)), stack[3])]  # and a cast after them
+        copiers.copy(pairs)
+        np.testing.assert_array_equal(ring[:3 * size].view(np.float32).reshape(3, 300, 64), stack[:3])
+        np.testing.assert_array_equal(pairs[3][0], stack[3])
+        assert not ring[3 * size:].any()  # nothing past the pairs written
+    finally:
+        copiers.shutdown()
 
 class Server:
     """A ROUTER socket on its endpoint's thread, a client's offer mapped, rows sent ahead of events."""

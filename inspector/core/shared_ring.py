@@ -129,7 +129,10 @@ class Regions:
 
 class Copiers:
     """Copies run side by side, in pieces of ``COPY_PIECE`` bytes at least (a large copy lets the GIL go,
-    and handing a smaller one over would cost more than the copy)."""
+    and handing a smaller one over would cost more than the copy). Pairs that lie end to end on both
+    sides are copied as one: each copy takes the GIL back when it ends, and while another thread runs
+    Python that waits up to the interpreter's switch interval (5 ms): a batch-256 step's 32 hooks
+    copied one by one beside a thread running Python moved 0.8 GB/s, against 14.4 alone."""
 
     def __init__(self, name: str):
         self._pool = ThreadPoolExecutor(COPIERS, thread_name_prefix=name)
@@ -139,7 +142,7 @@ class Copiers:
         ones grouped, into pieces of ``COPY_PIECE`` bytes or more (the last group, if smaller, is copied
         here)."""
         groups, group, size = [], [], 0
-        for piece in (p for pair in pairs for p in split_copies(*pair)):
+        for piece in (p for pair in joined(pairs) for p in split_copies(*pair)):
             group.append(piece)
             size += piece[1].nbytes
             if size >= COPY_PIECE:
@@ -157,6 +160,48 @@ class Copiers:
 def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     for dest, source in pairs:
         np.copyto(dest, source)
+
+
+def joined(pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The pairs, each run of them whose destinations lie end to end in memory, and whose sources do
+    too, as one pair of byte views (a stack's hooks into a ring's region: one copy, not one a hook).
+    Only exact neighbours are joined, so the bytes copied are exactly the pairs'."""
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    run: list[tuple[np.ndarray, np.ndarray]] = []
+    for pair in pairs:
+        if run and _follows(run[-1], pair):
+            run.append(pair)
+            continue
+        if run:
+            out.append(_one(run))
+        run = [pair] if _plain(*pair) else []
+        if not run:
+            out.append(pair)
+    if run:
+        out.append(_one(run))
+    return out
+
+
+def _plain(dest: np.ndarray, source: np.ndarray) -> bool:
+    """A copy of bytes as they are: same type and shape, both contiguous, not empty."""
+    return (dest.dtype == source.dtype and dest.shape == source.shape and dest.nbytes > 0
+            and dest.flags.c_contiguous and source.flags.c_contiguous)
+
+
+def _follows(last: tuple[np.ndarray, np.ndarray], pair: tuple[np.ndarray, np.ndarray]) -> bool:
+    return _plain(*pair) and all(_address(b) == _address(a) + a.nbytes for a, b in zip(last, pair))
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _one(run: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    if len(run) == 1:
+        return run[0]
+    n = sum(dest.nbytes for dest, _ in run)
+    # views from the first pair's arrays over the whole run: its neighbours, alive in ``run``'s caller's pairs
+    return tuple(np.lib.stride_tricks.as_strided(a.reshape(-1).view(np.uint8), (n,), (1,)) for a in run[0])
 
 
 def split_copies(dest: np.ndarray, source: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
