@@ -12,8 +12,9 @@ to disk (safetensors shards and the manifest, what ``inspector harvest`` writes)
 bandwidth for the same bytes (one file written and fsynced), then transformers' forward of the same
 model cut after block L at SAELens's default batch (32 contexts), keeping the layer's output on the
 device: what SAELens's ``ActivationsStore`` does through TransformerLens (whose own attention is
-slower than transformers' SDPA, so this baseline flatters SAELens); with ``--saelens`` (the demo model,
-converted to TransformerLens), SAELens's ``ActivationsStore`` itself. The corpus is generated, its
+slower than transformers' SDPA, so this baseline flatters SAELens); with ``--saelens`` (the model
+converted to TransformerLens: the demo's weights, or random ones for a GPU preset's dummy model, on the
+same device and in the same dtype), SAELens's ``ActivationsStore`` itself. The corpus is generated, its
 documents tokenized and packed by the harvest itself (on its tokenizer thread) while it runs.
 Tokens/s are medians of ``--reps`` runs; ratios are against vanilla's median.
 """
@@ -193,26 +194,34 @@ def hf_rate(model: Path, dtype: str, layer: int, contexts: list[np.ndarray], rep
     return rates
 
 
-def saelens_rate(model: Path, corpus, layer: int, context_size: int, tokens: int, reps: int) -> list[float]:
+def saelens_rate(model: Path, corpus, layer: int, context_size: int, tokens: int, reps: int,
+                 dtype: str) -> list[float]:
     """Tokens/s of SAELens's ActivationsStore (its forward through TransformerLens, stopped after the
-    layer, 32 contexts a batch) on the same corpus: the demo model converted to TransformerLens."""
+    layer, 32 contexts a batch) on the same corpus, device and dtype: the model converted to
+    TransformerLens; a model without weights (a GPU preset's dummy one) gets TransformerLens's random
+    ones, its blocks past the layer left out (the store's forward stops before them anyway)."""
     import datasets
     import torch
     from sae_lens.training.activations_store import ActivationsStore
     from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    c = hf.config
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    c = AutoConfig.from_pretrained(model)
+    weights = any(model.glob("*.safetensors"))
     cfg = HookedTransformerConfig(
         d_model=c.hidden_size, d_head=c.head_dim, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size,
-        n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, d_vocab=c.vocab_size, act_fn="silu",
-        normalization_type="RMS", eps=c.rms_norm_eps, positional_embedding_type="rotary", rotary_dim=c.head_dim,
-        rotary_base=c.rope_parameters["rope_theta"], final_rms=True, gated_mlp=True,
-        n_key_value_heads=c.num_key_value_heads, original_architecture="LlamaForCausalLM", dtype=torch.float32)
-    tl = HookedTransformer(cfg, tokenizer=AutoTokenizer.from_pretrained(model))
-    tl.load_state_dict(convert_llama_weights(hf, cfg), strict=False)
+        n_layers=c.num_hidden_layers if weights else layer + 1, n_ctx=max(context_size, 1024), d_vocab=c.vocab_size,
+        act_fn="silu", normalization_type="RMS", eps=c.rms_norm_eps, positional_embedding_type="rotary",
+        rotary_dim=c.head_dim, rotary_base=c.rope_parameters["rope_theta"], final_rms=True, gated_mlp=True,
+        n_key_value_heads=c.num_key_value_heads, original_architecture="LlamaForCausalLM",
+        dtype=getattr(torch, dtype), device=device)
+    with torch.device(device):
+        tl = HookedTransformer(cfg, tokenizer=AutoTokenizer.from_pretrained(model))
+    if weights:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        tl.load_state_dict(convert_llama_weights(hf, cfg), strict=False)
     texts = datasets.Dataset.from_dict({"text": list(corpus.texts())})
     batch = 32
     rates = []
@@ -221,12 +230,16 @@ def saelens_rate(model: Path, corpus, layer: int, context_size: int, tokens: int
                                  hook_head_index=None, context_size=context_size, d_in=c.hidden_size,
                                  n_batches_in_buffer=4, total_training_tokens=tokens, store_batch_size_prompts=batch,
                                  train_batch_size_tokens=4096, prepend_bos=True, normalize_activations="none",
-                                 device=torch.device("cpu"), dtype="float32")
+                                 device=torch.device(device), dtype=dtype)
         started = time.perf_counter()
         done = 0
         while done < tokens:
             done += len(store.get_raw_llm_batch()[0])
+        if device == "cuda":
+            torch.cuda.synchronize()
         rates.append(done / (time.perf_counter() - started))
+    del tl
+    gc.collect()
     return rates[1:]
 
 
@@ -243,7 +256,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where the disk runs write (default: a temporary directory)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--saelens", action="store_true",
-                        help="also SAELens's ActivationsStore through TransformerLens (the cpu preset's demo model)")
+                        help="also SAELens's ActivationsStore through TransformerLens, on the same device and dtype")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from inspector.harvesting import Corpus, HarvestSpec
@@ -287,7 +300,7 @@ def main() -> None:
         for size, contexts in contexts_of.items():
             vanilla = vanilla_rate(model, engine_args, dtype, layer + 1, contexts, args.reps, batched, util)
             hf = [] if args.skip_hf else hf_rate(model, dtype, layer, contexts, args.reps)
-            sl = saelens_rate(model, corpus, layer, size, args.tokens, args.reps) if args.saelens else []
+            sl = saelens_rate(model, corpus, layer, size, args.tokens, args.reps, dtype) if args.saelens else []
             print(f"layer {layer}, context {size}: vanilla vLLM cut after the layer {statistics.median(vanilla):,.0f} "
                   f"tok/s (reps {', '.join(f'{v:,.0f}' for v in vanilla)})"
                   + (f"; transformers forward cut after it {statistics.median(hf):,.0f} tok/s" if hf else "")
