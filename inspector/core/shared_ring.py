@@ -139,8 +139,8 @@ class Copiers:
 
     def copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """Each (destination, source) pair copied; returns once all are. Large copies are split, small
-        ones grouped, into pieces of ``COPY_PIECE`` bytes or more (the last group, if smaller, is copied
-        here)."""
+        ones grouped, into pieces of ``COPY_PIECE`` bytes or more; the first, and the last group if
+        smaller, are copied here."""
         groups, group, size = [], [], 0
         for piece in (p for pair in joined(pairs) for p in split_copies(*pair)):
             group.append(piece)
@@ -148,8 +148,8 @@ class Copiers:
             if size >= COPY_PIECE:
                 groups.append(group)
                 group, size = [], 0
-        running = [self._pool.submit(_copy_all, g) for g in groups]
-        _copy_all(group)
+        running = [self._pool.submit(_copy_all, g) for g in groups[1:]]
+        _copy_all(groups[0] + group if groups else group)  # a share here: one thread less to wait for
         for done in running:
             done.result()
 
