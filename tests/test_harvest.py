@@ -20,8 +20,9 @@ import torch
 
 from hf_reference import block_points
 from inspector.core.protocol import Sampling
+from inspector.core.reused_memory import ReusedMemory
 from inspector.engine.boot import layer_overrides
-from inspector.harvesting import Corpus, CorpusError, HarvestSpec, harvest, harvest_to_disk, pack
+from inspector.harvesting import Corpus, CorpusError, HarvestSpec, harvest, harvest_to_disk, mixing, pack
 from inspector.harvesting.mixing import mixed_batches
 from inspector.harvesting.run import Engine
 from inspector.testing.tinymodels import tiny_model
@@ -162,6 +163,29 @@ def test_the_mixing_buffer_delivers_every_row_once_shuffled_alike_across_hooks()
     with pytest.raises(ValueError, match="at least one batch"):
         list(mixed_batches(iter(chunks), batch_size=64, buffer_rows=32))
 
+
+
+@pytest.mark.parametrize("keep_batches", [True, False])
+def test_buffers_reuse_memory_only_once_their_batches_are_gone(monkeypatch, keep_batches):
+    """Buffers of megabytes come from memory of buffers let go of: batches a trainer keeps keep their
+    rows, and one that drops them gets their memory back for the next buffers."""
+    made = []
+    monkeypatch.setattr(mixing, "ReusedMemory", lambda: made.append(ReusedMemory()) or made[-1])
+    width, chunk = 1024, 512  # 4 KiB rows: each buffer of 2,048+ rows is a block of its own
+    chunks = ({"a": torch.arange(i, i + chunk, dtype=torch.float32)[:, None].expand(chunk, width).contiguous(),
+               "b": -torch.arange(i, i + chunk, dtype=torch.float32)[:, None].expand(chunk, width).contiguous()}
+              for i in range(0, 40 * chunk, chunk))
+    kept, seen = [], []
+    for batch in mixed_batches(chunks, batch_size=256, buffer_rows=2048, mix_fraction=0.5):
+        assert torch.equal(batch["a"], -batch["b"]) and torch.equal(batch["a"], batch["a"][:, :1].expand(-1, width))
+        seen += batch["a"][:, 0].tolist()
+        if keep_batches:
+            kept.append(batch)
+    assert sorted(seen) == list(range(40 * chunk))
+    if keep_batches:  # every row still what it was when it left
+        assert sorted(torch.cat([b["a"][:, 0] for b in kept]).tolist()) == list(range(40 * chunk))
+        assert all(torch.equal(b["a"], b["a"][:, :1].expand(-1, width)) for b in kept)
+    assert (made[0].reused > 0) != keep_batches
 
 # --- on the engine ---
 
