@@ -162,6 +162,24 @@ def test_the_mixing_buffer_delivers_every_row_once_shuffled_alike_across_hooks()
     assert torch.equal(torch.cat([b["a"] for b in batches[:2]]), joined[order][:16])
     with pytest.raises(ValueError, match="at least one batch"):
         list(mixed_batches(iter(chunks), batch_size=64, buffer_rows=32))
+    with pytest.raises(ValueError, match="fewer than a batch"):  # it would keep every row
+        list(mixed_batches(iter(chunks), batch_size=32, buffer_rows=40, mix_fraction=0.5))
+
+
+@pytest.mark.parametrize("total", [203, 208, 217])  # the chunks end inside a buffer, as one ends, past it
+def test_chunks_of_any_size_leave_every_row_once_but_less_than_a_batch(total):
+    """Chunks split across buffers and a stream that ends anywhere: each row leaves at most once, and
+    fewer than a batch stay behind."""
+    sizes, at = [], 0
+    while at < total:
+        sizes.append(min(total - at, (7, 13, 29, 1)[len(sizes) % 4]))
+        at += sizes[-1]
+    starts = np.cumsum([0, *sizes])
+    chunks = [{"a": torch.arange(a, b, dtype=torch.float32)[:, None]} for a, b in zip(starts, starts[1:])]
+    batches = list(mixed_batches(iter(chunks), batch_size=8, buffer_rows=40, mix_fraction=0.5))
+    seen = torch.cat([b["a"] for b in batches]).flatten().tolist()
+    assert all(len(b["a"]) == 8 for b in batches)
+    assert len(set(seen)) == len(seen) and set(seen) <= set(range(total)) and total - len(seen) < 8
 
 
 
