@@ -130,9 +130,10 @@ class Regions:
 class Copiers:
     """Copies run side by side, in pieces of ``COPY_PIECE`` bytes at least (a large copy lets the GIL go,
     and handing a smaller one over would cost more than the copy). Pairs that lie end to end on both
-    sides are copied as one: each copy takes the GIL back when it ends, and while another thread runs
-    Python that waits up to the interpreter's switch interval (5 ms): a batch-256 step's 32 hooks
-    copied one by one beside a thread running Python moved 0.8 GB/s, against 14.4 alone."""
+    sides are copied as one: each copy takes the GIL back when it ends, which beside a thread running
+    Python waits up to the interpreter's switch interval (5 ms). On the project's CPU that took the
+    wire beside a busy thread from 0.71 to 1.5 GB/s; an H100 host's server at batch 256 did not change
+    (docs/performance-notes.md)."""
 
     def __init__(self, name: str):
         self._pool = ThreadPoolExecutor(COPIERS, thread_name_prefix=name)
