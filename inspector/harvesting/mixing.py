@@ -40,7 +40,8 @@ def mixed_batches(chunks: Iterable[dict[str, torch.Tensor]], batch_size: int, bu
                 at += buffer.add(chunk, at)
                 if buffer.full:
                     yield from _batches(buffer.rows, leaving, batch_size)
-                    buffer, kept = None, {hook: values[leaving:] for hook, values in buffer.rows.items()}
+                    kept = {hook: values[leaving:] for hook, values in buffer.rows.items()}
+                    buffer = None
         if buffer is None and kept:  # the chunks ended as a buffer did: what it kept is left
             buffer = _Buffer(kept, buffer_rows, kept, generator, memory)
         if buffer is not None:
