@@ -182,7 +182,6 @@ def test_chunks_of_any_size_leave_every_row_once_but_less_than_a_batch(total):
     assert len(set(seen)) == len(seen) and set(seen) <= set(range(total)) and total - len(seen) < 8
 
 
-
 @pytest.mark.parametrize("keep_batches", [True, False])
 def test_buffers_reuse_memory_only_once_their_batches_are_gone(monkeypatch, keep_batches):
     """Buffers of megabytes come from memory of buffers let go of: batches a trainer keeps keep their
@@ -204,6 +203,7 @@ def test_buffers_reuse_memory_only_once_their_batches_are_gone(monkeypatch, keep
         assert sorted(torch.cat([b["a"][:, 0] for b in kept]).tolist()) == list(range(40 * chunk))
         assert all(torch.equal(b["a"], b["a"][:, :1].expand(-1, width)) for b in kept)
     assert (made[0].reused > 0) != keep_batches
+
 
 # --- on the engine ---
 

@@ -53,7 +53,6 @@ def test_copies_land_whole_in_groups_or_pair_by_pair():
         copiers.shutdown()
 
 
-
 def test_a_stacks_hooks_into_neighbouring_regions_are_one_copy_and_only_exact_neighbours_join():
     """A forward's stack [hooks, rows, width] sent hook by hook into regions laid end to end is one copy
     (each copy takes the GIL back as it ends); a gap on either side, a cast or a strided source keeps
@@ -79,6 +78,7 @@ def test_a_stacks_hooks_into_neighbouring_regions_are_one_copy_and_only_exact_ne
         assert not ring[3 * size:].any()  # nothing past the pairs written
     finally:
         copiers.shutdown()
+
 
 class Server:
     """A ROUTER socket on its endpoint's thread, a client's offer mapped, rows sent ahead of events."""
