@@ -17,12 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from hf_reference import block_points
 from inspector.core.protocol import Sampling
 from inspector.core.reused_memory import ReusedMemory
 from inspector.engine.boot import layer_overrides
-from inspector.harvesting import Corpus, CorpusError, HarvestSpec, harvest, harvest_to_disk, mixing, pack
+from inspector.core.dtypes import BFLOAT16
+from inspector.harvesting import Corpus, CorpusError, HarvestSpec, harvest, harvest_to_disk, mixing, pack, shards
 from inspector.harvesting.mixing import mixed_batches
 from inspector.harvesting.run import Engine
 from inspector.testing.tinymodels import tiny_model
@@ -204,6 +206,29 @@ def test_buffers_reuse_memory_only_once_their_batches_are_gone(monkeypatch, keep
         assert all(torch.equal(b["a"], b["a"][:, :1].expand(-1, width)) for b in kept)
     assert (made[0].reused > 0) != keep_batches
 
+
+
+def test_a_shard_reads_back_through_safetensors_with_the_disk_asked_as_it_goes(tmp_path, monkeypatch):
+    """Shards are written a piece at a time, the kernel asked to write each out (so the disk works while
+    the shard is written): safetensors' own reader gets every array back, bfloat16 and empty ones too."""
+    asked = []
+    monkeypatch.setattr(shards.writeback, "EVERY", 1 << 12)
+    monkeypatch.setattr(shards.writeback, "start_writeback", asked.append)
+    rng = np.random.default_rng(0)
+    arrays = {"token_ids": np.arange(7, dtype=np.int64), "a": rng.random((7, 600), dtype=np.float32),
+              "b": rng.random((7, 5)).astype(np.float32).astype(BFLOAT16), "empty": np.zeros((0, 3), np.float16),
+              "strided": rng.random((7, 8), dtype=np.float32)[:, ::2]}
+    shards.write_safetensors(tmp_path / "s.safetensors", arrays, {"format": "f"})
+    with safe_open(tmp_path / "s.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "f"} and set(f.keys()) == set(arrays)
+        for name, want in arrays.items():
+            got = f.get_tensor(name)
+            if want.dtype == BFLOAT16:
+                assert got.dtype == torch.bfloat16
+                assert torch.equal(got.view(torch.int16), torch.from_numpy(want.view(np.int16)))
+            else:
+                assert np.array_equal(got.numpy(), want) and got.numpy().dtype == want.dtype
+    assert len(asked) > (7 * 600 * 4) >> 12  # the float32 array alone is several pieces
 
 # --- on the engine ---
 

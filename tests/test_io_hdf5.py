@@ -406,14 +406,14 @@ def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_ha
             req.hooks[name].append(rows.positions, rows.token_ids, np.roll(rows.values, k, axis=1))
     write_run(run, tmp_path / "one.h5")
 
-    pwrite = latching_file._pwrite_all
+    pwrite = latching_file.write_all
 
     def slow_pwrite(fd, data, pos):
         if len(data) >= latching_file.LatchingFile.LEND_FROM:
             time.sleep(0.002)
         pwrite(fd, data, pos)
 
-    monkeypatch.setattr(latching_file, "_pwrite_all", slow_pwrite)
+    monkeypatch.setattr(latching_file, "write_all", slow_pwrite)
     monkeypatch.setattr(latching_file.LatchingFile, "LEND_FROM", 64)
     monkeypatch.setattr(writer_module, "chunk_rows_for", lambda *args, **kwargs: 8)
     if streamed == "in bulk":

@@ -4,14 +4,15 @@ writes are done behind HDF5's back on a thread of their own."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
 import queue
 import threading
 from pathlib import Path
 
 import numpy as np
+
+from inspector.core import writeback
+from inspector.core.writeback import write_all
 
 
 class LatchingFile:
@@ -210,7 +211,6 @@ class WriteBehind:
     and stays in ``error``."""
 
     MAX_QUEUED = 64 << 20
-    WRITEBACK_EVERY = 32 << 20  # bytes written between asking the kernel to start writing them out
 
     def __init__(self, fd: int):
         self.fd = fd
@@ -253,41 +253,15 @@ class WriteBehind:
             copied = 0 if lent else len(blob)
             if self.error is None:
                 try:
-                    _pwrite_all(self.fd, memoryview(blob), pos)
+                    write_all(self.fd, memoryview(blob), pos)
                 except OSError as exc:
                     self.error = exc
                 unsent += len(blob)
-                if unsent >= self.WRITEBACK_EVERY and _start_writeback is not None:
-                    _start_writeback(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+                if unsent >= writeback.EVERY:
+                    writeback.start_writeback(self.fd)
                     unsent = 0
             del job, blob  # a lent array's view goes before its owner hears it is written
             with self._changed:
                 self._queued -= copied
                 self.done += 1
                 self._changed.notify_all()
-
-
-def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
-    done = 0
-    while done < len(data):
-        wrote = os.pwrite(fd, data[done:], pos + done)
-        if wrote <= 0:
-            raise OSError(errno.ENOSPC, "no space left on device (short write)")
-        done += wrote
-
-
-def _libc_sync_file_range():
-    """libc's ``sync_file_range`` (Linux), else None. Asked to write a file's dirty pages out, the kernel
-    starts at once and does not wait for them: otherwise it starts only past a share of the memory (a
-    tenth of 128 GiB on a GPU host), and the file's closing ``fsync`` waited for all of it (0.8 of the
-    2.7 s a 2 GB capture took)."""
-    try:
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return call
-
-
-_start_writeback = _libc_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
