@@ -5,12 +5,12 @@ writer or by the engine beside it?
                                          --width 4096 --dtype bfloat16 --reps 2 --dir DIR --disk-gib 2]
 
 No engine, no GPU: steps shaped as ``Session.generate`` makes them (one prefill block of every request,
-then a block a decode step, every hook in each) go to a capture file as ``inspector capture`` writes
-it, through the writer's process (``BackgroundWriter``, started before the clock starts, as ``inspector
+then a block a decode step, every hook in each) go to a capture file as ``inspector capture`` writes it,
+through the writer's process (``BackgroundWriter``, started before the clock starts, as ``inspector
 capture`` starts it while its engine boots) and, for comparison, a ``CaptureWriter`` in this process;
-each timed until the file is closed and synced. The disk's speed is measured as
-``session_bench`` measures it (64 MiB writes, synced). Prints MB/s, the tokens/s each allows for
-these rows, and the share of the disk.
+each timed until the file is closed and synced. The disk's speed is measured as ``session_bench``
+measures it (``disk_seconds``: 64 MiB writes, each asked out at once, synced). Prints MB/s, the tokens/s
+each allows for these rows, and the share of the disk.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from inspector.core import writeback  # noqa: E402
 from inspector.core.blocks import RowBlocks  # noqa: E402
 from inspector.core.dtypes import ROW_DTYPES  # noqa: E402
 from inspector.core.hooks import HookPoint  # noqa: E402
@@ -35,19 +36,29 @@ from inspector.io import CaptureWriter  # noqa: E402
 from inspector.io.background import BackgroundWriter, prepare  # noqa: E402
 
 
-def disk_mb_s(directory: Path, gib: float) -> float:
-    """Sequential write of ``gib`` in 64 MiB pieces, synced: what the disk takes."""
-    block = os.urandom(64 << 20)
-    path = directory / "disk-speed.bin"
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(int(gib * 16)):
-            f.write(block)
-        f.flush()
+def disk_seconds(path: Path, size: int) -> float:
+    """Seconds to write ``size`` bytes to one file in 64 MiB pieces and fsync it, the kernel asked to
+    write each piece out at once (``core.writeback``): the disk's own rate. Without the asks the pieces
+    sat in memory until the ``fsync``, the disk idle meanwhile, and an H100 host's disk read 1,538 MB/s
+    where it takes 2,569 (docs/gpu-run-2026-12-07d-shards.md)."""
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    os.sync()
+    started = time.perf_counter()
+    with path.open("wb") as f:
+        for at in range(0, size, len(block)):
+            f.write(block[:min(size - at, len(block))])
+            f.flush()
+            writeback.start_writeback(f.fileno())
         os.fsync(f.fileno())
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - started
     path.unlink()
-    return int(gib * 16) * 64 * 2**20 / seconds / 1e6
+    return seconds
+
+
+def disk_mb_s(directory: Path, gib: float) -> float:
+    """What the disk takes, in MB/s (``disk_seconds`` of ``gib``)."""
+    size = int(gib * 2**30)
+    return size / disk_seconds(directory / "disk-speed.bin", size) / 1e6
 
 
 def session_steps(batch: int, prompt: int, new: int, hooks: dict, pool: np.ndarray):

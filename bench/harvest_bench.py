@@ -7,16 +7,17 @@ and run through a Hugging Face forward stopped after the hooked layer (not a tes
 Per hooked layer L and hook count: vanilla vLLM with the model cut after block L (what the harvest's
 engine runs: no work past the deepest hooked block), then the harvest's engine on the same contexts,
 delivering rows to memory (chunks as torch tensors, what ``inspector.harvest`` mixes into batches; and
-the shuffled training batches themselves, 4096 rows each, mixed in a buffer of 16 batches) and
-to disk (safetensors shards and the manifest, what ``inspector harvest`` writes), then the disk's own
-bandwidth for the same bytes (one file written and fsynced), then transformers' forward of the same
-model cut after block L at SAELens's default batch (32 contexts), keeping the layer's output on the
-device: what SAELens's ``ActivationsStore`` does through TransformerLens (whose own attention is
-slower than transformers' SDPA, so this baseline flatters SAELens); with ``--saelens`` (the model
-converted to TransformerLens: the demo's weights, or random ones for a GPU preset's dummy model, on the
-same device and in the same dtype), SAELens's ``ActivationsStore`` itself. The corpus is generated, its
-documents tokenized and packed by the harvest itself (on its tokenizer thread) while it runs.
-Tokens/s are medians of ``--reps`` runs; ratios are against vanilla's median.
+the shuffled training batches themselves, 4096 rows each, mixed in a buffer of 16 batches) and to disk
+(safetensors shards and the manifest, what ``inspector harvest`` writes), then the disk's own bandwidth
+for the same bytes (``capture_file_bench.disk_seconds``: one file, asked out as it grows, synced), then
+transformers' forward of the same model cut after block L at SAELens's default batch (32 contexts),
+keeping the layer's output on the device: what SAELens's ``ActivationsStore`` does through
+TransformerLens (whose own attention is slower than transformers' SDPA, so this baseline flatters
+SAELens); with ``--saelens`` (the model converted to TransformerLens: the demo's weights, or random ones
+for a GPU preset's dummy model, on the same device and in the same dtype), SAELens's
+``ActivationsStore`` itself. The corpus is generated, its documents tokenized and packed by the harvest
+itself (on its tokenizer thread) while it runs. Tokens/s are medians of ``--reps`` runs; ratios are
+against vanilla's median.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from capture_file_bench import disk_seconds  # noqa: E402
 from plugin_bench import PRESETS, word_tokenizer  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "resources" / "demo-model"
@@ -127,36 +129,19 @@ def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, o
         os.sync()
         started = time.perf_counter()
         engine.run(engine.contexts(corpus, 0), 0, to_disk, threading.Event(), keeps_chunks=False)
-        disk_seconds = time.perf_counter() - started
-        raw = raw_disk_seconds(out_root / "raw.bin", rows * row_bytes)
+        harvest_seconds = time.perf_counter() - started
+        raw = disk_seconds(out_root / "raw.bin", rows * row_bytes)
         for path in out.iterdir():
             path.unlink()
         out.rmdir()
         if rep:
             rates["memory"].append(rows / seconds)
             rates["batches"].append(batched / batch_seconds)
-            rates["disk"].append(rows / disk_seconds)
-            rates["disk MB/s"].append(rows * row_bytes / disk_seconds / 1e6)
+            rates["disk"].append(rows / harvest_seconds)
+            rates["disk MB/s"].append(rows * row_bytes / harvest_seconds / 1e6)
             rates["raw disk MB/s"].append(rows * row_bytes / raw / 1e6)
     rates["row bytes"] = row_bytes
     return rates
-
-
-def raw_disk_seconds(path: Path, size: int) -> float:
-    """Seconds to write ``size`` bytes to one file and fsync it (the disk's bandwidth for the rows)."""
-    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
-    os.sync()
-    started = time.perf_counter()
-    with path.open("wb") as f:
-        left = size
-        while left > 0:
-            f.write(block[:min(left, len(block))])
-            left -= len(block)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - started
-    path.unlink()
-    return seconds
 
 
 def hf_rate(model: Path, dtype: str, layer: int, contexts: list[np.ndarray], reps: int, batch: int = 32) -> list[float]:

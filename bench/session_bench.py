@@ -14,11 +14,11 @@ this process (booted where one of its consumers is measured), whose ``Session`` 
 
 and a server of its own (``start_local_server``) whose client in this process keeps every row: through
 the shared memory it offers (server), or, a second client of the same server, through the socket
-(socket). The file's bound is the disk: its write speed is measured here too (a file of ``--disk-gib``, synced), and
-the target is 0.9x the lesser of vanilla and what that speed allows for the rows (a request's prompt
-rows as well as its generated ones: about two rows a generated token with the default lengths).
-Prompts are ``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``, with
-``--logprobs`` top logprobs a token on both sides (none by default: the rows' cost is measured, not
+(socket). The file's bound is the disk: its write speed is measured here too (``disk_seconds`` of
+``--disk-gib``), and the target is 0.9x the lesser of vanilla and what that speed allows for the rows (a
+request's prompt rows as well as its generated ones: about two rows a generated token with the default
+lengths). Prompts are ``--prompt-tokens`` long, ``--new-tokens`` are generated, greedy, ``ignore_eos``,
+with ``--logprobs`` top logprobs a token on both sides (none by default: the rows' cost is measured, not
 the logprobs').
 Each engine's first run of a size is printed apart: it allocates the host memory that later runs reuse.
 
