@@ -20,10 +20,10 @@ import torch
 from safetensors import safe_open
 
 from hf_reference import block_points
+from inspector.core.dtypes import BFLOAT16
 from inspector.core.protocol import Sampling
 from inspector.core.reused_memory import ReusedMemory
 from inspector.engine.boot import layer_overrides
-from inspector.core.dtypes import BFLOAT16
 from inspector.harvesting import Corpus, CorpusError, HarvestSpec, harvest, harvest_to_disk, mixing, pack, shards
 from inspector.harvesting.mixing import mixed_batches
 from inspector.harvesting.run import Engine
@@ -207,7 +207,6 @@ def test_buffers_reuse_memory_only_once_their_batches_are_gone(monkeypatch, keep
     assert (made[0].reused > 0) != keep_batches
 
 
-
 def test_a_shard_reads_back_through_safetensors_with_the_disk_asked_as_it_goes(tmp_path, monkeypatch):
     """Shards are written a piece at a time, the kernel asked to write each out (so the disk works while
     the shard is written): safetensors' own reader gets every array back, bfloat16 and empty ones too."""
@@ -229,6 +228,7 @@ def test_a_shard_reads_back_through_safetensors_with_the_disk_asked_as_it_goes(t
             else:
                 assert np.array_equal(got.numpy(), want) and got.numpy().dtype == want.dtype
     assert len(asked) > (7 * 600 * 4) >> 12  # the float32 array alone is several pieces
+
 
 # --- on the engine ---
 

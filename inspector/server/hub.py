@@ -489,16 +489,16 @@ class Hub:
         return clients.get(tag), rid
 
     def _translate(self, client: Client, rid: str, step: RequestStep, bulk: bool) -> RequestStep:
-        """``step`` as the client names it; rows in bulk travel in the event's blocks instead. Made field by
-        field, and what is empty left as it is: a batch-256 step asks 256 times (``dataclasses.replace``
+        """``step`` as the client names it; rows in bulk travel in the event's blocks instead. Made from its
+        fields' dict, and what is empty left as it is: a batch-256 step asks 256 times (``dataclasses.replace``
         and the empty comprehensions took two thirds of the hub's routing)."""
         rows = {} if bulk else step.rows if client.hooks is None else {
             h: r for h, r in step.rows.items() if h in client.hooks}
         log = step.intervention_log and tuple(
             (position, tuple(self._own(client, d) for d in ivs)) for position, ivs in step.intervention_log)
         features = step.features and {name: f for name, f in step.features.items() if name in client.saes}
-        return RequestStep(rid, step.new_token_ids, step.new_texts, step.logprobs, step.top_logprobs, rows, log,
-                           step.finished, step.finish_reason, step.scores, features, step.windows)
+        return RequestStep(**{**vars(step), "request_id": rid, "rows": rows, "intervention_log": log,
+                              "features": features})
 
     def _own(self, client: Client, d: dict) -> dict:
         """An engine log entry's intervention as the client gave it: its own request id, or none for one
