@@ -230,6 +230,48 @@ def test_a_shard_reads_back_through_safetensors_with_the_disk_asked_as_it_goes(t
     assert len(asked) > (7 * 600 * 4) >> 12  # the float32 array alone is several pieces
 
 
+def small_chunk(first: int, count: int, length: int = 4) -> shards.Chunk:
+    rows = count * length
+    return shards.Chunk({"a": np.full((rows, 8), first, np.float32)}, np.arange(rows), np.repeat(np.arange(count), length),
+                        np.tile(np.arange(length), count), (first, count))
+
+
+def test_shards_are_listed_in_order_once_synced_and_a_failed_sync_lists_none_after_it(tmp_path, monkeypatch):
+    """The committer syncs, names and lists each shard while the next is written; the manifest lists a
+    shard only once it is synced, and where a sync fails the shards after it are not listed either
+    (nor named), and the failure comes out of the writer's next call."""
+    synced, release = [], threading.Event()
+
+    def sync(path):
+        release.wait(10)
+        if len(synced) == 2:
+            raise OSError(5, "Input/output error")
+        synced.append(path.name)
+
+    monkeypatch.setattr(shards, "_sync", sync)
+    directory = shards.HarvestDirectory.open(tmp_path / "out", {"layout": "safetensors", "tokens": None},
+                                             {"a": 8}, {"stored_dtype": "float32"})
+    norm = shards.NormEstimate()
+    for first in range(2):
+        norm.add(small_chunk(first, 1))
+        directory.write(small_chunk(first, 1), norm)
+    on_disk = json.loads((tmp_path / "out" / "harvest.json").read_text())
+    assert on_disk["shards"] == [] and not (tmp_path / "out" / "shard-00000.safetensors").exists()
+    release.set()
+    directory.settle()
+    on_disk = json.loads((tmp_path / "out" / "harvest.json").read_text())
+    assert [s["file"] for s in on_disk["shards"]] == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert on_disk["contexts_done"] == 2 and on_disk["rows"] == 8 and on_disk["norm"]["rows"] == 2
+    assert synced == [".shard-00000.safetensors.partial", ".shard-00001.safetensors.partial"]
+    with pytest.raises(OSError, match="Input/output"):
+        for first in range(2, 5):
+            directory.write(small_chunk(first, 1), norm)
+        directory.settle()
+    on_disk = json.loads((tmp_path / "out" / "harvest.json").read_text())
+    assert len(on_disk["shards"]) == 2 and on_disk["contexts_done"] == 2
+    assert sorted(p.name for p in (tmp_path / "out").glob("shard-*")) == [s["file"] for s in on_disk["shards"]]
+
+
 # --- on the engine ---
 
 @pytest.mark.slow

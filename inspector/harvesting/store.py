@@ -57,16 +57,22 @@ def harvest_to_disk(spec: HarvestSpec, out, layout: str = "safetensors",
                                           f"({len(directory.manifest['shards'])} shards)"))
         norm, started, first_rows = directory.norm(), time.perf_counter(), directory.rows
         total = math.ceil(spec.tokens / spec.context_size) * spec.context_size if spec.tokens else None  # whole contexts
+        written = first_rows
 
         def write(chunk: Chunk) -> None:
+            nonlocal written
             norm.add(chunk)
             directory.write(chunk, norm)
+            written += chunk.rows
             if progress:
-                progress(HarvestProgress(directory.rows, total, time.perf_counter() - started,
-                                         directory.rows - first_rows))
+                progress(HarvestProgress(written, total, time.perf_counter() - started, written - first_rows))
 
         skip = directory.contexts_done
-        finished = engine.run(engine.contexts(corpus, skip), skip, write, stop or threading.Event(), keeps_chunks=False)
+        try:
+            finished = engine.run(engine.contexts(corpus, skip), skip, write, stop or threading.Event(),
+                                  keeps_chunks=False)
+        finally:
+            directory.settle()  # every shard written is listed, however the run ended
         if finished:
             asked = spec.tokens is None or directory.contexts_done * spec.context_size >= spec.tokens
             why = "done" if asked else f"the corpus ran out after {directory.contexts_done} contexts"
