@@ -129,6 +129,7 @@ def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, o
         os.sync()
         started = time.perf_counter()
         engine.run(engine.contexts(corpus, 0), 0, to_disk, threading.Event(), keeps_chunks=False)
+        directory.settle()  # the last shards synced and listed
         harvest_seconds = time.perf_counter() - started
         raw = disk_seconds(out_root / "raw.bin", rows * row_bytes)
         for path in out.iterdir():
