@@ -406,14 +406,14 @@ def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_ha
             req.hooks[name].append(rows.positions, rows.token_ids, np.roll(rows.values, k, axis=1))
     write_run(run, tmp_path / "one.h5")
 
-    pwrite = latching_file.write_all
+    pwrite = latching_file.write_pieces
 
-    def slow_pwrite(fd, data, pos):
-        if len(data) >= latching_file.LatchingFile.LEND_FROM:
+    def slow_pwrite(fd, pieces, pos):
+        if max(len(piece) for piece in pieces) >= latching_file.LatchingFile.LEND_FROM:
             time.sleep(0.002)
-        pwrite(fd, data, pos)
+        pwrite(fd, pieces, pos)
 
-    monkeypatch.setattr(latching_file, "write_all", slow_pwrite)
+    monkeypatch.setattr(latching_file, "write_pieces", slow_pwrite)
     monkeypatch.setattr(latching_file.LatchingFile, "LEND_FROM", 64)
     monkeypatch.setattr(writer_module, "chunk_rows_for", lambda *args, **kwargs: 8)
     if streamed == "in bulk":
@@ -432,6 +432,36 @@ def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_ha
     else:
         stream(run, tmp_path / "streamed.h5", seed=7)
     assert_runs_equal(read_run(tmp_path / "one.h5"), read_run(tmp_path / "streamed.h5"))
+
+
+def test_writes_that_continue_each_other_leave_in_one_call_in_order(tmp_path, monkeypatch):
+    """The write-behind thread joins queued writes that continue each other on the file into one call,
+    and keeps a write elsewhere (HDF5's metadata) in its place: the file is what the writes in order make."""
+    import inspector.io.latching_file as latching_file
+
+    calls, held = [], threading.Event()
+    pwrite = latching_file.write_pieces
+
+    def counted(fd, pieces, pos):
+        held.wait(10)  # the writes queue up behind the first
+        calls.append(len(pieces))
+        pwrite(fd, pieces, pos)
+
+    monkeypatch.setattr(latching_file, "write_pieces", counted)
+    file = latching_file.LatchingFile(tmp_path / "f")
+    rng = np.random.default_rng(0)
+    expected = bytearray(500_000)
+    writes = [(k * 1000, rng.bytes(1000)) for k in range(300)] + [(10, b"meta"), *((300_000 + k * 999, rng.bytes(999))
+                                                                                   for k in range(200))]
+    for pos, data in writes:
+        file.seek(pos)
+        file.write(data)
+        expected[pos:pos + len(data)] = data
+    held.set()
+    file.finish(fsync=False)
+    written = (tmp_path / "f").read_bytes()
+    assert len(written) == 300_000 + 200 * 999 and written == bytes(expected[:len(written)])
+    assert sum(calls) == len(writes) and len(calls) <= 6  # the first alone, then runs of up to 512
 
 
 def test_a_background_writers_failure_is_raised_on_the_callers_thread_and_leaves_no_file(tmp_path):

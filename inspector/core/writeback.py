@@ -41,3 +41,19 @@ def write_all(fd: int, data: memoryview, pos: int) -> None:
         if wrote <= 0:
             raise OSError(errno.ENOSPC, "no space left on device (short write)")
         done += wrote
+
+
+def write_pieces(fd: int, pieces: list[memoryview], pos: int) -> None:
+    """``pieces`` written one after the other from ``pos``, in one ``pwritev`` where there is one (a
+    short write is finished piece by piece)."""
+    if not hasattr(os, "pwritev") or len(pieces) == 1:
+        for piece in pieces:
+            write_all(fd, piece, pos)
+            pos += len(piece)
+        return
+    wrote = os.pwritev(fd, pieces, pos)
+    for piece in pieces:
+        if wrote < len(piece):
+            write_all(fd, piece[wrote:], pos + wrote)
+        wrote = max(0, wrote - len(piece))
+        pos += len(piece)
