@@ -21,6 +21,9 @@ lengths). Prompts are ``--prompt-tokens`` long, ``--new-tokens`` are generated, 
 with ``--logprobs`` top logprobs a token on both sides (none by default: the rows' cost is measured, not
 the logprobs').
 Each engine's first run of a size is printed apart: it allocates the host memory that later runs reuse.
+On a GPU every engine gets the same KV cache, enough for the largest batch's requests at once
+(``--kv-cache-gib`` to choose it): sized from a share of the memory, a hooked engine's was smaller than
+vanilla's and ran fewer requests at once.
 
 Where the time goes: ``--time-parts`` prints, for each run, the seconds spent in vLLM's step (vanilla's
 and the in-process session's) and, for the session, in the plugin's copies queued in it, the drain and
@@ -36,6 +39,7 @@ calls that wait: ``cudaStreamSynchronize``, ``cudaEventSynchronize``, ``cudaHost
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -81,6 +85,18 @@ def report_parts(what: str, batch: int, new_tokens: int, seconds: float) -> None
     if PARTS:
         print(f"  {what} {batch} x {new_tokens}: {seconds:.3f} s, of which " +
               ", ".join(f"{part} {spent:.3f}" for part, spent in PARTS.items()), flush=True)
+
+
+def kv_cache_bytes(path: str, dtype: str, tokens: int) -> int:
+    """What ``tokens`` tokens' keys and values take in the model at ``path``, a tenth more for the blocks'
+    rounding."""
+    import torch
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
+    return int(per_token * torch.finfo(getattr(torch, dtype)).bits // 8 * tokens * 1.1)
 
 
 def vanilla(conn, preset: str, path: str, engine_args: dict, parts: bool, logprobs: int) -> None:
@@ -184,9 +200,11 @@ def main(argv=None) -> int:
     p.add_argument("--disk-gib", type=float, default=4.0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="per engine (three share the GPU)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="every engine's KV cache, the same for all (vLLM sizes it from the memory left otherwise, "
-                        "and a hooked engine's capture buffers leave it less: at batch 256 on an H100 it then ran "
-                        "fewer requests at once than vanilla)")
+                   help="every engine's KV cache on a GPU, the same for all (default: what the largest batch's "
+                        "tokens need). Sized from the memory share, a hooked engine's was smaller (its capture "
+                        "buffers take some), and at batch 256 on an H100 it ran fewer requests at once than "
+                        "vanilla. Three 8B engines with batch 256's cache do not fit an H100: measure the "
+                        "consumers in two runs")
     p.add_argument("--time-parts", action="store_true",
                    help="print, for each run of vanilla and the in-process session, the seconds spent in its parts")
     p.add_argument("--profile", type=Path, default=None,
@@ -211,8 +229,11 @@ def main(argv=None) -> int:
                        max_num_seqs=max(256, max(batches)))
     if cuda:
         engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
-        if args.kv_cache_gib:
-            engine_args["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+        tokens = max(batches) * (args.prompt_tokens + args.new_tokens)
+        engine_args["kv_cache_memory_bytes"] = (int(args.kv_cache_gib * 2**30) if args.kv_cache_gib
+                                                else kv_cache_bytes(path, dtype, tokens))
+        print(f"every engine's KV cache: {engine_args['kv_cache_memory_bytes'] / 2**30:.1f} GiB "
+              f"({tokens:,} tokens at once need it)", flush=True)
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="session-bench-"))
     out_dir.mkdir(parents=True, exist_ok=True)
 
