@@ -232,8 +232,8 @@ def test_a_shard_reads_back_through_safetensors_with_the_disk_asked_as_it_goes(t
 
 def small_chunk(first: int, count: int, length: int = 4) -> shards.Chunk:
     rows = count * length
-    return shards.Chunk({"a": np.full((rows, 8), first, np.float32)}, np.arange(rows), np.repeat(np.arange(count), length),
-                        np.tile(np.arange(length), count), (first, count))
+    return shards.Chunk({"a": np.full((rows, 8), first, np.float32)}, np.arange(rows),
+                        np.repeat(np.arange(count), length), np.tile(np.arange(length), count), (first, count))
 
 
 def test_shards_are_listed_in_order_once_synced_and_a_failed_sync_lists_none_after_it(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ A shard is written under a temporary name, synced and renamed, then the manifest
 is rewritten the same way: the manifest lists only complete shards, and a harvest killed at any moment
 resumes after the last one it lists (a shard file it does not list is written again). The syncing,
 renaming and listing run on a committer thread while the next shard is written: done in line they
-left the disk idle for a fifth of each shard's time."""
+left the disk idle after every shard."""
 
 from __future__ import annotations
 
@@ -252,14 +252,21 @@ class _Committer:
         self.commit = commit
         self.queue: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
-        threading.Thread(target=self._loop, name="harvest-committer", daemon=True).start()
+        self._thread: threading.Thread | None = None
 
     def put(self, item: tuple) -> None:
         self._raise_failure()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="harvest-committer", daemon=True)
+            self._thread.start()
         self.queue.put(item)
 
     def drain(self) -> None:
-        self.queue.join()
+        """Return once the items put so far are committed; the thread ends (a later ``put`` starts one)."""
+        if self._thread is not None:
+            self.queue.put(None)
+            self._thread.join()
+            self._thread = None
         self._raise_failure()
 
     def _raise_failure(self) -> None:
@@ -267,15 +274,12 @@ class _Committer:
             raise self.error
 
     def _loop(self) -> None:
-        while True:
-            item = self.queue.get()
+        while (item := self.queue.get()) is not None:
             try:
                 if self.error is None:
                     self.commit(*item)
             except BaseException as e:  # noqa: BLE001 - raised again by the writer's next call
                 self.error = e
-            finally:
-                self.queue.task_done()
 
 
 def as_torch(values: np.ndarray):
