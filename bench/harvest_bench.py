@@ -7,7 +7,8 @@ and run through a Hugging Face forward stopped after the hooked layer (not a tes
 Per hooked layer L and hook count: vanilla vLLM with the model cut after block L (what the harvest's
 engine runs: no work past the deepest hooked block), then the harvest's engine on the same contexts,
 delivering rows to memory (chunks as torch tensors, what ``inspector.harvest`` mixes into batches; and
-the shuffled training batches themselves, 4096 rows each, mixed in a buffer of 16 batches) and to disk
+the shuffled training batches themselves, 4096 rows each, mixed in a buffer of 16 batches, on the CPU
+and, where there is one, on the GPU, where SAELens keeps its buffer) and to disk
 (safetensors shards and the manifest, what ``inspector harvest`` writes), then the disk's own bandwidth
 for the same bytes (``capture_file_bench.disk_seconds``: one file, asked out as it grows, synced), then
 transformers' forward of the same model cut after block L at SAELens's default batch (32 contexts),
@@ -95,12 +96,22 @@ def vanilla_rate(model: Path, engine_args: dict, dtype: str, kept: int, contexts
     return rates
 
 
+def batch_devices() -> dict[str, str]:
+    """Where the shuffled batches are measured: the CPU, and the GPU where there is one (SAELens's
+    mixing buffer lives on its model's device, and a trainer takes its batches there)."""
+    import torch
+
+    return {"batches": "cpu", **({"GPU batches": "cuda"} if torch.cuda.is_available() else {})}
+
+
 def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, out_root: Path) -> dict:
     """Tokens/s of the harvest's pipeline to memory and to disk, and the disk's bytes/s for its rows."""
     from inspector.harvesting.shards import HarvestDirectory, NormEstimate, as_torch
 
     engine.spec = replace(engine.spec, context_size=context_size, tokens=contexts * context_size)
     from inspector.harvesting.store import Harvest
+
+    import torch
 
     rates: dict = {"memory": [], "batches": [], "disk": [], "disk MB/s": [], "raw disk MB/s": []}
     for rep in range(reps + 1):  # the first is a warm-up
@@ -113,10 +124,14 @@ def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, o
         started = time.perf_counter()
         engine.run(engine.contexts(corpus, 0), 0, to_memory, threading.Event())
         seconds = time.perf_counter() - started
-        started = time.perf_counter()  # and shuffled into training batches, as inspector.harvest() delivers them
-        with Harvest(engine.spec, batch_size=4096, engine=engine) as harvest:
-            batched = sum(len(batch[next(iter(engine.widths))]) for batch in harvest)
-        batch_seconds = time.perf_counter() - started
+        batch_rates = {}  # and shuffled into training batches, as inspector.harvest() delivers them
+        for key, device in batch_devices().items():
+            started = time.perf_counter()
+            with Harvest(engine.spec, batch_size=4096, engine=engine, device=device) as harvest:
+                batched = sum(len(batch[next(iter(engine.widths))]) for batch in harvest)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            batch_rates[key] = batched / (time.perf_counter() - started)
         gc.collect()
         out = out_root / f"disk-{context_size}-{rep}"
         directory = HarvestDirectory.open(out, {"layout": "safetensors"}, engine.widths, {"stored_dtype": "x"})
@@ -137,7 +152,8 @@ def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, o
         out.rmdir()
         if rep:
             rates["memory"].append(rows / seconds)
-            rates["batches"].append(batched / batch_seconds)
+            for key, rate in batch_rates.items():
+                rates.setdefault(key, []).append(rate)
             rates["disk"].append(rows / harvest_seconds)
             rates["disk MB/s"].append(rows * row_bytes / harvest_seconds / 1e6)
             rates["raw disk MB/s"].append(rows * row_bytes / raw / 1e6)
@@ -295,15 +311,16 @@ def main() -> None:
                 if row[0] == layer and row[2] == size:
                     row[3]["vanilla"], row[3]["hf"], row[3]["saelens"] = vanilla, hf, sl
     print()
-    print("layer  hooks  context   vanilla tok/s   memory tok/s  (x)  batches tok/s (x)   disk tok/s  (x)  of disk "
-          "bound (x)   HF tok/s  memory/HF  SAELens tok/s  memory/SAELens")
+    print("layer  hooks  context   vanilla tok/s   memory tok/s  (x)  batches tok/s (x)  GPU batches (x)   disk tok/s  "
+          "(x)  of disk bound (x)   HF tok/s  memory/HF  SAELens tok/s  memory/SAELens")
     for layer, count, size, got in rows:
         v, m, b, d = (statistics.median(got[k]) for k in ("vanilla", "memory", "batches", "disk"))
+        g = statistics.median(got["GPU batches"]) if "GPU batches" in got else float("nan")
         bound = min(v, statistics.median(got["raw disk MB/s"]) * 1e6 / got["row bytes"])  # what the disk allows
         hf = statistics.median(got["hf"]) if got["hf"] else float("nan")
         sl = statistics.median(got["saelens"]) if got["saelens"] else float("nan")
         print(f"{layer:5d}  {count:5d}  {size:7d}  {v:14,.0f}  {m:13,.0f} {m / v:5.2f}  {b:13,.0f} {b / v:4.2f}  "
-              f"{d:11,.0f} {d / v:4.2f}  "
+              f"{g:11,.0f} {g / v:4.2f}  {d:11,.0f} {d / v:4.2f}  "
               f"{bound:13,.0f} {d / bound:4.2f}  {hf:9,.0f}  {m / hf:9.2f}  {sl:13,.0f}  {m / sl:14.2f}")
 
 
