@@ -7,6 +7,7 @@ in-memory iterator."""
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -269,7 +270,32 @@ def test_shards_are_listed_in_order_once_synced_and_a_failed_sync_lists_none_aft
         directory.settle()
     on_disk = json.loads((tmp_path / "out" / "harvest.json").read_text())
     assert len(on_disk["shards"]) == 2 and on_disk["contexts_done"] == 2
-    assert sorted(p.name for p in (tmp_path / "out").glob("shard-*")) == [s["file"] for s in on_disk["shards"]]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["harvest.json", *(s["file"] for s in on_disk["shards"])]
+
+
+def test_a_full_disk_stops_the_harvest_with_its_shards_whole_and_no_partial_shard_left(tmp_path, monkeypatch):
+    """A write that fails (here the third piece of the second shard) raises one error that says what is
+    left and how to go on; the shard it was writing is removed, the first stays listed."""
+    directory = shards.HarvestDirectory.open(tmp_path / "out", {"layout": "safetensors", "tokens": None},
+                                             {"a": 8}, {"stored_dtype": "float32"})
+    norm = shards.NormEstimate()
+    directory.write(small_chunk(0, 1), norm)
+    pieces = []
+
+    def full(fd, data, pos):
+        pieces.append(len(data))
+        if len(pieces) == 3:
+            raise OSError(28, "No space left on device")
+        os.pwrite(fd, data, pos)
+
+    monkeypatch.setattr(shards, "write_all", full)
+    with pytest.raises(OSError, match=r"No space left on device while writing the harvest in .*out; the shards "
+                                      r"harvest.json lists are complete: .* run the same command to resume"):
+        directory.write(small_chunk(1, 1), norm)
+    directory.settle()
+    on_disk = json.loads((tmp_path / "out" / "harvest.json").read_text())
+    assert [s["file"] for s in on_disk["shards"]] == ["shard-00000.safetensors"] and on_disk["contexts_done"] == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["harvest.json", "shard-00000.safetensors"]
 
 
 # --- on the engine ---

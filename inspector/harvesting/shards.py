@@ -97,7 +97,7 @@ class HarvestDirectory:
         self.out, self.manifest = out, manifest
         self._written = [s["file"] for s in manifest["shards"]]  # listed, or on their way to the committer
         self._next_context = manifest["contexts_done"]
-        self._committer = _Committer(self._commit)
+        self._committer = _Committer(self._commit, self._drop)
 
     @classmethod
     def open(cls, out, settings: dict, widths: dict[str, int], extra: dict) -> "HarvestDirectory":
@@ -136,15 +136,24 @@ class HarvestDirectory:
         first, count = chunk.contexts
         if first != self._next_context:
             raise RuntimeError(f"shard {number} starts at context {first}, after {self._next_context}")
-        if self.manifest["settings"]["layout"] == "saelens":
-            name, scratch = self._write_arrow(number, chunk), None
-        else:
-            name = f"shard-{number:05d}.safetensors"
-            scratch = self._write_safetensors(self.out / name, chunk)
+        self._committer.raise_failure()  # before writing a shard that could not be listed
+        try:
+            if self.manifest["settings"]["layout"] == "saelens":
+                name, scratch = self._write_arrow(number, chunk), None
+            else:
+                name = f"shard-{number:05d}.safetensors"
+                scratch = self._write_safetensors(self.out / name, chunk)
+        except OSError as e:
+            raise self._failed(e) from e
         self._written.append(name)
         self._next_context = first + count
-        entry = {"file": name, "rows": chunk.rows, "contexts": [first, count]}
-        self._committer.put((scratch, entry, {"sums": dict(norm.sums), "rows": norm.rows}))
+        item = (scratch, {"file": name, "rows": chunk.rows, "contexts": [first, count]},
+                {"sums": dict(norm.sums), "rows": norm.rows})
+        try:
+            self._committer.put(item)
+        except BaseException:
+            self._drop(*item)  # an earlier shard failed to commit: this one is not listed either
+            raise
 
     def settle(self) -> None:
         """Wait until every shard written is durable and listed; raise what failed on the way."""
@@ -152,9 +161,29 @@ class HarvestDirectory:
 
     def _commit(self, scratch: Path | None, entry: dict, norm: dict) -> None:
         """On the committer's thread: the shard synced and given its name, then listed."""
+        try:
+            if scratch is not None:
+                _sync(scratch)
+                os.replace(scratch, self.out / entry["file"])
+            self._list(entry, norm)
+        except OSError as e:
+            if scratch is not None:
+                scratch.unlink(missing_ok=True)
+            raise self._failed(e) from e
+
+    @staticmethod
+    def _drop(scratch: Path | None, entry: dict, norm: dict) -> None:
+        """A shard written after one that failed to commit: not listed, its room given back."""
         if scratch is not None:
-            _sync(scratch)
-            os.replace(scratch, self.out / entry["file"])
+            scratch.unlink(missing_ok=True)
+
+    def _failed(self, e: OSError) -> OSError:
+        """A disk's failure, said with what it leaves: the shards listed are whole, the harvest resumes."""
+        return OSError(e.errno, f"{e.strerror or e} while writing the harvest in {self.out}; the shards "
+                                f"{MANIFEST} lists are complete: make room (or mend the disk) and run the same "
+                                "command to resume")
+
+    def _list(self, entry: dict, norm: dict) -> None:
         first, count = entry["contexts"]
         self.manifest["shards"].append(entry)
         self.manifest["contexts_done"] = first + count
@@ -177,7 +206,11 @@ class HarvestDirectory:
         arrays = {"token_ids": chunk.token_ids.astype(np.int64), "sequence": chunk.sequence.astype(np.int64),
                   "position": chunk.position.astype(np.int64), **chunk.activations}
         scratch = path.with_name(f".{path.name}.partial")
-        write_safetensors(scratch, arrays, {"format": FORMAT}, sync=False)
+        try:
+            write_safetensors(scratch, arrays, {"format": FORMAT}, sync=False)
+        except BaseException:
+            scratch.unlink(missing_ok=True)  # the room it took is the disk's again
+            raise
         return scratch
 
     def _write_arrow(self, number: int, chunk: Chunk) -> str:
@@ -245,17 +278,17 @@ def write_safetensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[
 
 class _Committer:
     """Runs ``commit(*item)`` for each item put, in order, on a thread of its own; one item waits at most
-    (the writer is held back while two shards are unsynced). After a failure the items left are
-    dropped, and ``put`` and ``drain`` raise it."""
+    (the writer is held back while two shards are unsynced). After a failure each item left goes to
+    ``drop(*item)`` instead, and ``put`` and ``drain`` raise the failure."""
 
-    def __init__(self, commit):
-        self.commit = commit
+    def __init__(self, commit, drop):
+        self.commit, self.drop = commit, drop
         self.queue: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
     def put(self, item: tuple) -> None:
-        self._raise_failure()
+        self.raise_failure()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="harvest-committer", daemon=True)
             self._thread.start()
@@ -267,19 +300,18 @@ class _Committer:
             self.queue.put(None)
             self._thread.join()
             self._thread = None
-        self._raise_failure()
+        self.raise_failure()
 
-    def _raise_failure(self) -> None:
+    def raise_failure(self) -> None:
         if self.error is not None:
             raise self.error
 
     def _loop(self) -> None:
         while (item := self.queue.get()) is not None:
             try:
-                if self.error is None:
-                    self.commit(*item)
+                (self.commit if self.error is None else self.drop)(*item)
             except BaseException as e:  # noqa: BLE001 - raised again by the writer's next call
-                self.error = e
+                self.error = self.error or e
 
 
 def as_torch(values: np.ndarray):
