@@ -96,23 +96,20 @@ def vanilla_rate(model: Path, engine_args: dict, dtype: str, kept: int, contexts
     return rates
 
 
-def batch_devices() -> dict[str, str]:
+def batch_devices(cuda: bool) -> dict[str, str]:
     """Where the shuffled batches are measured: the CPU, and the GPU where there is one (SAELens's
     mixing buffer lives on its model's device, and a trainer takes its batches there)."""
-    import torch
-
-    return {"batches": "cpu", **({"GPU batches": "cuda"} if torch.cuda.is_available() else {})}
+    return {"batches": "cpu", **({"GPU batches": "cuda"} if cuda else {})}
 
 
 def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, out_root: Path) -> dict:
     """Tokens/s of the harvest's pipeline to memory and to disk, and the disk's bytes/s for its rows."""
-    from inspector.harvesting.shards import HarvestDirectory, NormEstimate, as_torch
-
-    engine.spec = replace(engine.spec, context_size=context_size, tokens=contexts * context_size)
-    from inspector.harvesting.store import Harvest
-
     import torch
 
+    from inspector.harvesting.shards import HarvestDirectory, NormEstimate, as_torch
+    from inspector.harvesting.store import Harvest
+
+    engine.spec = replace(engine.spec, context_size=context_size, tokens=contexts * context_size)
     rates: dict = {"memory": [], "batches": [], "disk": [], "disk MB/s": [], "raw disk MB/s": []}
     for rep in range(reps + 1):  # the first is a warm-up
         rows, row_bytes = 0, sum(engine.widths.values()) * engine.row_dtype.itemsize
@@ -125,7 +122,7 @@ def harvest_rates(engine, corpus, context_size: int, contexts: int, reps: int, o
         engine.run(engine.contexts(corpus, 0), 0, to_memory, threading.Event())
         seconds = time.perf_counter() - started
         batch_rates = {}  # and shuffled into training batches, as inspector.harvest() delivers them
-        for key, device in batch_devices().items():
+        for key, device in batch_devices(torch.cuda.is_available()).items():
             started = time.perf_counter()
             with Harvest(engine.spec, batch_size=4096, engine=engine, device=device) as harvest:
                 batched = sum(len(batch[next(iter(engine.widths))]) for batch in harvest)
