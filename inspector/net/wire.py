@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import msgspec
 import numpy as np
@@ -229,13 +229,14 @@ def convert(value, kind: type, what: str):
         raise WireError("invalid", f"{what}: {e}") from None
 
 
-def event_to_body(event: StepEvent) -> dict:
+def event_to_body(event: StepEvent, names: Mapping[str, str] | None = None) -> dict:
     """Rows travel per hook, the requests' rows one after the other (a few large frames per step, not
     three per request and hook): an event in bulk as its blocks, with the requests they hold and where;
-    else each request says how many rows of each hook are its own."""
+    else each request says how many rows of each hook are its own. ``names``: a request's id as the
+    peer knows it, for the requests' steps (a server's client knows them by its own ids)."""
     body = {"step": event.step, "started": to_builtins(event.started)}
     if event.blocks is not None:
-        return {**body, "requests": [_step_to_body(step, bulk=True) for step in event.requests],
+        return {**body, "requests": [_step_to_body(step, names, bulk=True) for step in event.requests],
                 "blocks": [{"request_ids": list(b.request_ids), "bounds": b.bounds, "positions": b.positions,
                             "token_ids": b.token_ids, "values": dict(b.values)} for b in event.blocks]}
     by_hook: dict[str, list] = {}
@@ -252,7 +253,7 @@ def event_to_body(event: StepEvent) -> dict:
             joined[key] = _join(arrays)
         return joined[key]
 
-    return {**body, "requests": [_step_to_body(step) for step in event.requests],
+    return {**body, "requests": [_step_to_body(step, names) for step in event.requests],
             "rows": {hook: [join([r[k] for r in parts]) for k in range(3)] for hook, parts in by_hook.items()}}
 
 
@@ -265,8 +266,8 @@ def _join(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays)
 
 
-def _step_to_body(step: RequestStep, bulk: bool = False) -> dict:
-    return {"request_id": step.request_id, "new_token_ids": list(step.new_token_ids),
+def _step_to_body(step: RequestStep, names: Mapping[str, str] | None, bulk: bool = False) -> dict:
+    return {"request_id": step.request_id if names is None else names[step.request_id], "new_token_ids": list(step.new_token_ids),
             "new_texts": list(step.new_texts), "logprobs": list(step.logprobs),
             "top_logprobs": [[list(t) for t in tops] for tops in step.top_logprobs],
             "intervention_log": [[position, list(ivs)] for position, ivs in step.intervention_log],

@@ -463,7 +463,7 @@ class Hub:
             if client is None or rid not in client.owner:
                 continue
             part = parts.setdefault((client.key, client.owner[rid]), ([], [], {}))
-            part[1].append(self._translate(client, rid, step, bulk=event.blocks is not None))
+            part[1].append(self._for_client(client, step, bulk=event.blocks is not None))
             part[2][step.request_id] = rid
         for (key, call_id), (started, steps, names) in parts.items():
             client = self.clients[key]
@@ -471,13 +471,14 @@ class Hub:
             blocks = None if event.blocks is None else tuple(
                 b for b in (b.selected(names, client.hooks) for b in event.blocks) if b is not None)
             self.send(key, Message("event", event_to_body(StepEvent(call.steps, tuple(steps), tuple(started),
-                                                                    blocks=blocks)), call_id))
+                                                                    blocks=blocks), names), call_id))
             call.steps += 1
             call.tokens += sum(len(s.new_token_ids) for s in steps)
             for s in steps:
                 if s.finished:
-                    call.open.remove(s.request_id)
-                    del client.owner[s.request_id]
+                    rid = names[s.request_id]
+                    call.open.remove(rid)
+                    del client.owner[rid]
             if not call.open:
                 del client.calls[call_id]
                 self.send(key, Message("done", {"steps": call.steps, "tokens": call.tokens,
@@ -488,17 +489,20 @@ class Hub:
         tag, _, rid = internal.partition(SEPARATOR)
         return clients.get(tag), rid
 
-    def _translate(self, client: Client, rid: str, step: RequestStep, bulk: bool) -> RequestStep:
-        """``step`` as the client names it; rows in bulk travel in the event's blocks instead. Made from its
-        fields' dict, and what is empty left as it is: a batch-256 step asks 256 times (``dataclasses.replace``
-        and the empty comprehensions took two thirds of the hub's routing)."""
-        rows = {} if bulk else step.rows if client.hooks is None else {
-            h: r for h, r in step.rows.items() if h in client.hooks}
+    def _for_client(self, client: Client, step: RequestStep, bulk: bool) -> RequestStep:
+        """``step`` as much of it as the client sees (its request id is given as the client's on the way
+        out, by ``event_to_body``); rows in bulk travel in the event's blocks instead. The step itself
+        where nothing is to be left out or renamed, as in most steps: a batch-256 step asks 256 times, and
+        a step made anew for each took half of the hub's routing."""
+        rows = step.rows
+        if rows and (bulk or client.hooks is not None):
+            rows = {} if bulk else {h: r for h, r in rows.items() if h in client.hooks}
+        if rows is step.rows and not step.intervention_log and not step.features:
+            return step
         log = step.intervention_log and tuple(
             (position, tuple(self._own(client, d) for d in ivs)) for position, ivs in step.intervention_log)
         features = step.features and {name: f for name, f in step.features.items() if name in client.saes}
-        return RequestStep(**{**vars(step), "request_id": rid, "rows": rows, "intervention_log": log,
-                              "features": features})
+        return RequestStep(**{**vars(step), "rows": rows, "intervention_log": log, "features": features})
 
     def _own(self, client: Client, d: dict) -> dict:
         """An engine log entry's intervention as the client gave it: its own request id, or none for one
