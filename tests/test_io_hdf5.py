@@ -464,6 +464,23 @@ def test_writes_that_continue_each_other_leave_in_one_call_in_order(tmp_path, mo
     assert sum(calls) == len(writes) and len(calls) <= 6  # the first alone, then runs of up to 512
 
 
+def test_a_captures_metadata_leaves_in_pages_so_its_chunks_lie_end_to_end(tmp_path, monkeypatch):
+    """HDF5 keeps the file's metadata in pages: no write smaller than a page reaches the file (thousands
+    of small metadata writes between the chunks kept them from being joined into one call), and the file
+    reads back as it was written."""
+    import inspector.io.latching_file as latching_file
+    from inspector.io.atomic_file import PAGE_BYTES
+
+    sizes = []
+    write = latching_file.LatchingFile.write
+    monkeypatch.setattr(latching_file.LatchingFile, "write",
+                        lambda self, data: (sizes.append(memoryview(data).nbytes), write(self, data))[1])
+    run = engine_like_run(seed=8)
+    stream(run, tmp_path / "paged.h5", seed=9)
+    assert sizes and min(sizes) >= PAGE_BYTES
+    assert_runs_equal(read_run(tmp_path / "paged.h5"), run)
+
+
 def test_a_background_writers_failure_is_raised_on_the_callers_thread_and_leaves_no_file(tmp_path):
     file = BackgroundWriter(tmp_path / "x.h5", {}, {"h": HookPoint("h", "h", "", "resid", 4)})
     file.call("append_blocks", RowBlocks(["nobody"], [0, 1], np.zeros(1, np.int64), np.zeros(1, np.int64),
