@@ -14,7 +14,11 @@ from inspector.core.reused_memory import ReusedMemory
 from inspector.core.shared_ring import Copiers, SharedRing, aligned, ring_bytes
 from inspector.net.wire import WireError, array_dtype
 
-RING_BYTES = ring_bytes(32)  # a thirty-second of the memory, from 512 MiB to 2 GiB: pages made as first used
+# A sixteenth of the memory, from 512 MiB to 8 GiB: pages made as first used. A batch-256 prompt's rows of
+# an 8B model's 32 residual points are 8 GiB: through a 2 GiB ring the server's engine waited while the
+# client copied each of its four steps out, and on an H100's host its client got 0.625 of vanilla's
+# tokens/s against 0.782 through 8 GiB (docs/gpu-run-2026-12-07f-ring-and-pages.md).
+RING_BYTES = ring_bytes(16, most=8 << 30)
 
 
 class RowsAhead:

@@ -25,9 +25,9 @@ COPY_PIECE = 4 << 20  # bytes a copier takes at least: one thread copied 6.6 GB/
 MEMORY_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the machine's memory
 
 
-def ring_bytes(share: int) -> int:
-    """A ``share``-th of the machine's memory, from 512 MiB to 2 GiB."""
-    return min(2 << 30, max(512 << 20, MEMORY_BYTES // share))
+def ring_bytes(share: int, most: int = 2 << 30) -> int:
+    """A ``share``-th of the machine's memory, from 512 MiB to ``most``."""
+    return min(most, max(512 << 20, MEMORY_BYTES // share))
 
 
 def aligned(n: int) -> int:
