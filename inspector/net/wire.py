@@ -267,8 +267,9 @@ def _join(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def _step_to_body(step: RequestStep, names: Mapping[str, str] | None, bulk: bool = False) -> dict:
-    return {"request_id": step.request_id if names is None else names[step.request_id], "new_token_ids": list(step.new_token_ids),
-            "new_texts": list(step.new_texts), "logprobs": list(step.logprobs),
+    return {"request_id": step.request_id if names is None else names[step.request_id],
+            "new_token_ids": list(step.new_token_ids), "new_texts": list(step.new_texts),
+            "logprobs": list(step.logprobs),
             "top_logprobs": [[list(t) for t in tops] for tops in step.top_logprobs],
             "intervention_log": [[position, list(ivs)] for position, ivs in step.intervention_log],
             "finished": step.finished, "finish_reason": step.finish_reason,

@@ -490,10 +490,10 @@ class Hub:
         return clients.get(tag), rid
 
     def _for_client(self, client: Client, step: RequestStep, bulk: bool) -> RequestStep:
-        """``step`` as much of it as the client sees (its request id is given as the client's on the way
-        out, by ``event_to_body``); rows in bulk travel in the event's blocks instead. The step itself
-        where nothing is to be left out or renamed, as in most steps: a batch-256 step asks 256 times, and
-        a step made anew for each took half of the hub's routing."""
+        """What the client sees of ``step`` (its request id becomes the client's on the way out, in
+        ``event_to_body``); rows in bulk travel in the event's blocks instead. The step itself where
+        nothing is left out or renamed, as in most steps: a batch-256 step asks 256 times, and a step
+        made anew for each took half of the hub's routing."""
         rows = step.rows
         if rows and (bulk or client.hooks is not None):
             rows = {} if bulk else {h: r for h, r in rows.items() if h in client.hooks}
