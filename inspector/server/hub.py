@@ -491,12 +491,12 @@ class Hub:
 
     def _for_client(self, client: Client, step: RequestStep, bulk: bool) -> RequestStep:
         """What the client sees of ``step`` (its request id becomes the client's on the way out, in
-        ``event_to_body``); rows in bulk travel in the event's blocks instead. The step itself where
-        nothing is left out or renamed, as in most steps: a batch-256 step asks 256 times, and a step
-        made anew for each took half of the hub's routing."""
+        ``event_to_body``; rows in bulk travel in the event's blocks, chosen there, and its rows are not
+        read). The step itself where nothing is left out or renamed, as in most steps: a batch-256 step
+        asks 256 times, and a step made anew for each took most of the hub's routing."""
         rows = step.rows
-        if rows and (bulk or client.hooks is not None):
-            rows = {} if bulk else {h: r for h, r in rows.items() if h in client.hooks}
+        if not bulk and client.hooks is not None and rows:
+            rows = {h: r for h, r in rows.items() if h in client.hooks}
         if rows is step.rows and not step.intervention_log and not step.features:
             return step
         log = step.intervention_log and tuple(
