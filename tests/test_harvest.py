@@ -270,7 +270,8 @@ def test_shards_are_listed_in_order_once_synced_and_a_failed_sync_lists_none_aft
         directory.settle()
     on_disk = json.loads((tmp_path / "out" / "harvest.json").read_text())
     assert len(on_disk["shards"]) == 2 and on_disk["contexts_done"] == 2
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["harvest.json", *(s["file"] for s in on_disk["shards"])]
+    listed = [s["file"] for s in on_disk["shards"]]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["harvest.json", *listed]
 
 
 def test_a_full_disk_stops_the_harvest_with_its_shards_whole_and_no_partial_shard_left(tmp_path, monkeypatch):
