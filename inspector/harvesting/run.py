@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
+from inspector.core.dtypes import BFLOAT16, ROW_DTYPES, as_bits
 from inspector.core.protocol import BootProgress, SessionOptions
 
 from .corpus import Corpus
@@ -325,8 +325,7 @@ def _copy_rows(into: np.ndarray, start: int, positions: np.ndarray, values: np.n
     """``into[start + positions] = values``, as one block copy where the positions run on (as a
     prefill's do), and as integers for bfloat16 rows (ml_dtypes' type would hold the GIL while it
     copies, which the engine's thread needs)."""
-    if values.dtype == BFLOAT16:
-        into, values = into.view(np.uint16), values.view(np.uint16)
+    into, values = as_bits(into), as_bits(values)
     if len(positions) and positions[-1] - positions[0] + 1 == len(positions):
         into[start + positions[0]:start + positions[-1] + 1] = values
     else:

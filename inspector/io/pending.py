@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from inspector.core.dtypes import as_bits
+
 
 class Slots:
     """Slot numbers for the requests that have rows buffered: the lowest free first, so that the slabs'
@@ -72,7 +74,7 @@ class ChunkSlab:
         grown = np.empty((2 * slots * self.chunk_rows, self.array.shape[1]), self.array.dtype)
         held = np.flatnonzero(self.fill)  # copied alone: the rest of the memory stays untouched
         shape = (self.chunk_rows, self.array.shape[1])
-        grown.reshape(2 * slots, *shape)[held] = self.array.reshape(-1, *shape)[self.home[held]]
+        as_bits(grown).reshape(2 * slots, *shape)[held] = as_bits(self.array).reshape(-1, *shape)[self.home[held]]
         self.array = grown
         self.fill, self.room = (np.concatenate([a, np.zeros(slots - have, np.int64)]) for a in (self.fill, self.room))
         self.home = np.arange(slots, dtype=np.int64)
@@ -89,7 +91,8 @@ class ChunkSlab:
         else:
             within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
             dest, source = np.repeat(first, counts) + within, np.repeat(starts, counts) + within
-        self.array[dest] = values if total == len(values) else values[source]  # all its rows: in order
+        values = as_bits(values)
+        as_bits(self.array)[dest] = values if total == len(values) else values[source]  # all its rows: in order
         self.fill[slots] = fill + counts
 
     def lend(self, slot: int, ticket: int) -> None:
@@ -133,7 +136,7 @@ class SlotRows:
         start = int(self.slab.home[self.slot]) * self.slab.chunk_rows
         at = start + len(self)
         for part in parts:
-            self.slab.array[at: at + len(part)] = part
+            as_bits(self.slab.array)[at: at + len(part)] = as_bits(part)
             at += len(part)
         self.slab.fill[self.slot] = at - start
 
@@ -144,7 +147,7 @@ class SlotRows:
         """Its whole chunk: the rows it holds, then zeros."""
         start = int(self.slab.home[self.slot]) * self.slab.chunk_rows
         chunk = self.slab.array[start: start + self.slab.chunk_rows]
-        chunk[len(self):] = 0
+        as_bits(chunk)[len(self):] = 0
         return chunk
 
     def clear(self) -> None:
