@@ -182,3 +182,16 @@ def test_pinned_host_memory_options_join_the_users_allocator_settings_and_never_
     _add_allocator_options(*wanted)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ("expandable_segments:True,pinned_num_register_threads:2,"
                                                      "pinned_use_cuda_host_register:True")
+
+
+@pytest.mark.parametrize("argument", ["max_num_batched_tokens", "max_model_len", "dtype", "model"])
+def test_engine_arguments_that_are_session_options_are_refused_naming_the_option(tiny_models, argument):
+    """``inspector serve --engine-args '{"max_num_batched_tokens": …}'`` met a TypeError about keyword
+    arguments; it says which option to use instead, before anything boots."""
+    from inspector.core.protocol import SessionError, SessionOptions
+    from inspector.engine.opening import boot_engine
+
+    progress = []
+    with pytest.raises(SessionError, match=f"{argument} are the session's own options"):
+        boot_engine(SessionOptions(engine_args={argument: 1024}), tiny_models["llama"], progress.append)
+    assert progress == []

@@ -12,6 +12,8 @@ from .environment import engine_precision, parallel_ranks, prepare_environment, 
 
 
 INSPECTOR_ENGINE_ARGS = {"enforce_eager", "worker_extension_cls"}
+# vLLM arguments a session sets from options of its own (SessionOptions, the commands' flags)
+SESSION_ENGINE_ARGS = {"model", "dtype", "max_model_len", "max_num_batched_tokens"}
 
 
 def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",
