@@ -187,6 +187,9 @@ def test_bulk_blocks_select_requests_and_hooks_under_new_names_and_refuse_bad_sh
     later = _bulk_step(1, {"r1": 2}, ["b"])  # a step that drained two forwards: a request's rows are joined
     both = RequestRowsView((blocks, later), "r1")
     assert list(both) == ["a", "b"] and both["b"][0].tolist() == [0, 10, 11] and both["a"][0].tolist() == [0]
+    empty_between = RowBlocks(["r0", "r1", "r2"], [0, 2, 2, 3], np.array([4, 5, 9]), np.arange(3), {})
+    assert empty_between.positions_reached() == {"r0": 6, "r2": 10}  # a request without rows reaches nothing
+    assert empty_between.holds("r1") and not empty_between.holds("r9")
     with pytest.raises(ValueError, match="ascending bounds"):
         RowBlocks(["r0"], [0, 2, 3], np.arange(3), np.arange(3), {})
     with pytest.raises(ValueError, match="3 rows need"):

@@ -12,6 +12,7 @@ joining them would copy every row on the engine's thread.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -49,10 +50,23 @@ class RowBlocks:
 
     def span(self, request_id: str) -> slice | None:
         """Where the request's rows lie, or None if it has none here."""
+        k = self._indexed().get(request_id)
+        return None if k is None else slice(int(self.bounds[k]), int(self.bounds[k + 1]))
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._indexed()
+
+    def positions_reached(self) -> dict[str, int]:
+        """Each request with rows here: the position after its last row (one pass, not a lookup a request)."""
+        ends = self.bounds[1:]
+        has = ends > self.bounds[:-1]
+        reached = (self.positions[ends[has] - 1] + 1).tolist()
+        return dict(zip(itertools.compress(self.request_ids, has.tolist()), reached))
+
+    def _indexed(self) -> dict[str, int]:
         if self._index is None:
             self._index = {rid: k for k, rid in enumerate(self.request_ids)}
-        k = self._index.get(request_id)
-        return None if k is None else slice(int(self.bounds[k]), int(self.bounds[k + 1]))
+        return self._index
 
     def rows_of(self, request_id: str, hook: str) -> Rows:
         where = self.span(request_id)
@@ -108,7 +122,7 @@ class RequestRowsView(Mapping):
     __slots__ = ("blocks", "_request_id")
 
     def __init__(self, blocks: tuple[RowBlocks, ...], request_id: str):
-        self.blocks = [b for b in blocks if b.span(request_id) is not None]  # those it has rows in
+        self.blocks = [b for b in blocks if b.holds(request_id)]  # those it has rows in
         self._request_id = request_id
 
     def __getitem__(self, hook: str) -> Rows:

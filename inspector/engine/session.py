@@ -444,16 +444,18 @@ class Session(SessionBase, HeldInterventions, ModelHead, Experiments):
         order = [s.request_id for s in started] + [*captures, *outputs, *self._unsent_log, *self._unsent_windows,
                                                    *finish]
         steps = []
+        reached: dict[str, int] = {}  # the position after each request's last row in the blocks
+        for b in blocks or ():
+            for rid, after in b.positions_reached().items():
+                reached[rid] = max(after, reached.get(rid, 0))
         for rid in dict.fromkeys(order):
             if rid not in self._computed:
                 continue
             drained = captures.get(rid, NOTHING_DRAINED)
             if blocks is not None:
                 rows = RequestRowsView(blocks, rid)
-                for b in rows.blocks:
-                    where = b.span(rid)
-                    if where.stop > where.start:
-                        self._computed[rid] = max(self._computed[rid], int(b.positions[where.stop - 1]) + 1)
+                if rid in reached:
+                    self._computed[rid] = max(self._computed[rid], reached[rid])
             else:
                 rows = drained_rows(drained.rows)
                 self._note_computed(rid, rows)

@@ -31,6 +31,8 @@ def new_tokens(out, text: Callable[[int], str]) -> dict:
     chosen tokens' logprobs and the top logprobs of each step."""
     completion = out.outputs[0]
     new_ids = tuple(completion.token_ids)
+    if not completion.logprobs:  # none asked for (a batch-256 step makes 256 of these)
+        return {"new_token_ids": new_ids, "new_texts": tuple(map(text, new_ids))}
     chosen, tops = [], []
     for token, entry in zip(new_ids, completion.logprobs or []):
         chosen.append(float(entry[token].logprob) if token in entry else float("nan"))
