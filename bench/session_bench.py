@@ -127,13 +127,18 @@ def vanilla(conn, preset: str, path: str, engine_args: dict, parts: bool, logpro
 
 def time_parts(session) -> None:
     """Count the seconds spent in the session's parts: vLLM's step (the plugin's copies queued inside
-    it counted apart too), the drain of the worker's rows, and the event made and folded into the run."""
+    it counted apart too), the drain of the worker's rows, the event made and folded into the run, and
+    a capture file's calls (its rows copied into the writer's ring) and close (the last rows written,
+    the file synced)."""
+    from inspector.io.background import BackgroundWriter
     from inspector.plugin.copyout import CopyOut
 
     count_seconds(type(session._llm.llm_engine), "step", "vLLM step")
     count_seconds(CopyOut, "queue", "copies queued (in the step)")
     count_seconds(type(session), "_drain", "drain")
     count_seconds(type(session), "_event", "event and fold")
+    count_seconds(BackgroundWriter, "call", "file calls")
+    count_seconds(BackgroundWriter, "close", "file close")
 
 
 def profiled(run, texts: list[str], new_tokens: int, out: Path, name: str) -> None:
