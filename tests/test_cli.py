@@ -151,6 +151,20 @@ def test_the_apps_own_server_command_carries_every_session_option():
         "tensor_parallel_size": 2}
 
 
+def test_a_harvest_names_its_hooks_where_captures_have_a_default(capsys):
+    """A harvest writes every row of each hook it takes: it has no default set of hooks, and its help
+    promises none (it had printed the capture commands' default, then refused without --hooks)."""
+    from inspector.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["harvest", "--corpus", "c.txt", "--out", "o"])
+    assert exited.value.code == 2 and "required: --hooks" in capsys.readouterr().err
+    named = parser.parse_args(["harvest", "--corpus", "c.txt", "--out", "o", "--hooks", "blocks.1.*"])
+    assert named.hooks == ["blocks.1.*"]
+    assert parser.parse_args(["capture", "--prompt", "x", "--out", "o.h5"]).hooks is None  # the default applies
+
+
 @pytest.mark.parametrize("fmt", ["table", "json"])
 def test_hooks_lists_the_catalogue(fmt):
     result = inspector("hooks", "--model", "demo", *(["--json"] if fmt == "json" else []))

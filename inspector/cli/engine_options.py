@@ -47,12 +47,13 @@ def open_session(args, progress, retain_rows: bool) -> SessionProtocol:
     return engine_session(options, progress)
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
+def add_engine_options(parser: argparse.ArgumentParser, hooks_required: bool = False) -> None:
+    """``hooks_required``: no default hooks (a harvest writes every row of each hook it takes)."""
     parser.add_argument("--model", default="demo", help="'demo', a model directory, or a cached hub id")
     parser.add_argument("--mode", choices=MODES, default="compiled")
-    parser.add_argument("--hooks", nargs="+", default=None,
-                        help=f"hook names, aliases or glob patterns (default: {' '.join(DEFAULT_HOOKS)}; "
-                             "with --server: what the server captures)")
+    parser.add_argument("--hooks", nargs="+", default=None, required=hooks_required,
+                        help="hook names, aliases or glob patterns" + ("" if hooks_required else
+                             f" (default: {' '.join(DEFAULT_HOOKS)}; with --server: what the server captures)"))
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--max-model-len", type=int, default=1024)
     add_parallel_option(parser)

@@ -22,7 +22,7 @@ def add_parser(sub, add_engine_options) -> None:
                                     "SAELens trains from (--format saelens). The engine stops after the deepest "
                                     "hooked block. Ctrl-C stops after the shard under way; the same command "
                                     "resumes where it stopped.")
-    add_engine_options(hv)
+    add_engine_options(hv, hooks_required=True)
     hv.add_argument("--corpus", required=True, help="text (one document a line), JSONL (a \"text\" field), or a "
                                                     "Hugging Face datasets directory (save_to_disk; a \"text\" column)")
     hv.add_argument("--context-size", type=int, default=128, metavar="N", help="tokens per context (default 128)")
@@ -46,10 +46,7 @@ def add_parser(sub, add_engine_options) -> None:
 
 
 def run(args, engine_args: dict, stage) -> int:
-    hooks = tuple(args.hooks or ())
-    if not hooks:
-        raise ValueError("say which hooks to harvest (--hooks NAME_OR_PATTERN ...)")
-    spec = HarvestSpec(args.model, args.corpus, hooks, args.context_size, args.tokens, args.prepend_bos,
+    spec = HarvestSpec(args.model, args.corpus, tuple(args.hooks), args.context_size, args.tokens, args.prepend_bos,
                        args.separator, args.exclude_special, args.full_depth, args.mode, args.dtype,
                        args.max_num_batched_tokens, args.shard_mb << 20, engine_args)
     stop = threading.Event()
