@@ -120,6 +120,21 @@ def test_bad_corpus_stops_the_harvest_before_anything_is_written(tmp_path, name,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"context_size": 1024}, "contexts of 1024 tokens are longer than demo reads: at most 1023"),
+    ({"chunk_bytes": 0}, "a shard's size must be positive"),
+])
+def test_settings_no_engine_can_take_are_refused_before_it_boots(tmp_path, changes, message):
+    """A context longer than the model reads had booted and compiled the engine, then met its refusal."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("one two three\n")
+    stages = []
+    with pytest.raises(ValueError, match=message):
+        harvest_to_disk(HarvestSpec("demo", corpus, ("blocks.0.hook_resid_post",), **changes), tmp_path / "out",
+                        boot=stages.append)
+    assert stages == [] and not (tmp_path / "out").exists()
+
+
 def test_corpus_kinds(tmp_path):
     text = tmp_path / "c.txt"
     text.write_text("one two\n\nthree\n")

@@ -60,6 +60,8 @@ class HarvestSpec:
             raise ValueError(f"separator must be one of {SEPARATORS}, got {self.separator!r}")
         if not self.hooks:
             raise ValueError("no hooks to harvest: name at least one (a name, alias or glob)")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"a shard's size must be positive (--shard-mb), got {self.chunk_bytes} bytes")
         return self
 
     def kept_layers(self) -> int:
@@ -92,9 +94,15 @@ class Engine:
     def __init__(self, spec: HarvestSpec, progress: Callable[[BootProgress], None] | None = None):
         from transformers import AutoTokenizer
 
+        from inspector.core.models import resolve_model
+        from inspector.engine.opening import context_limit
         from inspector.engine.session import Session
 
         self.spec = spec.checked()
+        longest = context_limit(resolve_model(spec.model))  # refused before a boot, not by the engine after it
+        if longest is not None and spec.context_size >= longest:
+            raise ValueError(f"contexts of {spec.context_size} tokens are longer than {spec.model} reads: at most "
+                             f"{longest - 1} (a context and the one token a prefill samples)")
         batched = spec.max_num_batched_tokens or max(spec.context_size, 8192)
         options = SessionOptions(model=spec.model, mode=spec.mode, hooks=tuple(spec.hooks), dtype=spec.dtype,
                                  max_model_len=spec.context_size + 1, max_num_batched_tokens=batched,
