@@ -62,6 +62,10 @@ def test_patterns_apply_in_order_and_must_match():
     assert parse_window_option("blocks.*.hook_resid_post=every:4") == ("blocks.*.hook_resid_post", "every:4")
     with pytest.raises(ValueError, match="before '='"):
         parse_window_option("=generated")
+    for bad in ("blocks.*=bogus", "last", "every:0"):  # the syntax said once, whichever part is wrong
+        with pytest.raises(ValueError) as refused:
+            parse_window_option(bad)
+        assert str(refused.value).count("last:N or every:K") == 1
 
 
 @pytest.mark.parametrize("text", ["all", "generated", "last:1", "last:4", "last:20", "every:1", "every:3"])

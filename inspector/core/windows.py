@@ -105,7 +105,7 @@ def parse_window_option(text: str) -> tuple[str, str]:
     try:
         return pattern, str(CaptureWindow.parse(window))
     except ValueError as e:
-        raise ValueError(f"--window {text!r}: {e} ({SYNTAX})") from None
+        raise ValueError(f"--window {text!r}: {e}" + ("" if SYNTAX in str(e) else f" ({SYNTAX})")) from None
 
 
 def windows_from_patterns(pairs, installed: dict[str, HookPoint]) -> dict[str, CaptureWindow]:
