@@ -284,3 +284,11 @@ def test_install_guide_matches_what_is_tested(wheel):
     assert capture in guide
     assert "packaging/install-desktop-entry.sh" in guide and INSTALL_SCRIPT.is_file()
     assert "pip wheel --no-deps --no-build-isolation -w dist ." in guide
+
+
+def test_the_dev_scripts_commands_run_where_they_are_typed(tmp_path):
+    """``packaging/dev run`` (and ``app``) go back to the caller's directory: a user's relative paths (a
+    vector file, ``--out``) are where they typed them, not in the checkout."""
+    done = subprocess.run([str(PACKAGING / "dev"), "run", "pwd"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == str(tmp_path), done.stderr[-2000:]
