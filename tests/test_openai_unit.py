@@ -239,6 +239,19 @@ def test_serving_refuses_to_start_without_the_plugins_it_needs(monkeypatch):
         cli.require_plugins()
 
 
+def test_engine_arguments_that_are_the_servers_own_options_are_refused_before_vllm_starts():
+    """vllm serve would take the later of two --max-num-batched-tokens without a word."""
+    from inspector.cli import build_parser
+    from inspector.cli.serve import _engine_args
+    from inspector.openai.cli import vllm_arguments
+
+    args = build_parser().parse_args(["serve", "--openai", "--engine-args", '{"max_num_batched_tokens": 64}'])
+    with pytest.raises(ValueError, match="max_num_batched_tokens are the session's own options"):
+        vllm_arguments(args, _engine_args(args))
+    plain = build_parser().parse_args(["serve", "--openai", "--hooks", "blocks.0.*", "--engine-args", '{"seed": 3}'])
+    assert vllm_arguments(plain, _engine_args(plain))[-2:] == ["--seed", "3"]
+
+
 def test_a_worker_says_once_that_requests_bring_fields_no_middleware_read(caplog, monkeypatch):
     """A server whose endpoint plugin did not load passes a client's fields straight to the engine:
     the worker cannot refuse the request, so it logs why it runs unsteered (once, not per request)."""

@@ -16,6 +16,17 @@ INSPECTOR_ENGINE_ARGS = {"enforce_eager", "worker_extension_cls"}
 SESSION_ENGINE_ARGS = {"model", "dtype", "max_model_len", "max_num_batched_tokens"}
 
 
+def own_options_among(engine_args: dict) -> str | None:
+    """Why these engine arguments are refused where they name the session's own options (None: they do
+    not): given twice, one would win unseen, or boot_llm's call would fail on a repeated keyword."""
+    own = sorted(set(engine_args) & SESSION_ENGINE_ARGS)
+    if not own:
+        return None
+    return (f"engine argument(s) {', '.join(own)} are the session's own options: give them as options "
+            "(SessionOptions fields; the commands' --max-model-len, --max-num-batched-tokens, --dtype, --model), "
+            "not among the engine arguments")
+
+
 def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None, mode: str = "compiled",
              dtype: str = "float32", max_num_batched_tokens: int = 512, max_model_len: int = 1024,
              enable_position_interventions: bool = False, hook_patterns: tuple[str, ...] = (),

@@ -15,7 +15,7 @@ from inspector.core.ranks import merge_descriptions
 from inspector.core.windows import windows_from_patterns
 from inspector.plugin.config import PLUGIN_MISSING
 
-from .boot import SESSION_ENGINE_ARGS, boot_llm, shutdown_llm
+from .boot import boot_llm, own_options_among, shutdown_llm
 
 
 def open_engine(options: SessionOptions, report: Callable[[BootProgress], None]
@@ -84,11 +84,8 @@ def boot_engine(options: SessionOptions, path, report: Callable[[BootProgress], 
     the weights), probing (the hook points found) and compiling (or warming up)."""
     from inspector.plugin import worker_extension
 
-    own = sorted(set(options.engine_args) & SESSION_ENGINE_ARGS)
-    if own:  # else a TypeError about keyword arguments
-        raise SessionError(f"engine argument(s) {', '.join(own)} are the session's own options: give them as "
-                           "options (SessionOptions fields; the commands' --max-model-len, "
-                           "--max-num-batched-tokens, --dtype, --model), not among the engine arguments")
+    if (refused := own_options_among(options.engine_args)) is not None:
+        raise SessionError(refused)
 
     def probing():
         report(BootProgress("probing", "weights loaded; a probe forward reads the model's blocks"))

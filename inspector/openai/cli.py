@@ -13,6 +13,7 @@ from pathlib import Path
 from inspector.core.interventions import DEFAULT_MAX_SLOTS
 from inspector.core.models import resolve_model
 from inspector.core.request_edits import SERVED_SECTION
+from inspector.engine.boot import own_options_among
 from inspector.engine.environment import parallel_ranks, worker_environment
 
 from .vectors import absolute_vector_spec, parse_vector_spec
@@ -48,6 +49,8 @@ def vllm_arguments(args, engine_args: dict) -> list[str]:
     given = [name for name, default in NOT_WITH_OPENAI.items() if getattr(args, name) != default]
     if given:
         raise ValueError(f"--{given[0].replace('_', '-')} is an option of the ZeroMQ server, not of --openai")
+    if (refused := own_options_among(engine_args)) is not None:  # vllm serve would take the last of two silently
+        raise ValueError(refused)
     for spec in args.vectors:
         parse_vector_spec(spec)  # read now: a bad file fails before the engine boots
     vectors = [absolute_vector_spec(spec) for spec in args.vectors]
