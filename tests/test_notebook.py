@@ -109,6 +109,23 @@ def test_generate_with_cache_caches_every_position_the_model_ran_on(ins, tiny_mo
         ins.generate_with_cache(PROMPTS[0], temprature=0.5)
 
 
+def test_generate_is_transformerlens_generate_without_a_cache(ins):
+    """``generate``: the prompt and its continuation as text (greedy: generate_with_cache's), its
+    tokens on request, sampling as TransformerLens samples by default; text input only."""
+    greedy = ins.generate_with_cache(PROMPTS, max_new_tokens=5, ignore_eos=True)
+    texts = ins.generate(PROMPTS, max_new_tokens=5, do_sample=False, stop_at_eos=False)
+    assert texts == [prompt + text for prompt, text in zip(PROMPTS, greedy.text)]
+    assert ins.generate(PROMPTS[0], max_new_tokens=5, do_sample=False, stop_at_eos=False) == texts[0]
+    tokens = ins.generate(PROMPTS, max_new_tokens=5, do_sample=False, stop_at_eos=False, return_type="tokens")
+    assert torch.equal(tokens, greedy.tokens)
+    sampled = [ins.generate(PROMPTS[0], max_new_tokens=8, stop_at_eos=False, seed=s) for s in range(4)]
+    assert all(t.startswith(PROMPTS[0]) for t in sampled) and len(set(sampled)) > 1
+    with pytest.raises(ValueError, match="as text"):
+        ins.generate(ins.to_tokens(PROMPTS[0]))
+    with pytest.raises(ValueError, match="return_type"):
+        ins.generate(PROMPTS[0], return_type="logits")
+
+
 @pytest.fixture(scope="module")
 def gpt2(tiny_models):
     from inspector import Inspector

@@ -259,10 +259,8 @@ class Inspector:
         self._check_filter(names_filter)
         wanted = {name for name, point in self.points.items() if _wanted(point.alias, names_filter)}
         requests, sink = self._generated_rows(prompts, params, wanted, max_new_tokens)
-        longest = max(len(r.token_ids) for r in requests)
-        tokens = torch.zeros((len(requests), longest), dtype=torch.long)
-        for i, request in enumerate(requests):
-            tokens[i, :len(request.token_ids)] = torch.tensor(request.token_ids)
+        tokens = _padded_tokens(requests)
+        longest = tokens.shape[1]
         if sink is None:
             rows, written = drained_generation(requests, wanted, longest)
         else:
@@ -273,25 +271,54 @@ class Inspector:
         cache = self._cache(rows, written.long(), [self.session.token_texts(r.token_ids) for r in requests])
         return Generated(texts, tokens.to(self.device), cache)
 
+    def generate(self, input: str | Sequence[str] = "", max_new_tokens: int = 10, stop_at_eos: bool = True,
+                 do_sample: bool = True, top_k: int | None = None, top_p: float | None = None,
+                 temperature: float = 1.0, seed: int | None = None, return_type: str = "input",
+                 verbose: bool = False) -> str | list[str] | torch.Tensor:
+        """TransformerLens's ``generate``, sampling by default as it does (``do_sample=False``: greedy): a
+        prompt and its continuation as one text (a list of them for several prompts), or with
+        ``return_type="tokens"`` their token ids [batch, pos], 0 after each one's end. No rows are
+        captured (``generate_with_cache`` keeps them); ``verbose`` (a progress bar there) shows nothing."""
+        texts_given = isinstance(input, Sequence) and input and all(isinstance(p, str) for p in input)
+        if not (isinstance(input, str) or texts_given):
+            raise ValueError("generate takes a prompt or a list of prompts as text (to_string turns token ids into "
+                             f"one), not {type(input).__name__}")
+        if return_type not in ("input", "str", "tokens"):
+            raise ValueError(f"return_type must be 'input', 'str' or 'tokens', not {return_type!r}")
+        prompts = [input] if isinstance(input, str) else list(input)
+        params = Sampling(max_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0,
+                          top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, seed=seed, logprobs=0,
+                          ignore_eos=not stop_at_eos, capture=False)
+        requests = self._generated(prompts, params)
+        if return_type == "tokens":
+            return _padded_tokens(requests).to(self.device)
+        texts = [prompt + "".join(self.session.token_texts(r.generated_token_ids)) if r.generated_token_ids else prompt
+                 for prompt, r in zip(prompts, requests)]
+        return texts[0] if isinstance(input, str) else texts
+
+    def _generated(self, prompts: list[str], params: Sampling) -> list:
+        """The run's requests of a generation of ``prompts`` (``Run`` requests, in prompt order)."""
+        self.session.new_run()
+        ids = self.session.upcoming_request_ids(len(prompts))
+        for _ in self.session.generate(prompts, params):
+            pass
+        self._raise_hook_error()
+        requests = [self.session.run.requests[rid] for rid in ids]
+        self.session.new_run()  # what is kept lives in the caller's objects from here on
+        return requests
+
     def _generated_rows(self, prompts: list[str], params: Sampling, wanted: set[str], max_new_tokens: int
                         ) -> tuple[list, DeviceRows | None]:
         """The engine's part of ``generate_with_cache``: the run's requests (``Run`` requests, in prompt
         order) and, with the engine in this process, the row sink that holds their ``wanted`` rows
         (else the requests hold them)."""
-        self.session.new_run()
-        ids = self.session.upcoming_request_ids(len(prompts))
-        self._index_requests(ids)
+        self._index_requests(self.session.upcoming_request_ids(len(prompts)))
         sink = None
         if self._in_process():
             capacity = max(len(self.session.tokenize(p, add_special_tokens=True)) for p in prompts) + max_new_tokens
             sink = DeviceRows(wanted, self._request_index, len(prompts), capacity)
         with self._sinking(sink):
-            for _ in self.session.generate(prompts, params):
-                pass
-        self._raise_hook_error()
-        requests = [self.session.run.requests[rid] for rid in ids]
-        self.session.new_run()  # the rows live in the cache from here on
-        return requests, sink
+            return self._generated(prompts, params), sink
 
     # --- files and the app ---
 
@@ -367,6 +394,14 @@ class Inspector:
         if len(ids) != 1:
             raise ValueError(f"{string!r} is {len(ids)} tokens, not one")
         return ids[0]
+
+
+def _padded_tokens(requests) -> torch.Tensor:
+    """The requests' prompt and generated token ids [batch, pos], 0 after each one's end."""
+    tokens = torch.zeros((len(requests), max(len(r.token_ids) for r in requests)), dtype=torch.long)
+    for i, request in enumerate(requests):
+        tokens[i, :len(request.token_ids)] = torch.tensor(request.token_ids)
+    return tokens
 
 
 def _wanted(alias: str, names_filter: NamesFilter) -> bool:
