@@ -109,6 +109,17 @@ def test_generate_with_cache_caches_every_position_the_model_ran_on(ins, tiny_mo
         ins.generate_with_cache(PROMPTS[0], temprature=0.5)
 
 
+def test_cfg_holds_transformerlens_config_fields_as_transformers_config_says(ins, tiny_models):
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(tiny_models["llama"])
+    cfg = ins.cfg
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_key_value_heads, cfg.d_mlp, cfg.d_vocab) == (
+        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size,
+        hf.vocab_size)
+    assert cfg.d_head == hf.hidden_size // hf.num_attention_heads and cfg.n_ctx == 256 and cfg.dtype == "float32"
+
+
 def test_generate_is_transformerlens_generate_without_a_cache(ins):
     """``generate``: the prompt and its continuation as text (greedy: generate_with_cache's), its
     tokens on request, sampling as TransformerLens samples by default; text input only."""

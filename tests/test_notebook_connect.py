@@ -60,8 +60,15 @@ def test_the_cache_and_the_logits_of_its_rows_are_transformers_own(ins, cached, 
 
 
 def test_generate_with_cache_is_transformers_greedy_continuation_and_caches_as_a_prefill(ins, tiny_models):
+    from transformers import AutoConfig
+
     generated = ins.generate_with_cache(PROMPTS, max_new_tokens=5, ignore_eos=True)
     assert_greedy_generation_caches_as_a_prefill(ins, tiny_models["llama"], PROMPTS, generated, 5)
+    greedy = ins.generate(PROMPTS, max_new_tokens=5, do_sample=False, stop_at_eos=False)
+    assert greedy == [prompt + text for prompt, text in zip(PROMPTS, generated.text)]  # TransformerLens's generate
+    hf = AutoConfig.from_pretrained(tiny_models["llama"])  # the server's model's config, read there
+    assert (ins.cfg.n_layers, ins.cfg.d_model, ins.cfg.d_head, ins.cfg.d_vocab) == (
+        hf.num_hidden_layers, hf.hidden_size, hf.hidden_size // hf.num_attention_heads, hf.vocab_size)
 
 
 def test_a_steering_vector_in_a_hooks_block_is_transformers_steering_and_ends_with_it(ins, cached, tiny_models):

@@ -27,6 +27,7 @@ from inspector.engine.session import Session
 
 from . import files
 from .cache import HEADED_KINDS, ActivationCache, by_alias
+from .config import model_config_of
 from .rows import DeviceRows, drained_generation, drained_prefill
 from .hook_functions import HookFunction, row_function
 
@@ -73,7 +74,8 @@ class Inspector:
         self._fwd_hooks: list[tuple[str, HookFunction]] = []  # (installed name, function), in force now
         self._request_index: dict[str, int] = {}  # engine request id -> the prompt's index, for hook functions
         self.points = {name: point for name, point in self.session.installed.items()}
-        self.n_layers = 1 + max((p.layer for p in self.session.catalogue), default=-1)
+        self.cfg = model_config_of(self.session)  # TransformerLens's most read config fields
+        self.n_layers = self.cfg.n_layers
         self.geometries = {p.layer: p.attention for p in self.session.catalogue if p.kind == "q" and p.attention}
 
     @classmethod
