@@ -122,7 +122,7 @@ def test_bad_corpus_stops_the_harvest_before_anything_is_written(tmp_path, name,
 
 @pytest.mark.parametrize("changes, message", [
     ({"context_size": 1024}, "contexts of 1024 tokens are longer than demo reads: at most 1023"),
-    ({"chunk_bytes": 0}, "a shard's size must be positive"),
+    ({"chunk_bytes": -1 << 20}, "a shard's size cannot be negative"),
 ])
 def test_settings_no_engine_can_take_are_refused_before_it_boots(tmp_path, changes, message):
     """A context longer than the model reads had booted and compiled the engine, then met its refusal."""

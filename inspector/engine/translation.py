@@ -34,7 +34,7 @@ def new_tokens(out, text: Callable[[int], str]) -> dict:
     if not completion.logprobs:  # none asked for (a batch-256 step makes 256 of these)
         return {"new_token_ids": new_ids, "new_texts": tuple(map(text, new_ids))}
     chosen, tops = [], []
-    for token, entry in zip(new_ids, completion.logprobs or []):
+    for token, entry in zip(new_ids, completion.logprobs):
         chosen.append(float(entry[token].logprob) if token in entry else float("nan"))
         ranked = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()), key=lambda x: -x[1])
         tops.append(tuple(TopToken(t, lp, text(t)) for t, lp in ranked))

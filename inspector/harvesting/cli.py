@@ -41,7 +41,8 @@ def add_parser(sub, add_engine_options) -> None:
                     help="run every block, even past the deepest hooked one")
     hv.add_argument("--max-num-batched-tokens", type=int, default=0, metavar="N",
                     help="tokens per engine step (default: max(context size, 8192))")
-    hv.add_argument("--shard-mb", type=int, default=256, metavar="MB", help="rows per shard, in MiB (default 256)")
+    hv.add_argument("--shard-mb", type=int, default=256, metavar="MB",
+                    help="rows per shard, in MiB (default 256; 0: a context a shard)")
     hv.add_argument("--json", action="store_true", help="print the manifest on stdout")
 
 

@@ -60,8 +60,9 @@ class HarvestSpec:
             raise ValueError(f"separator must be one of {SEPARATORS}, got {self.separator!r}")
         if not self.hooks:
             raise ValueError("no hooks to harvest: name at least one (a name, alias or glob)")
-        if self.chunk_bytes < 1:
-            raise ValueError(f"a shard's size must be positive (--shard-mb), got {self.chunk_bytes} bytes")
+        if self.chunk_bytes < 0:
+            raise ValueError(f"a shard's size cannot be negative (--shard-mb; 0: a context a shard), got "
+                             f"{self.chunk_bytes} bytes")
         return self
 
     def kept_layers(self) -> int:
