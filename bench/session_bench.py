@@ -26,8 +26,8 @@ On a GPU every engine gets the same KV cache, enough for the largest batch's req
 vanilla's and ran fewer requests at once.
 
 Where the time goes: ``--time-parts`` prints, for each run, the seconds spent in vLLM's step (vanilla's
-and the in-process session's) and, for the session, in the plugin's copies queued in it, the drain and
-the event. On a small machine,
+and the in-process session's) and, for the session, in the plugin's copies queued in it, the drain,
+the event, and a capture file's calls (rows into its writer's ring) and close. On a small machine,
 ``py-spy record --format raw --subprocesses --idle --threads -o F -- python3 bench/session_bench.py``
 works too (on the H200 it fell minutes behind): each run's stacks pass through a frame named
 ``<consumer>_b<batch>`` (``<consumer>first_b<batch>`` for the first), and ``bench/stacks.py F`` sums them.
