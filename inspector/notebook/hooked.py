@@ -75,7 +75,6 @@ class Inspector:
         self._request_index: dict[str, int] = {}  # engine request id -> the prompt's index, for hook functions
         self.points = {name: point for name, point in self.session.installed.items()}
         self.cfg = model_config_of(self.session)  # TransformerLens's most read config fields
-        self.n_layers = self.cfg.n_layers
         self.geometries = {p.layer: p.attention for p in self.session.catalogue if p.kind == "q" and p.attention}
 
     @classmethod
@@ -91,6 +90,10 @@ class Inspector:
         inspector = cls.__new__(cls)
         inspector._attach(connect(url, keys=client_keys(*key) if isinstance(key, tuple) else key), device)
         return inspector
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
 
     @property
     def session(self):
