@@ -13,10 +13,13 @@ from .engine_options import DEFAULT_HOOKS, add_engine_options, add_window_option
 
 
 def add_parser(sub) -> None:
-    srv = sub.add_parser("serve", help="serve an engine to clients (the app, capture, scripts) over ZeroMQ",
+    srv = sub.add_parser("serve", help="serve an engine: vLLM's OpenAI API with steering and capture (--openai), "
+                                             "or to the app, capture and scripts over ZeroMQ",
                          description="Boot one engine and serve it until SIGINT/SIGTERM. Requests of all clients "
                                      "run in one continuous batch; each client's interventions apply to its own "
-                                     "requests. See docs/protocol.md and docs/serving.md ('Use a GPU server').")
+                                     "requests. With --openai: vLLM's OpenAI-compatible server, steered and "
+                                     "captured per request through vllm_xargs. See docs/serving.md and "
+                                     "docs/protocol.md.")
     add_engine_options(srv)
     srv.add_argument("--listen", default="tcp://127.0.0.1:5557",
                      help="tcp://HOST:PORT or ipc://PATH (default: loopback; any other address needs --keys)")
