@@ -408,10 +408,10 @@ def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_ha
 
     pwrite = latching_file.write_pieces
 
-    def slow_pwrite(fd, pieces, pos):
+    def slow_pwrite(fd, pieces, pos, direct=None):
         if max(len(piece) for piece in pieces) >= latching_file.LatchingFile.LEND_FROM:
             time.sleep(0.002)
-        pwrite(fd, pieces, pos)
+        return pwrite(fd, pieces, pos, direct)
 
     monkeypatch.setattr(latching_file, "write_pieces", slow_pwrite)
     monkeypatch.setattr(latching_file.LatchingFile, "LEND_FROM", 64)
@@ -442,10 +442,10 @@ def test_writes_that_continue_each_other_leave_in_one_call_in_order(tmp_path, mo
     calls, held = [], threading.Event()
     pwrite = latching_file.write_pieces
 
-    def counted(fd, pieces, pos):
+    def counted(fd, pieces, pos, direct=None):
         held.wait(10)  # the writes queue up behind the first
         calls.append(len(pieces))
-        pwrite(fd, pieces, pos)
+        return pwrite(fd, pieces, pos, direct)
 
     monkeypatch.setattr(latching_file, "write_pieces", counted)
     file = latching_file.LatchingFile(tmp_path / "f")

@@ -13,6 +13,7 @@ nothing uses the memory any more.
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 import weakref
@@ -31,6 +32,15 @@ def size_class(nbytes: int) -> int:
     more), so blocks of slightly different sizes are reused for one another."""
     grain = max(SMALLEST, 1 << max(0, nbytes.bit_length() - 4))
     return -(-nbytes // grain) * grain
+
+
+def mapped_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An array in a mapping of its own: page-aligned, as a direct write takes it (``core.writeback``),
+    where numpy's allocator starts large arrays 16 bytes into a page."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    memory = mmap.mmap(-1, max(1, nbytes), flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, max(1, nbytes))
+    _advise(memory, "MADV_HUGEPAGE")
+    return np.frombuffer(memory, np.uint8, count=nbytes).view(dtype).reshape(shape)
 
 
 class ReusedMemory:

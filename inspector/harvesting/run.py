@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from inspector.core.dtypes import BFLOAT16, ROW_DTYPES, as_bits
+from inspector.core.reused_memory import mapped_empty
 from inspector.core.protocol import BootProgress, SessionOptions
 
 from .corpus import Corpus
@@ -317,14 +318,14 @@ def put_unless(into: queue.Queue, item, given_up: threading.Event) -> bool:
 
 
 def _host_rows(rows: int, width: int, dtype: np.dtype) -> np.ndarray:
-    """Memory for a chunk's rows of a hook. Where there is a GPU, pinned memory from torch's caching
-    host allocator: the blocks of chunks their consumer let go of come back already mapped (fresh pages
-    for every chunk held a 4-hook harvest on the H200 to 0.7-0.8x of vanilla), and a consumer's copy
-    to the GPU is direct."""
+    """Memory for a chunk's rows of a hook, page-aligned (a shard's rows go to the disk past the page
+    cache). Where there is a GPU, pinned memory from torch's caching host allocator: the blocks of
+    chunks their consumer let go of come back already mapped (fresh pages for every chunk held a 4-hook
+    harvest on the H200 to 0.7-0.8x of vanilla), and a consumer's copy to the GPU is direct."""
     import torch
 
     if not torch.cuda.is_available():
-        return np.empty((rows, width), dtype)
+        return mapped_empty((rows, width), dtype)
     kind = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16, BFLOAT16: torch.bfloat16}[dtype]
     block = torch.empty((rows, width), dtype=kind, pin_memory=True)
     return block.view(torch.int16).numpy().view(BFLOAT16) if kind == torch.bfloat16 else block.numpy()

@@ -26,7 +26,6 @@ import numpy as np
 
 from inspector.core import writeback
 from inspector.core.dtypes import BFLOAT16
-from inspector.core.writeback import write_all
 
 MANIFEST = "harvest.json"
 FORMAT = "inspector-harvest/1"
@@ -251,7 +250,9 @@ def write_safetensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[
     the kernel asked to write each out at once (``core.writeback``), so that the disk works while the
     shard is still being written, where ``safetensors.save_file`` left it all in memory for the
     ``fsync`` (the disk idle meanwhile). Arrays in the order given, each starting on an 8-byte
-    boundary where those before it end on one (put the int64 ones first)."""
+    boundary where those before it end on one (put the int64 ones first). The header is padded so that
+    the largest array starts on a page: its whole pages (and those of the arrays after it, where they
+    are whole pages too) go to the disk past the page cache where their memory is page-aligned."""
     contiguous = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
     header, at = {"__metadata__": metadata}, 0
     for name, a in contiguous.items():
@@ -259,20 +260,26 @@ def write_safetensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[
                         "data_offsets": [at, at + a.nbytes]}
         at += a.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    largest = max(contiguous, key=lambda name: contiguous[name].nbytes, default=None)
+    before = header[largest]["data_offsets"][0] if largest else 0
+    # the data starts 8-byte aligned, as safetensors pads it; the largest array on a page where that keeps it so
+    text += b" " * (-(8 + len(text) + before) % writeback.ALIGN if before % 8 == 0 else -(8 + len(text)) % 8)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    direct = writeback.open_direct(path)
     try:
         pos = 0
         pieces = [len(text).to_bytes(8, "little") + text, *(a.reshape(-1).view(np.uint8) for a in contiguous.values())]
         for piece in pieces:
             data = memoryview(piece)
             for start in range(0, len(data), writeback.EVERY):
-                write_all(fd, data[start:start + writeback.EVERY], pos + start)
-                writeback.start_writeback(fd)
+                if writeback.write_range(fd, data[start:start + writeback.EVERY], pos + start, direct):
+                    writeback.start_writeback(fd)
             pos += len(data)
         if sync:
             os.fsync(fd)
     finally:
+        if direct is not None:
+            os.close(direct)
         os.close(fd)
 
 

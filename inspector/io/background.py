@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from inspector.core import writeback
 from inspector.core.blocks import RowBlocks, consecutive
 from inspector.core.shared_ring import Copiers, Regions, SharedRing, aligned, ring_bytes
 
@@ -79,17 +80,19 @@ class BackgroundWriter(FinishedOrDropped):
     # --- the parent's side of the ring and the pipe
 
     def _send_blocks(self, blocks: RowBlocks) -> None:
-        """Into the ring: positions, token ids, and the hooks' rows, in one copy where they lie side by
-        side in the landed copy (each copy lets the GIL go and waits to get it back)."""
-        arrays = {"positions": np.ascontiguousarray(blocks.positions, np.int64),
-                  "token_ids": np.ascontiguousarray(blocks.token_ids, np.int64)}
+        """Into the ring: the hooks' rows (in one copy where they lie side by side in the landed copy:
+        each copy lets the GIL go and waits to get it back), then positions and token ids. A region
+        takes whole pages, so the rows start on one: whole chunks go from the ring to the file past the
+        page cache."""
         values = list(blocks.values.values())
         if len(values) > 1 and consecutive(values) and all(v.shape == values[0].shape for v in values):
-            arrays[_STACKED] = np.lib.stride_tricks.as_strided(values[0], shape=(len(values), *values[0].shape))
+            arrays = {_STACKED: np.lib.stride_tricks.as_strided(values[0], shape=(len(values), *values[0].shape))}
         else:
-            arrays.update(blocks.values)
+            arrays = dict(blocks.values)
+        arrays.update(positions=np.ascontiguousarray(blocks.positions, np.int64),
+                      token_ids=np.ascontiguousarray(blocks.token_ids, np.int64))
         sizes = {key: aligned(a.nbytes) for key, a in arrays.items()}
-        size = sum(sizes.values())
+        size = -(-sum(sizes.values()) // writeback.ALIGN) * writeback.ALIGN
         start = self._reserve(size)
         where, at, copies = {}, start, []
         for key, a in arrays.items():

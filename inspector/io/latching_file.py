@@ -30,6 +30,8 @@ class LatchingFile:
     HDF5's and ours; reads, truncation and the end wait for them. An error met there is latched at
     the next call. Raw chunks written from an array ``lending`` names are not copied (the copy was a
     third of a capture writer's time): the array's owner leaves it as it is until ``wait_written``.
+    Those page-aligned on the file and in memory (HDF5's pages place every chunk of 64 KiB or more on
+    a page) go past the page cache (``writeback.write_pieces``).
     """
 
     LEND_FROM = 64 << 10  # smaller writes are copied all the same
@@ -41,7 +43,7 @@ class LatchingFile:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
         self.fd: int | None = os.open(path, flags, 0o666)
         self.error: OSError | None = None
-        self._behind = WriteBehind(self.fd)
+        self._behind = WriteBehind(self.fd, writeback.open_direct(path))
         self._extent = 0      # the end of the furthest write, those still behind included
         self._discarding = False
         self._pos = 0
@@ -213,9 +215,11 @@ class WriteBehind:
     MAX_QUEUED = 64 << 20
     MAX_RUN = 512  # pieces a pwritev takes at most (Linux takes 1,024)
 
-    def __init__(self, fd: int):
-        self.fd = fd
-        self.error: OSError | None = None
+    def __init__(self, fd: int, direct: int | None = None):
+        """``direct``: a descriptor of the same file for the page-aligned writes (``writeback.open_direct``),
+        closed with the writes' thread."""
+        self.fd, self.direct = fd, direct
+        self.error: Exception | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._queued = 0  # bytes of copies waiting
         self.submitted = self.done = 0  # writes asked for, and done (in that order)
@@ -246,20 +250,29 @@ class WriteBehind:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
+        if self.direct is not None:
+            with contextlib.suppress(OSError):  # its writes are done; the file's own descriptor says the rest
+                os.close(self.direct)
+            self.direct = None
 
     def _run(self) -> None:
-        unsent = 0  # bytes written since the kernel was last asked to write the file out
+        try:
+            self._write_jobs()
+        finally:  # however it ended, a waiter sees the thread gone
+            with self._changed:
+                self._changed.notify_all()
+
+    def _write_jobs(self) -> None:
+        unsent = 0  # bytes written through the page cache since the kernel was last asked to write them out
         job = self._jobs.get()
         while job is not None:
             run, job = self._contiguous_run(job)
             pieces = [memoryview(blob) for blob, _, _ in run]
-            size = sum(len(piece) for piece in pieces)
             if self.error is None:
                 try:
-                    write_pieces(self.fd, pieces, run[0][1])
-                except OSError as exc:
+                    unsent += write_pieces(self.fd, pieces, run[0][1], self.direct)
+                except Exception as exc:  # noqa: BLE001 - latched: the file fails, its writer does not hang
                     self.error = exc
-                unsent += size
                 if unsent >= writeback.EVERY:
                     writeback.start_writeback(self.fd)
                     unsent = 0

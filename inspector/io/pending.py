@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from inspector.core.dtypes import as_bits
+from inspector.core.reused_memory import mapped_empty
 
 
 class Slots:
@@ -47,12 +48,13 @@ class ChunkSlab:
     """A hook's chunk buffers (``chunk_rows`` rows of ``width`` each), a chunk a slot and as many spare:
     a full chunk is written from where it lies (``lend``) while its slot fills a spare. ``fill``: rows
     a slot holds; ``room``: rows its (request, hook) takes before a chunk boundary (a whole chunk unless
-    a partial chunk was written early); ``home``: the chunk a slot fills."""
+    a partial chunk was written early); ``home``: the chunk a slot fills. Its memory is page-aligned:
+    a whole chunk goes to the file past the page cache where its size is whole pages."""
 
     def __init__(self, width: int, dtype: np.dtype, chunk_rows: int, writes: Writes, slots: int = 0):
         """``slots``: room made at once (growing copies what the slots hold)."""
         self.chunk_rows, self.writes = chunk_rows, writes
-        self.array = np.empty((0, width), dtype)
+        self.array = mapped_empty((0, width), dtype)
         self.fill = np.zeros(0, np.int64)
         self.room = np.zeros(0, np.int64)
         self.home = np.zeros(0, np.int64)
@@ -71,7 +73,7 @@ class ChunkSlab:
         if slots <= have:
             return
         slots = max(slots, have + have // 2, 16)
-        grown = np.empty((2 * slots * self.chunk_rows, self.array.shape[1]), self.array.dtype)
+        grown = mapped_empty((2 * slots * self.chunk_rows, self.array.shape[1]), self.array.dtype)
         held = np.flatnonzero(self.fill)  # copied alone: the rest of the memory stays untouched
         shape = (self.chunk_rows, self.array.shape[1])
         as_bits(grown).reshape(2 * slots, *shape)[held] = as_bits(self.array).reshape(-1, *shape)[self.home[held]]
