@@ -10,7 +10,8 @@ delivering rows to memory (chunks as torch tensors, what ``inspector.harvest`` m
 the shuffled training batches themselves, 4096 rows each, mixed in a buffer of 16 batches, on the CPU
 and, where there is one, on the GPU, where SAELens keeps its buffer) and to disk
 (safetensors shards and the manifest, what ``inspector harvest`` writes), then the disk's own bandwidth
-for the same bytes (``capture_file_bench.disk_seconds``: one file, asked out as it grows, synced), then
+for the same bytes (``capture_file_bench.disk_seconds``: one file, synced, the better of through the page
+cache and past it), then
 transformers' forward of the same model cut after block L at SAELens's default batch (32 contexts),
 keeping the layer's output on the device: what SAELens's ``ActivationsStore`` does through
 TransformerLens (whose own attention is slower than transformers' SDPA, so this baseline flatters

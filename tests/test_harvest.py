@@ -304,7 +304,7 @@ def test_a_full_disk_stops_the_harvest_with_its_shards_whole_and_no_partial_shar
             raise OSError(28, "No space left on device")
         os.pwrite(fd, data, pos)
 
-    monkeypatch.setattr(shards, "write_all", full)
+    monkeypatch.setattr(shards.writeback, "write_all", full)
     with pytest.raises(OSError, match=r"No space left on device while writing the harvest in .*out; the shards "
                                       r"harvest.json lists are complete: .* run the same command to resume"):
         directory.write(small_chunk(1, 1), norm)
