@@ -59,6 +59,25 @@ def tiny_models():
     return {arch: tiny_model(arch) for arch in ARCHITECTURES}
 
 
+@pytest.fixture
+def writer_in_a_thread(monkeypatch):
+    """A capture file's writer process served by a thread of this one instead (what the test patches
+    in the writer's modules reaches it); its ring and pipe are the real ones."""
+    import multiprocessing
+    import threading
+
+    from inspector.core.shared_ring import SharedRing
+    from inspector.io import background
+
+    def start_in_a_thread(size, populate=False):
+        ring, (ours, theirs) = SharedRing(size), multiprocessing.Pipe()
+        serving = threading.Thread(target=background._serve, args=(theirs, ring), daemon=True)
+        serving.start()
+        return background._Worker(ring, ours, serving)
+
+    monkeypatch.setattr(background, "_start", start_in_a_thread)
+
+
 @pytest.fixture(scope="session")
 def compiled_server(tiny_models):
     """One compiled server on the tiny Llama, shared by the tests of the server and its clients:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import shutil
 import subprocess
@@ -19,7 +18,6 @@ import numpy as np
 import pytest
 
 from inspector.core.blocks import RowBlocks
-from inspector.core.shared_ring import SharedRing
 from inspector.core.hooks import HookPoint
 from inspector.core.run import HookRows, LensRows, RequestCapture, Run, TopToken
 from inspector.core.dtypes import BFLOAT16, ROW_DTYPES
@@ -383,7 +381,7 @@ def test_bulk_steps_of_requests_coming_and_going_and_hooks_skipping_rows(tmp_pat
 
 
 @pytest.mark.parametrize("streamed", ["in bulk", "a (request, hook) at a time", "through the ring"])
-def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_has_them(tmp_path, monkeypatch,
+def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_has_them(tmp_path, monkeypatch, request,
                                                                                        streamed):
     """Whole chunks go to the file's write-behind thread as views of where they lie (a slab's full
     chunk, the staged steps, the writer process's ring), not copies: with that thread slowed down and
@@ -419,15 +417,7 @@ def test_rows_written_from_where_they_lie_are_not_overwritten_before_the_disk_ha
     if streamed == "in bulk":
         stream_in_bulk(run, tmp_path / "streamed.h5", seed=7, in_process=True, buffer_bytes=2 << 20)
     elif streamed == "through the ring":
-        from inspector.io import background
-
-        def start_in_a_thread(size, populate=False):
-            ring, (ours, theirs) = SharedRing(size), multiprocessing.Pipe()
-            serving = threading.Thread(target=background._serve, args=(theirs, ring), daemon=True)
-            serving.start()
-            return background._Worker(ring, ours, serving)
-
-        monkeypatch.setattr(background, "_start", start_in_a_thread)
+        request.getfixturevalue("writer_in_a_thread")
         stream_in_bulk(run, tmp_path / "streamed.h5", seed=7, backlog_bytes=1 << 20)  # pieces of whole chunks
     else:
         stream(run, tmp_path / "streamed.h5", seed=7)

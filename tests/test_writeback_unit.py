@@ -80,16 +80,11 @@ def test_a_file_system_that_refuses_a_direct_write_gets_it_through_the_cache(dir
     assert path.read_bytes() == a.tobytes() * 2
 
 
-def test_a_capture_files_chunks_leave_the_ring_past_the_page_cache(tmp_path, monkeypatch, direct_file):
+def test_a_capture_files_chunks_leave_the_ring_past_the_page_cache(tmp_path, monkeypatch, direct_file,
+                                                                    writer_in_a_thread):
     """Through the writer's ring (here in a thread, to count its writes): whole chunks of rows whose width
     makes them whole pages go direct, from the ring (a prompt's) and from the chunk buffers (decode
     steps'), and the file reads back bit for bit."""
-    import multiprocessing
-    import threading
-
-    from inspector.core.shared_ring import SharedRing
-    from inspector.io import background
-
     counted = {"direct": 0, "cached": 0}
     write = latching_file.write_pieces
 
@@ -99,14 +94,7 @@ def test_a_capture_files_chunks_leave_the_ring_past_the_page_cache(tmp_path, mon
         counted["direct"] += sum(len(p) for p in pieces) - cached
         return cached
 
-    def start_in_a_thread(size, populate=False):
-        ring, (ours, theirs) = SharedRing(size), multiprocessing.Pipe()
-        serving = threading.Thread(target=background._serve, args=(theirs, ring), daemon=True)
-        serving.start()
-        return background._Worker(ring, ours, serving)
-
     monkeypatch.setattr(latching_file, "write_pieces", counting)
-    monkeypatch.setattr(background, "_start", start_in_a_thread)
     width, prompt, new = 2048, 64, 64
     hooks = {f"h{k}": HookPoint(f"h{k}", f"h{k}", "", "resid", width) for k in range(2)}
     rng = np.random.default_rng(0)
@@ -119,8 +107,8 @@ def test_a_capture_files_chunks_leave_the_ring_past_the_page_cache(tmp_path, mon
                                              {h: r[:, :prompt].reshape(-1, width) for h, r in rows.items()}))
         for step in range(new):
             at = np.full(2, prompt + step)
-            file.call("append_blocks", RowBlocks(["a", "b"], [0, 1, 2], at, at,
-                                                 {h: np.ascontiguousarray(r[:, prompt + step]) for h, r in rows.items()}))
+            step_rows = {h: np.ascontiguousarray(r[:, prompt + step]) for h, r in rows.items()}
+            file.call("append_blocks", RowBlocks(["a", "b"], [0, 1, 2], at, at, step_rows))
     run = read_run(tmp_path / "c.h5")
     for k, rid in enumerate(("a", "b")):
         for h, r in rows.items():
