@@ -140,3 +140,27 @@ def test_a_shards_rows_go_past_the_page_cache_and_read_back_through_safetensors(
                            torch.from_numpy(acts.view(np.int16)))
         assert f.get_tensor("position").tolist() == (np.arange(rows) % 7).tolist()
         assert f.get_tensor("token_ids").tolist() == list(range(rows))
+
+
+def test_a_direct_write_that_finds_the_disk_full_fails_the_capture_and_leaves_no_file(tmp_path, monkeypatch,
+                                                                                    direct_file):
+    from inspector.io import CaptureFileError, CaptureWriter
+
+    pwritev = os.pwritev
+
+    def full(descriptor, pieces, pos):
+        if writeback.page_aligned(pieces, pos) and len(pieces[0]) >= 64 << 10:  # a chunk's direct write
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwritev(descriptor, pieces, pos)
+
+    monkeypatch.setattr(os, "pwritev", full)
+    width, prompt = 2048, 64
+    rows = mapped_empty((prompt, width), BFLOAT16)  # page-aligned, as the writer's ring is
+    rows.view(np.uint16)[:] = 1
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(CaptureFileError, match=r"(?i)no space left on device while writing .*c\.h5.*nothing was saved"):
+        with CaptureWriter(out / "c.h5", {}, {"h": HookPoint("h", "h", "", "resid", width)}) as file:
+            file.add_request(RequestCapture("a", "p", list(range(prompt)), {}))
+            file.append_blocks(RowBlocks(["a"], [0, prompt], np.arange(prompt), np.arange(prompt), {"h": rows}))
+    assert os.listdir(out) == []
