@@ -119,11 +119,18 @@ class RequestRowsView(Mapping):
     """One request's rows of a step's ``RowBlocks`` (one per forward the step drained): hook ->
     (positions, token_ids, values), views made on read, joined where the request is in several."""
 
-    __slots__ = ("blocks", "_request_id")
+    __slots__ = ("_step_blocks", "_held", "_request_id")
 
     def __init__(self, blocks: tuple[RowBlocks, ...], request_id: str):
-        self.blocks = [b for b in blocks if b.holds(request_id)]  # those it has rows in
-        self._request_id = request_id
+        self._step_blocks, self._held, self._request_id = blocks, None, request_id
+
+    @property
+    def blocks(self) -> list[RowBlocks]:
+        """Those it has rows in, found when first read: a batch-256 step makes a view a request, and
+        its consumers mostly read the step's blocks instead."""
+        if self._held is None:
+            self._held = [b for b in self._step_blocks if b.holds(self._request_id)]
+        return self._held
 
     def __getitem__(self, hook: str) -> Rows:
         parts = [b.rows_of(self._request_id, hook) for b in self.blocks if hook in b.values]
