@@ -33,10 +33,9 @@ class CaptureWindow:
         if self.kind not in KINDS:
             raise ValueError(f"unknown capture window {self.kind!r}: use {SYNTAX}")
         if self.kind in ("last", "every") and not (isinstance(self.n, int) and 1 <= self.n <= MAX_NUMBER):
-            raise ValueError(f"capture window {self.kind}:{self.n}: the number must be a whole number from 1 "
-                             f"to {MAX_NUMBER}")
+            raise ValueError(f"capture window {self.kind}:{self.n}: the number must be a whole number; use {SYNTAX}")
         if self.kind in ("all", "generated") and self.n != 0:
-            raise ValueError(f"capture window {self.kind} takes no number")
+            raise ValueError(f"capture window {self.kind} takes no number; use {SYNTAX}")
 
     @classmethod
     def parse(cls, text: str) -> "CaptureWindow":
@@ -73,12 +72,12 @@ def _parsed(text: str) -> CaptureWindow:
     kind, colon, number = text.lower().partition(":")
     if kind in ("last", "every"):
         if not colon or not number.strip().isdigit():
-            raise ValueError(f"capture window {text!r}: {kind} needs a number, as in {kind}:4")
+            raise ValueError(f"capture window {text!r}: {kind} needs a number; use {SYNTAX}")
         return CaptureWindow(kind, int(number))
     if kind not in KINDS:
         raise ValueError(f"unknown capture window {text!r}: use {SYNTAX}")
     if colon:
-        raise ValueError(f"capture window {text!r}: {kind} takes no number")
+        raise ValueError(f"capture window {text!r}: {kind} takes no number; use {SYNTAX}")
     return ALL if kind == "all" else CaptureWindow(kind)
 
 
@@ -105,7 +104,7 @@ def parse_window_option(text: str) -> tuple[str, str]:
     try:
         return pattern, str(CaptureWindow.parse(window))
     except ValueError as e:
-        raise ValueError(f"--window {text!r}: {e}" + ("" if SYNTAX in str(e) else f" ({SYNTAX})")) from None
+        raise ValueError(f"--window {text!r}: {e}") from None  # every window error names the syntax
 
 
 def windows_from_patterns(pairs, installed: dict[str, HookPoint]) -> dict[str, CaptureWindow]:

@@ -20,8 +20,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from inspector.core.dtypes import BFLOAT16, ROW_DTYPES, as_bits
-from inspector.core.reused_memory import mapped_empty
 from inspector.core.protocol import BootProgress, SessionOptions
+from inspector.core.reused_memory import mapped_empty
 
 from .corpus import Corpus
 from .packing import pack
