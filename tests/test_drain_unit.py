@@ -80,6 +80,29 @@ def test_drain_without_wait_takes_only_landed_steps_in_order():
     assert runtime.drain() == {}
 
 
+def test_a_drain_for_finishing_requests_waits_for_their_forwards_not_the_one_computing_next():
+    """Request ids: the forwards up to the last holding their rows are waited for; the next forward
+    (already on the GPU while the engine schedules ahead) is taken only if it has landed."""
+    runtime = _runtime()
+    first, second, third = FlagEvent(), FlagEvent(), FlagEvent()
+    _queue(runtime, ["done", "on"], [3, 2], 0, first)
+    _queue(runtime, ["done", "on"], [1, 1], 3, second)
+    _queue(runtime, ["on", "next"], [1, 4], 4, third)
+
+    rows = _rows(runtime, wait=["done"])
+    assert first.done and second.done and not third.done
+    assert rows["done"]["a"]["positions"].tolist() == [0, 1, 2, 3]
+    assert rows["on"]["a"]["positions"].tolist() == [0, 1, 3]
+    assert "next" not in rows
+
+    assert runtime.drain(wait=["someone else"]) == {}  # not waited for, not landed: it stays
+    assert not third.done
+    third.done = True
+    later = _rows(runtime, wait=[])
+    assert later["on"]["b"]["positions"].tolist() == [4]
+    assert later["next"]["a"]["positions"].tolist() == [4, 5, 6, 7]
+
+
 def test_forwards_drained_together_become_one_slice_a_request_and_hook():
     """The engine ran ahead of the drains: its forwards' rows are laid out request after request, so
     each request's rows of a hook are one view (no join per request and hook), and the requests' rows

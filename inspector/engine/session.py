@@ -187,7 +187,7 @@ class Session(SessionBase, HeldInterventions, ModelHead, Experiments):
                 if not flying:
                     return
                 finished = [out.request_id for out in engine.step() if out.finished and out.request_id in flying]
-                for rid, drained in self._drain(wait=bool(finished)).items():
+                for rid, drained in self._drain(wait=finished).items():
                     if rid in flying:
                         flying[rid][2].append(drained.rows)
                 for rid in finished:
@@ -223,7 +223,7 @@ class Session(SessionBase, HeldInterventions, ModelHead, Experiments):
         try:
             outputs = [out for out in self._llm.llm_engine.step() if out.request_id in self._computed]  # open ones
             # Rows still copying arrive with a later step, except a finishing request's: wait for those.
-            captures = self._drain(wait=any(out.finished for out in outputs))
+            captures = self._drain(wait=[out.request_id for out in outputs if out.finished])
         except Exception as e:
             self.alive = False
             with contextlib.suppress(Exception):  # keep the finished forwards' rows, if the worker can
@@ -424,11 +424,12 @@ class Session(SessionBase, HeldInterventions, ModelHead, Experiments):
         digest = hashlib.sha256(f"{self._edit_generation}\n{encode_edit(active)}".encode()).hexdigest()
         return {"cache_salt": f"s-{digest}"}
 
-    def _drain(self, wait: bool = True) -> dict[str, DrainedRequest]:
-        """The workers' rows since the last drain; ``wait=False`` leaves those still copying, except
-        where tensor-parallel ranks each send a slice of a hook's columns (they must send the same rows)."""
+    def _drain(self, wait: bool | list[str] = True) -> dict[str, DrainedRequest]:
+        """The workers' rows since the last drain; ``wait=False`` leaves those still copying and request
+        ids those not of these requests, except where tensor-parallel ranks each send a slice of a
+        hook's columns (they must send the same rows, so they wait for all)."""
         sharded = {name for name, h in self.installed.items() if h.shards > 1}
-        return merge_ranks(self._llm.collective_rpc("inspector_drain", kwargs={"wait": wait or bool(sharded)}),
+        return merge_ranks(self._llm.collective_rpc("inspector_drain", kwargs={"wait": True if sharded else wait}),
                            sharded)
 
     def _event(self, captures: dict[str, DrainedRequest], outputs: dict, finish: dict[str, str] | None = None

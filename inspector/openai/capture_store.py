@@ -49,8 +49,9 @@ class _Choice:
 
 class CaptureStore:
     def __init__(self, directory: Path, limit_bytes: int, hooks: HookTable, metadata: dict, drain, token_texts):
-        """``drain()``: an awaitable of the engine's drained requests since the last; ``token_texts(ids)``:
-        their texts."""
+        """``drain(wait)``: an awaitable of the engine's drained requests since the last (``wait``: for rows
+        still copying too; the polls take only what has landed, so as not to hold the engine's loop
+        while a forward computes); ``token_texts(ids)``: their texts."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.limit_bytes = limit_bytes
@@ -71,7 +72,7 @@ class CaptureStore:
 
     async def finish(self, key: str, answer: bytes) -> Path:
         """Write the capture of ``key`` once its answer (the whole body, JSON or a stream) has been made."""
-        await self._collect()  # the last step's rows
+        await self._collect(wait=True)  # the last step's rows
         pending = self._pending.pop(key)
         choices = _choices(answer)
         path = self.directory / f"{key}.h5"
@@ -118,11 +119,11 @@ class CaptureStore:
     async def _poll(self) -> None:
         while self._pending:
             await asyncio.sleep(POLL_S)
-            await self._collect()
+            await self._collect(wait=False)
 
-    async def _collect(self) -> None:
+    async def _collect(self, wait: bool) -> None:
         async with self._lock:
-            drained = await self._drain()
+            drained = await self._drain(wait)
         for rid, request in drained.items():
             match = ENGINE_ID.match(rid)
             pending = self._pending.get(match.group(2)) if match else None

@@ -73,8 +73,8 @@ class InspectorEndpoints:
         tokenizer = engine_client.renderer.get_tokenizer()
         split = {name for name, point in hooks.points.items() if point.shards > 1}
 
-        async def drain():
-            replies = await engine_client.collective_rpc("inspector_drain", args=(True, True))
+        async def drain(wait: bool):
+            replies = await engine_client.collective_rpc("inspector_drain", args=(wait or bool(split), True))
             return merge_ranks([drain_from_portable(reply) for reply in replies], split)
 
         directory = section.get("capture_dir")

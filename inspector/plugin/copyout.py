@@ -14,6 +14,7 @@ in ``gather`` (why not a background thread: docs/performance-notes.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 
@@ -93,12 +94,21 @@ class HostQueue:
         transfer = self.copy_out.queue(tensors, arenas)
         self._pending.append((forward._replace(host=transfer.host), transfer))
 
-    def take(self, wait: bool = True) -> list[QueuedForward]:
-        """The forwards whose copies have landed, in step order; ``wait``: all of them, once landed.
-        Without it nothing waits for the GPU: the first still in flight and those after it stay."""
+    def take(self, wait: bool | Collection[str] = True) -> list[QueuedForward]:
+        """The forwards whose copies have landed, in step order. ``wait``: True waits for all of them,
+        False for none (the first still in flight and those after it stay), request ids for the forwards
+        holding those requests' rows and those before them. A finishing request's rows are in a forward
+        already computed, while the engine (scheduling ahead) has the next one on the GPU: waiting for
+        that one too left the GPU idle until the next step was scheduled."""
+        if isinstance(wait, bool):
+            due = len(self._pending) if wait else 0
+        else:
+            wanted = set(wait)
+            due = max((i + 1 for i, (forward, _) in enumerate(self._pending) if not wanted.isdisjoint(forward.req_ids)),
+                      default=0)
         ready = 0
-        for _, transfer in self._pending:
-            if wait:
+        for i, (_, transfer) in enumerate(self._pending):
+            if i < due:
                 transfer.wait()
             elif not transfer.ready():
                 break

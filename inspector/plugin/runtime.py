@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import torch
@@ -514,11 +514,11 @@ class InspectorRuntime:
         self._clamped = {self.active[hook].point.name for hook in clamps_at}
         self._has_interventions = bool(interventions)
 
-    def drain(self, wait: bool = True) -> dict[str, DrainedRequest]:
+    def drain(self, wait: bool | Collection[str] = True) -> dict[str, DrainedRequest]:
         """Captures since the last drain, by request: its rows by hook, its SAE features and its scores.
 
         ``wait=False`` never waits for the GPU: steps whose copies are still in flight stay for the
-        next drain (rows still arrive in step order)."""
+        next drain (rows still arrive in step order); request ids: waits for those requests' rows."""
         return drained_requests(self._in_flight.take(wait), self._scores.take(), self._no_capture)
 
     def queued_positions(self, request_ids: list[str]) -> dict[str, int]:
