@@ -426,11 +426,9 @@ class Session(SessionBase, HeldInterventions, ModelHead, Experiments):
 
     def _drain(self, wait: bool | list[str] = True) -> dict[str, DrainedRequest]:
         """The workers' rows since the last drain; ``wait=False`` leaves those still copying and request
-        ids those not of these requests, except where tensor-parallel ranks each send a slice of a
-        hook's columns (they must send the same rows, so they wait for all)."""
+        ids those not of these requests (``InspectorRuntime.drain``)."""
         sharded = {name for name, h in self.installed.items() if h.shards > 1}
-        return merge_ranks(self._llm.collective_rpc("inspector_drain", kwargs={"wait": True if sharded else wait}),
-                           sharded)
+        return merge_ranks(self._llm.collective_rpc("inspector_drain", kwargs={"wait": wait}), sharded)
 
     def _event(self, captures: dict[str, DrainedRequest], outputs: dict, finish: dict[str, str] | None = None
                ) -> StepEvent:

@@ -74,7 +74,7 @@ class InspectorEndpoints:
         split = {name for name, point in hooks.points.items() if point.shards > 1}
 
         async def drain(wait: bool):
-            replies = await engine_client.collective_rpc("inspector_drain", args=(wait or bool(split), True))
+            replies = await engine_client.collective_rpc("inspector_drain", args=(wait, True))
             return merge_ranks([drain_from_portable(reply) for reply in replies], split)
 
         directory = section.get("capture_dir")

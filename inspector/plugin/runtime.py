@@ -518,7 +518,11 @@ class InspectorRuntime:
         """Captures since the last drain, by request: its rows by hook, its SAE features and its scores.
 
         ``wait=False`` never waits for the GPU: steps whose copies are still in flight stay for the
-        next drain (rows still arrive in step order); request ids: waits for those requests' rows."""
+        next drain (rows still arrive in step order); request ids: waits for those requests' rows.
+        Where tensor-parallel ranks each hold a slice of a hook's columns, every drain waits for all:
+        the ranks must send the same rows."""
+        if any(hook.site.shards > 1 for hook in self.active.values()):
+            wait = True
         return drained_requests(self._in_flight.take(wait), self._scores.take(), self._no_capture)
 
     def queued_positions(self, request_ids: list[str]) -> dict[str, int]:

@@ -166,9 +166,10 @@ class InspectorWorkerExtension:
 
     def inspector_drain(self, wait: bool | list[str] = True, portable: bool = False) -> dict:
         """Captures since the last drain, a ``DrainedRequest`` by request; ``wait=False`` leaves steps
-        still copying for later, a list of request ids waits only for those requests' rows. ``portable``: the rows alone, as plain dicts of ``capture.portable``
-        arrays (``drain_from_portable`` reads them), for vLLM's own RPC, which sends neither our types
-        nor typed arrays (and fails the engine on what it cannot send)."""
+        still copying for later, a list of request ids waits only for those requests' rows.
+        ``portable``: the rows alone, as plain dicts of ``capture.portable`` arrays
+        (``drain_from_portable`` reads them), for vLLM's own RPC, which sends neither our types nor
+        typed arrays (and fails the engine on what it cannot send)."""
         drained = self._inspector().drain(wait)
         if not portable:
             return drained
