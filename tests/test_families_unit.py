@@ -36,6 +36,13 @@ def test_the_block_list_is_the_one_holding_attention_else_the_longest():
     assert beside_blocks(model, "model.layers") == ((("embed", "model.embed_tokens"),), "model.norm")
 
 
+def test_one_block_is_a_block_list_too():
+    """A one-layer model, or an engine a harvest cut after block 0."""
+    model = model_of(experts=[Block(False)], layers=[Block()])
+    path, blocks = find_blocks(model, lambda m: isinstance(m, Mixer))
+    assert path == "model.layers" and len(blocks) == 1
+
+
 class PPMissingLayer(nn.Identity):  # what vLLM puts where another pipeline stage holds a block
     pass
 

@@ -320,11 +320,11 @@ def test_a_full_disk_stops_the_harvest_with_its_shards_whole_and_no_partial_shar
 def test_rows_equal_the_capture_paths_rows_exactly(tmp_path):
     """The same engine, the same prompts in one step: prefill-only rows and a generation's prompt rows."""
     size = 12
-    spec = HarvestSpec(str(DEMO_DIR), write_corpus(tmp_path / "c.txt"), ("blocks.1.hook_resid_post",), context_size=size)
+    spec = HarvestSpec(str(DEMO_DIR), write_corpus(tmp_path / "c.txt"), ("blocks.0.hook_resid_post",), context_size=size)
     engine = Engine(spec)
     try:
-        assert engine.session.options.kept_layers == 2
-        assert max(p.layer for p in engine.session.catalogue) == 1  # the engine has two blocks
+        assert engine.session.options.kept_layers == 1
+        assert max(p.layer for p in engine.session.catalogue) == 0  # the engine has one block
         tokenizer = engine.session._llm.get_tokenizer()  # the one generate() tokenizes with
         rng = np.random.default_rng(0)
         candidates = (" ".join(rng.choice(WORDS, rng.integers(3, 12))) for _ in range(2000))
@@ -340,7 +340,7 @@ def test_rows_equal_the_capture_paths_rows_exactly(tmp_path):
             index = [e.request_id for e in events[0].started].index(step.request_id)
             positions, _, values = step.rows[hook]
             [chunk] = got
-            rows = chunk.activations["blocks.1.hook_resid_post"][chunk.sequence == index]
+            rows = chunk.activations["blocks.0.hook_resid_post"][chunk.sequence == index]
             assert np.array_equal(rows[positions], values)
     finally:
         engine.close()

@@ -66,11 +66,11 @@ class Reading:
 
 def find_blocks(model: nn.Module, is_attention=lambda m: False,
                 is_placeholder=lambda m: False) -> tuple[str, nn.ModuleList]:
-    """The decoder block list: of the module lists (of more than one module, each with parameters
-    or a placeholder for a block another pipeline stage holds, ``is_placeholder``), the one holding the
-    most attention layers (``is_attention``), else the longest; ValueError naming the model and its top
-    modules when it has none."""
-    lists = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1
+    """The decoder block list: of the module lists (each module with parameters, or a placeholder for a
+    block another pipeline stage holds, ``is_placeholder``), the one holding the most attention layers
+    (``is_attention``), else the longest; one block is a list too (a one-layer model, or an engine cut
+    after block 0 for a harvest). ValueError naming the model and its top modules when it has none."""
+    lists = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0
              and all(is_placeholder(b) or any(True for _ in b.parameters()) for b in m)
              and not all(is_placeholder(b) for b in m)]
     if not lists:
