@@ -175,10 +175,15 @@ def test_bad_model_names_fail_clearly(tmp_path):
 
 @pytest.mark.parametrize("kind", ["real", "remote"])
 def test_a_hook_pattern_that_matches_nothing_is_named_in_the_error(tiny_models, kind):
-    """The app's own server fails its boot: the client hears the server's reason, not only that it went."""
+    """The app's own server fails its boot: the client hears the server's reason, not only that it went.
+    In process, the failed boot leaves none of vLLM's parallel groups behind: the next boot would find
+    them made and not make its own (a mixture-of-experts model's expert-parallel group among them)."""
     opener = {"real": Session.open, "remote": start_local_server}[kind]
     with pytest.raises(SessionError, match="'blocks.9.hook_nothing' matches no hook point"):
         opener(options(tiny_models["llama"], hooks=["blocks.9.hook_nothing"]))
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    assert not model_parallel_is_initialized()
 
 
 def test_cached_hub_id_resolves_without_network(tiny_models, tmp_path, monkeypatch):

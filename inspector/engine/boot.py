@@ -53,6 +53,7 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     from vllm import LLM
 
     from inspector import plugin
+    from inspector.plugin import vllm_compat
 
     plugin.register()
     if engine_args.get("distributed_executor_backend") == "ray":
@@ -67,6 +68,9 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
                        max_model_len=max_model_len, enforce_eager=mode == "eager",
                        enable_prefix_caching=bool(engine_args.pop("enable_prefix_caching", False)),
                        worker_extension_cls=plugin.WORKER_EXTENSION, **engine_args)
+    except BaseException:
+        vllm_compat.forget_engine_state()  # so that the next boot in this process starts clean
+        raise
     finally:
         plugin.clear_config()
 

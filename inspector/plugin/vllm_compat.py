@@ -575,14 +575,21 @@ def shutdown_engine(llm) -> None:
 
     The ``LLM`` object is unusable afterwards: its engine is dropped so that the model, the KV cache
     and any CUDA graphs are freed now, not when the caller lets go of the object."""
-    import gc
-
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
     engine, llm.llm_engine = llm.llm_engine, None
     engine.engine_core.shutdown()
     _remove_own_placement_group(engine.vllm_config.parallel_config)
     del engine
+    forget_engine_state()
+
+
+def forget_engine_state() -> None:
+    """Tear down what an in-process engine leaves in the process, stopped or failed while booting:
+    vLLM's parallel groups (a dense model's boot creates no expert-parallel group, and the next boot,
+    finding groups made, would not make it), Dynamo's cache and the CUDA graph pool."""
+    import gc
+
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
     gc.collect()
     destroy_model_parallel()
     destroy_distributed_environment()
