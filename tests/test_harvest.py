@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from hf_reference import block_points
 from inspector.core.dtypes import BFLOAT16
-from inspector.core.protocol import Sampling
+from inspector.core.protocol import Sampling, SessionError
 from inspector.core.reused_memory import ReusedMemory
 from inspector.engine.boot import layer_overrides
 from inspector.harvesting import Corpus, CorpusError, HarvestSpec, harvest, harvest_to_disk, mixing, pack, shards
@@ -133,6 +133,18 @@ def test_settings_no_engine_can_take_are_refused_before_it_boots(tmp_path, chang
         harvest_to_disk(HarvestSpec("demo", corpus, ("blocks.0.hook_resid_post",), **changes), tmp_path / "out",
                         boot=stages.append)
     assert stages == [] and not (tmp_path / "out").exists()
+
+
+def test_a_model_that_cannot_be_cut_after_the_hooked_block_is_refused_naming_the_way_round(tmp_path):
+    """vLLM's Qwen3-MoE needs an experts block among those it builds, and block 0 is a dense one."""
+    spec = HarvestSpec(str(tiny_model("qwen3_moe")), write_corpus(tmp_path / "c.txt"), ("blocks.0.hook_resid_post",),
+                       context_size=32)
+    with pytest.raises(SessionError, match=r"the engine was cut after block 0.*harvest with --full-depth"):
+        harvest_to_disk(spec, tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.safetensors"))
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    assert not model_parallel_is_initialized()  # the failed boot left nothing for the next one
 
 
 def test_corpus_kinds(tmp_path):

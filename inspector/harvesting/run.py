@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from inspector.core.dtypes import BFLOAT16, ROW_DTYPES, as_bits
-from inspector.core.protocol import BootProgress, SessionOptions
+from inspector.core.protocol import BootProgress, SessionError, SessionOptions
 from inspector.core.reused_memory import mapped_empty
 
 from .corpus import Corpus
@@ -110,7 +110,14 @@ class Engine:
                                  max_model_len=spec.context_size + 1, max_num_batched_tokens=batched,
                                  enable_position_interventions=False, retain_rows=False,
                                  kept_layers=spec.kept_layers(), engine_args=dict(spec.engine_args))
-        self.session = Session.open(options, progress)
+        try:
+            self.session = Session.open(options, progress)
+        except SessionError as e:
+            if not options.kept_layers:
+                raise
+            raise SessionError(f"{e} (the engine was cut after block {options.kept_layers - 1}, the deepest one "
+                               "hooked; where a model cannot be cut there, harvest with --full-depth, or "
+                               "full_depth=True)") from e
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.session.model_path))
             self.hooks = {name: point.alias or name for name, point in self.session.installed.items()}
