@@ -91,9 +91,9 @@ def vanilla_rate(model: Path, engine_args: dict, dtype: str, kept: int, contexts
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         rates.append(sum(map(len, contexts)) / (time.perf_counter() - started))
-    from inspector.plugin import vllm_compat
+    from inspector.plugin import vllm_process
 
-    vllm_compat.shutdown_engine(llm)
+    vllm_process.shutdown_engine(llm)
     return rates
 
 

@@ -103,6 +103,18 @@ def test_the_points_tie_together_as_transformer_lens_defines_them(engine):
                 assert close(post, got[i + 1, "resid_pre"])
 
 
+def test_transformers_own_model_loads_and_runs_beside_the_engine(engine, tiny_models):
+    """vLLM's Transformers backend makes transformers' model class of its family compile itself, editing
+    the class; the edits stay with the engine's model, so transformers' own model loads in this process
+    and computes what it computes in a fresh one (a notebook comparing with transformers; the tests after
+    this one check the engine against transformers again)."""
+    arch, _ = engine
+    ids = [5, 6, 7, 8, 9]
+    here = hf_reference.logits(tiny_models[arch], ids)
+    np.testing.assert_allclose(here, hf_reference.in_child_process("logits", tiny_models[arch], ids), rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_each_kind_equals_transformers_on_the_same_definition(engine, tiny_models):
     arch, llm = engine
     rows, points, tokens = captured(llm)

@@ -142,9 +142,6 @@ def test_a_model_that_cannot_be_cut_after_the_hooked_block_is_refused_naming_the
     with pytest.raises(SessionError, match=r"the engine was cut after block 0.*harvest with --full-depth"):
         harvest_to_disk(spec, tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.safetensors"))
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-
-    assert not model_parallel_is_initialized()  # the failed boot left nothing for the next one
 
 
 def test_corpus_kinds(tmp_path):

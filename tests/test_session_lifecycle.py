@@ -186,6 +186,18 @@ def test_a_hook_pattern_that_matches_nothing_is_named_in_the_error(tiny_models, 
     assert not model_parallel_is_initialized()
 
 
+def test_a_failed_boot_beside_an_open_engine_leaves_it_running(tiny_models):
+    """vLLM's parallel groups belong to the process: a boot that fails while another engine of this
+    process runs must not tear them down under it."""
+    with Session.open(options(tiny_models["llama"])) as session:
+        list(session.generate(["def f():"], Sampling(max_tokens=4)))
+        with pytest.raises(SessionError, match="matches no hook point"):
+            Session.open(options(tiny_models["gpt2"], hooks=["blocks.9.hook_nothing"]))
+        list(session.generate(["def f():"], Sampling(max_tokens=4)))
+        first, second = session.run.requests.values()
+        assert len(second.generated_token_ids) == 4 and second.generated_token_ids == first.generated_token_ids
+
+
 def test_cached_hub_id_resolves_without_network(tiny_models, tmp_path, monkeypatch):
     import huggingface_hub.constants as hc
 

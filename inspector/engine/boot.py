@@ -53,7 +53,7 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
     from vllm import LLM
 
     from inspector import plugin
-    from inspector.plugin import vllm_compat
+    from inspector.plugin import vllm_process
 
     plugin.register()
     if engine_args.get("distributed_executor_backend") == "ray":
@@ -64,15 +64,17 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
                      kept_layers=kept_layers if overrides else 0)
     try:
         with worker_environment(parallel_ranks(engine_args)):
-            return LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-                       max_model_len=max_model_len, enforce_eager=mode == "eager",
-                       enable_prefix_caching=bool(engine_args.pop("enable_prefix_caching", False)),
-                       worker_extension_cls=plugin.WORKER_EXTENSION, **engine_args)
+            llm = LLM(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                      max_model_len=max_model_len, enforce_eager=mode == "eager",
+                      enable_prefix_caching=bool(engine_args.pop("enable_prefix_caching", False)),
+                      worker_extension_cls=plugin.WORKER_EXTENSION, **engine_args)
     except BaseException:
-        vllm_compat.forget_engine_state()  # so that the next boot in this process starts clean
+        vllm_process.boot_failed()  # so that the next boot in this process starts clean
         raise
     finally:
         plugin.clear_config()
+    vllm_process.booted()
+    return llm
 
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -113,6 +115,6 @@ def _start_ray() -> None:
 
 def shutdown_llm(llm) -> None:
     """Free the engine (memory included) so another can boot in this process."""
-    from inspector.plugin import vllm_compat
+    from inspector.plugin import vllm_process
 
-    vllm_compat.shutdown_engine(llm)
+    vllm_process.shutdown_engine(llm)

@@ -20,14 +20,15 @@ WORKER_EXTENSION = "inspector.plugin.worker_extension.InspectorWorkerExtension"
 
 def register() -> None:
     """Idempotent: patch ``Worker.load_model``, the weight loader (for an engine of fewer blocks than
-    its checkpoint) and key vLLM's compile cache by the hook config; the patches do nothing while no
-    config is set."""
-    from . import vllm_compat
+    its checkpoint) and key vLLM's compile cache by the hook config (these do nothing while no config
+    is set), and keep the Transformers backend's edits of transformers' classes to the engine's model."""
+    from . import vllm_compat, vllm_process
     from .worker_extension import install_runtime
 
     vllm_compat.patch_load_model(install_runtime)
     vllm_compat.skip_weights_of_cut_layers(lambda: getattr(PluginConfig.from_env(), "kept_layers", 0))
     vllm_compat.key_compile_cache(lambda: os.environ.get(ENV_VAR))
+    vllm_process.keep_transformers_classes_unedited()
 
 
 def configure(capture_specs: dict[str, tuple[str, int]], max_num_batched_tokens: int, dtype: torch.dtype,
