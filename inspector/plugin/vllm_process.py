@@ -49,7 +49,8 @@ def keep_transformers_classes_unedited() -> None:
 def _move_edits_to_a_subclass(model: torch.nn.Module, cls: type, bases: tuple, attributes: dict) -> None:
     added = tuple(b for b in cls.__bases__ if b not in bases)
     edits = {k: v for k, v in cls.__dict__.items() if attributes.get(k, _MISSING) is not v}
-    private = type(cls.__name__, (cls, *added), {**edits, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    private = type(cls.__name__, (cls, *added), {**edits, **names})
     for module in model.modules():
         if type(module) is cls:
             module.__class__ = private
