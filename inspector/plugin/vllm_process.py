@@ -20,9 +20,11 @@ def keep_transformers_classes_unedited() -> None:
     asks for a vLLM config) or runs: a notebook comparing with transformers, or TransformerLens loading its
     weights, fails. Patched: once the backend has built its model, the edited classes' instances in it move
     to a private subclass holding the edits, and transformers' classes get back what they had."""
-    from vllm.model_executor.models.transformers.base import Base
-
-    if getattr(Base.__init__, _PATCHED_FLAG, False):
+    try:
+        from vllm.model_executor.models.transformers.base import Base
+    except ImportError:  # a vLLM without this backend module: nothing of it to keep in place
+        return
+    if getattr(Base.__init__, _PATCHED_FLAG, False) or not hasattr(Base, "_decorate_cls_for_torch_compile"):
         return
     decorate, build = Base._decorate_cls_for_torch_compile, Base.__init__
     edited: list[tuple[type, tuple, dict]] = []  # (class, its bases and attributes before the edit)
