@@ -172,6 +172,8 @@ def test_the_engine_is_cut_after_the_deepest_named_block():
     spec = HarvestSpec("demo", "c.txt", ("blocks.1.hook_resid_post", "blocks.0.attn.hook_z"))
     assert spec.kept_layers() == 2
     assert HarvestSpec("demo", "c", ("hook_embed",)).kept_layers() == 1
+    two_stages = {"pipeline_parallel_size": 2}  # vLLM gives each pipeline stage a block
+    assert HarvestSpec("demo", "c", ("hook_embed",), engine_args=two_stages).kept_layers() == 2
     for whole in (("blocks.*.hook_resid_post",), ("blocks.1.hook_resid_post", "ln_final.hook_normalized")):
         assert HarvestSpec("demo", "c", whole).kept_layers() == 0
     assert HarvestSpec("demo", "c", ("blocks.1.hook_resid_post",), full_depth=True).kept_layers() == 0

@@ -67,8 +67,9 @@ class HarvestSpec:
         return self
 
     def kept_layers(self) -> int:
-        """The blocks the engine needs: up to the deepest block a hook pattern names (0: all of them,
-        when a pattern names no block, or a glob could reach any)."""
+        """The blocks the engine needs: up to the deepest block a hook pattern names, and at least one
+        for each pipeline stage (vLLM gives each stage some) (0: all of them, when a pattern names no
+        block, or a glob could reach any)."""
         if self.full_depth:
             return 0
         deepest = []
@@ -80,7 +81,7 @@ class HarvestSpec:
                 deepest.append(0)
             else:
                 return 0
-        return max(deepest) + 1
+        return max(max(deepest) + 1, int(self.engine_args.get("pipeline_parallel_size", 1)))
 
     def settings(self, corpus: Corpus, layout: str) -> dict:
         """What a harvest's rows depend on (a resumed harvest must match them)."""
