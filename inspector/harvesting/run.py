@@ -9,6 +9,7 @@ assembler holds the engine back when the sink is slower (a disk), so memory stay
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import re
@@ -98,11 +99,13 @@ class Engine:
         from transformers import AutoTokenizer
 
         from inspector.core.models import resolve_model
+        from inspector.engine.boot import layer_overrides
         from inspector.engine.opening import context_limit
         from inspector.engine.session import Session
 
         self.spec = spec.checked()
-        longest = context_limit(resolve_model(spec.model))  # refused before a boot, not by the engine after it
+        path = resolve_model(spec.model)
+        longest = context_limit(path)  # refused before a boot, not by the engine after it
         if longest is not None and spec.context_size >= longest:
             raise ValueError(f"contexts of {spec.context_size} tokens are longer than {spec.model} reads: at most "
                              f"{longest - 1} (a context and the one token a prefill samples)")
@@ -114,7 +117,10 @@ class Engine:
         try:
             self.session = Session.open(options, progress)
         except SessionError as e:
-            if not options.kept_layers:
+            cut = False
+            with contextlib.suppress(ValueError):  # a config without a layer count: the boot said so itself
+                cut = bool(options.kept_layers and layer_overrides(path, options.kept_layers))
+            if not cut:  # the model has no blocks past the deepest hooked one: not the cut's doing
                 raise
             raise SessionError(f"{e} (the engine was cut after block {options.kept_layers - 1}, the deepest one "
                                "hooked; where a model cannot be cut there, harvest with --full-depth, or "
