@@ -144,6 +144,12 @@ def test_a_model_that_cannot_be_cut_after_the_hooked_block_is_refused_naming_the
     assert not list((tmp_path / "out").glob("*.safetensors"))
 
 
+def test_a_hook_past_the_models_last_block_is_refused_without_blaming_a_cut(tmp_path):
+    spec = HarvestSpec("demo", write_corpus(tmp_path / "c.txt"), ("blocks.7.hook_resid_post",), context_size=32)
+    with pytest.raises(SessionError, match="'blocks.7.hook_resid_post' matches no hook point of this model$"):
+        harvest_to_disk(spec, tmp_path / "out")
+
+
 def test_corpus_kinds(tmp_path):
     text = tmp_path / "c.txt"
     text.write_text("one two\n\nthree\n")
