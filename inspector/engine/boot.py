@@ -73,7 +73,7 @@ def boot_llm(model: str, capture_specs: dict[str, tuple[str, int]] | None = None
         raise
     finally:
         plugin.clear_config()
-    vllm_process.booted()
+    vllm_process.booted(llm)
     return llm
 
 

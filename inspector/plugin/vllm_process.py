@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import weakref
 
 import torch
 
@@ -80,12 +81,11 @@ def _remove_own_placement_group(parallel_config) -> None:
         ray.util.remove_placement_group(placement_group)
 
 
-_engines_up = 0  # engines booted in this process (``booted``) and not yet shut down
+_engines_up: weakref.WeakSet = weakref.WeakSet()  # booted here (``booted``), not shut down nor collected
 
 
-def booted() -> None:
-    global _engines_up
-    _engines_up += 1
+def booted(llm) -> None:
+    _engines_up.add(llm)
 
 
 def boot_failed() -> None:
@@ -101,12 +101,11 @@ def shutdown_engine(llm) -> None:
 
     The ``LLM`` object is unusable afterwards: its engine is dropped so that the model, the KV cache
     and any CUDA graphs are freed now, not when the caller lets go of the object."""
-    global _engines_up
     engine, llm.llm_engine = llm.llm_engine, None
     engine.engine_core.shutdown()
     _remove_own_placement_group(engine.vllm_config.parallel_config)
     del engine
-    _engines_up = max(0, _engines_up - 1)
+    _engines_up.discard(llm)  # an engine not booted by ``boot_llm`` (a bench's vanilla one) was never counted
     if _engines_up:
         gc.collect()
     else:
