@@ -123,9 +123,11 @@ def test_bad_corpus_stops_the_harvest_before_anything_is_written(tmp_path, name,
 @pytest.mark.parametrize("changes, message", [
     ({"context_size": 1024}, "contexts of 1024 tokens are longer than demo reads: at most 1023"),
     ({"chunk_bytes": -1 << 20}, "a shard's size cannot be negative"),
+    ({}, r"c.txt: its 1 document\(s\) hold \d+ tokens, too few to fill one context of 128"),
 ])
 def test_settings_no_engine_can_take_are_refused_before_it_boots(tmp_path, changes, message):
-    """A context longer than the model reads had booted and compiled the engine, then met its refusal."""
+    """A context longer than the model reads had booted and compiled the engine, then met its refusal; a
+    corpus too short for one context had booted it to harvest nothing."""
     corpus = tmp_path / "c.txt"
     corpus.write_text("one two three\n")
     stages = []
@@ -152,9 +154,9 @@ def test_a_hook_past_the_models_last_block_is_refused_without_blaming_a_cut(tmp_
 
 def test_corpus_kinds(tmp_path):
     text = tmp_path / "c.txt"
-    text.write_text("one two\n\nthree\n")
+    text.write_bytes(b"\xef\xbb\xbfone two\n\nthree\n")  # a byte order mark, as editors on Windows write
     jsonl = tmp_path / "c.jsonl"
-    jsonl.write_text('{"text": "one two"}\n\n{"text": "three", "id": 4}\n')
+    jsonl.write_bytes(b'\xef\xbb\xbf{"text": "one two"}\n\n{"text": "three", "id": 4}\n')
     assert list(Corpus.open(text).texts()) == list(Corpus.open(jsonl).texts()) == ["one two", "three"]
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": ["one two", "three"]}).save_to_disk(str(tmp_path / "ds"))

@@ -173,3 +173,9 @@ def test_the_scan_command_writes_resumes_and_refuses_other_settings(compiled_ser
     refused = inspector("scan", "--corpus", str(bad), "--hook", "blocks.1.hook_resid_post", "--out",
                         str(tmp_path / "b.h5"), check=False)
     assert refused.returncode == 1 and 'line 1: a JSON object with a "text" field expected' in refused.stderr
+    datasets = pytest.importorskip("datasets")  # the same documents as a datasets directory scan the same
+    datasets.Dataset.from_dict({"text": DOCUMENTS}).save_to_disk(str(tmp_path / "ds"))
+    inspector("scan", "--server", compiled_server[0], "--corpus", str(tmp_path / "ds"), "--sae", str(sae),
+              "--out", str(tmp_path / "ds.h5"), "--top", "5")
+    from_directory, _, _ = read_scan(tmp_path / "ds.h5")
+    np.testing.assert_array_equal(from_directory.top_windows, state.top_windows)

@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
                                     "and the same command resumes where it stopped.")
     add_engine_options(sc)
     add_server_options(sc)
-    sc.add_argument("--corpus", required=True, help="a text file (one document per line) or JSONL (a \"text\" field)")
+    sc.add_argument("--corpus", required=True, help="a text file (one document per line), JSONL (a \"text\" field) "
+                    "or a datasets directory (save_to_disk)")
     sc.add_argument("--hook", help="the hook point to scan (default: the one the SAE's config names)")
     sc.add_argument("--sae", metavar="DIR", help="an SAE in SAELens's format: scan its features")
     sc.add_argument("--sae-k", type=int, default=64, metavar="K",
@@ -41,7 +42,6 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """A corpus through the engine prefill-only; per feature (or neuron) its strongest contexts."""
-    import hashlib
     import signal
     import time
 
@@ -49,8 +49,8 @@ def run(args) -> int:
     from inspector.io.scan import read_scan, write_scan
     from inspector.io.atomic_file import check_target
 
-    corpus = Path(args.corpus)
-    documents = read_corpus(corpus)
+    corpus = Corpus.open(args.corpus)  # text lines, JSONL or a datasets directory, as a harvest reads them
+    documents = list(corpus.texts())
     out = Path(args.out)
     check_target(out)
     sae = read_sae(args.sae) if args.sae else None
@@ -59,8 +59,8 @@ def run(args) -> int:
         raise ValueError("say which hook to scan (--hook), or give an SAE whose config names one (--sae)")
     if not args.server:  # a server's hooks are its own: the hook must be one it captures
         args.hooks = [hook]
-    settings = {"model": args.model, "corpus": str(corpus.resolve()), "documents": len(documents),
-                "corpus_sha256": hashlib.sha256(corpus.read_bytes()).hexdigest(), "hook": hook,
+    settings = {"model": args.model, "corpus": str(corpus.path.resolve()), "documents": len(documents),
+                "corpus_sha256": corpus.sha256, "hook": hook,
                 "sae": sae.as_dict() if sae else None, "sae_k": args.sae_k if sae else None, "top": args.top}
     state = None
     if out.exists() and not args.restart:
@@ -120,7 +120,3 @@ def run(args) -> int:
               f"tokens, {state.units} units ({what})")
     return 0 if summary["complete"] else 130
 
-
-def read_corpus(path: Path) -> list[str]:
-    """Documents as a harvest reads them (inspector.harvesting.Corpus): text lines, JSONL, a datasets directory."""
-    return list(Corpus.open(path).texts())

@@ -55,7 +55,7 @@ class Corpus:
 
 def _document(path: Path, kind: str, number: int, line: bytes) -> str | None:
     try:
-        text = line.decode("utf-8")
+        text = line.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte order mark may open the file
     except UnicodeDecodeError as e:
         raise CorpusError(f"{path}, line {number}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not text.strip():

@@ -24,7 +24,7 @@ from inspector.core.dtypes import BFLOAT16, ROW_DTYPES, as_bits
 from inspector.core.protocol import BootProgress, SessionError, SessionOptions
 from inspector.core.reused_memory import mapped_empty
 
-from .corpus import Corpus
+from .corpus import Corpus, CorpusError
 from .packing import pack
 from .shards import Chunk
 
@@ -95,7 +95,9 @@ class HarvestSpec:
 class Engine:
     """The harvest's engine: a session with the hooks installed, cut after the deepest of them."""
 
-    def __init__(self, spec: HarvestSpec, progress: Callable[[BootProgress], None] | None = None):
+    def __init__(self, spec: HarvestSpec, progress: Callable[[BootProgress], None] | None = None,
+                 corpus: Corpus | None = None):
+        """``corpus``: checked before the boot to fill at least one context."""
         from transformers import AutoTokenizer
 
         from inspector.core.models import resolve_model
@@ -109,6 +111,9 @@ class Engine:
         if longest is not None and spec.context_size >= longest:
             raise ValueError(f"contexts of {spec.context_size} tokens are longer than {spec.model} reads: at most "
                              f"{longest - 1} (a context and the one token a prefill samples)")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if corpus is not None:
+            self._refuse_a_corpus_short_of_a_context(corpus)
         batched = spec.max_num_batched_tokens or max(spec.context_size, 8192)
         options = SessionOptions(model=spec.model, mode=spec.mode, hooks=tuple(spec.hooks), dtype=spec.dtype,
                                  max_model_len=spec.context_size + 1, max_num_batched_tokens=batched,
@@ -126,7 +131,6 @@ class Engine:
                                "hooked; where a model cannot be cut there, harvest with --full-depth, or "
                                "full_depth=True)") from e
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.session.model_path))
             self.hooks = {name: point.alias or name for name, point in self.session.installed.items()}
             if not self.hooks:
                 raise ValueError(f"no hook point of this model matches {', '.join(spec.hooks)}")
@@ -140,6 +144,15 @@ class Engine:
 
     def close(self) -> None:
         self.session.close()
+
+    def _refuse_a_corpus_short_of_a_context(self, corpus: Corpus) -> None:
+        """A corpus too short for one context would boot an engine to harvest nothing."""
+        bos, separator = self.boundary_tokens()
+        if next(pack(_token_ids(self.tokenizer, corpus.texts()), self.spec.context_size, bos, separator), None) is None:
+            count = sum(len(ids) for ids in _token_ids(self.tokenizer, corpus.texts()))
+            raise CorpusError(f"{corpus.path}: its {corpus.documents} document(s) hold {count} tokens, too few to fill "
+                              f"one context of {self.spec.context_size}: nothing to harvest (a smaller --context-size, "
+                              "or a longer corpus)")
 
     def boundary_tokens(self) -> tuple[int | None, int | None]:
         """The token each context starts with and the one between documents (None: none)."""

@@ -48,7 +48,7 @@ def harvest_to_disk(spec: HarvestSpec, out, layout: str = "safetensors",
     earlier = earlier_manifest(Path(out), settings)  # refused before the engine boots
     if earlier is not None and _nothing_left(earlier, spec):
         return earlier
-    engine = Engine(spec, boot)
+    engine = Engine(spec, boot, corpus)
     try:
         stored = "float32" if layout == "saelens" and engine.row_dtype == BFLOAT16 else np.dtype(engine.row_dtype).name
         directory = HarvestDirectory.open(out, settings, engine.widths, _description(engine, corpus, stored))
@@ -125,7 +125,7 @@ class Harvest:
         check_mixing(batch_size, self.buffer_rows, mix_fraction)  # before the boot
         self.corpus = Corpus.open(spec.corpus)
         self._owns_engine = engine is None
-        self.engine = engine or Engine(spec, boot)
+        self.engine = engine or Engine(spec, boot, self.corpus)
         self.norm = NormEstimate()
         self._chunks: queue.Queue = queue.Queue(maxsize=2)
         self._stop = threading.Event()
