@@ -21,14 +21,24 @@ WORKER_EXTENSION = "inspector.plugin.worker_extension.InspectorWorkerExtension"
 def register() -> None:
     """Idempotent: patch ``Worker.load_model``, the weight loader (for an engine of fewer blocks than
     its checkpoint) and key vLLM's compile cache by the hook config (these do nothing while no config
-    is set), and keep the Transformers backend's edits of transformers' classes to the engine's model."""
-    from . import vllm_compat, vllm_process
+    is set), keep the Transformers backend's edits of transformers' classes to the engine's model, and
+    mend the Inductor fault that compiled hooks bring out (``inductor_compat``)."""
+    from . import inductor_compat, vllm_compat, vllm_process
     from .worker_extension import install_runtime
 
     vllm_compat.patch_load_model(install_runtime)
     vllm_compat.skip_weights_of_cut_layers(lambda: getattr(PluginConfig.from_env(), "kept_layers", 0))
-    vllm_compat.key_compile_cache(lambda: os.environ.get(ENV_VAR))
+    vllm_compat.key_compile_cache(_compile_key)
     vllm_process.keep_transformers_classes_unedited()
+    inductor_compat.keep_reads_after_the_writes_they_follow()
+
+
+def _compile_key() -> str | None:
+    """What a compiled graph depends on beyond vLLM's config: the hooks, and the Inductor mends."""
+    from .inductor_compat import COMPILE_KEY
+
+    config = os.environ.get(ENV_VAR)
+    return None if config is None else f"{config}|{COMPILE_KEY}"
 
 
 def configure(capture_specs: dict[str, tuple[str, int]], max_num_batched_tokens: int, dtype: torch.dtype,

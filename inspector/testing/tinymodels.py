@@ -21,9 +21,10 @@ from inspector.core.resources import cache_root
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "qwen3", "phi3", "gptj", "opt", "qwen3_moe", "gemma3",
                  "gpt_neox", "olmo2", "phi", "mixtral", "olmoe", "qwen2_moe", "gemma", "stablelm",
-                 "granite", "cohere", "bloom", "olmo", "gpt_bigcode", "gpt_oss")
-# Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention.
-ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}, "gemma3": {"kv_heads": 1}}
+                 "granite", "cohere", "bloom", "olmo", "gpt_bigcode", "gpt_oss", "glm4_moe")
+# Shapes an architecture is built with unless asked otherwise: Gemma 2's grouped-query attention; Glm4-MoE's
+# dense block and two expert blocks after it.
+ARCH_DEFAULTS = {"gemma2": {"kv_heads": 1}, "gemma3": {"kv_heads": 1}, "glm4_moe": {"layers": 3}}
 # Mistral's and Gemma 2's weights are drawn wider (std 0.15, not 0.02): their attention is then peaked,
 # so a pattern recomputed with a wrong scale, window or soft cap is visibly wrong.
 PEAKED_ATTENTION = {"mistral": 0.15, "gemma2": 0.15, "gemma3": 0.15}
@@ -168,6 +169,12 @@ def hf_config(spec: TinySpec, tokenizer):
         return transformers.GptOssConfig(head_dim=spec.hidden // spec.heads, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                          tie_word_embeddings=False, **{**shape, "initializer_range": 0.15})
+    if spec.arch == "glm4_moe":  # block 0 dense, then 4 experts (2 a token, sigmoid scores with a correction
+        # bias, chosen by group) beside a shared expert; partial rotary
+        return transformers.Glm4MoeConfig(head_dim=spec.hidden // spec.heads, n_routed_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=64, first_k_dense_replace=1, n_shared_experts=1,
+                                          n_group=1, topk_group=1, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                                          **shape)
     if spec.arch == "mistral":
         return transformers.MistralConfig(sliding_window=8, hidden_act="silu", tie_word_embeddings=False, **shape)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec.arch]
