@@ -2,6 +2,7 @@
 models, live hook changes, a failure (against the fake too: part of the session contract), and how
 model names resolve. One in-process engine at a time: each test closes what it opens."""
 
+import re
 import shutil
 from dataclasses import replace
 import signal
@@ -16,6 +17,7 @@ from inspector.core.models import ModelNotFound, resolve_model
 from inspector.core.protocol import BOOT_STAGES, Sampling, SessionError, SessionOptions
 from inspector.core.windows import CaptureWindow
 from inspector.client.local import start_local_server
+from inspector.engine import opening
 from inspector.engine.session import Session
 from inspector.plugin import vllm_compat
 
@@ -171,6 +173,23 @@ def test_bad_model_names_fail_clearly(tmp_path):
             resolve_model(str(name))
     with pytest.raises(SessionError, match="no config.json"):
         Session.open(options(tmp_path / "empty"))
+
+
+def test_an_engine_failure_that_says_nothing_says_where_it_was_raised():
+    """vLLM refuses some configurations with a bare ``assert``: "AssertionError: " alone tells a user nothing."""
+    def refuse():
+        raise AssertionError  # what a bare assert raises outside pytest's rewriting
+
+    try:
+        try:
+            refuse()
+        except AssertionError as e:
+            raise RuntimeError("the engine failed") from e
+    except RuntimeError as e:
+        said = opening._root_cause(e)
+    assert re.fullmatch(r"AssertionError at .*test_session_lifecycle\.py:\d+ \(raise AssertionError  # .*\)", said), said
+    assert opening._root_cause(ValueError("Head dimension 96 is not supported")) == \
+        "ValueError: Head dimension 96 is not supported"
 
 
 @pytest.mark.parametrize("kind", ["real", "remote"])

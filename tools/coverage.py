@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -160,13 +159,12 @@ def plain_boot(model_dir: str, engine_args: dict) -> str:
 
 def _why(error: BaseException) -> str:
     """An exception in one line; where it says nothing (a bare assert), where it was raised."""
+    from inspector.engine.opening import where_raised
+
     text = coverage_models.one_line(error)
     while error.__cause__ is not None:
         error = error.__cause__
-    if str(error).strip() or error.__traceback__ is None:
-        return text
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    return f"{text} at {frame.filename.rpartition('site-packages/')[2]}:{frame.lineno} ({frame.line})"
+    return text + where_raised(error)
 
 
 # --- in the driver ---

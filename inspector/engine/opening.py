@@ -115,7 +115,18 @@ def boot_engine(options: SessionOptions, path, report: Callable[[BootProgress], 
 def _root_cause(e: BaseException) -> str:
     while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
         e = e.__cause__ or e.__context__
-    return f"{type(e).__name__}: {e}"
+    return f"{type(e).__name__}: {e}" if str(e).strip() else f"{type(e).__name__}{where_raised(e)}"
+
+
+def where_raised(e: BaseException) -> str:
+    """For an exception that says nothing (a bare ``assert`` in vLLM), where it was raised: `` at
+    FILE:LINE (SOURCE)``; "" for one with a message."""
+    if str(e).strip() or e.__traceback__ is None:
+        return ""
+    import traceback
+
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f" at {frame.filename.rpartition('site-packages/')[2]}:{frame.lineno} ({frame.line})"
 
 
 def describe_engine(llm) -> tuple[list[HookPoint], dict[str, HookPoint], str, dict[str, str]]:
