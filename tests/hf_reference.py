@@ -39,7 +39,8 @@ KINDS = {
     **{arch: _LLAMA_STYLE for arch in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "stablelm", "granite",
                                        "olmo")},
     # the router's logits (a dense layer has none)
-    **{arch: {**_LLAMA_STYLE, "router": ("mlp.gate", "out")} for arch in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")},
+    **{arch: {**_LLAMA_STYLE, "router": ("mlp.gate", "out")} for arch in ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe",
+                                                                         "glm4_moe")},
     "gemma2": _GEMMA_STYLE, "gemma3": _GEMMA_STYLE,
     "olmo2": {"attn_raw": ("self_attn", "out"), "z": ("self_attn.o_proj", "in"),
               "attn_out": ("post_attention_layernorm", "out"),

@@ -37,10 +37,11 @@ FAMILY_OF = {"gpt2": "sequential (GPT2Block)", "gemma2": "fused (Gemma2DecoderLa
              "gemma": "fused (GemmaDecoderLayer)", "stablelm": "sequential (StablelmDecoderLayer)",
              "granite": "sequential (GraniteDecoderLayer)", "cohere": "parallel (CohereDecoderLayer)",
              "bloom": "sequential (BloomBlock)", "olmo": "sequential (OlmoDecoderLayer)",
-             "gpt_bigcode": "sequential (GPTBigCodeBlock)", "gpt_oss": "fused (TransformerBlock)"}
+             "gpt_bigcode": "sequential (GPTBigCodeBlock)", "gpt_oss": "fused (TransformerBlock)",
+             "glm4_moe": "fused (Glm4MoeDecoderLayer)"}
 BACKEND = {"gpt_neox", "olmo2", "phi", "olmo", "gpt_bigcode"}  # vLLM's Transformers backend: the reference runs in a child process
 PARALLEL = {"gptj", "gpt_neox", "phi", "cohere"}  # attention and MLP both read resid_pre
-MIXTURE_OF_EXPERTS = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"}
+MIXTURE_OF_EXPERTS = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "glm4_moe"}
 # one family per structural variant: sequential (GPT-2), post-branch norms, soft cap and sliding windows
 # (Gemma 2), parallel (GPT-J), a mixture of experts (Qwen3-MoE), shared experts (Qwen2-MoE), residual
 # multipliers (Granite), a residual passed on but ignored (Cohere), ALiBi (Bloom), sinks and the
