@@ -162,6 +162,9 @@ def test_corpus_kinds(tmp_path):
     datasets.Dataset.from_dict({"text": ["one two", "three"]}).save_to_disk(str(tmp_path / "ds"))
     corpus = Corpus.open(tmp_path / "ds")
     assert corpus.kind == "datasets" and corpus.documents == 2 and list(corpus.texts()) == ["one two", "three"]
+    datasets.Dataset.from_dict({"text": [[5, 6], [7]]}).save_to_disk(str(tmp_path / "ids"))  # token ids, say
+    with pytest.raises(CorpusError, match=r"ids: the dataset's 'text' column holds List\(Value\('int64'\)\), not strings"):
+        Corpus.open(tmp_path / "ids")
 
 
 def test_layer_overrides_cut_the_count_and_every_per_layer_list(tmp_path):

@@ -87,6 +87,8 @@ def _dataset(path: Path):
         data = data["train"]
     if "text" not in data.column_names:
         raise CorpusError(f"{path}: the dataset has no 'text' column (it has {', '.join(data.column_names)})")
+    if getattr(data.features["text"], "dtype", None) not in ("string", "large_string"):
+        raise CorpusError(f"{path}: the dataset's 'text' column holds {data.features['text']}, not strings")
     return data
 
 
