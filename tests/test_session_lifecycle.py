@@ -175,6 +175,27 @@ def test_bad_model_names_fail_clearly(tmp_path):
         Session.open(options(tmp_path / "empty"))
 
 
+def test_an_engine_failing_in_a_prefill_is_a_session_error_and_the_session_is_dead(tiny_models):
+    """A harvest, a scan or a notebook's run_with_cache prefills; the engine's own exception (vLLM's
+    Qwen3-Next on a CPU boots in float32, then asserts bfloat16 at its first forward) came out raw, and
+    the session went on as if alive."""
+    with Session.open(options(tiny_models["llama"])) as session:
+        first = next(session.prefill([[5, 6, 7, 8]]))
+        assert first.index == 0
+
+        def break_layer(worker):  # a worker-side fault on the next forwards
+            layer = vllm_compat.model_of(worker).model.layers[1]
+            layer.register_forward_hook(lambda *a: (_ for _ in ()).throw(MemoryError("simulated out of memory")))
+
+        session._llm.collective_rpc(break_layer)
+        with pytest.raises(SessionError, match="the engine failed while prefilling: MemoryError: simulated out of "
+                                               "memory.*open a new session"):
+            list(session.prefill([[5, 6, 7, 8], [9, 10, 11]]))
+        assert not session.alive
+        with pytest.raises(SessionError, match="open a new session"):
+            list(session.prefill([[5, 6]]))
+
+
 def test_an_engine_failure_that_says_nothing_says_where_it_was_raised():
     """vLLM refuses some configurations with a bare ``assert``: "AssertionError: " alone tells a user nothing."""
     def refuse():

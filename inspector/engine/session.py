@@ -186,8 +186,13 @@ class Session(SessionBase, HeldInterventions, ModelHead, Experiments):
                     flying[rid], queued = (index, len(ids), []), queued + len(ids)
                 if not flying:
                     return
-                finished = [out.request_id for out in engine.step() if out.finished and out.request_id in flying]
-                for rid, drained in self._drain(wait=finished).items():
+                try:
+                    finished = [out.request_id for out in engine.step() if out.finished and out.request_id in flying]
+                    drained_now = self._drain(wait=finished)
+                except Exception as e:
+                    flying.clear()  # a failed engine aborts nothing
+                    raise self._engine_failed("prefilling", e) from e
+                for rid, drained in drained_now.items():
                     if rid in flying:
                         flying[rid][2].append(drained.rows)
                 for rid in finished:
@@ -225,14 +230,19 @@ class Session(SessionBase, HeldInterventions, ModelHead, Experiments):
             # Rows still copying arrive with a later step, except a finishing request's: wait for those.
             captures = self._drain(wait=[out.request_id for out in outputs if out.finished])
         except Exception as e:
-            self.alive = False
+            failure = self._engine_failed("generating", e)
             with contextlib.suppress(Exception):  # keep the finished forwards' rows, if the worker can
                 self._event(self._drain(), {})
-            raise SessionError(f"the engine failed while generating: {type(e).__name__}: {e}. "
-                               "Everything captured so far is kept; open a new session to go on.") from e
+            raise failure from e
         return self._event(captures, {out.request_id: out for out in outputs},
                            finish={out.request_id: str(out.outputs[0].finish_reason) for out in outputs
                                    if out.finished})
+
+    def _engine_failed(self, doing: str, e: Exception) -> SessionError:
+        """The engine raised in a step: it is gone, and this session with it."""
+        self.alive = False
+        return SessionError(f"the engine failed while {doing}: {type(e).__name__}: {e}. "
+                            "Everything captured so far is kept; open a new session to go on.")
 
     def cancel(self, request_ids: list[str]) -> StepEvent:
         """End open requests now (finish reason "stopped"); the event carries their last rows, and any
