@@ -147,8 +147,7 @@ class Engine:
 
     def _refuse_a_corpus_short_of_a_context(self, corpus: Corpus) -> None:
         """A corpus too short for one context would boot an engine to harvest nothing."""
-        bos, separator = self.boundary_tokens()
-        if next(pack(_token_ids(self.tokenizer, corpus.texts()), self.spec.context_size, bos, separator), None) is None:
+        if next(self.contexts(corpus, 0), None) is None:
             count = sum(len(ids) for ids in _token_ids(self.tokenizer, corpus.texts()))
             raise CorpusError(f"{corpus.path}: its {corpus.documents} document(s) hold {count} tokens, too few to fill "
                               f"one context of {self.spec.context_size}: nothing to harvest (a smaller --context-size, "
